@@ -1,0 +1,3 @@
+"""megatron-gkd: on-policy knowledge distillation on Megatron-Core."""
+
+__version__ = "0.1.0"

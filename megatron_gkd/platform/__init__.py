@@ -1,0 +1,190 @@
+"""Where the code runs: ``cuda``, ``npu`` or ``cpu``, decided once, before Megatron-Core is imported.
+
+Nothing outside this package names a device. Typical use, first thing in an entry point::
+
+    from megatron_gkd import platform
+    platform.setup()            # or setup("cpu"); env MEGATRON_GKD_PLATFORM overrides detection
+    device = platform.device()  # torch.device for this rank's tensors
+    backend = platform.dist_backend()
+
+* ``cuda``: NCCL; Transformer Engine specs are used by the model providers when TE imports.
+* ``npu``: HCCL; ``torch_npu`` and ``mindspeed.megatron_adaptor`` are imported before Megatron-Core
+  (MindSpeed patches Megatron at import time, so the order matters).
+* ``cpu``: gloo; the CPU adaptor (:mod:`megatron_gkd.platform.cpu_adaptor`) makes Megatron-Core's
+  CUDA-only calls run on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import os
+import sys
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PLATFORM_ENV = "MEGATRON_GKD_PLATFORM"
+PLATFORM_NAMES = ("cuda", "npu", "cpu")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Platform:
+    """A resolved platform.
+
+    Attributes:
+        name: ``cuda``, ``npu`` or ``cpu``.
+        device_type: the torch device type of this platform's tensors.
+        dist_backend: the ``torch.distributed`` backend for model-parallel groups.
+    """
+
+    name: str
+    device_type: str
+    dist_backend: str
+
+
+_PLATFORMS = {
+    "cuda": Platform("cuda", "cuda", "nccl"),
+    "npu": Platform("npu", "npu", "hccl"),
+    "cpu": Platform("cpu", "cpu", "gloo"),
+}
+
+_current: Platform | None = None
+
+
+def _npu_available() -> bool:
+    try:
+        torch_npu = importlib.import_module("torch_npu")
+    except ImportError:
+        return False
+    return bool(getattr(torch_npu, "npu", None) and torch_npu.npu.is_available())
+
+
+def detect() -> str:
+    """Returns the platform name: the ``MEGATRON_GKD_PLATFORM`` variable if set, else what is present."""
+    requested = os.environ.get(PLATFORM_ENV, "").strip().lower()
+    if requested:
+        if requested not in PLATFORM_NAMES:
+            raise ValueError(
+                f"{PLATFORM_ENV}={requested!r} is not a platform; use one of {', '.join(PLATFORM_NAMES)}"
+            )
+        return requested
+    if torch.cuda.is_available():
+        return "cuda"
+    if _npu_available():
+        return "npu"
+    return "cpu"
+
+
+def _megatron_already_imported() -> bool:
+    return any(name == "megatron.core" or name.startswith("megatron.core.") for name in sys.modules)
+
+
+def setup(name: str | None = None) -> Platform:
+    """Resolves the platform and prepares the process for Megatron-Core. Call it before importing Megatron.
+
+    Calling it again with the same (or no) name is harmless and returns the same platform.
+
+    Args:
+        name: ``cuda``, ``npu`` or ``cpu``; ``None`` means :func:`detect`.
+
+    Raises:
+        ValueError: ``name`` is unknown, or differs from the platform already set up.
+        RuntimeError: Megatron-Core was imported before the first call on a platform that adapts it.
+    """
+    global _current
+    if name is not None and name not in PLATFORM_NAMES:
+        raise ValueError(f"platform {name!r} is not one of {', '.join(PLATFORM_NAMES)}")
+    if _current is not None:
+        if name is not None and name != _current.name:
+            raise ValueError(
+                f"platform already set up as {_current.name!r}; it cannot change to {name!r} in one process"
+            )
+        return _current
+    resolved = _PLATFORMS[name or detect()]
+    if resolved.name in ("cpu", "npu") and _megatron_already_imported():
+        raise RuntimeError(
+            "megatron.core was imported before megatron_gkd.platform.setup(); on the "
+            f"{resolved.name} platform Megatron-Core must be adapted as it is imported. Call "
+            "platform.setup() first thing in the entry point, before any import of megatron.core"
+        )
+    if resolved.name == "cpu":
+        from megatron_gkd.platform import cpu_adaptor
+
+        cpu_adaptor.install()
+    elif resolved.name == "npu":
+        from megatron_gkd.platform import npu
+
+        npu.install()
+    _current = resolved
+    logger.info("platform: %s (distributed backend %s)", resolved.name, resolved.dist_backend)
+    return resolved
+
+
+def current() -> Platform:
+    """Returns the platform set up by :func:`setup`.
+
+    Raises:
+        RuntimeError: :func:`setup` has not been called in this process.
+    """
+    if _current is None:
+        raise RuntimeError(
+            "megatron_gkd.platform.setup() has not been called; call it first thing in the entry "
+            "point, before Megatron-Core is imported or any model/parallel state is built"
+        )
+    return _current
+
+
+def is_set_up() -> bool:
+    return _current is not None
+
+
+def device() -> torch.device:
+    """The device of this process's tensors (the local accelerator, or the host)."""
+    platform = current()
+    if platform.name == "cpu":
+        return torch.device("cpu")
+    accelerator = getattr(torch, platform.device_type)
+    return torch.device(platform.device_type, accelerator.current_device())
+
+
+def dist_backend() -> str:
+    return current().dist_backend
+
+
+def set_local_device(local_rank: int) -> None:
+    """Binds this process to its local accelerator (no-op on the host)."""
+    platform = current()
+    if platform.name != "cpu":
+        getattr(torch, platform.device_type).set_device(local_rank)
+
+
+def synchronize() -> None:
+    """Waits for queued device work (for timers); no-op on the host."""
+    platform = current()
+    if platform.name != "cpu":
+        getattr(torch, platform.device_type).synchronize()
+
+
+def manual_seed(seed: int) -> None:
+    """Seeds the host generator and, where there is one, the accelerator's."""
+    torch.manual_seed(seed)
+    platform = current()
+    if platform.name != "cpu":
+        getattr(torch, platform.device_type).manual_seed_all(seed)
+
+
+def max_memory_allocated() -> int:
+    """Peak bytes allocated on the accelerator since the last reset (0 on the host: use RSS there)."""
+    platform = current()
+    if platform.name == "cpu":
+        return 0
+    return getattr(torch, platform.device_type).max_memory_allocated()
+
+
+def _reset_for_tests() -> None:
+    """Forgets the platform choice (tests only; the adaptor's import hook stays installed)."""
+    global _current
+    _current = None

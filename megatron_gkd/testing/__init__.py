@@ -1,0 +1,1 @@
+"""Helpers shared by tests and benchmarks: multi-process runs, tiny Megatron-Core models."""

@@ -1,0 +1,24 @@
+"""Model-parallel runtime: initialisation, the explicit group collection, shard helpers."""
+
+from megatron_gkd.parallel.shards import gather_tp, merge_shards, scatter_tp, shard_for_rank
+from megatron_gkd.parallel.state import (
+    ParallelConfig,
+    ParallelState,
+    destroy,
+    get_state,
+    initialize,
+    seed,
+)
+
+__all__ = [
+    "ParallelConfig",
+    "ParallelState",
+    "destroy",
+    "gather_tp",
+    "get_state",
+    "initialize",
+    "merge_shards",
+    "scatter_tp",
+    "seed",
+    "shard_for_rank",
+]

