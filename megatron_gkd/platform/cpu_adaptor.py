@@ -18,6 +18,7 @@ import importlib.abc
 import importlib.metadata
 import logging
 import sys
+import warnings
 from types import ModuleType
 from typing import Callable
 
@@ -233,9 +234,19 @@ def check_megatron_version() -> str:
     return version
 
 
+# Megatron-Core warns at import that it falls back to torch kernels; on the host that is the design.
+_EXPECTED_FALLBACK_WARNINGS = (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+)
+
+
 def install() -> None:
     """Installs the import hook and the global patches. Megatron-Core must not be imported yet."""
     check_megatron_version()
+    for message in _EXPECTED_FALLBACK_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    logger.info("CPU adaptor: Megatron-Core will use its torch fallbacks (no Transformer Engine, no apex)")
     sys.meta_path.insert(0, _MegatronImportHook(_on_megatron_module_loaded))
     for patch in PATCHES:
         if patch.target == "global":

@@ -37,6 +37,14 @@ class TinyGPTSpec:
     lr: float = 1e-3
     clip_grad: float = 1.0
     seed: int = 1234
+    bf16: bool = False
+    """bf16 parameters with fp32 main parameters in the optimizer (Megatron's Float16 optimizer)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data-parallel ranks (Megatron's DistributedOptimizer)."""
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
 
 
 def transformer_config(spec: TinyGPTSpec, state: ParallelState):
@@ -64,8 +72,9 @@ def transformer_config(spec: TinyGPTSpec, state: ParallelState):
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
+        pipeline_dtype=spec.params_dtype,
+        params_dtype=spec.params_dtype,
+        bf16=spec.bf16,
         use_cpu_initialization=True,
         **state.config.transformer_config_kwargs(),
         **moe,
@@ -85,7 +94,9 @@ def build_model_chunks(spec: TinyGPTSpec, state: ParallelState) -> list[torch.nn
     config = transformer_config(spec, state)
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_moe_experts, moe_grouped_gemm=False)
     vpp = state.config.virtual_pipeline_model_parallel_size or 1
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=spec.use_distributed_optimizer
+    )
     chunks = []
     for vp_stage in range(vpp):
         stage = vp_stage if vpp > 1 else None
@@ -109,11 +120,18 @@ def build_model_chunks(spec: TinyGPTSpec, state: ParallelState) -> list[torch.nn
 
 
 def build_optimizer(spec: TinyGPTSpec, chunks: list[torch.nn.Module]):
-    """Megatron's optimizer (Adam, fp32, gradient clipping at ``spec.clip_grad``)."""
+    """Megatron's optimizer (Adam, fp32 main parameters, gradient clipping at ``spec.clip_grad``)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(
-        optimizer="adam", lr=spec.lr, weight_decay=0.0, clip_grad=spec.clip_grad, bf16=False, fp16=False
+        optimizer="adam",
+        lr=spec.lr,
+        weight_decay=0.0,
+        clip_grad=spec.clip_grad,
+        bf16=spec.bf16,
+        fp16=False,
+        params_dtype=spec.params_dtype,
+        use_distributed_optimizer=spec.use_distributed_optimizer,
     )
     return get_megatron_optimizer(config, chunks)
 
@@ -170,13 +188,18 @@ def train_step(spec: TinyGPTSpec, chunks, optimizer, microbatches: list[torch.Te
 
 
 def global_parameter_name(chunk: torch.nn.Module, name: str) -> str:
-    """``name`` of a parameter in ``chunk`` with its local layer index replaced by the global one."""
+    """``name`` of a parameter in ``chunk`` with local layer and expert indices made global."""
     module = chunk.module if hasattr(chunk, "module") else chunk
     match = re.match(r"(decoder\.layers\.)(\d+)(\..*)", name)
     if match is None:
         return name
     layer = module.decoder.layers[int(match.group(2))]
-    return f"{match.group(1)}{layer.layer_number - 1}{match.group(3)}"
+    rest = match.group(3)
+    expert = re.match(r"(\.mlp\.experts\.local_experts\.)(\d+)(\..*)", rest)
+    if expert is not None:
+        global_id = layer.mlp.local_expert_indices[int(expert.group(2))]
+        rest = f"{expert.group(1)}{global_id}{expert.group(3)}"
+    return f"{match.group(1)}{layer.layer_number - 1}{rest}"
 
 
 def _is_gated_fc1(chunk: torch.nn.Module, name: str) -> bool:

@@ -1,0 +1,145 @@
+"""Platform detection and the setup-before-Megatron contract.
+
+The contract is about process state (what was imported, and when), so those cases run in fresh
+interpreters.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from megatron_gkd import platform
+
+
+def _run_python(code: str, env: dict | None = None, extra_path: str | None = None) -> subprocess.CompletedProcess:
+    environment = dict(os.environ)
+    environment.pop(platform.PLATFORM_ENV, None)
+    environment.update(env or {})
+    if extra_path:
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [extra_path, environment.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=environment, timeout=300
+    )
+
+
+def test_detect_honours_environment(monkeypatch):
+    monkeypatch.setenv(platform.PLATFORM_ENV, "CPU")
+    assert platform.detect() == "cpu"
+    monkeypatch.setenv(platform.PLATFORM_ENV, "tpu")
+    with pytest.raises(ValueError, match="cuda, npu, cpu"):
+        platform.detect()
+
+
+def test_detect_on_this_machine_is_cpu(monkeypatch):
+    monkeypatch.delenv(platform.PLATFORM_ENV, raising=False)
+    assert platform.detect() == "cpu"
+
+
+def test_setup_twice_is_harmless():
+    first = platform.setup("cpu")
+    assert platform.setup() is first
+    assert platform.setup("cpu") is first
+    assert platform.dist_backend() == "gloo"
+    assert platform.device().type == "cpu"
+
+
+def test_setup_cannot_switch_platform():
+    platform.setup("cpu")
+    with pytest.raises(ValueError, match="already set up as 'cpu'"):
+        platform.setup("cuda")
+
+
+def test_unknown_platform_name():
+    with pytest.raises(ValueError, match="not one of"):
+        platform.setup("tpu")
+
+
+def test_megatron_before_setup_is_a_clear_error():
+    result = _run_python(
+        """
+        import megatron.core
+        from megatron_gkd import platform
+        platform.setup("cpu")
+        """
+    )
+    assert result.returncode != 0
+    assert "imported before megatron_gkd.platform.setup()" in result.stderr
+
+
+def test_parallel_before_setup_is_a_clear_error():
+    result = _run_python(
+        """
+        from megatron_gkd import parallel
+        parallel.initialize()
+        """
+    )
+    assert result.returncode != 0
+    assert "platform.setup() has not been called" in result.stderr
+
+
+def test_setup_twice_in_fresh_process_then_megatron_runs():
+    result = _run_python(
+        """
+        from megatron_gkd import platform
+        platform.setup("cpu"); platform.setup()
+        import torch
+        from megatron.core.tensor_parallel import random
+        tracker = random.get_cuda_rng_tracker()
+        tracker.add("model-parallel-rng", 7)
+        with tracker.fork():
+            torch.randn(2)
+        print("ok")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("ok")
+
+
+STAND_IN_MINDSPEED = """
+import sys
+# MindSpeed patches Megatron as it is imported: it must come first.
+assert not any(m.startswith("megatron.core") for m in sys.modules), "Megatron imported before MindSpeed"
+import torch_npu
+ADAPTED = True
+"""
+
+
+def test_npu_imports_mindspeed_before_megatron(tmp_path):
+    (tmp_path / "torch_npu.py").write_text("npu = None\n")
+    (tmp_path / "mindspeed").mkdir()
+    (tmp_path / "mindspeed" / "__init__.py").write_text("")
+    (tmp_path / "mindspeed" / "megatron_adaptor.py").write_text(STAND_IN_MINDSPEED)
+    result = _run_python(
+        """
+        import sys
+        from megatron_gkd import platform
+        chosen = platform.setup()
+        assert chosen.name == "npu" and chosen.dist_backend == "hccl", chosen
+        assert sys.modules["mindspeed.megatron_adaptor"].ADAPTED
+        import megatron.core
+        print("ok")
+        """,
+        env={platform.PLATFORM_ENV: "npu"},
+        extra_path=str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_npu_without_mindspeed_says_how_to_install(tmp_path):
+    (tmp_path / "torch_npu.py").write_text("npu = None\n")
+    result = _run_python(
+        "from megatron_gkd import platform; platform.setup('npu')",
+        extra_path=str(tmp_path),
+    )
+    assert result.returncode != 0
+    assert "MindSpeed from Ascend's source" in result.stderr
+
+
+def test_npu_without_torch_npu_is_actionable():
+    result = _run_python("from megatron_gkd import platform; platform.setup('npu')")
+    assert result.returncode != 0
+    assert "needs torch_npu" in result.stderr
