@@ -101,6 +101,18 @@ _TYPE_STRINGS = (
     ("'torch.cuda.BFloat16Tensor'", "'torch.BFloat16Tensor'"),
 )
 
+_SEQUENCE_PARALLEL_NORM = (
+    ('assert not config.sequence_parallel, f"sequence parallel not supported by torch LayerNorm"', ""),
+    (
+        "return norm_cls(normalized_shape=hidden_size, eps=eps)",
+        # The source is dedented: the method body sits at four spaces.
+        "norm = norm_cls(normalized_shape=hidden_size, eps=eps)\n"
+        "    for param in norm.parameters():\n"
+        "        param.sequence_parallel = config.sequence_parallel\n"
+        "    return norm",
+    ),
+)
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="torch_view",
@@ -136,6 +148,17 @@ PATCHES: tuple[Patch, ...] = (
         "(NameError without it in 0.16.1)",
         why_safe="None is what the code checks for and selects the torch.mm path",
         apply=_define_missing_te_gemm,
+    ),
+    Patch(
+        name="sequence_parallel_torch_norm",
+        target=f"{_MEGATRON_PREFIX}.transformer.torch_norm",
+        upstream="the torch LayerNorm/RMSNorm fallback (used without apex/TE) asserts that sequence "
+        "parallelism is off, because it does not mark its weights for the tensor-parallel gradient "
+        "all-reduce that sequence parallelism needs",
+        why_safe="the weights are marked sequence_parallel, as TE's and apex's norms mark them, so "
+        "finalize_model_grads sums their partial gradients over the tensor-parallel group; the norm "
+        "itself is the same torch module",
+        apply=_rewrite(SourceRewrite("WrappedTorchNorm.__new__", _SEQUENCE_PARALLEL_NORM)),
     ),
     Patch(
         name="clip_grads_type_check",

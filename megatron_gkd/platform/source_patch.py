@@ -31,8 +31,9 @@ class SourceRewrite:
     def apply(self, module: ModuleType) -> None:
         owner, attr = _resolve_owner(module, self.qualname)
         original = owner.__dict__[attr] if owner is not module else getattr(module, attr)
-        if isinstance(original, (staticmethod, classmethod)):
-            original = original.__func__  # the decorator line is part of the source
+        descriptor = type(original) if isinstance(original, (staticmethod, classmethod)) else None
+        if descriptor is not None:
+            original = original.__func__
         source = textwrap.dedent(inspect.getsource(original))
         for old, new in self.replacements:
             if old not in source:
@@ -43,7 +44,11 @@ class SourceRewrite:
                 )
             source = source.replace(old, new)
         owner_is_class = owner is not module
-        setattr(owner, attr, _compile(source, original, module, owner if owner_is_class else None))
+        compiled = _compile(source, original, module, owner if owner_is_class else None)
+        if descriptor is not None and not isinstance(compiled, descriptor):
+            # An explicit decorator is part of the source; ``__new__`` is a staticmethod implicitly.
+            compiled = descriptor(compiled)
+        setattr(owner, attr, compiled)
 
 
 def _resolve_owner(module: ModuleType, qualname: str):

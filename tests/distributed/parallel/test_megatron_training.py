@@ -63,8 +63,9 @@ def dense_reference():
         (2, dict(tensor_model_parallel_size=2)),
         (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
         (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+        (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
     ],
-    ids=["tp2", "tp2-pp2-1f1b", "pp2-vpp2"],
+    ids=["tp2", "tp2-pp2-1f1b", "pp2-vpp2", "tp2-sequence-parallel"],
 )
 def test_layout_matches_tp1(dense_reference, world_size, sizes):
     results = run_distributed(_train, world_size, args=(sizes, {}, dense_reference["initial"]))

@@ -225,3 +225,24 @@ def test_other_megatron_versions_are_refused(monkeypatch):
     monkeypatch.setattr(cpu_adaptor.importlib.metadata, "version", lambda name: "0.17.0")
     with pytest.raises(RuntimeError, match="verified against megatron-core==0.16.1"):
         cpu_adaptor.check_megatron_version()
+
+
+# --- sequence_parallel_torch_norm ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_torch_norm_marks_weights_for_the_sequence_parallel_all_reduce(sequence_parallel):
+    import types
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    config = types.SimpleNamespace(
+        layernorm_zero_centered_gamma=False,
+        persist_layer_norm=False,
+        sequence_parallel=sequence_parallel,
+        memory_efficient_layer_norm=False,
+        normalization="RMSNorm",
+    )
+    norm = WrappedTorchNorm(config, 8)
+    assert isinstance(norm, torch.nn.RMSNorm)
+    assert norm.weight.sequence_parallel is sequence_parallel
