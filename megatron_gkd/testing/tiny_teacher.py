@@ -45,13 +45,50 @@ def build_tiny_teacher(directory: str | pathlib.Path, vocab_size: int = 512, tok
     return directory
 
 
-def reference_logprobs(directory: str | pathlib.Path, token_ids: np.ndarray, response_start: int,
-                       vocab_limit: int | None = None) -> np.ndarray:
-    """Float64 log-probs ``[T, V]`` of response rows straight from transformers (row t predicts token t)."""
-    from transformers import AutoModelForCausalLM
+class ReferenceTeacher:
+    """The tiny teacher in float64 transformers: the reference every backend is compared with."""
 
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64).eval()
-    with torch.no_grad():
-        logits = model(input_ids=torch.as_tensor(token_ids, dtype=torch.long)[None]).logits[0]
-    logits = logits[response_start - 1:-1, :vocab_limit]
-    return torch.log_softmax(logits, dim=-1).numpy()
+    def __init__(self, directory: str | pathlib.Path):
+        from transformers import AutoModelForCausalLM
+
+        self._model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64).eval()
+
+    @torch.no_grad()
+    def logprobs(self, token_ids: np.ndarray, response_start: int, temperature: float = 1.0,
+                 vocab_limit: int | None = None) -> np.ndarray:
+        """Log-probs ``[T, V]`` of the response rows (row t predicts response token t)."""
+        logits = self._model(input_ids=torch.as_tensor(token_ids, dtype=torch.long)[None]).logits[0]
+        logits = logits[response_start - 1:-1, :vocab_limit] / temperature
+        return torch.log_softmax(logits, dim=-1).numpy()
+
+    def assert_matches(self, output, token_ids: np.ndarray, response_start: int, top_k: int,
+                       temperature: float = 1.0, requested_ids: np.ndarray | None = None,
+                       vocab_limit: int | None = None, atol: float = 1e-4) -> None:
+        """Top-k ids identical, log-probs within ``atol``, for every row including 0 and the last.
+
+        Ids may differ only between entries whose float64 log-probs lie within ``tie_tol`` (1e-5) of
+        each other: float32 rounding can order such near-ties either way. Each reported id must still
+        carry its own reference log-prob.
+        """
+        tie_tol = 1e-5
+        reference = self.logprobs(token_ids, response_start, temperature, vocab_limit)
+        rows = len(token_ids) - response_start
+        order = np.argsort(-reference, axis=1, kind="stable")
+        ids = order[:, :top_k]
+        assert output.topk_ids.shape == (rows, top_k)
+        ranked = np.take_along_axis(reference, order[:, :top_k + 1], 1)  # [T, k+1] incl. the next one
+        gaps = np.full((rows, top_k), np.inf)
+        gaps[:, 1:] = ranked[:, :top_k - 1] - ranked[:, 1:top_k]
+        below = ranked[:, :top_k] - ranked[:, 1:top_k + 1] if ranked.shape[1] > top_k else gaps
+        near_tie = np.minimum(gaps, below) < tie_tol
+        mismatch = output.topk_ids != ids
+        assert not (mismatch & ~near_tie).any(), (
+            f"top-k ids differ at (row, rank) {np.argwhere(mismatch & ~near_tie)[:5].tolist()}")
+        np.testing.assert_allclose(output.topk_logprobs, np.take_along_axis(reference, ids, 1), atol=atol)
+        np.testing.assert_allclose(output.topk_logprobs, np.take_along_axis(reference, output.topk_ids, 1),
+                                   atol=atol)
+        response = np.asarray(token_ids[response_start:])
+        np.testing.assert_allclose(output.token_logprobs, reference[np.arange(rows), response], atol=atol)
+        if requested_ids is not None:
+            np.testing.assert_allclose(output.requested_logprobs,
+                                       np.take_along_axis(reference, requested_ids, 1), atol=atol)
