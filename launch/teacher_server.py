@@ -73,15 +73,17 @@ def main(argv: list[str] | None = None) -> None:
         if args.role in ("serve", "proxy"):
             workers = "inproc://teacher-workers" if args.role == "serve" else args.workers
             proxy = Proxy(args.frontend, workers, secret, args.insecure, limits).start()
-            # Scripts and tests read this line to learn the ports picked for ":0" addresses.
-            print(f"READY frontend={proxy.frontend_address} workers={proxy.backend_address}", flush=True)
         if args.role in ("serve", "worker"):
             if not args.model:
                 raise ValueError("--model is required for the serve and worker roles")
             backend = build_backend(args.backend, model=args.model, **_backend_kwargs(args.backend_arg))
             connect = proxy.backend_address if proxy else args.connect
             worker = Worker(connect, backend, secret, args.insecure, limits).start()
-            print(f"READY worker connected to {connect}", flush=True)
+        # Scripts and tests read this line; it also tells the ports picked for ":0" addresses.
+        if proxy is not None:
+            print(f"READY frontend={proxy.frontend_address} workers={proxy.backend_address}", flush=True)
+        else:
+            print(f"READY worker connected to {args.connect}", flush=True)
         stop.wait()
     finally:
         for part in (worker, proxy):
