@@ -41,13 +41,18 @@ class OpenAITeacherClient(TeacherClient):
             (the API does not report one).
         retry: timeouts, deadline and backoff for each HTTP call.
         wait_ready_s: how long start-up waits for ``/health``.
+        api_key: sent as ``Authorization: Bearer ...`` when the server wants one.
         max_inflight: concurrent :meth:`score_async` batches.
     """
 
     def __init__(self, base_url: str, model: str | None = None, teacher_tokenizer: str | None = None,
-                 retry: RetryPolicy | None = None, wait_ready_s: float = 60.0, max_inflight: int = 2):
+                 retry: RetryPolicy | None = None, wait_ready_s: float = 60.0, api_key: str | None = None,
+                 max_inflight: int = 2):
         super().__init__(max_inflight=max_inflight)
         self.base_url = base_url.rstrip("/")
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
         self._retry = retry or RetryPolicy()
         self._teacher_tokenizer = teacher_tokenizer
         self._wait_healthy(wait_ready_s)
@@ -57,8 +62,7 @@ class OpenAITeacherClient(TeacherClient):
     # ---- HTTP -------------------------------------------------------------------------------
     def _request(self, path: str, payload: dict | None, timeout_s: float) -> dict:
         data = None if payload is None else json.dumps(payload).encode()
-        request = urllib.request.Request(self.base_url + path, data=data,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(self.base_url + path, data=data, headers=self._headers)
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read())
 

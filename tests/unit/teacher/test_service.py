@@ -1,5 +1,7 @@
 """The teacher service end to end in one process: zmq client -> proxy -> hf worker, on loopback."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
@@ -102,3 +104,14 @@ def test_padded_teacher_table_ignores_ids_past_the_tokenizer(tmp_path, caplog):
                                       top_k=VOCAB))[0]
     assert output.topk_ids.max() < VOCAB
     ReferenceTeacher(directory).assert_matches(output, ids, start, VOCAB, vocab_limit=VOCAB)
+
+
+def test_reference_check_catches_an_off_by_one_row(client, reference):
+    ids, start = random_sequences(3, VOCAB, seed=11)[2]
+    output = client.score(ScoreBatch(sequences=[SequenceRequest(token_ids=ids, response_start=start)],
+                                     top_k=8))[0]
+    reference.assert_matches(output, ids, start, 8)
+    shifted = dataclasses.replace(output, topk_ids=np.roll(output.topk_ids, 1, axis=0),
+                                  topk_logprobs=np.roll(output.topk_logprobs, 1, axis=0))
+    with pytest.raises(AssertionError):
+        reference.assert_matches(shifted, ids, start, 8)

@@ -10,7 +10,7 @@ import pytest
 from megatron_gkd.teacher import codec, wire
 from megatron_gkd.teacher.backends import build_backend
 from megatron_gkd.teacher.clients import build_client
-from megatron_gkd.teacher.server import check_exposure, is_loopback
+from megatron_gkd.teacher.server import Proxy, check_exposure, is_loopback
 from megatron_gkd.teacher.types import (ErrorCode, ScoreBatch, SequenceRequest, TeacherOutput,
                                         TeacherOutputError)
 from megatron_gkd.teacher.vocab import check_vocab, restrict_to_vocab, tokenizer_digest
@@ -190,6 +190,8 @@ def test_non_loopback_needs_secret_or_insecure(caplog):
     with pytest.raises(ValueError, match="--insecure"):
         check_exposure("tcp://0.0.0.0:5555", None, False)
     check_exposure("tcp://0.0.0.0:5555", SECRET, False)
+    with pytest.raises(ValueError, match="reachable from other hosts"):
+        Proxy("tcp://0.0.0.0:0", "tcp://127.0.0.1:0")
     with caplog.at_level("WARNING"):
         check_exposure("tcp://10.0.0.1:5555", None, True)
     assert "WITHOUT authentication" in caplog.text
