@@ -70,6 +70,7 @@ def register_backend(name: str, target: str) -> None:
 
 
 def backend_names() -> list[str]:
+    """Registered names, including those not available in this build yet."""
     return sorted(_BACKENDS)
 
 

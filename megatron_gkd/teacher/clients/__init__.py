@@ -129,6 +129,7 @@ _CLIENTS: dict[str, str | None] = {
 
 
 def client_names() -> list[str]:
+    """Registered names, including those not available in this build yet."""
     return sorted(_CLIENTS)
 
 

@@ -195,3 +195,20 @@ def test_non_loopback_needs_secret_or_insecure(caplog):
     with caplog.at_level("WARNING"):
         check_exposure("tcp://10.0.0.1:5555", None, True)
     assert "WITHOUT authentication" in caplog.text
+
+
+def test_teacher_config_validates_and_warns_on_inert_options(caplog):
+    from megatron_gkd.teacher.config import TeacherConfig, build_client_from_config
+
+    with pytest.raises(ValueError, match="teacher.address is required"):
+        TeacherConfig(client="zmq")
+    with pytest.raises(ValueError, match="unknown"):
+        TeacherConfig(client="grpc")
+    with caplog.at_level("WARNING"):
+        TeacherConfig(client="zmq", address="tcp://127.0.0.1:5555", base_url="http://x")
+    assert "teacher.base_url has no effect" in caplog.text
+    with pytest.raises(ValueError, match="not available yet"):
+        build_client_from_config(TeacherConfig(client="local"))
+    with build_client_from_config(TeacherConfig(client="zmq", address="tcp://127.0.0.1:5555",
+                                                deadline_s=7)) as client:
+        assert client.address == "tcp://127.0.0.1:5555" and client._retry.deadline_s == 7
