@@ -182,6 +182,13 @@ class Worker:
             reply = wire.error_frames(wire.peek_request_id(body) or "unknown",
                                       ErrorCode.BACKEND_FAILED, f"{type(error).__name__}: {error}",
                                       self._secret)
+        size = sum(len(frame) for frame in reply)
+        if size > self._limits.max_message_bytes:
+            # Sent anyway, ZMQ's MAXMSGSIZE at the proxy would cut this worker off.
+            reply = wire.error_frames(wire.peek_request_id(body) or "unknown", ErrorCode.TOO_LARGE,
+                                      f"the result has {size} bytes, over the limit of "
+                                      f"{self._limits.max_message_bytes}; send smaller batches",
+                                      self._secret)
         self._socket.send_multipart(envelope + reply, copy=False)
         self.num_answered += 1
 

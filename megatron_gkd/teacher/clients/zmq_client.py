@@ -73,6 +73,13 @@ class ZmqTeacherClient(TeacherClient):
             raise TeacherError(ErrorCode.BAD_OUTPUT, f"malformed teacher info: {error}") from None
 
     def _score(self, batch: ScoreBatch) -> list[TeacherOutput]:
+        rows = sum(s.num_response_tokens for s in batch.sequences)
+        result_bytes = rows * (8 * batch.top_k + 4 * (1 + (batch.num_requested or 0)))
+        if result_bytes > self._limits.max_message_bytes:
+            raise ValueError(
+                f"the teacher's answer to this batch would take {result_bytes} bytes ({rows} rows, "
+                f"k={batch.top_k}), over the message limit of {self._limits.max_message_bytes}; "
+                "score smaller batches or raise the limit on both sides (--max-message-mb)")
         request_id = uuid.uuid4().hex
         frames = codec.encode_request(request_id, batch, self._secret)
         message = self._call(request_id, frames, expect=wire.RESULT)

@@ -10,7 +10,7 @@ from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, Teach
 from megatron_gkd.teacher.backends import build_backend
 from megatron_gkd.teacher.types import ErrorCode
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher, build_tiny_teacher
-from tests.unit.teacher.conftest import SECRET, random_sequences
+from tests.unit.teacher.conftest import LIMITS, SECRET, random_sequences
 
 VOCAB = 512
 
@@ -115,3 +115,20 @@ def test_reference_check_catches_an_off_by_one_row(client, reference):
                                   topk_logprobs=np.roll(output.topk_logprobs, 1, axis=0))
     with pytest.raises(AssertionError):
         reference.assert_matches(shifted, ids, start, 8)
+
+
+def test_oversize_results_fail_fast_on_both_sides(service, teacher_dir):
+    proxy, _ = service
+    ids, start = random_sequences(3, VOCAB, seed=2)[2]
+    batch = ScoreBatch(sequences=[SequenceRequest(token_ids=ids, response_start=start)] * 64, top_k=VOCAB)
+    with build_client("zmq", address=proxy.frontend_address, secret=SECRET, limits=LIMITS) as client:
+        with pytest.raises(ValueError, match="smaller batches"):
+            client.score(batch)  # the client knows the answer would not fit, before sending
+    from megatron_gkd.teacher import wire
+    roomy = wire.Limits(max_message_bytes=2**26)  # a client with a larger limit than the server's
+    with build_client("zmq", address=proxy.frontend_address, secret=SECRET, limits=roomy,
+                      retry=RetryPolicy(attempt_timeout_s=30, deadline_s=60)) as client:
+        with pytest.raises(TeacherError) as info:
+            client.score(batch)
+        assert info.value.code == ErrorCode.TOO_LARGE
+        assert client.score(ScoreBatch(sequences=batch.sequences[:1], top_k=8))  # server still serves
