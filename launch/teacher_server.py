@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    proxy = worker = None
+    proxy = worker = backend = None
     try:
         if args.role in ("serve", "proxy"):
             workers = "inproc://teacher-workers" if args.role == "serve" else args.workers
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"READY worker connected to {args.connect}", flush=True)
         stop.wait()
     finally:
-        for part in (worker, proxy):
+        for part in (worker, backend, proxy):  # stop taking requests before releasing the model
             if part is not None:
                 part.close()
 
