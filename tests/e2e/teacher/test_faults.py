@@ -35,7 +35,7 @@ def cluster(tmp_path):
         if delay_s is not None:
             args += ["--backend-module", "tests.e2e.teacher.slow_backend", "--backend", "hf_slow",
                      "--backend-arg", f"marker_dir={marker_dir}", "--backend-arg", f"delay_s={delay_s}"]
-        process = procs.start(args, "READY", 180, tmp_path / f"{name}.log")
+        process = procs.start(args, "READY worker connected", 180, tmp_path / f"{name}.log")
         started.append(process)
         return process, marker_dir
 
