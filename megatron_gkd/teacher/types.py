@@ -187,4 +187,9 @@ class TeacherOutput:
             fail("token_logprobs has -inf: the teacher gives the sampled token zero probability")
         if (self.topk_ids < 0).any():
             fail("topk_ids has negative ids")
+        # Padding slots (-inf) may repeat a filler id; real entries must be distinct.
+        real = np.where(np.isneginf(lp), -1 - np.arange(top_k), self.topk_ids)
+        if top_k > 1 and (np.diff(np.sort(real, axis=1), axis=1) == 0).any():
+            fail(f"topk_ids repeats an id in row "
+                 f"{int(np.argwhere((np.diff(np.sort(real, axis=1), axis=1) == 0).any(axis=1))[0][0])}")
         return self

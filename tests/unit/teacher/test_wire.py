@@ -134,6 +134,8 @@ def test_validate_fails_closed_and_names_the_sequence():
                                             topk_ids=good.topk_ids[:, :3]),
         "no requested": dataclasses.replace(good, requested_logprobs=None),
         "wrong dtype": dataclasses.replace(good, topk_ids=good.topk_ids.astype(np.int32)),
+        "repeated id": dataclasses.replace(good, topk_ids=np.concatenate(
+            [good.topk_ids[:, :3], good.topk_ids[:, :1]], 1)),
     }
     for what, output in cases.items():
         with pytest.raises(TeacherOutputError, match="sequence 7"):
