@@ -128,6 +128,11 @@ _CLIENTS: dict[str, str | None] = {
 }
 
 
+def register_client(name: str, target: str) -> None:
+    """Registers ``"module:Class"`` under ``name`` (the ``local`` client plugs in here)."""
+    _CLIENTS[name] = target
+
+
 def client_names() -> list[str]:
     """Registered names, including those not available in this build yet."""
     return sorted(_CLIENTS)
