@@ -49,6 +49,9 @@ setup(
         "megatron-core==0.16.1",
         "numpy",
         "packaging",
+        # The teacher wire protocol (megatron_gkd/teacher/wire.py): msgpack headers over ZMQ frames.
+        "msgpack>=1.0",
+        "pyzmq>=25.0.0",
         "pyyaml",
         "tqdm",
     ],

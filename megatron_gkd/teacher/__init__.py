@@ -1,0 +1,21 @@
+"""The teacher: wire protocol, server (proxy + workers), backends and clients.
+
+Trainer-side use::
+
+    from megatron_gkd.teacher import ScoreBatch, SequenceRequest, build_client
+    client = build_client("zmq", address="tcp://127.0.0.1:5555")
+    client.align_vocab(student_tokenizer, student_vocab_size)
+    future = client.score_async(ScoreBatch(sequences=[...], top_k=64))
+    outputs = future.result()          # list[TeacherOutput], validated, or an exception
+
+Server side: ``launch/teacher_server.py`` (see docs/teacher_protocol.md).
+"""
+
+from megatron_gkd.teacher.clients import RetryPolicy, TeacherClient, build_client, client_names
+from megatron_gkd.teacher.types import (ErrorCode, ScoreBatch, SequenceRequest, TeacherError,
+                                        TeacherOutput, TeacherOutputError)
+
+__all__ = [
+    "ErrorCode", "RetryPolicy", "ScoreBatch", "SequenceRequest", "TeacherClient", "TeacherError",
+    "TeacherOutput", "TeacherOutputError", "build_client", "client_names",
+]

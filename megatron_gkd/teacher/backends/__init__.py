@@ -1,0 +1,92 @@
+"""Teacher backends behind the server, chosen by name (``--backend hf|vllm|megatron``).
+
+A backend turns a :class:`~megatron_gkd.teacher.types.ScoreBatch` into one TeacherOutput per sequence.
+Implementations are imported lazily, so ``vllm`` is only needed when the ``vllm`` backend is chosen.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+from typing import Any
+
+from megatron_gkd.teacher.types import ScoreBatch, TeacherOutput
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class BackendInfo:
+    """What a backend tells clients at start-up (the INFO reply).
+
+    Attributes:
+        name: backend name.
+        vocab_size: rows of the teacher's output embedding (may be padded past the tokenizer).
+        tokenizer_size: number of ids the tokenizer defines (the real vocabulary).
+        tokenizer_digest: :func:`megatron_gkd.teacher.vocab.tokenizer_digest` of the tokenizer.
+        max_top_k: the largest k the backend serves.
+        supports_requested_ids: whether TCAD's per-row requested ids can be scored.
+        supports_temperature: whether temperatures other than 1.0 can be applied.
+    """
+
+    name: str
+    vocab_size: int
+    tokenizer_size: int
+    tokenizer_digest: str
+    max_top_k: int
+    supports_requested_ids: bool
+    supports_temperature: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class TeacherBackend(abc.ABC):
+    """Scores batches; subclasses hold a model."""
+
+    @abc.abstractmethod
+    def info(self) -> BackendInfo:
+        """Static facts about the teacher (vocabulary, limits, capabilities)."""
+
+    @abc.abstractmethod
+    def score(self, batch: ScoreBatch) -> list[TeacherOutput]:
+        """One TeacherOutput per sequence; raise TeacherError(UNSUPPORTED) for what it cannot do."""
+
+    def close(self) -> None:
+        """Releases the model; the default has nothing to release."""
+
+
+# name -> "module:Class". The megatron backend needs megatron_gkd.models (models issue); it is listed
+# so the name is known and a request for it says why it cannot be built yet.
+_BACKENDS: dict[str, str | None] = {
+    "hf": "megatron_gkd.teacher.backends.hf:HFBackend",
+    "vllm": "megatron_gkd.teacher.backends.vllm:VLLMBackend",
+    "megatron": None,
+}
+
+
+def register_backend(name: str, target: str) -> None:
+    """Registers ``"module:Class"`` under ``name`` (plugins: ``--backend-module`` imports them)."""
+    _BACKENDS[name] = target
+
+
+def backend_names() -> list[str]:
+    """Registered names, including those not available in this build yet."""
+    return sorted(_BACKENDS)
+
+
+def build_backend(name: str, **kwargs: Any) -> TeacherBackend:
+    """Builds the backend registered as ``name`` with its keyword options.
+
+    Raises:
+        ValueError: unknown name, or a known backend that is not available in this build yet.
+    """
+    if name not in _BACKENDS:
+        raise ValueError(f"teacher backend {name!r} is unknown; choose one of {backend_names()}")
+    target = _BACKENDS[name]
+    if target is None:
+        raise ValueError(
+            f"teacher backend {name!r} is not available yet: it needs the Megatron-Core model "
+            "providers (megatron_gkd.models.load_hf), which are not merged; use 'hf' or 'vllm'"
+        )
+    module_name, class_name = target.split(":")
+    return getattr(importlib.import_module(module_name), class_name)(**kwargs)

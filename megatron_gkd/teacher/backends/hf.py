@@ -1,0 +1,107 @@
+"""``hf`` backend: a transformers causal LM scored in this process (tests and small teachers)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
+from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, TeacherError, TeacherOutput
+from megatron_gkd.teacher.vocab import tokenizer_digest
+
+logger = logging.getLogger(__name__)
+
+
+class HFBackend(TeacherBackend):
+    """Scores with ``AutoModelForCausalLM`` on the host; supports temperature and requested ids.
+
+    Log-softmax runs over the tokenizer's ids only: rows of a padded embedding table past the
+    tokenizer are not real tokens and get no probability.
+
+    Args:
+        model: path of a HF checkpoint directory (with its tokenizer).
+        dtype: torch dtype name of the weights (``float32`` keeps alignment tests exact).
+        max_top_k: largest k served.
+        max_batch_tokens: padded tokens per forward pass (bounds the ``[b, L, V]`` logits).
+    """
+
+    def __init__(self, model: str, dtype: str = "float32", max_top_k: int = 4096,
+                 max_batch_tokens: int = 8192):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self._model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+        self._model.eval()
+        self._max_batch_tokens = max_batch_tokens
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        self._vocab_size = self._model.get_output_embeddings().weight.shape[0]
+        self._tokenizer_size = len(tokenizer)
+        self._info = BackendInfo(
+            name="hf", vocab_size=self._vocab_size, tokenizer_size=self._tokenizer_size,
+            tokenizer_digest=tokenizer_digest(tokenizer), max_top_k=min(max_top_k, self._tokenizer_size),
+            supports_requested_ids=True, supports_temperature=True)
+        if self._vocab_size != self._tokenizer_size:
+            logger.info("hf teacher: %d output rows, %d tokenizer ids; rows past the tokenizer are "
+                        "ignored", self._vocab_size, self._tokenizer_size)
+
+    def info(self) -> BackendInfo:
+        return self._info
+
+    @torch.no_grad()
+    def score(self, batch: ScoreBatch) -> list[TeacherOutput]:
+        if batch.top_k > self._info.max_top_k:
+            raise TeacherError(ErrorCode.UNSUPPORTED,
+                               f"top_k={batch.top_k} exceeds this teacher's max {self._info.max_top_k}")
+        for sequence in batch.sequences:
+            self._check_ids(sequence.token_ids, "token id")
+            if sequence.requested_ids is not None:
+                self._check_ids(sequence.requested_ids, "requested id")
+        outputs = []
+        for group in self._groups(batch.sequences):
+            outputs += self._score_group(group, batch)
+        return outputs
+
+    def _check_ids(self, ids: np.ndarray, what: str) -> None:
+        if ids.size and (int(ids.max()) >= self._tokenizer_size or int(ids.min()) < 0):
+            raise TeacherError(ErrorCode.BAD_REQUEST, f"{what} {int(ids.max())} is outside the "
+                               f"teacher's vocabulary of {self._tokenizer_size}")
+
+    def _groups(self, sequences):
+        """Consecutive sequences whose padded batch stays within ``max_batch_tokens``."""
+        group, longest = [], 0
+        for sequence in sequences:
+            length = len(sequence.token_ids)
+            if group and max(longest, length) * (len(group) + 1) > self._max_batch_tokens:
+                yield group
+                group, longest = [], 0
+            group.append(sequence)
+            longest = max(longest, length)
+        if group:
+            yield group
+
+    def _score_group(self, group, batch: ScoreBatch) -> list[TeacherOutput]:
+        # Right padding needs no attention mask: under causal attention real positions never see
+        # the pad tokens that follow them.
+        longest = max(len(s.token_ids) for s in group)
+        input_ids = torch.zeros(len(group), longest, dtype=torch.long)
+        for row, sequence in enumerate(group):
+            input_ids[row, :len(sequence.token_ids)] = torch.from_numpy(np.array(sequence.token_ids))
+        logits = self._model(input_ids=input_ids).logits  # [b, L, V]
+        return [self._output(logits[row], sequence, batch) for row, sequence in enumerate(group)]
+
+    def _output(self, logits: torch.Tensor, sequence, batch: ScoreBatch) -> TeacherOutput:
+        # Row t predicts response token t from position response_start + t - 1.
+        start, end = sequence.response_start, len(sequence.token_ids)
+        logits = logits[start - 1:end - 1, :self._tokenizer_size].float() / batch.temperature
+        logprobs = torch.log_softmax(logits, dim=-1)  # [T, V]
+        topk = torch.topk(logprobs, batch.top_k, dim=-1, sorted=True)
+        response = torch.from_numpy(np.array(sequence.response_ids, dtype=np.int64))
+        requested = None
+        if sequence.requested_ids is not None:
+            ids = torch.from_numpy(np.array(sequence.requested_ids, dtype=np.int64))
+            requested = logprobs.gather(1, ids).numpy()
+        return TeacherOutput(topk_ids=topk.indices.numpy().astype(np.int64),
+                             topk_logprobs=topk.values.numpy(),
+                             token_logprobs=logprobs.gather(1, response[:, None])[:, 0].numpy(),
+                             requested_logprobs=requested)

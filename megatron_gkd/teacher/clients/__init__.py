@@ -1,0 +1,157 @@
+"""Teacher clients: what the trainer calls to score a batch, chosen by name.
+
+Every client offers ``score(batch) -> list[TeacherOutput]`` (blocking) and ``score_async(batch) ->
+Future`` so schedulers can overlap teacher scoring with training. Outputs are validated before they are
+returned; a failure raises and never yields partial data.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import dataclasses
+import importlib
+import logging
+from typing import Any
+
+from megatron_gkd.teacher.types import ScoreBatch, TeacherOutput
+from megatron_gkd.teacher.vocab import VocabAlignment, check_vocab, restrict_to_vocab
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TeacherInfo:
+    """Facts a client learns from its teacher at start-up (see BackendInfo)."""
+
+    vocab_size: int
+    tokenizer_size: int | None
+    tokenizer_digest: str | None
+    max_top_k: int
+    supports_requested_ids: bool
+    supports_temperature: bool
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RetryPolicy:
+    """How long and how often the client tries.
+
+    Attributes:
+        attempt_timeout_s: wait for one answer before abandoning the socket and retrying.
+        deadline_s: total time for one request, all attempts and backoff included.
+        max_attempts: attempts per request.
+        backoff_s: first pause between attempts; doubles each time up to ``backoff_max_s``.
+        backoff_max_s: longest pause.
+    """
+
+    attempt_timeout_s: float = 60.0
+    deadline_s: float = 300.0
+    max_attempts: int = 5
+    backoff_s: float = 0.5
+    backoff_max_s: float = 10.0
+
+    def __post_init__(self):
+        for field in ("attempt_timeout_s", "deadline_s", "max_attempts"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"RetryPolicy.{field} must be > 0")
+        if self.backoff_s < 0 or self.backoff_max_s < self.backoff_s:
+            raise ValueError("RetryPolicy needs 0 <= backoff_s <= backoff_max_s")
+
+
+class TeacherClient(abc.ABC):
+    """Base of all clients: async scoring on a small thread pool, vocabulary alignment, closing.
+
+    Args:
+        max_inflight: batches scored concurrently by :meth:`score_async`.
+    """
+
+    def __init__(self, max_inflight: int = 2):
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_inflight,
+                                                           thread_name_prefix="teacher-client")
+        self._alignment: VocabAlignment | None = None
+
+    @abc.abstractmethod
+    def _score(self, batch: ScoreBatch) -> list[TeacherOutput]:
+        """Scores and validates one batch (subclasses)."""
+
+    @abc.abstractmethod
+    def info(self) -> TeacherInfo:
+        """Asks the teacher for its vocabulary and limits."""
+
+    def score(self, batch: ScoreBatch) -> list[TeacherOutput]:
+        """One validated TeacherOutput per sequence of ``batch``, in order.
+
+        Raises:
+            TeacherError: the teacher refused, failed, or is unreachable past the deadline.
+        """
+        outputs = self._score(batch)
+        if self._alignment is not None:
+            real = self._alignment.real_vocab_size
+            outputs = [restrict_to_vocab(o, real) for o in outputs]
+        return outputs
+
+    def score_async(self, batch: ScoreBatch) -> concurrent.futures.Future:
+        """Like :meth:`score`, returning a Future of the outputs (its exception on failure)."""
+        return self._pool.submit(self.score, batch)
+
+    def align_vocab(self, student_tokenizer: Any, student_vocab_size: int) -> VocabAlignment:
+        """Start-up check against the student's tokenizer; later outputs drop padded ids.
+
+        Raises:
+            ValueError: the tokenizers differ (or the teacher cannot tell which tokenizer it has).
+        """
+        info = self.info()
+        if info.tokenizer_digest is None:
+            raise ValueError("this teacher does not report its tokenizer; pass the teacher's "
+                             "tokenizer to the client (openai: teacher_tokenizer=...)")
+        self._alignment = check_vocab(
+            teacher_vocab_size=info.vocab_size, teacher_tokenizer_size=info.tokenizer_size,
+            teacher_digest=info.tokenizer_digest, student_vocab_size=student_vocab_size,
+            student_tokenizer=student_tokenizer)
+        return self._alignment
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# name -> "module:Class"; `local` (a colocated Megatron teacher) needs megatron_gkd.models.
+_CLIENTS: dict[str, str | None] = {
+    "zmq": "megatron_gkd.teacher.clients.zmq_client:ZmqTeacherClient",
+    "openai": "megatron_gkd.teacher.clients.openai_client:OpenAITeacherClient",
+    "local": None,
+}
+
+
+def register_client(name: str, target: str) -> None:
+    """Registers ``"module:Class"`` under ``name`` (the ``local`` client plugs in here)."""
+    _CLIENTS[name] = target
+
+
+def client_names() -> list[str]:
+    """Registered names, including those not available in this build yet."""
+    return sorted(_CLIENTS)
+
+
+def build_client(name: str, **kwargs: Any) -> TeacherClient:
+    """Builds the client registered as ``name``.
+
+    Raises:
+        ValueError: unknown name, or a client not available in this build yet.
+    """
+    if name not in _CLIENTS:
+        raise ValueError(f"teacher client {name!r} is unknown; choose one of {client_names()}")
+    target = _CLIENTS[name]
+    if target is None:
+        raise ValueError(
+            f"teacher client {name!r} is not available yet: a colocated Megatron teacher needs "
+            "the Megatron-Core model providers (megatron_gkd.models), which are not merged; use "
+            "'zmq' or 'openai'"
+        )
+    module_name, class_name = target.split(":")
+    return getattr(importlib.import_module(module_name), class_name)(**kwargs)

@@ -1,0 +1,158 @@
+"""``zmq`` client: talks to the teacher proxy, which spreads requests over its workers.
+
+Each attempt uses a fresh DEALER socket: after a timeout the old socket may still hold a half-sent
+request or a late reply for a dead worker, and a new identity guarantees the proxy cannot route stale
+answers to the retry. Attempts are bounded by count and by a per-request deadline; when the deadline
+passes the client raises TeacherError(UNAVAILABLE) and returns nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import uuid
+
+import zmq
+
+from megatron_gkd.teacher import codec, wire
+from megatron_gkd.teacher.clients import RetryPolicy, TeacherClient, TeacherInfo
+from megatron_gkd.teacher.server import check_exposure
+from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, TeacherError, TeacherOutput
+
+logger = logging.getLogger(__name__)
+
+SECRET_ENV = "MEGATRON_GKD_TEACHER_SECRET"
+RETRYABLE = (ErrorCode.BACKEND_FAILED,)  # everything else would fail the same way again
+
+
+def load_secret(secret_file: str | None = None) -> bytes | None:
+    """The shared secret from ``secret_file`` or the MEGATRON_GKD_TEACHER_SECRET variable, else None."""
+    if secret_file:
+        with open(secret_file, "rb") as handle:
+            secret = handle.read().strip()
+        if not secret:
+            raise ValueError(f"secret file {secret_file} is empty")
+        return secret
+    value = os.environ.get(SECRET_ENV, "")
+    return value.encode() if value else None
+
+
+class ZmqTeacherClient(TeacherClient):
+    """Scores batches through a teacher proxy.
+
+    Args:
+        address: the proxy's frontend, e.g. ``tcp://127.0.0.1:5555``.
+        secret: shared secret for HMAC (defaults to :func:`load_secret`).
+        insecure: allow a non-loopback address without a secret.
+        retry: timeouts, deadline and backoff.
+        limits: size limits of received replies.
+        max_inflight: concurrent :meth:`score_async` batches.
+    """
+
+    def __init__(self, address: str, secret: bytes | None = None, insecure: bool = False,
+                 retry: RetryPolicy | None = None, limits: wire.Limits | None = None,
+                 max_inflight: int = 2):
+        super().__init__(max_inflight=max_inflight)
+        self.address = address
+        self._secret = secret if secret is not None else load_secret()
+        check_exposure(address, self._secret, insecure)
+        self._retry = retry or RetryPolicy()
+        self._limits = limits or wire.Limits()
+        self._context = zmq.Context.instance()
+
+    def info(self) -> TeacherInfo:
+        request_id = uuid.uuid4().hex
+        message = self._call(request_id, wire.encode(wire.INFO, request_id, secret=self._secret),
+                             expect=wire.INFO_RESULT)
+        meta = message.meta
+        try:
+            return TeacherInfo(**{f.name: meta[f.name] for f in dataclasses.fields(TeacherInfo)})
+        except (KeyError, TypeError) as error:
+            raise TeacherError(ErrorCode.BAD_OUTPUT, f"malformed teacher info: {error}") from None
+
+    def _score(self, batch: ScoreBatch) -> list[TeacherOutput]:
+        rows = sum(s.num_response_tokens for s in batch.sequences)
+        result_bytes = rows * (8 * batch.top_k + 4 * (1 + (batch.num_requested or 0)))
+        if result_bytes > self._limits.max_message_bytes:
+            raise ValueError(
+                f"the teacher's answer to this batch would take {result_bytes} bytes ({rows} rows, "
+                f"k={batch.top_k}), over the message limit of {self._limits.max_message_bytes}; "
+                "score smaller batches or raise the limit on both sides (--max-message-mb)")
+        request_id = uuid.uuid4().hex
+        frames = codec.encode_request(request_id, batch, self._secret)
+        message = self._call(request_id, frames, expect=wire.RESULT)
+        return codec.decode_result(message, batch)
+
+    def _call(self, request_id: str, frames: list[bytes], expect: str) -> wire.Message:
+        policy = self._retry
+        deadline = time.monotonic() + policy.deadline_s
+        pause = policy.backoff_s
+        for attempt in range(1, policy.max_attempts + 1):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            message = self._attempt(request_id, frames, min(policy.attempt_timeout_s, remaining))
+            if message is None:
+                logger.warning("teacher request %s: no answer within %.1f s (attempt %d/%d); "
+                               "retrying on a fresh socket", request_id, policy.attempt_timeout_s,
+                               attempt, policy.max_attempts)
+            elif message.type == wire.ERROR:
+                code = ErrorCode(message.meta.get("code", ErrorCode.BACKEND_FAILED.value))
+                error = TeacherError(code, f"teacher refused request {request_id}: "
+                                           f"{message.meta.get('message', '')}")
+                if code not in RETRYABLE:
+                    raise error
+                logger.warning("%s (attempt %d/%d)", error, attempt, policy.max_attempts)
+            elif message.type != expect:
+                raise TeacherError(ErrorCode.BAD_OUTPUT, f"expected {expect}, got {message.type}")
+            else:
+                return message
+            time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+            pause = min(pause * 2, policy.backoff_max_s)
+        raise TeacherError(
+            ErrorCode.UNAVAILABLE,
+            f"teacher at {self.address} gave no usable answer to request {request_id} within "
+            f"{policy.deadline_s:.0f} s ({policy.max_attempts} attempts of up to "
+            f"{policy.attempt_timeout_s:.0f} s); is the teacher server running with workers connected?")
+
+    def _attempt(self, request_id: str, frames: list[bytes], timeout_s: float) -> wire.Message | None:
+        """One send/receive on a fresh socket; None on timeout."""
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, self._limits.max_message_bytes)
+        try:
+            socket.connect(self.address)
+            socket.send_multipart([b"", *frames], copy=False)
+            end = time.monotonic() + timeout_s
+            while (left_ms := int((end - time.monotonic()) * 1000)) > 0:
+                if not socket.poll(left_ms, zmq.POLLIN):
+                    break
+                reply = socket.recv_multipart(copy=True)
+                message = self._decode_reply(reply)
+                if message is not None and message.request_id == request_id:
+                    return message
+            return None
+        finally:
+            socket.close()
+
+    def _decode_reply(self, reply: list[bytes]) -> wire.Message | None:
+        if not reply or reply[0] != b"":
+            logger.warning("dropped a teacher reply without delimiter")
+            return None
+        body = reply[1:]
+        try:
+            return wire.decode(body, self._limits, self._secret,
+                               expect=(wire.RESULT, wire.INFO_RESULT, wire.ERROR))
+        except wire.WireError as error:
+            if error.code == ErrorCode.BAD_SIGNATURE:
+                # Refusals of our signature come unsigned (the worker cannot sign for a stranger).
+                try:
+                    refusal = wire.decode(body, self._limits, None, expect=(wire.ERROR,))
+                except wire.WireError:
+                    refusal = None
+                if refusal is not None and refusal.meta.get("code") == ErrorCode.BAD_SIGNATURE.value:
+                    raise TeacherError(ErrorCode.BAD_SIGNATURE, "the teacher refused this client's "
+                                       f"signature: {refusal.meta.get('message')}") from None
+            raise TeacherError(error.code, f"malformed reply from the teacher: {error.detail}") from None

@@ -1,0 +1,127 @@
+"""ScoreBatch / TeacherOutput <-> wire messages, with schema validation of what arrives.
+
+Sequences travel packed, not padded: a request carries the concatenated token ids and per-sequence
+lengths; a result carries the concatenated rows of all responses (``[sum T, k]``). Ids travel as int32
+(vocabularies are far below 2**31) and are widened to the int64 of the TeacherOutput contract.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_gkd.teacher import wire
+from megatron_gkd.teacher.types import (ErrorCode, ScoreBatch, SequenceRequest, TeacherOutput,
+                                        TeacherOutputError)
+
+MAX_SEQUENCES = 65536
+MAX_TOP_K = 65536
+
+
+def _ids_to_wire(ids: np.ndarray) -> np.ndarray:
+    if ids.size and (ids.max() >= 2**31 or ids.min() < -(2**31)):
+        raise ValueError("token ids must fit in int32 on the wire")
+    return ids.astype(np.int32)
+
+
+def encode_request(request_id: str, batch: ScoreBatch, secret: bytes | None) -> list[bytes]:
+    """Frames of a SCORE request for ``batch``."""
+    tensors = {
+        "token_ids": _ids_to_wire(np.concatenate([s.token_ids for s in batch.sequences])),
+        "lengths": np.array([len(s.token_ids) for s in batch.sequences], dtype=np.int64),
+        "response_starts": np.array([s.response_start for s in batch.sequences], dtype=np.int64),
+    }
+    if batch.num_requested is not None:
+        tensors["requested_ids"] = _ids_to_wire(np.concatenate([s.requested_ids for s in batch.sequences]))
+    meta = {"top_k": batch.top_k, "temperature": batch.temperature}
+    return wire.encode(wire.SCORE, request_id, meta, tensors, secret)
+
+
+def _bad(message: str) -> wire.WireError:
+    return wire.WireError(ErrorCode.BAD_REQUEST, message)
+
+
+def decode_request(message: wire.Message) -> ScoreBatch:
+    """Validates a SCORE message and rebuilds its ScoreBatch; raises WireError(BAD_REQUEST)."""
+    meta, tensors = message.meta, message.tensors
+    if set(meta) != {"top_k", "temperature"}:
+        raise _bad(f"score meta keys {sorted(map(str, meta))} != ['temperature', 'top_k']")
+    top_k, temperature = meta["top_k"], meta["temperature"]
+    if not (isinstance(top_k, int) and 1 <= top_k <= MAX_TOP_K):
+        raise _bad(f"top_k={top_k!r} must be an int in [1, {MAX_TOP_K}]")
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
+        raise _bad(f"temperature={temperature!r} must be a number")
+    required = {"token_ids", "lengths", "response_starts"}
+    if not required <= set(tensors) <= required | {"requested_ids"}:
+        raise _bad(f"score tensors {sorted(tensors)} must be {sorted(required)} [+ requested_ids]")
+    token_ids, lengths, starts = tensors["token_ids"], tensors["lengths"], tensors["response_starts"]
+    requested = tensors.get("requested_ids")
+    if token_ids.ndim != 1 or lengths.ndim != 1 or starts.shape != lengths.shape:
+        raise _bad("token_ids must be [N], lengths and response_starts [B]")
+    if not 1 <= len(lengths) <= MAX_SEQUENCES:
+        raise _bad(f"a request holds 1..{MAX_SEQUENCES} sequences, got {len(lengths)}")
+    if lengths.min() < 2 or int(lengths.sum()) != len(token_ids):
+        raise _bad("lengths must be >= 2 and sum to len(token_ids)")
+    if (starts < 1).any() or (starts >= lengths).any():
+        raise _bad("every response_start must satisfy 1 <= response_start < length")
+    num_rows = lengths - starts
+    if requested is not None and (requested.ndim != 2 or requested.shape[0] != int(num_rows.sum())):
+        raise _bad(f"requested_ids must be [sum T={int(num_rows.sum())}, m], got {requested.shape}")
+    if token_ids.min() < 0 or (requested is not None and requested.size and requested.min() < 0):
+        raise _bad("token ids must be >= 0")
+    sequences, token_offset, row_offset = [], 0, 0
+    for length, start, rows in zip(lengths.tolist(), starts.tolist(), num_rows.tolist()):
+        sequences.append(SequenceRequest(
+            token_ids=token_ids[token_offset:token_offset + length], response_start=start,
+            requested_ids=None if requested is None else requested[row_offset:row_offset + rows]))
+        token_offset, row_offset = token_offset + length, row_offset + rows
+    try:
+        return ScoreBatch(sequences=sequences, top_k=top_k, temperature=temperature)
+    except ValueError as error:
+        raise _bad(str(error)) from None
+
+
+def encode_result(request_id: str, outputs: list[TeacherOutput], secret: bytes | None) -> list[bytes]:
+    """Frames of a RESULT message holding ``outputs`` packed row-wise."""
+    tensors = {
+        "num_rows": np.array([len(o.token_logprobs) for o in outputs], dtype=np.int64),
+        "topk_ids": _ids_to_wire(np.concatenate([o.topk_ids for o in outputs])),
+        "topk_logprobs": np.concatenate([o.topk_logprobs for o in outputs]).astype(np.float32),
+        "token_logprobs": np.concatenate([o.token_logprobs for o in outputs]).astype(np.float32),
+    }
+    if outputs[0].requested_logprobs is not None:
+        tensors["requested_logprobs"] = np.concatenate(
+            [o.requested_logprobs for o in outputs]).astype(np.float32)
+    return wire.encode(wire.RESULT, request_id, {}, tensors, secret)
+
+
+def decode_result(message: wire.Message, batch: ScoreBatch) -> list[TeacherOutput]:
+    """Splits a RESULT into validated TeacherOutputs, one per sequence of ``batch``; fails closed."""
+    tensors, name = message.tensors, f"request {message.request_id}"
+    expected = {"num_rows", "topk_ids", "topk_logprobs", "token_logprobs"}
+    if batch.num_requested is not None:
+        expected.add("requested_logprobs")
+    if set(tensors) != expected:
+        raise TeacherOutputError(f"{name}: result tensors {sorted(tensors)} != {sorted(expected)}")
+    num_rows = tensors["num_rows"]
+    want_rows = [s.num_response_tokens for s in batch.sequences]
+    if num_rows.tolist() != want_rows:
+        raise TeacherOutputError(f"{name}: result has rows per sequence {num_rows.tolist()}, the "
+                                 f"request had {want_rows}")
+    total = sum(want_rows)
+    for key in expected - {"num_rows"}:
+        if tensors[key].shape[:1] != (total,):
+            raise TeacherOutputError(f"{name}: {key} has shape {tensors[key].shape}, expected "
+                                     f"{total} rows")
+    outputs, offset = [], 0
+    for index, (sequence, rows) in enumerate(zip(batch.sequences, want_rows)):
+        part = slice(offset, offset + rows)
+        requested = tensors.get("requested_logprobs")
+        output = TeacherOutput(
+            topk_ids=tensors["topk_ids"][part].astype(np.int64),
+            topk_logprobs=tensors["topk_logprobs"][part].copy(),
+            token_logprobs=tensors["token_logprobs"][part].copy(),
+            requested_logprobs=None if requested is None else requested[part].copy())
+        outputs.append(output.validate(rows, batch.top_k, batch.num_requested,
+                                       name=f"sequence {index} of {name}"))
+        offset += rows
+    return outputs

@@ -1,0 +1,87 @@
+"""Trainer-side teacher configuration: which client, where, and how patient."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from megatron_gkd.teacher.clients import RetryPolicy, TeacherClient, build_client, client_names
+from megatron_gkd.teacher.clients.zmq_client import load_secret
+
+logger = logging.getLogger(__name__)
+
+# Options that only some clients read; setting one for another client is inert and logged.
+_CLIENT_OPTIONS = {"address": "zmq", "secret_file": "zmq", "insecure": "zmq", "base_url": "openai",
+                   "model": "openai", "teacher_tokenizer": "openai", "api_key": "openai"}
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TeacherConfig:
+    """How the trainer reaches its teacher.
+
+    Attributes:
+        client: ``zmq`` (the teacher service), ``openai`` (an OpenAI-compatible server) or ``local``
+            (a colocated Megatron teacher; not available yet).
+        top_k: k, the number of teacher log-probs per response token.
+        temperature: teacher temperature (``vllm``/``openai`` serve 1.0 only).
+        address: zmq: the proxy's frontend, e.g. ``tcp://teacher-host:5555``.
+        secret_file: zmq: file with the shared HMAC secret (else $MEGATRON_GKD_TEACHER_SECRET).
+        insecure: zmq: allow a non-loopback address without a secret.
+        base_url: openai: server root, e.g. ``http://teacher-host:8000``.
+        model: openai: served model name (default: the server's first).
+        teacher_tokenizer: openai: the teacher's tokenizer, for the vocabulary check.
+        api_key: openai: bearer token, if the server wants one.
+        attempt_timeout_s: wait for one answer before retrying.
+        deadline_s: give up on a batch after this long; the step then fails, it never trains on
+            partial teacher data.
+        max_attempts: attempts per batch.
+        max_inflight: batches in flight at once (``score_async``).
+    """
+
+    client: str = "zmq"
+    top_k: int = 64
+    temperature: float = 1.0
+    address: str | None = None
+    secret_file: str | None = None
+    insecure: bool = False
+    base_url: str | None = None
+    model: str | None = None
+    teacher_tokenizer: str | None = None
+    api_key: str | None = None
+    attempt_timeout_s: float = 60.0
+    deadline_s: float = 300.0
+    max_attempts: int = 5
+    max_inflight: int = 2
+
+    def __post_init__(self):
+        if self.client not in client_names():
+            raise ValueError(f"teacher.client={self.client!r} is unknown; use one of {client_names()}")
+        if self.top_k < 1:
+            raise ValueError(f"teacher.top_k={self.top_k} must be >= 1")
+        if self.temperature <= 0:
+            raise ValueError(f"teacher.temperature={self.temperature} must be > 0")
+        if self.client == "zmq" and not self.address:
+            raise ValueError("teacher.address is required for client 'zmq' (e.g. tcp://host:5555)")
+        if self.client == "openai" and not self.base_url:
+            raise ValueError("teacher.base_url is required for client 'openai' (e.g. http://host:8000)")
+        for option, owner in _CLIENT_OPTIONS.items():
+            if owner != self.client and getattr(self, option) not in (None, False):
+                logger.warning("teacher.%s has no effect with client %r (only %r reads it)", option,
+                               self.client, owner)
+
+    def retry(self) -> RetryPolicy:
+        return RetryPolicy(attempt_timeout_s=self.attempt_timeout_s, deadline_s=self.deadline_s,
+                           max_attempts=self.max_attempts)
+
+
+def build_client_from_config(config: TeacherConfig) -> TeacherClient:
+    """The client ``config`` describes, connected and ready to score."""
+    if config.client == "zmq":
+        return build_client("zmq", address=config.address, secret=load_secret(config.secret_file),
+                            insecure=config.insecure, retry=config.retry(),
+                            max_inflight=config.max_inflight)
+    if config.client == "openai":
+        return build_client("openai", base_url=config.base_url, model=config.model,
+                            teacher_tokenizer=config.teacher_tokenizer, api_key=config.api_key,
+                            retry=config.retry(), max_inflight=config.max_inflight)
+    return build_client(config.client)

@@ -1,0 +1,195 @@
+"""What the trainer sends to a teacher and what it gets back (DESIGN.md "Data contracts").
+
+Row ``t`` of every per-response array predicts response token ``t``: it is the teacher's distribution
+at position ``prompt_len + t - 1`` of ``prompt + response``. Everything here fails closed: a malformed
+teacher answer raises :class:`TeacherOutputError` naming the sequence, it is never padded with 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+import numpy as np
+
+
+class ErrorCode(str, enum.Enum):
+    """Typed error codes carried in error replies (wire) and raised as :class:`TeacherError`."""
+
+    BAD_FRAME = "bad_frame"  # not a message of this protocol (frame count, msgpack, sizes)
+    BAD_VERSION = "bad_version"
+    BAD_SIGNATURE = "bad_signature"  # HMAC missing or wrong
+    TOO_LARGE = "too_large"
+    BAD_REQUEST = "bad_request"  # a well-formed message whose content is invalid
+    UNSUPPORTED = "unsupported"  # valid, but this backend cannot do it (e.g. requested ids on vLLM)
+    BACKEND_FAILED = "backend_failed"
+    UNAVAILABLE = "unavailable"  # no teacher answered before the deadline
+    BAD_OUTPUT = "bad_output"  # the teacher answered, but the answer breaks the contract
+
+
+class TeacherError(RuntimeError):
+    """A teacher call failed; ``code`` says how (one of :class:`ErrorCode`)."""
+
+    def __init__(self, code: ErrorCode | str, message: str):
+        self.code = ErrorCode(code)
+        super().__init__(f"[{self.code.value}] {message}")
+        self.detail = message
+
+
+class TeacherOutputError(TeacherError):
+    """A teacher output breaks the TeacherOutput contract (missing row, NaN, bad shape, ...)."""
+
+    def __init__(self, message: str):
+        super().__init__(ErrorCode.BAD_OUTPUT, message)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class SequenceRequest:
+    """One prompt+response to score.
+
+    Attributes:
+        token_ids: ``[prompt_len + T]`` int64, prompt followed by the response.
+        response_start: ``prompt_len``, index of the first response token (>= 1: row 0 needs context).
+        requested_ids: optional ``[T, m]`` int64 ids to score at every response row (TCAD).
+    """
+
+    token_ids: np.ndarray
+    response_start: int
+    requested_ids: np.ndarray | None = None
+
+    def __post_init__(self):
+        self.token_ids = np.ascontiguousarray(self.token_ids, dtype=np.int64)
+        if self.token_ids.ndim != 1:
+            raise ValueError(f"token_ids must be 1-D, got shape {self.token_ids.shape}")
+        if not 1 <= self.response_start < len(self.token_ids):
+            raise ValueError(
+                f"response_start={self.response_start} must satisfy 1 <= response_start < "
+                f"len(token_ids)={len(self.token_ids)}: the prompt needs at least one token and the "
+                "response at least one"
+            )
+        if self.requested_ids is not None:
+            self.requested_ids = np.ascontiguousarray(self.requested_ids, dtype=np.int64)
+            if self.requested_ids.ndim != 2 or self.requested_ids.shape[0] != self.num_response_tokens:
+                raise ValueError(
+                    f"requested_ids must be [T={self.num_response_tokens}, m], "
+                    f"got {self.requested_ids.shape}"
+                )
+
+    @property
+    def num_response_tokens(self) -> int:
+        return len(self.token_ids) - self.response_start
+
+    @property
+    def response_ids(self) -> np.ndarray:
+        return self.token_ids[self.response_start :]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ScoreBatch:
+    """A batch of sequences scored with the same top-k size and temperature.
+
+    Attributes:
+        sequences: the sequences, in the order their outputs come back.
+        top_k: number of top entries per row (k).
+        temperature: the teacher distribution is ``softmax(logits / temperature)``.
+    """
+
+    sequences: list[SequenceRequest]
+    top_k: int
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        if not self.sequences:
+            raise ValueError("ScoreBatch.sequences is empty; send at least one sequence")
+        if not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ValueError(f"ScoreBatch.top_k={self.top_k!r} must be a positive int")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature > 0):
+            raise ValueError(f"ScoreBatch.temperature={self.temperature!r} must be finite and > 0")
+        self.temperature = float(self.temperature)
+        widths = {None if s.requested_ids is None else s.requested_ids.shape[1] for s in self.sequences}
+        if len(widths) > 1:
+            raise ValueError(
+                f"requested_ids must be given for all sequences of a batch with one width m, or for "
+                f"none; got widths {sorted(widths, key=str)}"
+            )
+
+    @property
+    def num_requested(self) -> int | None:
+        """m, the number of requested ids per row, or None when none are requested."""
+        first = self.sequences[0].requested_ids
+        return None if first is None else first.shape[1]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TeacherOutput:
+    """The teacher's answer for one response of ``T`` tokens.
+
+    Attributes:
+        topk_ids: ``[T, k]`` int64, the k most likely ids per row.
+        topk_logprobs: ``[T, k]`` float32, sorted descending, normalised over the full vocabulary;
+            entries past the available ones are ``-inf`` (never 0).
+        token_logprobs: ``[T]`` float32, log-prob of the response token itself.
+        requested_logprobs: optional ``[T, m]`` float32, log-probs at the requested ids (TCAD).
+    """
+
+    topk_ids: np.ndarray
+    topk_logprobs: np.ndarray
+    token_logprobs: np.ndarray
+    requested_logprobs: np.ndarray | None = None
+
+    def validate(self, num_tokens: int, top_k: int, num_requested: int | None = None,
+                 name: str = "sequence") -> "TeacherOutput":
+        """Checks the contract and returns self; raises :class:`TeacherOutputError` naming ``name``.
+
+        Args:
+            num_tokens: expected T (response length).
+            top_k: expected k.
+            num_requested: expected m, or None when no requested ids were sent.
+            name: how errors name this sequence (e.g. ``"sequence 3 of request 17"``).
+        """
+        def fail(what: str):
+            raise TeacherOutputError(f"{name}: {what}")
+
+        arrays = {"topk_ids": (self.topk_ids, np.int64, (num_tokens, top_k)),
+                  "topk_logprobs": (self.topk_logprobs, np.float32, (num_tokens, top_k)),
+                  "token_logprobs": (self.token_logprobs, np.float32, (num_tokens,))}
+        if num_requested is not None:
+            if self.requested_logprobs is None:
+                fail("requested_logprobs missing although requested ids were sent")
+            arrays["requested_logprobs"] = (self.requested_logprobs, np.float32,
+                                            (num_tokens, num_requested))
+        elif self.requested_logprobs is not None:
+            fail("requested_logprobs present although no ids were requested")
+        for key, (array, dtype, shape) in arrays.items():
+            if not isinstance(array, np.ndarray) or array.dtype != dtype:
+                fail(f"{key} must be a numpy {np.dtype(dtype).name} array, got "
+                     f"{getattr(array, 'dtype', type(array).__name__)}")
+            if array.shape != shape:
+                fail(f"{key} has shape {array.shape}, expected {shape} (missing or extra rows?)")
+        for key in ("topk_logprobs", "token_logprobs", "requested_logprobs"):
+            values = arrays.get(key, (None,))[0]
+            if values is None:
+                continue
+            if np.isnan(values).any():
+                row = int(np.argwhere(np.isnan(values))[0][0])
+                fail(f"{key} has NaN at row {row}")
+            if (values > 1e-4).any() or np.isposinf(values).any():
+                fail(f"{key} has a positive log-prob (max {float(values.max())})")
+        lp = self.topk_logprobs
+        if num_tokens and top_k > 1 and (np.diff(lp, axis=1) > 1e-6).any():
+            row = int(np.argwhere((np.diff(lp, axis=1) > 1e-6).any(axis=1))[0][0])
+            fail(f"topk_logprobs row {row} is not sorted descending")
+        if num_tokens and np.isneginf(lp[:, 0]).any():
+            fail(f"row {int(np.argwhere(np.isneginf(lp[:, 0]))[0][0])} has no finite top-1 entry")
+        if np.isneginf(self.token_logprobs).any():
+            fail("token_logprobs has -inf: the teacher gives the sampled token zero probability")
+        if (self.topk_ids < 0).any():
+            fail("topk_ids has negative ids")
+        # Padding slots (-inf) may repeat a filler id; real entries must be distinct.
+        real = np.where(np.isneginf(lp), -1 - np.arange(top_k), self.topk_ids)
+        if top_k > 1 and (np.diff(np.sort(real, axis=1), axis=1) == 0).any():
+            fail(f"topk_ids repeats an id in row "
+                 f"{int(np.argwhere((np.diff(np.sort(real, axis=1), axis=1) == 0).any(axis=1))[0][0])}")
+        return self

@@ -1,0 +1,59 @@
+"""Start and stop teacher processes for e2e tests; every process (and its children) is killed at the end.
+
+Output goes to a log file, never to an unread pipe (a full pipe would block the server), and readiness
+is read from that file. Each process leads its own session so that stopping it also stops the
+children it spawned (vLLM's OpenAI server runs its engine in a child process).
+"""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+
+
+def spawn(args: list[str], log_path: pathlib.Path, env: dict | None = None) -> subprocess.Popen:
+    """Runs ``python args`` from the repo root with stdout and stderr in ``log_path``."""
+    environment = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
+    with open(log_path, "w") as log:
+        process = subprocess.Popen([sys.executable, *args], cwd=REPO, env=environment, stdout=log,
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process.log_path = log_path
+    return process
+
+
+def start(args: list[str], ready: str, timeout_s: float, log_path: pathlib.Path,
+          env: dict | None = None) -> subprocess.Popen:
+    """Spawns and waits for a log line containing ``ready`` (kept as ``process.ready_line``)."""
+    process = spawn(args, log_path, env)
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        lines = [line for line in log_path.read_text(errors="replace").splitlines() if ready in line]
+        if lines:
+            process.ready_line = lines[0]
+            return process
+        if process.poll() is not None:
+            raise RuntimeError(f"{args[0]} exited with {process.returncode}; see {log_path}")
+        time.sleep(0.2)
+    stop(process, kill=True)
+    raise RuntimeError(f"{args[0]} not ready after {timeout_s} s; see {log_path}")
+
+
+def stop(process: subprocess.Popen, kill: bool = False) -> None:
+    """Terminates (or kills) ``process`` and everything in its session, and waits for it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL if kill else signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    try:  # children that outlived their parent
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,96 @@
+"""Faults with real worker processes behind an in-process proxy: kill, stop all, restart."""
+
+import time
+
+import numpy as np
+import pytest
+
+from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client
+from megatron_gkd.teacher.server import Proxy
+from megatron_gkd.teacher.types import ErrorCode
+from megatron_gkd.testing.tiny_teacher import ReferenceTeacher, build_tiny_teacher
+from tests.e2e.teacher import procs
+
+pytestmark = pytest.mark.e2e
+
+HOLD_S = 60.0  # worker A holds a request this long, so it is surely killed mid-request
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    return build_tiny_teacher(tmp_path_factory.mktemp("tiny_teacher"), num_layers=1)
+
+
+@pytest.fixture()
+def cluster(tmp_path):
+    """An in-process proxy on loopback plus a way to start worker processes; all stopped at the end."""
+    proxy = Proxy("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").start()
+    started = []
+
+    def start_worker(name: str, teacher_dir, delay_s: float | None):
+        marker_dir = tmp_path / name
+        marker_dir.mkdir()
+        args = ["launch/teacher_server.py", "worker", "--connect", proxy.backend_address,
+                "--model", str(teacher_dir)]
+        if delay_s is not None:
+            args += ["--backend-module", "tests.e2e.teacher.slow_backend", "--backend", "hf_slow",
+                     "--backend-arg", f"marker_dir={marker_dir}", "--backend-arg", f"delay_s={delay_s}"]
+        process = procs.start(args, "READY worker connected", 180, tmp_path / f"{name}.log")
+        started.append(process)
+        return process, marker_dir
+
+    yield proxy, start_worker
+    for process in started:
+        procs.stop(process, kill=True)
+    proxy.close()
+
+
+def _wait_for(predicate, timeout_s: float):
+    end = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.05)
+
+
+def _batch():
+    rng = np.random.default_rng(1)
+    return ScoreBatch(sequences=[SequenceRequest(token_ids=rng.integers(3, 512, n), response_start=s)
+                                 for n, s in ((12, 5), (7, 1), (20, 19))], top_k=16)
+
+
+def test_kill_worker_mid_request_stop_all_then_restart(cluster, teacher_dir):
+    proxy, start_worker = cluster
+    reference = ReferenceTeacher(teacher_dir)
+    batch = _batch()
+    retry = RetryPolicy(attempt_timeout_s=6, deadline_s=150, max_attempts=8, backoff_s=0.2)
+    with build_client("zmq", address=proxy.frontend_address, retry=retry) as client:
+        # 1. Worker A takes the request; B joins; A is killed while busy; a retry lands on B.
+        worker_a, markers_a = start_worker("a", teacher_dir, delay_s=HOLD_S)
+        client.info()  # A is connected (info needs no backend work, so A answers it at once)
+        future = client.score_async(batch)
+        _wait_for(lambda: any(markers_a.iterdir()), 60)
+        worker_b, markers_b = start_worker("b", teacher_dir, delay_s=0.0)
+        procs.stop(worker_a, kill=True)
+        assert worker_a.returncode is not None and not future.done()
+        outputs = future.result(timeout=150)
+        assert any(markers_b.iterdir()), "the retried request must have been served by worker B"
+        for output, sequence in zip(outputs, batch.sequences, strict=True):
+            reference.assert_matches(output, sequence.token_ids, sequence.response_start, batch.top_k)
+
+        # 2. All workers stopped: a clear error once the deadline passes, and no data at all.
+        procs.stop(worker_b)
+    short = RetryPolicy(attempt_timeout_s=1.5, deadline_s=5, max_attempts=10, backoff_s=0.2)
+    with build_client("zmq", address=proxy.frontend_address, retry=short) as client:
+        future = client.score_async(batch)
+        error = future.exception(timeout=60)
+        assert isinstance(error, TeacherError) and error.code == ErrorCode.UNAVAILABLE
+        assert "within 5 s" in str(error) and "workers connected" in str(error)
+        with pytest.raises(TeacherError):
+            future.result()
+
+        # 3. A restarted worker serves the next request.
+        start_worker("c", teacher_dir, delay_s=None)
+    with build_client("zmq", address=proxy.frontend_address, retry=retry) as client:
+        outputs = client.score(batch)
+    for output, sequence in zip(outputs, batch.sequences, strict=True):
+        reference.assert_matches(output, sequence.token_ids, sequence.response_start, batch.top_k)
