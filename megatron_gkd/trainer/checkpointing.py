@@ -51,11 +51,13 @@ def _save_strategy(thread_count: int = 1):
 
     Megatron's own writer (``FileSystemWriterAsync``) returns its results through a
     ``multiprocessing.Manager()`` queue started with the *spawn* method and forks one writer process
-    per file. The Manager re-imports the entry script (an unguarded script hangs after
-    ``common.pt``, see ENVIRONMENT.md), costs a Python start-up per rank on the first save, and
-    outlives a rank that is killed mid-save. Torch's ``FileSystemWriter`` writes the same files
-    (``__<rank>_<i>.distcp`` + ``.metadata``) from this process and fsyncs each one; Megatron's
-    planner and loader are used unchanged.
+    per file. Seen on megatron-core 0.16.1: in a daemonic rank process (the ranks of
+    :func:`megatron_gkd.testing.distributed.run_distributed`) the Manager cannot start at all
+    ("daemonic processes are not allowed to have children"), and under torchrun it re-imports the
+    entry script, so an unguarded script hangs after ``common.pt`` (ENVIRONMENT.md). Torch's
+    ``FileSystemWriter`` writes the same files (``__<rank>_<i>.distcp`` + ``.metadata``) from this
+    process and fsyncs each one; Megatron's planner and its loader are used unchanged. The price is
+    that the save is synchronous (no overlap with training), which Megatron's sync path is too.
     """
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner,
@@ -138,7 +140,8 @@ def _rng_sharded_object(parallel_state: ParallelState, state: dict | None):
 def _sharded_state_dict(model_chunks, optimizer, parallel_state, *, is_loading: bool, rng: bool) -> dict:
     model_state = _unwrap_dict([_unwrap(chunk).sharded_state_dict() for chunk in model_chunks])
     state = dict(model_state)
-    state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
     if rng:
         state[_RNG_KEY] = _rng_sharded_object(parallel_state, None if is_loading else _rng_state())
     return state
@@ -278,10 +281,7 @@ def load_checkpoint(
             why,
         )
 
-    if optimizer is None:
-        state = _unwrap_dict([_unwrap(chunk).sharded_state_dict() for chunk in model_chunks])
-    else:
-        state = _sharded_state_dict(model_chunks, optimizer, parallel_state, is_loading=True, rng=restore_rng)
+    state = _sharded_state_dict(model_chunks, optimizer, parallel_state, is_loading=True, rng=restore_rng)
     loaded = dist_checkpointing.load(state, str(found.path))
 
     chunk_states = [loaded["model"]] if len(model_chunks) == 1 else [

@@ -2,9 +2,10 @@
 
 The workload is the tiny Megatron GPT of :mod:`megatron_gkd.testing.mcore` (Adam, a warm-up + cosine
 LR schedule, a resumable synthetic data stream). The reference run trains 2 steps at TP=2, saves,
-then trains steps 3 and 4. Resumed runs in fresh processes must reproduce both losses: step 3's loss
-checks the model weights and the data position, step 4's loss also checks the Adam moments, the
-Adam step count and the learning rate (the scheduler), all of which shape the 3rd update.
+then trains steps 3 to 5. Resumed runs in fresh processes must reproduce the three losses: step 3's
+loss checks the model weights and the data position; step 4's the Adam moments and step count (and
+the LR of step 3, which comes back with the optimizer's param groups); step 5's the LR the scheduler
+sets for step 4.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ pytestmark = pytest.mark.distributed
 
 SPEC = TinyGPTSpec(num_layers=2, num_microbatches=2)
 SAVE_STEP = 2
+NUM_AFTER = 3
 LAYOUTS = {
     "tp2": (2, dict(tensor_model_parallel_size=2)),
     "tp1": (1, dict()),
@@ -112,7 +114,13 @@ def _resume(root: str, sizes: dict, num_after: int, kill_during_save: bool = Fal
     if kill_during_save:
         _save_and_die_on_rank1(root, step + num_after, chunks, optimizer, scheduler, data, state)
     parallel.destroy()
-    return {"step": step, "losses": losses, "rng": rng, "logs": logs.messages}
+    return {
+        "step": step,
+        "scheduler_steps": scheduler.num_steps - num_after,
+        "losses": losses,
+        "rng": rng,
+        "logs": logs.messages,
+    }
 
 
 def _save_and_die_on_rank1(root, step, chunks, optimizer, scheduler, data, state) -> None:
@@ -147,7 +155,7 @@ def _last_stage_losses(results: list[dict]) -> list[float]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("ckpt") / "run"
-    results = run_distributed(_train_save_continue, 2, args=(str(root), 2))
+    results = run_distributed(_train_save_continue, 2, args=(str(root), NUM_AFTER))
     return {"root": root, "losses": _last_stage_losses(results), "rng": [r["rng"] for r in results]}
 
 
@@ -161,8 +169,8 @@ def test_save_writes_a_complete_checkpoint_and_latest(reference):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_resume_matches_uninterrupted_run(reference, layout):
     world_size, sizes = LAYOUTS[layout]
-    results = run_distributed(_resume, world_size, args=(str(reference["root"]), sizes, 2))
-    assert all(result["step"] == SAVE_STEP for result in results)
+    results = run_distributed(_resume, world_size, args=(str(reference["root"]), sizes, NUM_AFTER))
+    assert all(result["step"] == SAVE_STEP == result["scheduler_steps"] for result in results)
     torch.testing.assert_close(
         torch.tensor(_last_stage_losses(results), dtype=torch.float64),
         torch.tensor(reference["losses"], dtype=torch.float64),
@@ -181,8 +189,9 @@ def test_resume_matches_uninterrupted_run(reference, layout):
 def test_half_written_checkpoint_is_skipped(reference, tmp_path):
     root = tmp_path / "run"
     shutil.copytree(reference["root"], root)
-    # Resume at TP=2, train step 3, save it: rank 1 dies in the middle of writing its shards.
-    with pytest.raises(DistributedFailure, match="died without reporting"):
+    # Resume at TP=2, train step 3, save it: rank 1 dies in the middle of writing its shards (rank 0
+    # then either fails on the broken connection or is killed by the harness).
+    with pytest.raises(DistributedFailure, match=r"ranks \[1\] died|failed on rank 0:[\s\S]*Connection"):
         run_distributed(_resume, 2, args=(str(root), LAYOUTS["tp2"][1], 1), kwargs={"kill_during_save": True})
     leftovers = [entry for entry in root.iterdir() if entry.name.startswith(".tmp-iter_0000003-")]
     assert len(leftovers) == 1 and any(leftovers[0].glob("*.distcp"))

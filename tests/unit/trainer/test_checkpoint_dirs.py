@@ -93,6 +93,7 @@ def test_recommitting_a_step_replaces_it(tmp_path):
         (lambda d: (d / "__1_0.distcp").unlink(), "file __1_0.distcp is missing"),
         (lambda d: (d / "sub" / "nested.bin").write_bytes(b"x"), "file sub/nested.bin has 1 bytes, the marker says 10"),
     ],
+    ids=["no-marker", "torn-marker", "missing-file", "truncated-file"],
 )
 def test_damaged_checkpoints_are_skipped_and_logged(tmp_path, caplog, damage, reason):
     _saved(tmp_path, 1, 2, 3)
