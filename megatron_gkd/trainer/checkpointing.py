@@ -79,7 +79,8 @@ def _save_strategy(thread_count: int = 1):
             planner = MCoreSavePlanner(
                 dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
             )
-            dcp_save(mcore_to_pyt_state_dict(sharded_state_dict, False), storage_writer=writer, planner=planner)
+            pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
+            dcp_save(pyt_state_dict, storage_writer=writer, planner=planner)
 
         def async_save(self, sharded_state_dict, checkpoint_dir):
             raise NotImplementedError("the in-process torch_dist strategy saves synchronously only")
@@ -99,10 +100,10 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return unwrap_model(chunk)
 
 
-def _unwrap_dict(chunks_state: list, key_prefix: str = "model") -> dict:
-    if len(chunks_state) == 1:
-        return {key_prefix: chunks_state[0]}
-    return {f"{key_prefix}{index}": state for index, state in enumerate(chunks_state)}
+def _model_keys(num_chunks: int) -> list[str]:
+    # Megatron's own naming: "model", or "model0", "model1", ... per virtual-pipeline chunk. Only the
+    # sharded keys inside matter for resharding, so a VPP checkpoint loads without VPP and back.
+    return ["model"] if num_chunks == 1 else [f"model{index}" for index in range(num_chunks)]
 
 
 def _rng_state() -> dict:
@@ -138,7 +139,10 @@ def _rng_sharded_object(parallel_state: ParallelState, state: dict | None):
 
 
 def _sharded_state_dict(model_chunks, optimizer, parallel_state, *, is_loading: bool, rng: bool) -> dict:
-    model_state = _unwrap_dict([_unwrap(chunk).sharded_state_dict() for chunk in model_chunks])
+    model_state = {
+        key: _unwrap(chunk).sharded_state_dict()
+        for key, chunk in zip(_model_keys(len(model_chunks)), model_chunks)
+    }
     state = dict(model_state)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
@@ -208,12 +212,21 @@ def save_checkpoint(
     dist_checkpointing.save(state, str(temp_dir), sharded_strategy=_save_strategy())
 
     final = root / checkpoint_dirs.iter_name(step)
+    failure = None
     if rank == 0:
-        checkpoint_dirs.commit(temp_dir, root, step)
-        logger.info("saved checkpoint %s", final)
-        if keep_last_n is not None:
-            checkpoint_dirs.prune(root, keep_last_n, keep=final)
-    dist.barrier()
+        try:
+            checkpoint_dirs.commit(temp_dir, root, step)
+            logger.info("saved checkpoint %s", final)
+            if keep_last_n is not None:
+                checkpoint_dirs.prune(root, keep_last_n, keep=final)
+        except OSError as error:
+            failure = error
+    # Rank 0 tells the others how the commit went, so that no rank waits on a failed one.
+    message = _broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    if message is not None:
+        raise RuntimeError(f"rank 0 failed to commit checkpoint {final}: {message}")
     return final
 
 
@@ -271,9 +284,10 @@ def load_checkpoint(
     has_rng = meta["rng"]
     restore_rng = same_layout and has_rng
     if not restore_rng and dist.get_rank() == 0:
-        why = "it holds no RNG states" if not has_rng else (
-            f"it was saved with layout {meta['layout']} and this run has {_layout(parallel_state)}"
-        )
+        if has_rng:
+            why = f"it was saved with layout {meta['layout']} and this run has {_layout(parallel_state)}"
+        else:
+            why = "it holds no RNG states"
         logger.warning(
             "RNG states of %s are not restored (%s): random draws after resuming differ from an "
             "uninterrupted run",
@@ -284,11 +298,8 @@ def load_checkpoint(
     state = _sharded_state_dict(model_chunks, optimizer, parallel_state, is_loading=True, rng=restore_rng)
     loaded = dist_checkpointing.load(state, str(found.path))
 
-    chunk_states = [loaded["model"]] if len(model_chunks) == 1 else [
-        loaded[f"model{index}"] for index in range(len(model_chunks))
-    ]
-    for chunk, chunk_state in zip(model_chunks, chunk_states):
-        _unwrap(chunk).load_state_dict(chunk_state, strict=True)
+    for chunk, key in zip(model_chunks, _model_keys(len(model_chunks))):
+        _unwrap(chunk).load_state_dict(loaded[key], strict=True)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None:

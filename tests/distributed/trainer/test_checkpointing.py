@@ -35,13 +35,14 @@ from megatron_gkd.trainer.checkpointing import load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.distributed
 
-SPEC = TinyGPTSpec(num_layers=2, num_microbatches=2)
+SPEC = TinyGPTSpec(num_layers=4, num_microbatches=2)
 SAVE_STEP = 2
 NUM_AFTER = 3
 LAYOUTS = {
     "tp2": (2, dict(tensor_model_parallel_size=2)),
     "tp1": (1, dict()),
     "pp2": (2, dict(pipeline_model_parallel_size=2)),
+    "pp2vpp2": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
 }
 
 
@@ -166,7 +167,9 @@ def test_save_writes_a_complete_checkpoint_and_latest(reference):
     assert not [entry.name for entry in root.iterdir() if entry.name.startswith(".tmp-")]
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout", ["tp1", "pp2", "tp2", pytest.param("pp2vpp2", marks=pytest.mark.slow)]
+)
 def test_resume_matches_uninterrupted_run(reference, layout):
     world_size, sizes = LAYOUTS[layout]
     results = run_distributed(_resume, world_size, args=(str(reference["root"]), sizes, NUM_AFTER))

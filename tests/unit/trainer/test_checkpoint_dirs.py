@@ -91,7 +91,10 @@ def test_recommitting_a_step_replaces_it(tmp_path):
         (lambda d: (d / checkpoint_dirs.MARKER).unlink(), "no completion marker"),
         (lambda d: (d / checkpoint_dirs.MARKER).write_text("{"), "unreadable completion marker"),
         (lambda d: (d / "__1_0.distcp").unlink(), "file __1_0.distcp is missing"),
-        (lambda d: (d / "sub" / "nested.bin").write_bytes(b"x"), "file sub/nested.bin has 1 bytes, the marker says 10"),
+        (
+            lambda d: (d / "sub" / "nested.bin").write_bytes(b"x"),
+            "file sub/nested.bin has 1 bytes, the marker says 10",
+        ),
     ],
     ids=["no-marker", "torn-marker", "missing-file", "truncated-file"],
 )
@@ -103,7 +106,9 @@ def test_damaged_checkpoints_are_skipped_and_logged(tmp_path, caplog, damage, re
         found = find_checkpoint(tmp_path)
     assert found.step == 2
     messages = [record.getMessage() for record in caplog.records]
-    assert any(m.startswith(f"iter_0000003 is incomplete ({reason}") and m.endswith("resuming from iter_0000002") for m in messages), messages
+    expected = f"iter_0000003 is incomplete ({reason}"
+    matches = [m for m in messages if m.startswith(expected) and m.endswith("; resuming from iter_0000002")]
+    assert matches, messages
 
 
 def test_latest_naming_an_incomplete_checkpoint_falls_back_to_a_scan(tmp_path, caplog):
@@ -127,7 +132,8 @@ def test_a_newer_complete_checkpoint_than_latest_is_reported(tmp_path, caplog):
     write_latest(tmp_path, "iter_0000001")  # e.g. a crash between the rename and the pointer
     with caplog.at_level(logging.WARNING, logger=checkpoint_dirs.__name__):
         assert find_checkpoint(tmp_path).step == 1
-    assert any("iter_0000002 is complete and newer than iter_0000001" in r.getMessage() for r in caplog.records)
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("iter_0000002 is complete and newer than iter_0000001" in m for m in messages), messages
 
 
 def test_no_checkpoint_and_explicit_steps(tmp_path):
@@ -147,7 +153,8 @@ def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
     _saved(tmp_path, 5)
     removed = prune(tmp_path, 2, keep=tmp_path / "iter_0000005")
     assert sorted(p.name for p in removed) == sorted(["iter_0000001", stale.name])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000003", "iter_0000005", "latest"]
+    remaining = sorted(p.name for p in tmp_path.iterdir())
+    assert remaining == ["iter_0000002", "iter_0000003", "iter_0000005", "latest"]
     with pytest.raises(ValueError, match="keep_last_n must be >= 1"):
         prune(tmp_path, 0, keep=tmp_path / "iter_0000005")
 
