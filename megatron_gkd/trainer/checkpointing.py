@@ -44,6 +44,14 @@ logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 _RNG_KEY = "rng_state"
+# How Megatron lays out optimizer state. "fully_reshardable" keeps the distributed optimizer's state
+# in the model's (TP/PP-sharded, DP-replicated) shapes, so it reshards across TP, PP and DP alike; the
+# default of megatron-core 0.16.1 ("fully_sharded_model_space") is deprecated and fails to save there
+# ("ShardedTensor.flattened_range is not supported"). Without prefixes per chained optimizer, a
+# checkpoint does not depend on how the parameters were split into optimizer groups. Only Megatron's
+# regular optimizer is tested here: a *fresh* distributed optimizer cannot be loaded into on a build
+# without Apex/TE (its state_dict() asserts a common Adam "step", which init_state_fn does not create).
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
 def _save_strategy(thread_count: int = 1):
@@ -145,7 +153,9 @@ def _sharded_state_dict(model_chunks, optimizer, parallel_state, *, is_loading: 
     }
     state = dict(model_state)
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=_OPTIMIZER_METADATA
+        )
     if rng:
         state[_RNG_KEY] = _rng_sharded_object(parallel_state, None if is_loading else _rng_state())
     return state
