@@ -169,6 +169,20 @@ def _broadcast(value):
     return holder[0]
 
 
+def _check_same_on_all_ranks(data_state: dict) -> None:
+    # Common state is written by rank 0 alone; Megatron only logs a warning when ranks differ, which
+    # would silently resume the other ranks at rank 0's position.
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, data_state)
+    differing = [rank for rank, state in enumerate(states) if state != states[0]]
+    if differing:
+        raise ValueError(
+            f"data_state differs between rank 0 ({states[0]!r}) and ranks {differing} "
+            f"(rank {differing[0]}: {states[differing[0]]!r}); pass the global data position, "
+            "identical on every rank (e.g. the number of samples consumed in total)"
+        )
+
+
 def save_checkpoint(
     directory: str | os.PathLike,
     step: int,
@@ -190,18 +204,23 @@ def save_checkpoint(
         optimizer: the Megatron optimizer.
         scheduler: Megatron's ``OptimizerParamScheduler`` (anything with ``state_dict``), or ``None``.
         rng: also save this rank's RNG states.
-        data_state: the data position (e.g. the sampler's ``state_dict()``); identical on all ranks.
+        data_state: the data position (e.g. the sampler's ``state_dict()``); must be identical on all
+            ranks (it is common state, written once).
         parallel_state: from :func:`megatron_gkd.parallel.initialize`.
         keep_last_n: after the save, delete all but the newest ``keep_last_n`` complete checkpoints
             (``None`` keeps all).
 
     Returns:
         The checkpoint directory ``<directory>/iter_XXXXXXX``.
+
+    Raises:
+        ValueError: ``keep_last_n`` < 1, or ``data_state`` differs between ranks (nothing is written).
     """
     from megatron.core import dist_checkpointing
 
     if keep_last_n is not None and keep_last_n < 1:
         raise ValueError(f"keep_last_n must be >= 1 (or None to keep every checkpoint), got {keep_last_n}")
+    _check_same_on_all_ranks(data_state)
     root = Path(directory)
     rank = dist.get_rank()
     temp_dir = None

@@ -85,6 +85,19 @@ def _train_save_continue(root: str, num_after: int) -> dict:
     data = SyntheticData(SPEC)
     for _ in range(SAVE_STEP):
         train_step(SPEC, chunks, optimizer, next(data), scheduler=scheduler)
+    try:  # a per-rank data position cannot be common state: refused before anything is written
+        save_checkpoint(
+            root,
+            SAVE_STEP,
+            model_chunks=chunks,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            data_state={"position": state.rank},
+            parallel_state=state,
+        )
+        refused = None
+    except ValueError as error:
+        refused = str(error)
     save_checkpoint(
         root,
         SAVE_STEP,
@@ -97,7 +110,7 @@ def _train_save_continue(root: str, num_after: int) -> dict:
     rng = _rng_probe()
     losses = [train_step(SPEC, chunks, optimizer, next(data), scheduler=scheduler) for _ in range(num_after)]
     parallel.destroy()
-    return {"losses": losses, "rng": rng}
+    return {"losses": losses, "rng": rng, "refused": refused}
 
 
 def _resume(root: str, sizes: dict, num_after: int, kill_during_save: bool = False) -> dict:
@@ -157,11 +170,19 @@ def _last_stage_losses(results: list[dict]) -> list[float]:
 def reference(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("ckpt") / "run"
     results = run_distributed(_train_save_continue, 2, args=(str(root), NUM_AFTER))
-    return {"root": root, "losses": _last_stage_losses(results), "rng": [r["rng"] for r in results]}
+    return {
+        "root": root,
+        "losses": _last_stage_losses(results),
+        "rng": [r["rng"] for r in results],
+        "refused": [r["refused"] for r in results],
+    }
 
 
 def test_save_writes_a_complete_checkpoint_and_latest(reference):
+    for message in reference["refused"]:
+        assert message is not None and "data_state differs between rank 0" in message
     root = reference["root"]
+    assert sorted(entry.name for entry in root.iterdir()) == ["iter_0000002", "latest"]
     assert checkpoint_dirs.read_latest(root) == "iter_0000002"
     assert checkpoint_dirs.incomplete_reason(root / "iter_0000002") is None
     assert not [entry.name for entry in root.iterdir() if entry.name.startswith(".tmp-")]
