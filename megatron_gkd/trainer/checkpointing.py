@@ -51,7 +51,10 @@ _RNG_KEY = "rng_state"
 # checkpoint does not depend on how the parameters were split into optimizer groups. Only Megatron's
 # regular optimizer is tested here: a *fresh* distributed optimizer cannot be loaded into on a build
 # without Apex/TE (its state_dict() asserts a common Adam "step", which init_state_fn does not create).
-_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+_OPTIMIZER_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "chained_optim_avoid_prefix": True,
+}
 
 
 def _save_strategy(thread_count: int = 1):
