@@ -176,6 +176,22 @@ def manual_seed(seed: int) -> None:
         getattr(torch, platform.device_type).manual_seed_all(seed)
 
 
+def accelerator_rng_state() -> torch.Tensor | None:
+    """The accelerator generator's state (for checkpoints); ``None`` on the host, whose generator is
+    ``torch.get_rng_state()``."""
+    platform = current()
+    if platform.name == "cpu":
+        return None
+    return getattr(torch, platform.device_type).get_rng_state()
+
+
+def set_accelerator_rng_state(state: torch.Tensor | None) -> None:
+    """Restores a state from :func:`accelerator_rng_state` (``None``: nothing to restore)."""
+    platform = current()
+    if state is not None and platform.name != "cpu":
+        getattr(torch, platform.device_type).set_rng_state(state)
+
+
 def max_memory_allocated() -> int:
     """Peak bytes allocated on the accelerator since the last reset (0 on the host: use RSS there)."""
     platform = current()

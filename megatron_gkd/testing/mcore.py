@@ -37,6 +37,10 @@ class TinyGPTSpec:
     lr: float = 1e-3
     clip_grad: float = 1.0
     seed: int = 1234
+    lr_warmup_steps: int = 2
+    """Linear warm-up of :func:`build_scheduler` from ``lr / 10`` to ``lr``."""
+    lr_decay_steps: int = 10
+    """Cosine decay of :func:`build_scheduler` from ``lr`` to ``lr / 10`` after the warm-up."""
     bf16: bool = False
     """bf16 parameters with fp32 main parameters in the optimizer (Megatron's Float16 optimizer)."""
     use_distributed_optimizer: bool = False
@@ -126,6 +130,7 @@ def build_optimizer(spec: TinyGPTSpec, chunks: list[torch.nn.Module]):
     config = OptimizerConfig(
         optimizer="adam",
         lr=spec.lr,
+        min_lr=spec.lr / 10,  # read from the param groups by build_scheduler's decay
         weight_decay=0.0,
         clip_grad=spec.clip_grad,
         bf16=spec.bf16,
@@ -134,6 +139,56 @@ def build_optimizer(spec: TinyGPTSpec, chunks: list[torch.nn.Module]):
         use_distributed_optimizer=spec.use_distributed_optimizer,
     )
     return get_megatron_optimizer(config, chunks)
+
+
+def build_scheduler(spec: TinyGPTSpec, optimizer):
+    """Megatron's ``OptimizerParamScheduler``: linear warm-up, then cosine decay (see ``spec``)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=spec.lr / 10,
+        max_lr=spec.lr,
+        min_lr=spec.lr / 10,
+        lr_warmup_steps=spec.lr_warmup_steps,
+        lr_decay_steps=spec.lr_decay_steps,
+        lr_decay_style="cosine",
+        start_wd=0.0,
+        end_wd=0.0,
+        wd_incr_steps=spec.lr_decay_steps,
+        wd_incr_style="constant",
+    )
+
+
+class SyntheticData:
+    """An endless, resumable stream of per-step micro-batches, identical on every rank and layout.
+
+    Step ``n``'s micro-batches depend only on ``(seed, n)``, so restoring :meth:`state_dict` (the
+    position) resumes the stream exactly where it was, which is what checkpoints must prove.
+    """
+
+    def __init__(self, spec: TinyGPTSpec, seed: int | None = None):
+        self.spec = spec
+        self.seed = spec.seed + 1 if seed is None else seed
+        self.position = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[torch.Tensor]:
+        spec = self.spec
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.position)
+        shape = (spec.num_microbatches, spec.micro_batch_size, spec.seq_length + 1)
+        tokens = torch.randint(0, spec.vocab_size, shape, generator=generator)
+        self.position += 1
+        return list(tokens.unbind(0))
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+        self.seed = int(state["seed"])
 
 
 def synthetic_batches(spec: TinyGPTSpec, num_steps: int) -> list[list[torch.Tensor]]:
@@ -159,8 +214,13 @@ def _forward_step(data_iterator: Iterator[torch.Tensor], model: torch.nn.Module)
     return output, partial(_loss_func, torch.ones_like(labels, dtype=torch.float32))
 
 
-def train_step(spec: TinyGPTSpec, chunks, optimizer, microbatches: list[torch.Tensor]) -> float | None:
-    """One optimizer step over ``microbatches``; returns the mean loss on the last stage, else ``None``."""
+def train_step(
+    spec: TinyGPTSpec, chunks, optimizer, microbatches: list[torch.Tensor], scheduler=None
+) -> float | None:
+    """One optimizer step over ``microbatches``; returns the mean loss on the last stage, else ``None``.
+
+    With a ``scheduler`` (:func:`build_scheduler`), it advances by one step after the update.
+    """
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -182,6 +242,8 @@ def train_step(spec: TinyGPTSpec, chunks, optimizer, microbatches: list[torch.Te
     update_successful, grad_norm, _ = optimizer.step()
     if not update_successful:
         raise RuntimeError("optimizer step was skipped (non-finite gradients)")
+    if scheduler is not None:
+        scheduler.step(1)
     if not losses:
         return None
     return float(torch.stack([entry["lm loss"] for entry in losses]).mean())

@@ -1,0 +1,348 @@
+"""Distributed checkpoints: Megatron ``dist_checkpointing``, written atomically, resumable on another layout.
+
+What a checkpoint holds:
+
+* the model (``chunk.sharded_state_dict()`` per virtual-pipeline chunk) and the optimizer state
+  (``optimizer.sharded_state_dict(model_sharded_state_dict)``): sharded tensors keyed by global
+  parameter names and offsets, so a checkpoint saved at TP=2 loads at TP=1, PP=2, ...;
+* common state (written once by rank 0): the LR scheduler, the data position (``data_state``), the
+  step and the saving layout;
+* per-rank RNG states (Python, NumPy, torch host and accelerator generators, Megatron's model-parallel
+  RNG tracker) as one ``ShardedObject`` per rank. They are restored only when the layout is unchanged
+  (a rank of another layout has no counterpart to take them from); otherwise a warning says so.
+
+Atomicity and the on-disk layout are :mod:`megatron_gkd.trainer.checkpoint_dirs`: every rank writes
+into ``<root>/.tmp-iter_XXXXXXX-<nonce>``, rank 0 writes the completion marker last, renames the
+directory to ``<root>/iter_XXXXXXX`` and replaces ``<root>/latest``.
+
+Typical use (after :func:`megatron_gkd.parallel.initialize`)::
+
+    save_checkpoint(root, step, model_chunks=chunks, optimizer=optimizer, scheduler=scheduler,
+                    data_state=loader.state_dict(), parallel_state=state, keep_last_n=3)
+    step, data_state = load_checkpoint(root, model_chunks=chunks, optimizer=optimizer,
+                                       scheduler=scheduler, parallel_state=state)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import secrets
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_gkd import platform
+from megatron_gkd.parallel import ParallelState
+from megatron_gkd.trainer import checkpoint_dirs
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+_RNG_KEY = "rng_state"
+# How Megatron lays out optimizer state. "fully_reshardable" keeps the distributed optimizer's state
+# in the model's (TP/PP-sharded, DP-replicated) shapes, so it reshards across TP, PP and DP alike; the
+# default of megatron-core 0.16.1 ("fully_sharded_model_space") is deprecated and fails to save there
+# ("ShardedTensor.flattened_range is not supported"). Without prefixes per chained optimizer, a
+# checkpoint does not depend on how the parameters were split into optimizer groups. Only Megatron's
+# regular optimizer is tested here: a *fresh* distributed optimizer cannot be loaded into on a build
+# without Apex/TE (its state_dict() asserts a common Adam "step", which init_state_fn does not create).
+_OPTIMIZER_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "chained_optim_avoid_prefix": True,
+}
+
+
+def _save_strategy(thread_count: int = 1):
+    """Megatron's ``torch_dist`` format, written by this process (no helper processes).
+
+    Megatron's own writer (``FileSystemWriterAsync``) returns its results through a
+    ``multiprocessing.Manager()`` queue started with the *spawn* method and forks one writer process
+    per file. Seen on megatron-core 0.16.1: in a daemonic rank process (the ranks of
+    :func:`megatron_gkd.testing.distributed.run_distributed`) the Manager cannot start at all
+    ("daemonic processes are not allowed to have children"), and under torchrun it re-imports the
+    entry script, so an unguarded script hangs after ``common.pt`` (ENVIRONMENT.md; re-seen here,
+    and ``tests/distributed/trainer/test_checkpointing_torchrun.py`` shows such a script saving with
+    this strategy). Torch's
+    ``FileSystemWriter`` writes the same files (``__<rank>_<i>.distcp`` + ``.metadata``) from this
+    process and fsyncs each one; Megatron's planner and its loader are used unchanged. The price is
+    that the save is synchronous (no overlap with training), which Megatron's sync path is too.
+    """
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    class InProcessTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir):
+            sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica
+            )
+            writer = FileSystemWriter(
+                checkpoint_dir, single_file_per_rank=True, sync_files=True, thread_count=self.thread_count
+            )
+            planner = MCoreSavePlanner(
+                dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False
+            )
+            pyt_state_dict = mcore_to_pyt_state_dict(sharded_state_dict, False)
+            dcp_save(pyt_state_dict, storage_writer=writer, planner=planner)
+
+        def async_save(self, sharded_state_dict, checkpoint_dir):
+            raise NotImplementedError("the in-process torch_dist strategy saves synchronously only")
+
+    return InProcessTorchDistSaveStrategy("torch_dist", 1, thread_count=thread_count)
+
+
+def _layout(parallel_state: ParallelState) -> dict:
+    return {**dataclasses.asdict(parallel_state.config), "world_size": parallel_state.world_size}
+
+
+def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    # The wrappers' (DDP, Float16Module) generic sharded_state_dict would prefix every name with
+    # "module."; the model's own one is what load_state_dict of the model expects back.
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(chunk)
+
+
+def _model_keys(num_chunks: int) -> list[str]:
+    # Megatron's own naming: "model", or "model0", "model1", ... per virtual-pipeline chunk. Only the
+    # sharded keys inside matter for resharding, so a VPP checkpoint loads without VPP and back.
+    return ["model"] if num_chunks == 1 else [f"model{index}" for index in range(num_chunks)]
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    return {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "accelerator": platform.accelerator_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    platform.set_accelerator_rng_state(state["accelerator"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded_object(parallel_state: ParallelState, state: dict | None):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    # One object per rank (global shape = world size): every rank's generators differ (the tracker
+    # seeds depend on the TP/PP/EP rank), so none of them is a replica of another.
+    return ShardedObject(
+        _RNG_KEY, state, (parallel_state.world_size,), (parallel_state.rank,), replica_id=0
+    )
+
+
+def _sharded_state_dict(model_chunks, optimizer, parallel_state, *, is_loading: bool, rng: bool) -> dict:
+    model_state = {
+        key: _unwrap(chunk).sharded_state_dict()
+        for key, chunk in zip(_model_keys(len(model_chunks)), model_chunks)
+    }
+    state = dict(model_state)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=_OPTIMIZER_METADATA
+        )
+    if rng:
+        state[_RNG_KEY] = _rng_sharded_object(parallel_state, None if is_loading else _rng_state())
+    return state
+
+
+def _broadcast(value):
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _check_same_on_all_ranks(data_state: dict) -> None:
+    # Common state is written by rank 0 alone; Megatron only logs a warning when ranks differ, which
+    # would silently resume the other ranks at rank 0's position.
+    states = [None] * dist.get_world_size()
+    dist.all_gather_object(states, data_state)
+    differing = [rank for rank, state in enumerate(states) if state != states[0]]
+    if differing:
+        raise ValueError(
+            f"data_state differs between rank 0 ({states[0]!r}) and ranks {differing} "
+            f"(rank {differing[0]}: {states[differing[0]]!r}); pass the global data position, "
+            "identical on every rank (e.g. the number of samples consumed in total)"
+        )
+
+
+def save_checkpoint(
+    directory: str | os.PathLike,
+    step: int,
+    *,
+    model_chunks: list[torch.nn.Module],
+    optimizer,
+    scheduler,
+    rng: bool = True,
+    data_state: dict,
+    parallel_state: ParallelState,
+    keep_last_n: int | None = None,
+) -> Path:
+    """Saves a checkpoint of ``step`` under the root ``directory`` (collective: every rank calls it).
+
+    Args:
+        directory: the checkpoint root; ``iter_XXXXXXX`` directories and ``latest`` live in it.
+        step: the number of optimizer steps taken so far.
+        model_chunks: this rank's model chunks (Megatron modules, DDP-wrapped or not).
+        optimizer: the Megatron optimizer.
+        scheduler: Megatron's ``OptimizerParamScheduler`` (anything with ``state_dict``), or ``None``.
+        rng: also save this rank's RNG states.
+        data_state: the data position (e.g. the sampler's ``state_dict()``); must be identical on all
+            ranks (it is common state, written once).
+        parallel_state: from :func:`megatron_gkd.parallel.initialize`.
+        keep_last_n: after the save, delete all but the newest ``keep_last_n`` complete checkpoints
+            (``None`` keeps all).
+
+    Returns:
+        The checkpoint directory ``<directory>/iter_XXXXXXX``.
+
+    Raises:
+        ValueError: ``keep_last_n`` < 1, or ``data_state`` differs between ranks (nothing is written).
+    """
+    from megatron.core import dist_checkpointing
+
+    if keep_last_n is not None and keep_last_n < 1:
+        raise ValueError(f"keep_last_n must be >= 1 (or None to keep every checkpoint), got {keep_last_n}")
+    _check_same_on_all_ranks(data_state)
+    root = Path(directory)
+    rank = dist.get_rank()
+    temp_dir = None
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        temp_dir = root / checkpoint_dirs.temp_name(step, secrets.token_hex(4))
+        temp_dir.mkdir()
+    temp_dir = Path(_broadcast(None if temp_dir is None else str(temp_dir)))
+
+    state = _sharded_state_dict(model_chunks, optimizer, parallel_state, is_loading=False, rng=rng)
+    state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
+    state["data_state"] = data_state
+    state["checkpoint"] = {
+        "step": step,
+        "layout": _layout(parallel_state),
+        "rng": rng,
+        "format_version": FORMAT_VERSION,
+    }
+    # Ends with a barrier after rank 0 wrote metadata.json: every rank's files are on disk here.
+    dist_checkpointing.save(state, str(temp_dir), sharded_strategy=_save_strategy())
+
+    final = root / checkpoint_dirs.iter_name(step)
+    failure = None
+    if rank == 0:
+        try:
+            checkpoint_dirs.commit(temp_dir, root, step)
+            logger.info("saved checkpoint %s", final)
+            if keep_last_n is not None:
+                checkpoint_dirs.prune(root, keep_last_n, keep=final)
+        except OSError as error:
+            failure = error
+    # Rank 0 tells the others how the commit went, so that no rank waits on a failed one.
+    message = _broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    if message is not None:
+        raise RuntimeError(f"rank 0 failed to commit checkpoint {final}: {message}")
+    return final
+
+
+def load_checkpoint(
+    root: str | os.PathLike,
+    *,
+    model_chunks: list[torch.nn.Module],
+    optimizer,
+    scheduler,
+    parallel_state: ParallelState,
+    step: int | None = None,
+) -> tuple[int, dict] | None:
+    """Loads the newest complete checkpoint under ``root`` into the current layout (collective).
+
+    The saving layout may differ (TP/PP/VPP change): model and optimizer tensors are resharded by
+    Megatron. RNG states are restored only when the layout is the same, otherwise a warning says so.
+    Incomplete checkpoints are skipped with a warning naming the reason and the one used instead.
+
+    Args:
+        root: the checkpoint root given to :func:`save_checkpoint`.
+        model_chunks, optimizer, scheduler, parallel_state: as for :func:`save_checkpoint`; they are
+            loaded in place (``optimizer`` and ``scheduler`` may be ``None`` to load the model only).
+        step: load exactly this step instead of the newest.
+
+    Returns:
+        ``(step, data_state)``, or ``None`` when ``root`` holds no complete checkpoint.
+
+    Raises:
+        FileNotFoundError: ``step`` was given and that checkpoint is missing or incomplete.
+    """
+    from megatron.core import dist_checkpointing
+
+    found = None
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            found = checkpoint_dirs.find_checkpoint(root, step)
+        except FileNotFoundError as exc:
+            error = str(exc)
+    found, error = _broadcast((found, error))
+    if error is not None:
+        raise FileNotFoundError(error)
+    if found is None:
+        logger.info("no complete checkpoint under %s; starting from scratch", root)
+        return None
+
+    common = dist_checkpointing.load_common_state_dict(str(found.path))
+    meta = common["checkpoint"]
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{found.path} has checkpoint format {meta.get('format_version')}, this code reads "
+            f"{FORMAT_VERSION}; convert it or load it with the version that wrote it"
+        )
+    same_layout = meta["layout"] == _layout(parallel_state)
+    has_rng = meta["rng"]
+    restore_rng = same_layout and has_rng
+    if not restore_rng and dist.get_rank() == 0:
+        if has_rng:
+            why = f"it was saved with layout {meta['layout']} and this run has {_layout(parallel_state)}"
+        else:
+            why = "it holds no RNG states"
+        logger.warning(
+            "RNG states of %s are not restored (%s): random draws after resuming differ from an "
+            "uninterrupted run",
+            found.path.name,
+            why,
+        )
+
+    state = _sharded_state_dict(model_chunks, optimizer, parallel_state, is_loading=True, rng=restore_rng)
+    loaded = dist_checkpointing.load(state, str(found.path))
+
+    for chunk, key in zip(model_chunks, _model_keys(len(model_chunks))):
+        _unwrap(chunk).load_state_dict(loaded[key], strict=True)
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    if scheduler is not None:
+        if common.get("scheduler") is None:
+            raise ValueError(f"{found.path} holds no scheduler state; pass scheduler=None to skip it")
+        scheduler.load_state_dict(common["scheduler"])
+    if restore_rng:
+        _set_rng_state(loaded[_RNG_KEY])
+    if dist.get_rank() == 0:
+        logger.info("resumed from %s (step %d)", found.path, meta["step"])
+    return meta["step"], common["data_state"]
+
