@@ -19,8 +19,8 @@ from megatron_gkd.testing.hf_models import hf_logits, make_tiny_checkpoint, mega
 
 pytestmark = pytest.mark.distributed
 
-DENSE = ["LlamaForCausalLM"]
-MOE: list[str] = []
+DENSE = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+MOE = ["Qwen3MoeForCausalLM"]
 ARCHITECTURES = DENSE + MOE
 
 TP2 = dict(tensor_model_parallel_size=2)
@@ -29,10 +29,15 @@ EP2 = dict(expert_model_parallel_size=2)
 TP2_EP2 = dict(tensor_model_parallel_size=2, expert_model_parallel_size=2)
 PP2_VPP2 = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
 
-# world size -> [(layout name, layout, architectures)]
+# world size -> [(layout name, layout, architectures)]. "tp1" runs as two data-parallel replicas: each
+# rank holds a whole TP=1 model, and one spawn is saved.
 LAYOUTS = {
-    1: [("tp1", {}, ARCHITECTURES)],
-    2: [("tp2", TP2, ARCHITECTURES), ("ep2", EP2, MOE)],
+    2: [
+        ("tp1", {}, ARCHITECTURES),
+        ("tp2", TP2, ARCHITECTURES),
+        ("ep2", EP2, MOE),
+        ("pp2vpp2", PP2_VPP2, ["LlamaForCausalLM", *MOE]),
+    ],
     4: [("tp2pp2", TP2_PP2, ARCHITECTURES), ("tp2ep2", TP2_EP2, MOE)],
 }
 TOLERANCE = 1e-4
