@@ -55,8 +55,9 @@ def export_hf_weights(modules, *, owner_only: bool = True) -> Iterator[tuple[str
     """``(hf_name, full tensor)`` for every HF tensor held by this rank's chunks.
 
     Every rank of the model must iterate to the end (the TP / expert-TP gathers are collectives).
-    Tensors stay on the parameters' device and dtype; a replicated tensor may share storage with its
-    parameter, so copy before modifying.
+    Tensors stay on the parameters' device and dtype (which can be float32 for norms of a bfloat16
+    model: cast to the receiver's dtype); a replicated tensor may share storage with its parameter, so
+    copy before modifying.
 
     Args:
         modules: this rank's chunks (``GPTModel`` built by this package, possibly wrapped).
@@ -96,7 +97,7 @@ def save_hf(
     Args:
         modules: this rank's chunks.
         path: output directory (on a file system every rank sees).
-        dtype: tensor dtype on disk; default: the parameters' dtype.
+        dtype: tensor dtype on disk; default: the dtype the model was built with (``load_hf(dtype=)``).
         max_shard_bytes: a rank starts a new file after this many bytes.
         tokenizer_source: where to copy tokenizer files from.
     """
@@ -111,13 +112,12 @@ def save_hf(
                 os.remove(os.path.join(path, name))
     _barrier()
 
-    weight_map = _write_owned_tensors(modules, path, rank, dtype, max_shard_bytes)
+    weight_map = _write_owned_tensors(modules, path, rank, dtype or info.dtype, max_shard_bytes)
     maps = [None] * dist.get_world_size() if dist.is_initialized() else [weight_map]
     if dist.is_initialized():
         dist.all_gather_object(maps, weight_map)
     if rank == 0:
-        saved_dtype = dtype or next(unwrap(modules[0]).parameters()).dtype
-        _write_metadata(path, maps, info, saved_dtype, tokenizer_source)
+        _write_metadata(path, maps, info, dtype or info.dtype, tokenizer_source)
     _barrier()
 
 
@@ -141,7 +141,7 @@ def _write_owned_tensors(modules, path, rank, dtype, max_shard_bytes) -> dict[st
 
     for name, tensor in export_hf_weights(modules):
         # A copy on the host: safetensors refuses tensors that share storage with each other.
-        buffer[name] = tensor.detach().to(device="cpu", dtype=dtype or tensor.dtype, copy=True).contiguous()
+        buffer[name] = tensor.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
         buffered += buffer[name].numel() * buffer[name].element_size()
         if buffered >= max_shard_bytes:
             flush()
