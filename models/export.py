@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import zlib
 from typing import Iterator
 
 import torch
@@ -40,11 +41,17 @@ TOKENIZER_FILES = (
 )
 
 
-def _is_owner(is_expert: bool, shard_rank: int) -> bool:
-    """One rank per tensor yields it: shard rank 0 of the first data-parallel replica."""
+def owner_shard_rank(hf_name: str, size: int) -> int:
+    """The rank of the splitting group that yields ``hf_name``: spread by a stable hash of the name, so
+    that every TP rank writes (and holds) a share of the gathered tensors, not rank 0 all of them."""
+    return zlib.crc32(hf_name.encode()) % size
+
+
+def _is_owner(hf_name: str, is_expert: bool, shard_rank: int, size: int) -> bool:
+    """One rank per tensor yields it: its owner shard rank in the first data-parallel replica."""
     from megatron.core import parallel_state as mpu
 
-    if shard_rank != 0:
+    if shard_rank != owner_shard_rank(hf_name, size):
         return False
     if is_expert:
         return mpu.get_expert_data_parallel_rank() == 0
@@ -61,8 +68,9 @@ def export_hf_weights(modules, *, owner_only: bool = True) -> Iterator[tuple[str
 
     Args:
         modules: this rank's chunks (``GPTModel`` built by this package, possibly wrapped).
-        owner_only: yield each tensor on one rank only (shard rank 0 of the first data-parallel
-            replica); ``False`` yields on every rank that took part in the gather.
+        owner_only: yield each tensor on one rank only (:func:`owner_shard_rank` of the group that
+            splits it, in the first data-parallel replica); ``False`` yields on every rank that took
+            part in the gather.
     """
     for chunk in modules:
         model = unwrap(chunk)
@@ -75,9 +83,9 @@ def export_hf_weights(modules, *, owner_only: bool = True) -> Iterator[tuple[str
                 piece if dim is None or size == 1 else gather_tp(piece, dim, group)
                 for piece, dim in zip(slices, rule.tp_dims)
             ]
-            if owner_only and not _is_owner(rule.is_expert, rank):
-                continue
-            yield from zip(rule.hf_names(fields), full)
+            for hf_name, tensor in zip(rule.hf_names(fields), full):
+                if not owner_only or _is_owner(hf_name, rule.is_expert, rank, size):
+                    yield hf_name, tensor
 
 
 def save_hf(
@@ -85,7 +93,7 @@ def save_hf(
     path: str | os.PathLike,
     *,
     dtype: torch.dtype | None = None,
-    max_shard_bytes: int = 2 * 2**30,
+    max_shard_bytes: int = 2**30,
     tokenizer_source: str | os.PathLike | None = None,
 ) -> None:
     """Writes an HF checkpoint of ``modules`` to ``path`` (collective: call on every rank).
@@ -98,7 +106,8 @@ def save_hf(
         modules: this rank's chunks.
         path: output directory (on a file system every rank sees).
         dtype: tensor dtype on disk; default: the dtype the model was built with (``load_hf(dtype=)``).
-        max_shard_bytes: a rank starts a new file after this many bytes.
+        max_shard_bytes: a rank starts a new file after this many bytes; a rank's memory while saving
+            is about twice this (safetensors serialises a file's tensors in memory).
         tokenizer_source: where to copy tokenizer files from.
     """
     path = os.fspath(path)

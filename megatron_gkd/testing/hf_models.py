@@ -62,6 +62,16 @@ TINY_CONFIGS: dict[str, dict] = {
     ),
 }
 
+# ~370 MB in float32 (12 layers of 768 wide, 2048 MLP, 8192 vocabulary): the memory test and benchmark.
+LARGE_LLAMA = dict(
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=6,
+    num_key_value_heads=6,
+    vocab_size=8192,
+)
+
 
 def _config_class(architecture: str):
     import transformers
