@@ -162,6 +162,7 @@ def _write_metadata(path, maps, info, dtype, tokenizer_source) -> None:
     weight_map, total = {}, 0
     for rank_map in maps:
         for name, (file, num_bytes) in rank_map.items():
+            assert name not in weight_map, f"{name} was exported by two ranks ({weight_map[name]}, {file})"
             weight_map[name] = file
             total += num_bytes
     with open(os.path.join(path, INDEX_FILE), "w") as handle:

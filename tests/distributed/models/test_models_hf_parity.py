@@ -24,6 +24,18 @@ DENSE = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 MOE = ["Qwen3MoeForCausalLM"]
 ARCHITECTURES = DENSE + MOE
 BF16 = "Qwen3ForCausalLM-bf16"
+# Qwen2-MoE-style routing (softmax over all experts, no renormalisation of the top k) on every other layer.
+MOE_VARIANT = "Qwen3MoeForCausalLM-unnormalised"
+
+# case -> (architecture, dtype, make_tiny_checkpoint overrides)
+CASES = {
+    **{arch: (arch, torch.float32, {}) for arch in DENSE},
+    # Sharded into several files with an index.
+    "Qwen3MoeForCausalLM": ("Qwen3MoeForCausalLM", torch.float32, {"max_shard_size": "200KB"}),
+    MOE_VARIANT: ("Qwen3MoeForCausalLM", torch.float32, {"norm_topk_prob": False, "decoder_sparse_step": 2, "mlp_only_layers": []}),
+    # Round trip only: bfloat16 logits are not comparable at 1e-4.
+    BF16: ("Qwen3ForCausalLM", torch.bfloat16, {}),
+}
 
 TP2 = dict(tensor_model_parallel_size=2)
 TP2_PP2 = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
@@ -37,7 +49,7 @@ LAYOUTS = {
     2: [
         ("tp1", {}, ARCHITECTURES),
         ("tp2", TP2, [*ARCHITECTURES, BF16]),
-        ("ep2", EP2, MOE),
+        ("ep2", EP2, [*MOE, MOE_VARIANT]),
         ("pp2vpp2", PP2_VPP2, ["LlamaForCausalLM", *MOE]),
     ],
     4: [("tp2pp2", TP2_PP2, ARCHITECTURES), ("tp2ep2", TP2_EP2, MOE)],
@@ -46,7 +58,7 @@ TOLERANCE = 1e-4
 
 
 def _load_forward_save(layouts, cases, tokens, out_root):
-    """Rank body: for each layout and case (name -> (path, dtype)), logits (last stage, fp32) and a save_hf directory."""
+    """Rank body: for each layout and case (name -> (path, dtype)), logits (last stage) and a save_hf directory."""
     from megatron_gkd import parallel
     from megatron_gkd.models import load_hf, save_hf
 
@@ -69,12 +81,11 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7))
     paths = {
-        arch: make_tiny_checkpoint(arch, root / arch, seed=i, max_shard_size="200KB" if arch in MOE else None)
-        for i, arch in enumerate(ARCHITECTURES)
+        case: make_tiny_checkpoint(arch, root / case, seed=i, dtype=dtype, **overrides)
+        for i, (case, (arch, dtype, overrides)) in enumerate(CASES.items())
     }
-    assert os.path.isfile(os.path.join(paths[MOE[0]], "model.safetensors.index.json"))
-    references = {arch: hf_logits(path, tokens) for arch, path in paths.items()}
-    paths[BF16] = make_tiny_checkpoint("Qwen3ForCausalLM", root / BF16, seed=9, dtype=torch.bfloat16)
+    assert os.path.isfile(os.path.join(paths["Qwen3MoeForCausalLM"], "model.safetensors.index.json"))
+    references = {case: hf_logits(paths[case], tokens) for case, (_, dtype, _) in CASES.items() if dtype == torch.float32}
     return paths, tokens, references
 
 
@@ -87,7 +98,7 @@ def runs(checkpoints, tmp_path_factory):
     def run(world_size):
         if world_size not in cache:
             out_root = str(tmp_path_factory.mktemp(f"saved-w{world_size}"))
-            cases = {case: (path, torch.bfloat16 if case == BF16 else torch.float32) for case, path in paths.items()}
+            cases = {case: (paths[case], dtype) for case, (_, dtype, _) in CASES.items()}
             cache[world_size] = run_distributed(
                 _load_forward_save, world_size, args=(LAYOUTS[world_size], cases, tokens, out_root), timeout=600
             )
@@ -118,7 +129,7 @@ def test_logits_match_transformers(world_size, checkpoints, runs):
             seen.add((layout_name, arch))
             error = (logits - references[arch]).abs().max().item()
             assert error < TOLERANCE, f"{arch} at {layout_name}: max |logit error| {error:.2e}"
-    expected = {(name, arch) for name, _, archs in LAYOUTS[world_size] for arch in archs if arch != BF16}
+    expected = {(name, case) for name, _, cases in LAYOUTS[world_size] for case in cases if case in references}
     assert seen == expected
 
 
