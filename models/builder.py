@@ -139,6 +139,11 @@ def build_model(
     _ensure_rng_tracker()
     arch = get_architecture(hf_config)
     use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
+    if use_te and not transformer_engine_available():
+        raise ValueError(
+            "use_transformer_engine=True but transformer_engine does not import here; install "
+            "transformer-engine[pytorch] for your CUDA, or leave use_transformer_engine unset"
+        )
     config = transformer_config(hf_config, state, dtype=dtype, **config_overrides)
     model_kwargs = arch.gpt_model_kwargs(hf_config)
     info = HFModelInfo(

@@ -83,9 +83,9 @@ def export_hf_weights(modules, *, owner_only: bool = True) -> Iterator[tuple[str
                 piece if dim is None or size == 1 else gather_tp(piece, dim, group)
                 for piece, dim in zip(slices, rule.tp_dims)
             ]
-            for hf_name, tensor in zip(rule.hf_names(fields), full):
+            for hf_name, value in zip(rule.hf_names(fields), full):
                 if not owner_only or _is_owner(hf_name, rule.is_expert, rank, size):
-                    yield hf_name, tensor
+                    yield hf_name, value
 
 
 def save_hf(
