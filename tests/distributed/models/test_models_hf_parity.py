@@ -85,6 +85,8 @@ def checkpoints(tmp_path_factory):
         for i, (case, (arch, dtype, overrides)) in enumerate(CASES.items())
     }
     assert os.path.isfile(os.path.join(paths["Qwen3MoeForCausalLM"], "model.safetensors.index.json"))
+    # A tokenizer file that save_hf must carry over from the source directory.
+    (root / "LlamaForCausalLM" / "tokenizer_config.json").write_text('{"model_max_length": 4096}')
     references = {case: hf_logits(paths[case], tokens) for case, (_, dtype, _) in CASES.items() if dtype == torch.float32}
     return paths, tokens, references
 
@@ -140,6 +142,10 @@ def test_round_trip_is_bit_exact(world_size, checkpoints, runs):
     assert rank0, "no layout ran"
     for layout_name, arch, _, out in rank0:
         original, saved = _read_all(paths[arch]), _read_all(out)
+        for name in os.listdir(paths[arch]):
+            if name.startswith("tokenizer"):
+                with open(os.path.join(paths[arch], name)) as a, open(os.path.join(out, name)) as b:
+                    assert a.read() == b.read(), f"{arch} at {layout_name}: {name} not copied"
         assert sorted(saved) == sorted(original), f"{arch} at {layout_name}: tensor names differ"
         for name, tensor in original.items():
             assert saved[name].dtype == tensor.dtype, f"{arch} at {layout_name}: {name} dtype"
