@@ -54,6 +54,8 @@ setup(
         "pyzmq>=25.0.0",
         "pyyaml",
         "tqdm",
+        # megatron_gkd.models reads and writes HF checkpoints (sliced reads through safe_open).
+        "safetensors>=0.4",
     ],
     extras_require={
         "cpu": ["torch==2.13.0", *VLLM_CPU_DEPS],
@@ -62,6 +64,7 @@ setup(
         # On Ascend: torch_npu (needs CANN) and MindSpeed from https://gitcode.com/Ascend/MindSpeed;
         # neither installs from the public index, see README "Platforms".
         "npu": [],
-        "test": ["pytest>=8", "pytest-timeout"],
+        # transformers builds the tiny reference checkpoints of the model tests (megatron_gkd.testing.hf_models).
+        "test": ["pytest>=8", "pytest-timeout", "transformers"],
     },
 )
