@@ -85,6 +85,10 @@ def _define_missing_te_gemm(module: ModuleType) -> None:
         module.te_general_gemm = None
 
 
+def _no_transformer_engine_in_mla(module: ModuleType) -> None:
+    module.HAVE_TE = False
+
+
 def _rewrite(*rewrites: SourceRewrite) -> Callable[[ModuleType], None]:
     def apply(module: ModuleType) -> None:
         for rewrite in rewrites:
@@ -135,6 +139,16 @@ PATCHES: tuple[Patch, ...] = (
         "(NameError without it in 0.16.1)",
         why_safe="None is what the code checks for and selects the torch.mm path",
         apply=_define_missing_te_gemm,
+    ),
+    Patch(
+        name="mla_have_te",
+        target=f"{_MEGATRON_PREFIX}.transformer.multi_latent_attention",
+        upstream="sets HAVE_TE = True whenever megatron.core.extensions.transformer_engine imports, "
+        "which it does without Transformer Engine (its classes are then mocks), so MLA's constructor "
+        "raises TypeError on isinstance(self.linear_proj, TELinear)",
+        why_safe="Transformer Engine needs CUDA and never imports on the host; False is the value the "
+        "probe means to compute, and it only guards TE fp8/fp4 options",
+        apply=_no_transformer_engine_in_mla,
     ),
     Patch(
         name="clip_grads_type_check",
