@@ -1,0 +1,139 @@
+"""Tiny random Hugging Face checkpoints and logits through both stacks, for tests and benchmarks.
+
+Checkpoints are built by ``transformers`` itself from a config (nothing is downloaded), every tensor
+is re-drawn at random (HF initialises norms to one and biases to zero, which would hide mapping
+mistakes), and saved with ``save_pretrained``. ``megatron_logits`` runs this rank's chunks through
+Megatron's pipeline schedule (``forward_only``) and gathers the vocabulary shards.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# head_dim >= 32 everywhere (vLLM's CPU attention rejects 16); sizes that split across TP=2 and EP=2.
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=192,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+TINY_CONFIGS: dict[str, dict] = {
+    # Llama 3.1-style RoPE scaling and untied embeddings.
+    "LlamaForCausalLM": dict(
+        _COMMON,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        max_position_embeddings=16384,
+        tie_word_embeddings=False,
+    ),
+    # qkv bias, tied embeddings.
+    "Qwen2ForCausalLM": dict(_COMMON, rope_parameters=dict(rope_type="default", rope_theta=1000000.0), tie_word_embeddings=True),
+    # q/k norm, explicit head_dim different from hidden/heads, linear RoPE scaling.
+    "Qwen3ForCausalLM": dict(
+        _COMMON,
+        hidden_size=96,
+        head_dim=32,
+        rope_parameters=dict(rope_type="linear", rope_theta=1000000.0, factor=2.0),
+        tie_word_embeddings=False,
+    ),
+    # routed experts (normalised top-k), one dense layer among MoE layers.
+    "Qwen3MoeForCausalLM": dict(
+        _COMMON,
+        head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        mlp_only_layers=[1],
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def _config_class(architecture: str):
+    import transformers
+
+    model_class = getattr(transformers, architecture)
+    return model_class, model_class.config_class
+
+
+def make_tiny_checkpoint(
+    architecture: str, path: str | os.PathLike, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
+) -> str:
+    """Writes a random ``architecture`` checkpoint (``TINY_CONFIGS`` + ``overrides``) to ``path``."""
+    model_class, config_class = _config_class(architecture)
+    config = config_class(**{**TINY_CONFIGS.get(architecture, {}), **overrides})
+    torch.manual_seed(seed)
+    model = model_class(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator) * 0.05
+            param.copy_(noise + 1.0 if "norm" in name else noise)
+    model = model.to(dtype)
+    model.save_pretrained(os.fspath(path))
+    return os.fspath(path)
+
+
+def hf_logits(path: str | os.PathLike, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits ``[b, s, v]`` of the checkpoint at ``path`` through ``transformers`` (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.fspath(path), dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=tokens).logits
+
+
+def megatron_logits(chunks, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Full-vocabulary logits ``[b, s, v]`` on the last pipeline stage, ``None`` elsewhere.
+
+    Every rank of the model runs it (pipeline p2p, TP / EP collectives). One micro-batch per sequence.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_gkd.parallel import gather_tp
+
+    batch, seq = tokens.shape
+    position_ids = torch.arange(seq).unsqueeze(0)
+
+    def keep_logits(output):
+        return output.sum() * 0.0, {"logits": output.detach().clone()}
+
+    def forward_step(data_iterator, model):
+        sample = next(data_iterator)
+        return model(sample, position_ids, attention_mask=None), keep_logits
+
+    microbatches = [tokens[i : i + 1] for i in range(batch)]
+    data = [iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches)
+    for chunk in chunks:
+        chunk.eval()
+    with torch.no_grad():
+        outputs = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=batch,
+            seq_length=seq,
+            micro_batch_size=1,
+            forward_only=True,
+        )
+    if not mpu.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    # [1, s, v/tp] per micro-batch
+    local = torch.cat([entry["logits"] for entry in outputs], dim=0)
+    return gather_tp(local, -1, mpu.get_tensor_model_parallel_group())

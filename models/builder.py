@@ -1,0 +1,166 @@
+"""Builds the Megatron-Core ``GPTModel`` chunks of this rank for an HF config.
+
+One module per virtual-pipeline chunk; ``pre_process`` / ``post_process`` by stage. Call
+:func:`megatron_gkd.parallel.initialize` first. Each chunk carries an :class:`HFModelInfo` as
+``chunk.hf_model_info`` so that exporters know the HF config, the mapping and the source directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import torch
+
+from megatron_gkd import platform
+from megatron_gkd.models.hf_config import architecture_name
+from megatron_gkd.models.registry import ArchitectureSpec, get_architecture
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class HFModelInfo:
+    """What a built model knows about its Hugging Face origin."""
+
+    hf_config: dict
+    architecture: ArchitectureSpec
+    rules: tuple
+    source: str | None = None
+    """The HF checkpoint directory it was loaded from (tokenizer files are copied from there)."""
+
+
+@functools.cache
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine imports (it needs CUDA at import, so any failure means no)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - ImportError, or its CUDA checks failing on other hosts
+        return False
+    return True
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
+    while hasattr(module, "module") and not hasattr(module, "hf_model_info"):
+        module = module.module
+    return module
+
+
+def transformer_config(hf_config: dict, state, *, dtype: torch.dtype = torch.float32, **overrides):
+    """The ``TransformerConfig`` for ``hf_config`` on the layout of ``state``.
+
+    ``overrides`` replace any field (e.g. ``perform_initialization=False``, recompute settings).
+    """
+    arch = get_architecture(hf_config)
+    fields = dict(
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=platform.device().type == "cpu",
+    )
+    fields.update(arch.transformer_config(hf_config))
+    fields.update(state.config.transformer_config_kwargs())
+    fields.update(overrides)
+    _check_divisible(hf_config, fields, state)
+    config_class = arch.config_class
+    if config_class is None:
+        from megatron.core.transformer import TransformerConfig as config_class
+    return config_class(**fields)
+
+
+def _check_divisible(hf_config: dict, fields: dict, state) -> None:
+    tp = state.config.tensor_model_parallel_size
+    groups = fields.get("num_query_groups") or fields["num_attention_heads"]
+    if groups % tp:
+        raise ValueError(
+            f"{architecture_name(hf_config)} has {groups} key/value heads, which do not split across "
+            f"tensor_model_parallel_size={tp}; choose a divisor of {groups}"
+        )
+    if hf_config["vocab_size"] % tp:
+        raise ValueError(
+            f"vocab_size {hf_config['vocab_size']} does not split across tensor_model_parallel_size={tp}; "
+            "choose a divisor of the vocabulary size"
+        )
+
+
+DEFAULT_SEED = 1234
+
+
+def _ensure_rng_tracker() -> None:
+    """Seeds Megatron's model-parallel RNG tracker if nobody has (its forward needs the states).
+
+    A trainer that seeds itself (``parallel.seed``) before building keeps its seed.
+    """
+    from megatron.core import tensor_parallel
+
+    from megatron_gkd import parallel
+
+    if not tensor_parallel.get_cuda_rng_tracker().get_states():
+        logger.info("Megatron's RNG tracker is not seeded; seeding it with %d", DEFAULT_SEED)
+        parallel.seed(DEFAULT_SEED)
+
+
+def build_model(
+    hf_config: dict,
+    *,
+    dtype: torch.dtype = torch.float32,
+    state=None,
+    source: str | None = None,
+    use_transformer_engine: bool | None = None,
+    **config_overrides,
+) -> list[torch.nn.Module]:
+    """This rank's ``GPTModel`` chunks for ``hf_config`` (randomly initialised unless told otherwise).
+
+    Args:
+        hf_config: the HF ``config.json`` as a dict.
+        dtype: parameter dtype.
+        state: the :class:`~megatron_gkd.parallel.ParallelState` (default: the initialised one).
+        source: HF directory the weights come from, remembered for export.
+        use_transformer_engine: Transformer Engine layer specs; default: when TE imports.
+        config_overrides: ``TransformerConfig`` fields to override.
+
+    Raises:
+        ValueError: unsupported architecture, or sizes that the layout cannot split.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_gkd import parallel
+
+    state = state or parallel.get_state()
+    _ensure_rng_tracker()
+    arch = get_architecture(hf_config)
+    use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
+    config = transformer_config(hf_config, state, dtype=dtype, **config_overrides)
+    model_kwargs = arch.gpt_model_kwargs(hf_config)
+    info = HFModelInfo(hf_config=hf_config, architecture=arch, rules=tuple(arch.weight_rules(hf_config)), source=source)
+    vpp = state.config.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for chunk in range(vpp):
+        vp_stage = chunk if vpp > 1 else None
+        layer_spec = arch.layer_spec(
+            config, use_transformer_engine=use_te, vp_stage=vp_stage, pp_rank=state.pp_rank
+        )
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec,
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+            **model_kwargs,
+        )
+        model.hf_model_info = info
+        chunks.append(model)
+    logger.info(
+        "built %s: %d chunk(s), transformer engine %s, %s",
+        arch.name,
+        len(chunks),
+        "on" if use_te else "off",
+        dtype,
+    )
+    return chunks

@@ -1,0 +1,176 @@
+"""Megatron -> HF: full HF-named tensors from the shards, and an HF checkpoint on disk.
+
+:func:`export_hf_weights` walks this rank's parameters in order, splits each shard into HF slices with
+its :class:`~megatron_gkd.models.mapping.WeightRule`, and all-gathers every slice over the group that
+splits it (TP, or expert TP for routed experts). Every rank must iterate it to the end, since the gathers
+are collectives of those groups. :func:`save_hf` writes what each owner rank yields into its own
+safetensors files (no rank holds more than one file's worth), then rank 0 writes the index, the
+config and the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_gkd.models.builder import unwrap
+from megatron_gkd.models.loading import INDEX_FILE
+from megatron_gkd.models.mapping import mapped_tensors, shard_coordinates
+from megatron_gkd.parallel import gather_tp
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+def _is_owner(is_expert: bool, shard_rank: int) -> bool:
+    """One rank per tensor yields it: shard rank 0 of the first data-parallel replica."""
+    from megatron.core import parallel_state as mpu
+
+    if shard_rank != 0:
+        return False
+    if is_expert:
+        return mpu.get_expert_data_parallel_rank() == 0
+    return mpu.get_data_parallel_rank(with_context_parallel=True) == 0
+
+
+def export_hf_weights(modules, *, owner_only: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` for every HF tensor held by this rank's chunks.
+
+    Every rank of the model must iterate to the end (the TP / expert-TP gathers are collectives).
+    Tensors stay on the parameters' device and dtype; a replicated tensor may share storage with its
+    parameter, so copy before modifying.
+
+    Args:
+        modules: this rank's chunks (``GPTModel`` built by this package, possibly wrapped).
+        owner_only: yield each tensor on one rank only (shard rank 0 of the first data-parallel
+            replica); ``False`` yields on every rank that took part in the gather.
+    """
+    for chunk in modules:
+        model = unwrap(chunk)
+        for _, tensor, rule, fields in mapped_tensors(model, model.hf_model_info.rules):
+            if not rule.export:
+                continue
+            group, rank, size = shard_coordinates(rule)
+            slices = rule.to_hf(tensor.detach())
+            full = [
+                piece if dim is None or size == 1 else gather_tp(piece, dim, group)
+                for piece, dim in zip(slices, rule.tp_dims)
+            ]
+            if owner_only and not _is_owner(rule.is_expert, rank):
+                continue
+            yield from zip(rule.hf_names(fields), full)
+
+
+def save_hf(
+    modules,
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 2 * 2**30,
+    tokenizer_source: str | os.PathLike | None = None,
+) -> None:
+    """Writes an HF checkpoint of ``modules`` to ``path`` (collective: call on every rank).
+
+    The directory gets ``*.safetensors`` files written by the owner ranks, ``model.safetensors.index.json``,
+    ``config.json`` and the tokenizer files of ``tokenizer_source`` (default: the directory the model
+    was loaded from), so ``transformers.AutoModelForCausalLM.from_pretrained(path)`` loads it.
+
+    Args:
+        modules: this rank's chunks.
+        path: output directory (on a file system every rank sees).
+        dtype: tensor dtype on disk; default: the parameters' dtype.
+        max_shard_bytes: a rank starts a new file after this many bytes.
+        tokenizer_source: where to copy tokenizer files from.
+    """
+    path = os.fspath(path)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    info = unwrap(modules[0]).hf_model_info
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+        # Stale files of an earlier save would be listed nowhere but confuse readers of the directory.
+        for name in os.listdir(path):
+            if name.endswith(".safetensors") or name == INDEX_FILE:
+                os.remove(os.path.join(path, name))
+    _barrier()
+
+    weight_map = _write_owned_tensors(modules, path, rank, dtype, max_shard_bytes)
+    maps = [None] * dist.get_world_size() if dist.is_initialized() else [weight_map]
+    if dist.is_initialized():
+        dist.all_gather_object(maps, weight_map)
+    if rank == 0:
+        saved_dtype = dtype or next(unwrap(modules[0]).parameters()).dtype
+        _write_metadata(path, maps, info, saved_dtype, tokenizer_source)
+    _barrier()
+
+
+def _write_owned_tensors(modules, path, rank, dtype, max_shard_bytes) -> dict[str, tuple[str, int]]:
+    from safetensors.torch import save_file
+
+    weight_map: dict[str, tuple[str, int]] = {}
+    buffer: dict[str, torch.Tensor] = {}
+    buffered = 0
+    part = 0
+
+    def flush():
+        nonlocal buffer, buffered, part
+        if not buffer:
+            return
+        file = f"model-rank{rank:05d}-part{part:04d}.safetensors"
+        save_file(buffer, os.path.join(path, file), metadata={"format": "pt"})
+        for name, tensor in buffer.items():
+            weight_map[name] = (file, tensor.numel() * tensor.element_size())
+        buffer, buffered, part = {}, 0, part + 1
+
+    for name, tensor in export_hf_weights(modules):
+        # A copy on the host: safetensors refuses tensors that share storage with each other.
+        buffer[name] = tensor.detach().to(device="cpu", dtype=dtype or tensor.dtype, copy=True).contiguous()
+        buffered += buffer[name].numel() * buffer[name].element_size()
+        if buffered >= max_shard_bytes:
+            flush()
+    flush()
+    return weight_map
+
+
+def _write_metadata(path, maps, info, dtype, tokenizer_source) -> None:
+    weight_map, total = {}, 0
+    for rank_map in maps:
+        for name, (file, num_bytes) in rank_map.items():
+            weight_map[name] = file
+            total += num_bytes
+    with open(os.path.join(path, INDEX_FILE), "w") as handle:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, handle, indent=2)
+    config = dict(info.hf_config)
+    config["dtype" if "dtype" in config else "torch_dtype"] = str(dtype).removeprefix("torch.")
+    with open(os.path.join(path, "config.json"), "w") as handle:
+        json.dump(config, handle, indent=2)
+    source = tokenizer_source or info.source
+    copied = []
+    if source is not None and os.path.abspath(source) != os.path.abspath(path):
+        for name in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
+                copied.append(name)
+    logger.info("saved %d HF tensors (%.1f MB) to %s; copied %s", len(weight_map), total / 2**20, path, copied or "no tokenizer files")
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
