@@ -68,7 +68,7 @@ from megatron_gkd.models.registry import (
 )
 
 # Architecture modules register themselves on import.
-from megatron_gkd.models import llama, qwen  # noqa: E402,F401  isort: skip
+from megatron_gkd.models import deepseek_v3, llama, qwen  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "ArchitectureSpec",

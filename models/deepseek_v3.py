@@ -47,29 +47,28 @@ import logging
 
 import torch
 
+from megatron_gkd.models.hf_config import rope_settings
+from megatron_gkd.models.llama import HF_LAYER, LAYER, dense_mlp_rules, embedding_rules
+from megatron_gkd.models.mapping import Concat, WeightRule
+from megatron_gkd.models.qwen import default_token_dispatcher, routed_expert_rules
+from megatron_gkd.models.registry import ArchitectureSpec, register_architecture
+
 logger = logging.getLogger(__name__)
 
 _HF_LATENT_NORM_EPS = 1e-6
 
 
-def _rope_parameters(hf_config: dict) -> dict:
-    """RoPE settings from either the v5 ``rope_parameters`` or the v4 ``rope_theta`` + ``rope_scaling``."""
-    params = {**(hf_config.get("rope_scaling") or {}), **(hf_config.get("rope_parameters") or {})}
-    params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    return params
-
-
 def _rope_fields(hf_config: dict) -> dict:
-    rope = _rope_parameters(hf_config)
-    fields = dict(rotary_base=float(rope["rope_theta"]), rotary_percent=1.0)
-    if rope["rope_type"] == "default":
+    settings = rope_settings(hf_config)
+    rope = settings.params
+    fields = dict(rotary_base=settings.theta, rotary_percent=1.0)
+    if settings.rope_type == "default":
         # No YaRN: Megatron's MLA still multiplies the softmax scale by m(factor, mscale_all_dim)^2;
         # mscale_all_dim = 0 makes that 1, matching transformers (which scales only for non-default RoPE).
         return dict(fields, rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
-    if rope["rope_type"] != "yarn":
+    if settings.rope_type != "yarn":
         raise ValueError(
-            f"DeepseekV3ForCausalLM with RoPE type {rope['rope_type']!r} is not supported; "
+            f"DeepseekV3ForCausalLM with RoPE type {settings.rope_type!r} is not supported; "
             "supported: default, yarn"
         )
     if rope.get("attention_factor") is not None:
@@ -121,9 +120,7 @@ def _moe_fields(hf_config: dict) -> dict:
         moe_router_dtype="fp32",  # transformers routes in float32 whatever the model dtype
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
-        # allgather runs on every platform (the alltoall dispatcher waits on CUDA events, which the CPU
-        # has not); at scale pass moe_token_dispatcher_type="alltoall" (or "flex") as an override.
-        moe_token_dispatcher_type="allgather",
+        moe_token_dispatcher_type=default_token_dispatcher(),
         moe_grouped_gemm=False,
         moe_layer_freq=[0] * num_dense + [1] * (num_layers - num_dense),
     )
@@ -208,6 +205,13 @@ def deepseek_v3_gpt_model_kwargs(hf_config: dict) -> dict:
     )
 
 
+def mla_transformer_config(**fields):
+    """``MLATransformerConfig(**fields)``, imported on use (Megatron-Core loads after platform setup)."""
+    from megatron.core.transformer import MLATransformerConfig
+
+    return MLATransformerConfig(**fields)
+
+
 def deepseek_v3_layer_spec(config, *, use_transformer_engine: bool, vp_stage=None, pp_rank=None):
     """The decoder-block spec of one chunk: MLA in every layer, dense or MoE MLP per ``moe_layer_freq``.
 
@@ -252,3 +256,77 @@ def _with_attention(layer_spec, module: type, changes: dict):
     return dataclasses.replace(
         layer_spec, submodules=dataclasses.replace(layer_spec.submodules, self_attention=attention)
     )
+
+
+# --- HF <-> Megatron weight mapping -----------------------------------------------------------------
+# Megatron's MLA tensors have the HF layouts: linear_kv_down_proj is kv_a_proj_with_mqa (kv_lora_rank
+# latent rows, then the qk_rope_head_dim rotary-key rows), linear_q_up_proj / linear_q_proj hold per head
+# [qk_nope rows; qk_rope rows] like q_b_proj / q_proj, linear_kv_up_proj per head [k_nope; v] like
+# kv_b_proj. Column-parallel projections split rows (whole heads for the up projections), so every rule
+# is an identity on TP slices. TE fuses the latent norms into the up projections (layer_norm_weight).
+
+
+def mla_attention_rules(hf_config: dict) -> list[WeightRule]:
+    attn, hf = LAYER + "self_attention.", HF_LAYER + "self_attn."
+    rules = [
+        WeightRule((LAYER + "input_layernorm.weight",), (HF_LAYER + "input_layernorm.weight",), (None,)),
+        WeightRule((attn + "linear_kv_down_proj.weight",), (hf + "kv_a_proj_with_mqa.weight",), (0,)),
+        WeightRule(
+            (attn + "kv_layernorm.weight", attn + "linear_kv_up_proj.layer_norm_weight"),
+            (hf + "kv_a_layernorm.weight",),
+            (None,),
+        ),
+        WeightRule((attn + "linear_kv_up_proj.weight",), (hf + "kv_b_proj.weight",), (0,)),
+        WeightRule((attn + "linear_proj.weight",), (hf + "o_proj.weight",), (1,)),
+    ]
+    if hf_config.get("q_lora_rank") is None:
+        return rules + [WeightRule((attn + "linear_q_proj.weight",), (hf + "q_proj.weight",), (0,))]
+    return rules + [
+        WeightRule((attn + "linear_q_down_proj.weight",), (hf + "q_a_proj.weight",), (0,)),
+        WeightRule(
+            (attn + "q_layernorm.weight", attn + "linear_q_up_proj.layer_norm_weight"),
+            (hf + "q_a_layernorm.weight",),
+            (None,),
+        ),
+        WeightRule((attn + "linear_q_up_proj.weight",), (hf + "q_b_proj.weight",), (0,)),
+    ]
+
+
+def shared_expert_rules() -> list[WeightRule]:
+    """Shared experts (a SwiGLU MLP beside the routed ones) and the router's score-correction bias."""
+    shared = HF_LAYER + "mlp.shared_experts."
+    return [
+        WeightRule(
+            (LAYER + "mlp.shared_experts.linear_fc1.weight",),
+            (shared + "gate_proj.weight", shared + "up_proj.weight"),
+            (0, 0),
+            Concat(2),
+        ),
+        WeightRule((LAYER + "mlp.shared_experts.linear_fc2.weight",), (shared + "down_proj.weight",), (1,)),
+        # A persistent float32 buffer on both sides (transformers keeps it in fp32 whatever the dtype).
+        WeightRule((LAYER + "mlp.router.expert_bias",), (HF_LAYER + "mlp.gate.e_score_correction_bias",), (None,)),
+    ]
+
+
+def deepseek_v3_weight_rules(hf_config: dict) -> list[WeightRule]:
+    # Dense layers (the first first_k_dense_replace) match dense_mlp_rules; MoE layers the expert rules
+    # plus pre_mlp_layernorm, which dense_mlp_rules() also carries.
+    return (
+        embedding_rules(hf_config)
+        + mla_attention_rules(hf_config)
+        + dense_mlp_rules()
+        + routed_expert_rules()
+        + shared_expert_rules()
+    )
+
+
+DEEPSEEK_V3 = register_architecture(
+    ArchitectureSpec(
+        name="DeepseekV3ForCausalLM",
+        transformer_config=deepseek_v3_transformer_config,
+        gpt_model_kwargs=deepseek_v3_gpt_model_kwargs,
+        weight_rules=deepseek_v3_weight_rules,
+        layer_spec=deepseek_v3_layer_spec,
+        config_class=mla_transformer_config,
+    )
+)
