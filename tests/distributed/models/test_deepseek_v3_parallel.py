@@ -114,8 +114,8 @@ def _batch():
     return torch.randint(0, TINY_DEEPSEEK_V3["vocab_size"], (2, SEQ_LENGTH), generator=generator)
 
 
-def _forward_backward(tp, ep, hf_overrides, etp=None):
-    """Worker: logits ``[b, s, v]`` (full vocabulary) and ``{global name: (grad, layout)}``."""
+def _forward_backward(tp, ep, etp=None):
+    """One layout: logits ``[b, s, v]`` (full vocabulary) and ``{global name: (grad, layout)}``."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import MLATransformerConfig
 
@@ -126,7 +126,7 @@ def _forward_backward(tp, ep, hf_overrides, etp=None):
         deepseek_v3_transformer_config,
     )
 
-    hf_config = {**TINY_DEEPSEEK_V3, **hf_overrides}
+    hf_config = TINY_DEEPSEEK_V3
     state = parallel.initialize(
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
     )
@@ -207,10 +207,28 @@ def _assert_layout_matches_reference(results, reference, sum_data_parallel):
     assert all(value[0].abs().sum() > 0 for value in expected.values())
 
 
+# (name, tp, ep, etp), run one after the other in one 2-process spawn; "tp1" is two data-parallel
+# replicas of the whole model. TP=2 keeps experts replicated over TP (expert_tensor_parallel_size=1):
+# without sequence parallelism every TP rank routes the same tokens, and with experts split over TP
+# (ETP=2) the allgather dispatcher hands each expert both ranks' copies, doubling the routed-expert
+# gradients (measured: exactly 2x). Megatron forbids that layout in training mode, and sequence
+# parallelism needs TE/Apex norms, which the local spec does not have.
+LAYOUTS = (("tp1", 1, 1, None), ("tp2", 2, 1, 1), ("ep2", 1, 2, None))
+
+
+def _all_layouts(layouts):
+    return {name: _forward_backward(tp, ep, etp) for name, tp, ep, etp in layouts}
+
+
 @pytest.fixture(scope="module")
-def reference():
-    (result,) = run_distributed(_forward_backward, 1, args=(1, 1, {}))
-    return result
+def runs():
+    """``[per rank {layout: result}]``."""
+    return run_distributed(_all_layouts, 2, args=(LAYOUTS,))
+
+
+@pytest.fixture(scope="module")
+def reference(runs):
+    return runs[0]["tp1"]
 
 
 @pytest.mark.distributed
@@ -226,16 +244,10 @@ def test_tp1_forward_backward_runs(reference):
 
 
 @pytest.mark.distributed
-def test_tp2_matches_tp1(reference):
-    # Experts replicated over TP (expert_tensor_parallel_size=1): without sequence parallelism every
-    # TP rank routes the same tokens, and with experts split over TP (ETP=2) the allgather dispatcher
-    # hands each expert both ranks' copies, doubling routed-expert gradients (measured: exactly 2x).
-    # That is the layout Megatron forbids in training mode; sequence parallelism needs TE/Apex norms.
-    results = run_distributed(_forward_backward, 2, args=(2, 1, {}), kwargs=dict(etp=1))
-    _assert_layout_matches_reference(results, reference, sum_data_parallel=False)
+def test_tp2_matches_tp1(runs, reference):
+    _assert_layout_matches_reference([r["tp2"] for r in runs], reference, sum_data_parallel=False)
 
 
 @pytest.mark.distributed
-def test_ep2_matches_tp1(reference):
-    results = run_distributed(_forward_backward, 2, args=(1, 2, {}))
-    _assert_layout_matches_reference(results, reference, sum_data_parallel=True)
+def test_ep2_matches_tp1(runs, reference):
+    _assert_layout_matches_reference([r["ep2"] for r in runs], reference, sum_data_parallel=True)
