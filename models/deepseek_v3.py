@@ -115,6 +115,9 @@ def _moe_fields(hf_config: dict) -> dict:
         moe_ffn_hidden_size=hf_config["moe_intermediate_size"],
         moe_router_topk=topk,
         moe_router_score_function="sigmoid",
+        # Training keeps updating the bias by DeepSeek-V3's auxiliary-loss-free rule (sign of the load
+        # error, moe_router_bias_update_rate, 1e-3 as in the paper); pass moe_router_bias_update_rate=0
+        # as an override to freeze it.
         moe_router_enable_expert_bias=True,
         moe_router_topk_scaling_factor=float(hf_config.get("routed_scaling_factor") or 1.0),
         moe_router_dtype="fp32",  # transformers routes in float32 whatever the model dtype
