@@ -219,8 +219,8 @@ def deepseek_v3_layer_spec(config, *, use_transformer_engine: bool, vp_stage=Non
     """The decoder-block spec of one chunk: MLA in every layer, dense or MoE MLP per ``moe_layer_freq``.
 
     Megatron's GPT block spec with these changes: the attention is
-    :class:`~megatron_gkd.models.mla.SharedRopeMLASelfAttention` (the rotary-key gradient summed over
-    TP ranks); without Transformer Engine the core attention is :class:`SDPAttention`; with it the q/kv
+    :class:`~megatron_gkd.models.mla.TensorParallelMLASelfAttention` (two TP gradient fixes); without
+    Transformer Engine the core attention is :class:`SDPAttention`; with it the q/kv
     down-projections are column-parallel (as in the local spec), so one weight mapping serves both.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -232,7 +232,7 @@ def deepseek_v3_layer_spec(config, *, use_transformer_engine: bool, vp_stage=Non
         vp_stage=vp_stage,
         pp_rank=pp_rank,
     )
-    from megatron_gkd.models.mla import SharedRopeMLASelfAttention
+    from megatron_gkd.models.mla import TensorParallelMLASelfAttention
 
     if use_transformer_engine:
         from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
@@ -246,7 +246,7 @@ def deepseek_v3_layer_spec(config, *, use_transformer_engine: bool, vp_stage=Non
     layer_specs = []
     for layer in block.layer_specs:
         if id(layer) not in rebuilt:
-            rebuilt[id(layer)] = _with_attention(layer, SharedRopeMLASelfAttention, changes)
+            rebuilt[id(layer)] = _with_attention(layer, TensorParallelMLASelfAttention, changes)
         layer_specs.append(rebuilt[id(layer)])
     return dataclasses.replace(block, layer_specs=layer_specs)
 

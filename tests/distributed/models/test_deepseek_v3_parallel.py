@@ -1,8 +1,9 @@
 """A tiny Megatron DeepSeek-V3 (MLA, shared + routed experts, first layer dense) on the CPU.
 
-Every layout loads the same weights (a deterministic full TP=1 state, sharded per rank) and must give
-the TP=1 logits and gradients: TP=2 on the same batch; EP=2 with one sample per rank, where the
-reference sees both samples and the gradients the data-parallel all-reduce would sum are summed.
+Every layout loads the same weights (a deterministic full TP=1 state, sharded per rank), runs under
+Megatron's ``DistributedDataParallel`` and ``finalize_model_grads`` (the gradient reductions a training
+step does), and must give the TP=1 logits and gradients: TP=2 on the same batch; EP=2 with one sample
+per rank, where the reference sees both samples (data-parallel averaging halves the gradients).
 """
 
 import re
@@ -116,6 +117,11 @@ def _batch():
 
 def _forward_backward(tp, ep, etp=None):
     """One layout: logits ``[b, s, v]`` (full vocabulary) and ``{global name: (grad, layout)}``."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import MLATransformerConfig
 
@@ -147,6 +153,9 @@ def _forward_backward(tp, ep, etp=None):
             **deepseek_v3_gpt_model_kwargs(hf_config),
         )
         _load_reference_weights(model, state)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False)
+        wrapped = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        wrapped.zero_grad_buffer()
         # Eval mode: Megatron refuses MoE under TP without sequence parallelism in training mode, and
         # the local spec's torch norms cannot do sequence parallelism (that needs TE or Apex). Dropout
         # is 0, so eval mode changes nothing else; gradients are computed all the same.
@@ -158,21 +167,23 @@ def _forward_backward(tp, ep, etp=None):
             tokens = tokens[state.dp_rank : state.dp_rank + 1]
             weights = weights[state.dp_rank : state.dp_rank + 1]
         position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-        logits = model(tokens, position_ids, attention_mask=None)  # [b, s, v/tp]
+        logits = wrapped(tokens, position_ids, attention_mask=None)  # [b, s, v/tp]
         vocab = logits.shape[-1]
         weights = weights[..., state.tp_rank * vocab : (state.tp_rank + 1) * vocab]
         (logits * weights).sum().backward()
+        finalize_model_grads([wrapped])
         full_logits = parallel.gather_tp(logits.detach(), -1, state.tp_group)
         grads = {
-            _global_name(model, name): (param.grad.detach().clone(), _shard_layout(name, param, state))
+            _global_name(model, name): (param.main_grad.detach().clone(), _shard_layout(name, param, state))
             for name, param in model.named_parameters()
         }
-        return dict(logits=full_logits, grads=grads, dp_rank=state.dp_rank)
+        return dict(logits=full_logits, grads=grads, dp_rank=state.dp_rank, dp_size=state.data_parallel_size)
     finally:
         parallel.destroy()
 
 
-def _merged_grads(results, sum_data_parallel):
+def _merged_grads(results):
+    """Full gradients: TP shards merged; anything else is equal on its holders after the reductions."""
     from megatron_gkd.parallel import merge_shards
 
     merged = {}
@@ -183,23 +194,24 @@ def _merged_grads(results, sum_data_parallel):
             dim, _, size, parts = layout
             by_rank = {r["grads"][name][1][1]: r["grads"][name][0] for r in holders}
             merged[name] = merge_shards([by_rank[rank] for rank in range(size)], dim, num_parts=parts)
-        elif sum_data_parallel and ".local_experts." not in name:
-            merged[name] = sum(r["grads"][name][0] for r in holders)
         else:
             merged[name] = holders[0]["grads"][name][0]
     return merged
 
 
-def _assert_layout_matches_reference(results, reference, sum_data_parallel):
-    if sum_data_parallel:
+def _assert_layout_matches_reference(results, reference, split_batch):
+    """``split_batch``: each data-parallel rank ran one sample of the reference batch."""
+    if split_batch:
         logits = torch.cat([r["logits"] for r in sorted(results, key=lambda r: r["dp_rank"])], dim=0)
     else:
         logits = results[0]["logits"]
     torch.testing.assert_close(logits, reference["logits"], rtol=1e-5, atol=1e-5)
-    grads = _merged_grads(results, sum_data_parallel)
+    grads = _merged_grads(results)
+    scale = 1.0 / results[0]["dp_size"] if split_batch else 1.0  # DDP averages over data-parallel ranks
     expected = reference["grads"]
     assert sorted(grads) == sorted(expected)
     for name, (want, _) in expected.items():
+        want = want * scale
         # fp32 sums in another order: tolerance relative to the gradient's scale.
         atol = 1e-5 * float(want.abs().max())
         torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
@@ -245,9 +257,9 @@ def test_tp1_forward_backward_runs(reference):
 
 @pytest.mark.distributed
 def test_tp2_matches_tp1(runs, reference):
-    _assert_layout_matches_reference([r["tp2"] for r in runs], reference, sum_data_parallel=False)
+    _assert_layout_matches_reference([r["tp2"] for r in runs], reference, split_batch=False)
 
 
 @pytest.mark.distributed
 def test_ep2_matches_tp1(runs, reference):
-    _assert_layout_matches_reference([r["ep2"] for r in runs], reference, sum_data_parallel=True)
+    _assert_layout_matches_reference([r["ep2"] for r in runs], reference, split_batch=True)
