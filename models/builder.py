@@ -27,6 +27,9 @@ class HFModelInfo:
     hf_config: dict
     architecture: ArchitectureSpec
     rules: tuple
+    dtype: torch.dtype = torch.float32
+    """The dtype the model was built with (``params_dtype``); the HF dtype ``save_hf`` writes by default.
+    Some modules keep their parameters in float32 regardless (the local spec's torch norms)."""
     source: str | None = None
     """The HF checkpoint directory it was loaded from (tokenizer files are copied from there)."""
 
@@ -138,7 +141,9 @@ def build_model(
     use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
     config = transformer_config(hf_config, state, dtype=dtype, **config_overrides)
     model_kwargs = arch.gpt_model_kwargs(hf_config)
-    info = HFModelInfo(hf_config=hf_config, architecture=arch, rules=tuple(arch.weight_rules(hf_config)), source=source)
+    info = HFModelInfo(
+        hf_config=hf_config, architecture=arch, rules=tuple(arch.weight_rules(hf_config)), dtype=dtype, source=source
+    )
     vpp = state.config.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for chunk in range(vpp):

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import zlib
 from typing import Iterator
 
 import torch
@@ -40,11 +41,17 @@ TOKENIZER_FILES = (
 )
 
 
-def _is_owner(is_expert: bool, shard_rank: int) -> bool:
-    """One rank per tensor yields it: shard rank 0 of the first data-parallel replica."""
+def owner_shard_rank(hf_name: str, size: int) -> int:
+    """The rank of the splitting group that yields ``hf_name``: spread by a stable hash of the name, so
+    that every TP rank writes (and holds) a share of the gathered tensors, not rank 0 all of them."""
+    return zlib.crc32(hf_name.encode()) % size
+
+
+def _is_owner(hf_name: str, is_expert: bool, shard_rank: int, size: int) -> bool:
+    """One rank per tensor yields it: its owner shard rank in the first data-parallel replica."""
     from megatron.core import parallel_state as mpu
 
-    if shard_rank != 0:
+    if shard_rank != owner_shard_rank(hf_name, size):
         return False
     if is_expert:
         return mpu.get_expert_data_parallel_rank() == 0
@@ -55,13 +62,15 @@ def export_hf_weights(modules, *, owner_only: bool = True) -> Iterator[tuple[str
     """``(hf_name, full tensor)`` for every HF tensor held by this rank's chunks.
 
     Every rank of the model must iterate to the end (the TP / expert-TP gathers are collectives).
-    Tensors stay on the parameters' device and dtype; a replicated tensor may share storage with its
-    parameter, so copy before modifying.
+    Tensors stay on the parameters' device and dtype (which can be float32 for norms of a bfloat16
+    model: cast to the receiver's dtype); a replicated tensor may share storage with its parameter, so
+    copy before modifying.
 
     Args:
         modules: this rank's chunks (``GPTModel`` built by this package, possibly wrapped).
-        owner_only: yield each tensor on one rank only (shard rank 0 of the first data-parallel
-            replica); ``False`` yields on every rank that took part in the gather.
+        owner_only: yield each tensor on one rank only (:func:`owner_shard_rank` of the group that
+            splits it, in the first data-parallel replica); ``False`` yields on every rank that took
+            part in the gather.
     """
     for chunk in modules:
         model = unwrap(chunk)
@@ -74,9 +83,9 @@ def export_hf_weights(modules, *, owner_only: bool = True) -> Iterator[tuple[str
                 piece if dim is None or size == 1 else gather_tp(piece, dim, group)
                 for piece, dim in zip(slices, rule.tp_dims)
             ]
-            if owner_only and not _is_owner(rule.is_expert, rank):
-                continue
-            yield from zip(rule.hf_names(fields), full)
+            for hf_name, tensor in zip(rule.hf_names(fields), full):
+                if not owner_only or _is_owner(hf_name, rule.is_expert, rank, size):
+                    yield hf_name, tensor
 
 
 def save_hf(
@@ -84,7 +93,7 @@ def save_hf(
     path: str | os.PathLike,
     *,
     dtype: torch.dtype | None = None,
-    max_shard_bytes: int = 2 * 2**30,
+    max_shard_bytes: int = 2**30,
     tokenizer_source: str | os.PathLike | None = None,
 ) -> None:
     """Writes an HF checkpoint of ``modules`` to ``path`` (collective: call on every rank).
@@ -96,8 +105,9 @@ def save_hf(
     Args:
         modules: this rank's chunks.
         path: output directory (on a file system every rank sees).
-        dtype: tensor dtype on disk; default: the parameters' dtype.
-        max_shard_bytes: a rank starts a new file after this many bytes.
+        dtype: tensor dtype on disk; default: the dtype the model was built with (``load_hf(dtype=)``).
+        max_shard_bytes: a rank starts a new file after this many bytes; a rank's memory while saving
+            is about twice this (safetensors serialises a file's tensors in memory).
         tokenizer_source: where to copy tokenizer files from.
     """
     path = os.fspath(path)
@@ -111,13 +121,12 @@ def save_hf(
                 os.remove(os.path.join(path, name))
     _barrier()
 
-    weight_map = _write_owned_tensors(modules, path, rank, dtype, max_shard_bytes)
+    weight_map = _write_owned_tensors(modules, path, rank, dtype or info.dtype, max_shard_bytes)
     maps = [None] * dist.get_world_size() if dist.is_initialized() else [weight_map]
     if dist.is_initialized():
         dist.all_gather_object(maps, weight_map)
     if rank == 0:
-        saved_dtype = dtype or next(unwrap(modules[0]).parameters()).dtype
-        _write_metadata(path, maps, info, saved_dtype, tokenizer_source)
+        _write_metadata(path, maps, info, dtype or info.dtype, tokenizer_source)
     _barrier()
 
 
@@ -141,7 +150,7 @@ def _write_owned_tensors(modules, path, rank, dtype, max_shard_bytes) -> dict[st
 
     for name, tensor in export_hf_weights(modules):
         # A copy on the host: safetensors refuses tensors that share storage with each other.
-        buffer[name] = tensor.detach().to(device="cpu", dtype=dtype or tensor.dtype, copy=True).contiguous()
+        buffer[name] = tensor.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
         buffered += buffer[name].numel() * buffer[name].element_size()
         if buffered >= max_shard_bytes:
             flush()
@@ -153,6 +162,7 @@ def _write_metadata(path, maps, info, dtype, tokenizer_source) -> None:
     weight_map, total = {}, 0
     for rank_map in maps:
         for name, (file, num_bytes) in rank_map.items():
+            assert name not in weight_map, f"{name} was exported by two ranks ({weight_map[name]}, {file})"
             weight_map[name] = file
             total += num_bytes
     with open(os.path.join(path, INDEX_FILE), "w") as handle:

@@ -62,6 +62,16 @@ TINY_CONFIGS: dict[str, dict] = {
     ),
 }
 
+# ~370 MB in float32 (12 layers of 768 wide, 2048 MLP, 8192 vocabulary): the memory test and benchmark.
+LARGE_LLAMA = dict(
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=12,
+    num_attention_heads=6,
+    num_key_value_heads=6,
+    vocab_size=8192,
+)
+
 
 def _config_class(architecture: str):
     import transformers
@@ -71,9 +81,19 @@ def _config_class(architecture: str):
 
 
 def make_tiny_checkpoint(
-    architecture: str, path: str | os.PathLike, *, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
+    architecture: str,
+    path: str | os.PathLike,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | None = None,
+    **overrides,
 ) -> str:
-    """Writes a random ``architecture`` checkpoint (``TINY_CONFIGS`` + ``overrides``) to ``path``."""
+    """Writes a random ``architecture`` checkpoint (``TINY_CONFIGS`` + ``overrides``) to ``path``.
+
+    ``max_shard_size`` (e.g. ``"200KB"``) splits it into several files with an index, as large
+    checkpoints are.
+    """
     model_class, config_class = _config_class(architecture)
     config = config_class(**{**TINY_CONFIGS.get(architecture, {}), **overrides})
     torch.manual_seed(seed)
@@ -84,7 +104,7 @@ def make_tiny_checkpoint(
             noise = torch.randn(param.shape, generator=generator) * 0.05
             param.copy_(noise + 1.0 if "norm" in name else noise)
     model = model.to(dtype)
-    model.save_pretrained(os.fspath(path))
+    model.save_pretrained(os.fspath(path), **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return os.fspath(path)
 
 

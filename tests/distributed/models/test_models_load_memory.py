@@ -13,58 +13,17 @@ full read (every tensor of the file copied into memory) shows that the meter doe
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 import torch
 
 from megatron_gkd.testing.distributed import run_distributed
-from megatron_gkd.testing.hf_models import make_tiny_checkpoint
+from megatron_gkd.testing.hf_models import LARGE_LLAMA, make_tiny_checkpoint
+from megatron_gkd.testing.memory import AnonPeak
 
 pytestmark = pytest.mark.distributed
 
-# ~370 MB in float32: 12 layers of 768 wide, 2048 MLP, 8192 vocabulary.
-LARGE_LLAMA = dict(
-    hidden_size=768,
-    intermediate_size=2048,
-    num_hidden_layers=12,
-    num_attention_heads=6,
-    num_key_value_heads=6,
-    vocab_size=8192,
-)
 MARGIN_BYTES = 32 * 2**20
-
-
-def _rss_anon() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("RssAnon missing from /proc/self/status")
-
-
-class AnonPeak:
-    """Peak increase of anonymous RSS over the ``with`` block, sampled by a thread."""
-
-    def __enter__(self):
-        self.baseline = self.peak = _rss_anon()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(0.0005):
-            self.peak = max(self.peak, _rss_anon())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss_anon())
-
-    @property
-    def increase(self) -> int:
-        return self.peak - self.baseline
 
 
 def _measure_load(path: str) -> dict:

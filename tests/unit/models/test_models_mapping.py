@@ -114,3 +114,37 @@ def test_rope_variants_megatron_cannot_express_are_rejected():
 def test_moe_layer_pattern_follows_hf_rules():
     assert moe_layer_pattern({"num_hidden_layers": 4, "mlp_only_layers": [1]}) == [1, 0, 1, 1]
     assert moe_layer_pattern({"num_hidden_layers": 4, "decoder_sparse_step": 2}) == [0, 1, 0, 1]
+
+
+# Parameter names of Megatron's Transformer Engine spec (layer norms fused into linear_qkv / a dense
+# linear_fc1, grouped-GEMM experts numbered by suffix), written out from megatron-core 0.16.1's TE
+# modules since Transformer Engine does not import on this machine.
+TE_NAMES_QWEN3_MOE = {
+    "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": ["model.layers.0.input_layernorm.weight"],
+    "decoder.layers.0.self_attention.linear_qkv.weight": [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+    ],
+    "decoder.layers.0.self_attention.q_layernorm.weight": ["model.layers.0.self_attn.q_norm.weight"],
+    "decoder.layers.0.mlp.linear_fc1.layer_norm_weight": ["model.layers.0.post_attention_layernorm.weight"],
+    "decoder.layers.0.mlp.linear_fc1.weight": ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"],
+    "decoder.layers.1.pre_mlp_layernorm.weight": ["model.layers.1.post_attention_layernorm.weight"],
+    "decoder.layers.1.mlp.router.weight": ["model.layers.1.mlp.gate.weight"],
+    "decoder.layers.1.mlp.experts.linear_fc1.weight3": [
+        "model.layers.1.mlp.experts.3.gate_proj.weight",
+        "model.layers.1.mlp.experts.3.up_proj.weight",
+    ],
+    "decoder.layers.1.mlp.experts.linear_fc2.weight3": ["model.layers.1.mlp.experts.3.down_proj.weight"],
+}
+
+
+def test_transformer_engine_parameter_names_are_mapped():
+    from megatron_gkd.models.mapping import find_rule
+    from megatron_gkd.testing.hf_models import TINY_CONFIGS
+
+    config = {**TINY_CONFIGS["Qwen3MoeForCausalLM"], "architectures": ["Qwen3MoeForCausalLM"]}
+    rules = get_architecture(config).weight_rules(config)
+    for name, hf_names in TE_NAMES_QWEN3_MOE.items():
+        rule, fields = find_rule(rules, name)
+        assert rule.hf_names(fields) == hf_names, name
