@@ -43,7 +43,10 @@ import it at the bottom of this file. The spec is four functions of the HF confi
 
 ``llama.py`` holds the reusable Llama-style pieces (``dense_transformer_config``,
 ``dense_gpt_model_kwargs``, ``embedding_rules``, ``attention_rules``, ``dense_mlp_rules``); ``qwen.py``
-shows how a family varies them (qkv bias, q/k norm, routed experts).
+shows how a family varies them (qkv bias, q/k norm, routed experts). ``deepseek_v3.py`` shows an
+architecture with its own modules: a ``layer_spec`` (multi-latent attention with
+``attention.SDPAttention`` as the core attention when Transformer Engine is absent, and the TP gradient
+fixes of ``mla.py``) and ``config_class`` (``MLATransformerConfig``).
 """
 
 from megatron_gkd.models.builder import HFModelInfo, build_model, transformer_config, unwrap
@@ -68,7 +71,7 @@ from megatron_gkd.models.registry import (
 )
 
 # Architecture modules register themselves on import.
-from megatron_gkd.models import llama, qwen  # noqa: E402,F401  isort: skip
+from megatron_gkd.models import deepseek_v3, llama, qwen  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "ArchitectureSpec",

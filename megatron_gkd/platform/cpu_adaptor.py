@@ -86,6 +86,10 @@ def _define_missing_te_gemm(module: ModuleType) -> None:
         module.te_general_gemm = None
 
 
+def _no_transformer_engine_in_mla(module: ModuleType) -> None:
+    module.HAVE_TE = False
+
+
 def _rewrite(*rewrites: SourceRewrite) -> Callable[[ModuleType], None]:
     def apply(module: ModuleType) -> None:
         for rewrite in rewrites:
@@ -159,6 +163,16 @@ PATCHES: tuple[Patch, ...] = (
         "finalize_model_grads sums their partial gradients over the tensor-parallel group; the norm "
         "itself is the same torch module",
         apply=_rewrite(SourceRewrite("WrappedTorchNorm.__new__", _SEQUENCE_PARALLEL_NORM)),
+    ),
+    Patch(
+        name="mla_have_te",
+        target=f"{_MEGATRON_PREFIX}.transformer.multi_latent_attention",
+        upstream="sets HAVE_TE = True whenever megatron.core.extensions.transformer_engine imports, "
+        "which it does without Transformer Engine (its classes are then mocks), so MLA's constructor "
+        "raises TypeError on isinstance(self.linear_proj, TELinear)",
+        why_safe="Transformer Engine needs CUDA and never imports on the host; False is the value the "
+        "probe means to compute, and it only guards TE fp8/fp4 options",
+        apply=_no_transformer_engine_in_mla,
     ),
     Patch(
         name="clip_grads_type_check",
