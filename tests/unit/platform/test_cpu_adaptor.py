@@ -246,3 +246,12 @@ def test_torch_norm_marks_weights_for_the_sequence_parallel_all_reduce(sequence_
     norm = WrappedTorchNorm(config, 8)
     assert isinstance(norm, torch.nn.RMSNorm)
     assert norm.weight.sequence_parallel is sequence_parallel
+
+
+# --- mla_have_te --------------------------------------------------------------------------------
+
+
+def test_multi_latent_attention_does_not_take_the_transformer_engine_path():
+    from megatron.core.transformer import multi_latent_attention
+
+    assert multi_latent_attention.HAVE_TE is False
