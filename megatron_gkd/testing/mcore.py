@@ -250,18 +250,10 @@ def train_step(
 
 
 def global_parameter_name(chunk: torch.nn.Module, name: str) -> str:
-    """``name`` of a parameter in ``chunk`` with local layer and expert indices made global."""
-    module = chunk.module if hasattr(chunk, "module") else chunk
-    match = re.match(r"(decoder\.layers\.)(\d+)(\..*)", name)
-    if match is None:
-        return name
-    layer = module.decoder.layers[int(match.group(2))]
-    rest = match.group(3)
-    expert = re.match(r"(\.mlp\.experts\.local_experts\.)(\d+)(\..*)", rest)
-    if expert is not None:
-        global_id = layer.mlp.local_expert_indices[int(expert.group(2))]
-        rest = f"{expert.group(1)}{global_id}{expert.group(3)}"
-    return f"{match.group(1)}{layer.layer_number - 1}{rest}"
+    """``name`` of a parameter in ``chunk`` (DDP-wrapped or not) with global layer and expert indices."""
+    from megatron_gkd.models import global_name
+
+    return global_name(chunk.module if hasattr(chunk, "module") else chunk, name)
 
 
 def _is_gated_fc1(chunk: torch.nn.Module, name: str) -> bool:

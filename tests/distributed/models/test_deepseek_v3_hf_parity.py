@@ -15,46 +15,11 @@ import pytest
 import torch
 
 from megatron_gkd.testing.distributed import run_distributed
-from megatron_gkd.testing.hf_models import hf_logits, megatron_logits
+from megatron_gkd.testing.hf_models import TINY_CONFIGS, hf_logits, megatron_logits
 
 pytestmark = pytest.mark.distributed
 
-YARN_LOW_RANK_Q = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=4,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    n_shared_experts=1,
-    n_routed_experts=8,
-    num_experts_per_tok=4,
-    n_group=4,
-    topk_group=2,
-    routed_scaling_factor=2.5,
-    first_k_dense_replace=1,
-    norm_topk_prob=True,
-    q_lora_rank=32,
-    kv_lora_rank=32,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=32,
-    v_head_dim=32,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    topk_method="noaux_tc",  # real DeepSeek-V3 configs carry it (vLLM needs it for the bias)
-    num_nextn_predict_layers=0,
-    rope_parameters=dict(
-        rope_type="yarn",
-        rope_theta=10000.0,
-        factor=4.0,
-        original_max_position_embeddings=64,
-        beta_fast=32,
-        beta_slow=1,
-        mscale=1.0,
-        mscale_all_dim=1.0,
-    ),
-)
+YARN_LOW_RANK_Q = TINY_CONFIGS["DeepseekV3ForCausalLM"]
 ROPE_FULL_RANK_Q = dict(
     YARN_LOW_RANK_Q,
     q_lora_rank=None,

@@ -6,65 +6,20 @@ step does), and must give the TP=1 logits and gradients: TP=2 on the same batch;
 per rank, where the reference sees both samples (data-parallel averaging halves the gradients).
 """
 
-import re
 import zlib
 
 import pytest
 import torch
 
+from megatron_gkd.models import global_name
 from megatron_gkd.testing.distributed import run_distributed
+from megatron_gkd.testing.hf_models import TINY_CONFIGS
 
 TINY_DEEPSEEK_V3 = dict(
-    architectures=["DeepseekV3ForCausalLM"],
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    n_shared_experts=1,
-    n_routed_experts=8,
-    num_experts_per_tok=4,
-    n_group=4,
-    topk_group=2,
-    routed_scaling_factor=2.5,
-    first_k_dense_replace=1,
-    norm_topk_prob=True,
-    q_lora_rank=32,
-    kv_lora_rank=32,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=32,
-    v_head_dim=32,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    rope_parameters=dict(
-        rope_type="yarn",
-        rope_theta=10000.0,
-        factor=4.0,
-        original_max_position_embeddings=64,
-        beta_fast=32,
-        beta_slow=1,
-        mscale=1.0,
-        mscale_all_dim=1.0,
-    ),
+    TINY_CONFIGS["DeepseekV3ForCausalLM"], architectures=["DeepseekV3ForCausalLM"], num_hidden_layers=3
 )
 SEQ_LENGTH = 12
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_EXPERT = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
-
-
-def _global_name(model, name):
-    found = _LAYER.match(name)
-    if found is None:
-        return name
-    layer = model.decoder.layers[int(found.group(1))]
-    rest = found.group(2)
-    expert = _EXPERT.match(rest)
-    if expert is not None:
-        rest = f"{expert.group(1)}{layer.mlp.local_expert_indices[int(expert.group(2))]}{expert.group(3)}"
-    return f"decoder.layers.{layer.layer_number - 1}.{rest}"
 
 
 def _shard_layout(name, param, state):
@@ -97,12 +52,12 @@ def _load_reference_weights(model, state):
     tensors = dict(model.named_parameters())
     tensors.update((n, b) for n, b in model.named_buffers() if n.endswith("router.expert_bias"))
     for name, tensor in tensors.items():
-        global_name = _global_name(model, name)
+        full_name = global_name(model, name)
         layout = _shard_layout(name, tensor, state)
         shape = list(tensor.shape)
         if layout is not None:
             shape[layout[0]] *= layout[2]
-        value = _full_value(global_name, shape)
+        value = _full_value(full_name, shape)
         if layout is not None:
             dim, rank, size, parts = layout
             value = shard_for_rank(value, dim, rank, size, num_parts=parts)
@@ -174,7 +129,7 @@ def _forward_backward(tp, ep, etp=None):
         finalize_model_grads([wrapped])
         full_logits = parallel.gather_tp(logits.detach(), -1, state.tp_group)
         grads = {
-            _global_name(model, name): (param.main_grad.detach().clone(), _shard_layout(name, param, state))
+            global_name(model, name): (param.main_grad.detach().clone(), _shard_layout(name, param, state))
             for name, param in model.named_parameters()
         }
         return dict(logits=full_logits, grads=grads, dp_rank=state.dp_rank, dp_size=state.data_parallel_size)
