@@ -17,6 +17,7 @@ teacher rows) get loss 0 and gradient 0.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -60,8 +61,7 @@ def _jsd(
     gradient with respect to the logits of ``q`` is ``q (h - sum q h)``.
     """
     p, q = log_p.exp(), log_q.exp()
-    log_m = torch.logaddexp(log_p + torch.log(torch.tensor(beta, dtype=p.dtype)),
-                            log_q + torch.log1p(torch.tensor(-beta, dtype=p.dtype)))
+    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
     zero = torch.zeros_like(p)
     kl_pm = torch.where(valid, p * (log_p - log_m), zero).sum(-1)
     kl_qm = torch.where(valid, q * (log_q - log_m), zero).sum(-1)
@@ -138,6 +138,13 @@ class TCADOptions:
         _check_fraction("alpha", self.alpha, open_interval=True)
         if self.coverage_coef < 0:
             raise ValueError(f"option coverage_coef={self.coverage_coef} must be >= 0")
+
+    @staticmethod
+    def inert_keys(given: dict) -> list[str]:
+        """Options that were passed but have no effect with the others given."""
+        if "alpha" in given and given.get("divergence", "forward_kl") != "jsd":
+            return ["alpha"]
+        return []
 
 
 def _forward_kl_terms(support: SupportInputs) -> SupportTerms:

@@ -64,8 +64,8 @@ class _FusedDistill(torch.autograd.Function):
         dtype = compute_dtype(hidden.dtype)
         num_tokens = hidden.shape[0]
         support = LocalSupport.of(teacher.ids, teacher.valid, layout)
-        local_lse = torch.empty(num_tokens, dtype=dtype)
-        local_support_logits = torch.empty(teacher.ids.shape, dtype=dtype)
+        local_lse = torch.empty(num_tokens, dtype=dtype, device=hidden.device)
+        local_support_logits = torch.empty(teacher.ids.shape, dtype=dtype, device=hidden.device)
         for start in range(0, num_tokens, fused.chunk_size):
             stop = min(start + fused.chunk_size, num_tokens)
             logits = _chunk_logits(hidden[start:stop], weight)
@@ -73,13 +73,13 @@ class _FusedDistill(torch.autograd.Function):
             chunk_support = LocalSupport(support.local_index[start:stop], support.in_shard[start:stop])
             local_support_logits[start:stop] = chunk_support.gather(logits, dtype) / temperature
             del logits
-        state, metrics = finish_forward(
+        state, loss, metrics = finish_forward(
             local_lse, local_support_logits, teacher, support, layout, divergence_name, options
         )
         ctx.save_for_backward(hidden, weight)
         ctx.state, ctx.layout, ctx.fused, ctx.temperature, ctx.dtype = state, layout, fused, temperature, dtype
         ctx.mark_non_differentiable(metrics["student_mass"], metrics["teacher_mass"])
-        return state.terms.loss, metrics["student_mass"], metrics["teacher_mass"]
+        return loss, metrics["student_mass"], metrics["teacher_mass"]
 
     @staticmethod
     def backward(ctx, grad_loss, *grad_metrics):
@@ -95,7 +95,7 @@ class _FusedDistill(torch.autograd.Function):
             stop = min(start + chunk_size, hidden.shape[0])
             logits = _chunk_logits(hidden[start:stop], weight)
             # fp32/fp64 logits become their own gradient; narrow ones need a compute-dtype copy.
-            grad_logits = logits if logits.dtype == dtype else torch.empty(logits.shape, dtype=dtype)
+            grad_logits = logits if logits.dtype == dtype else torch.empty_like(logits, dtype=dtype)
             for row in range(0, stop - start, rows):
                 row_stop = min(row + rows, stop - start)
                 out = grad_logits[row:row_stop]
@@ -142,6 +142,11 @@ def fused_vocab_parallel_distill_loss(
     Raises:
         ValueError: as :func:`vocab_parallel_distill_loss`, or shapes of hidden and weight disagree.
     """
+    if options.pop("diagnostics", False):
+        raise ValueError(
+            "diagnostics=True is not available on the fused path (the logits never exist in full); "
+            "compute the overlap from vocab_parallel_topk on a logits chunk if needed"
+        )
     divergence_options, own = split_options(loss_type, options, ("chunk_size", "all_reduce_hidden_grad"))
     fused = FusedOptions(**own)
     temperature = check_temperature(temperature)

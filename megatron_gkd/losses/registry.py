@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 from typing import Any, Callable
 
 import torch
+
+logger = logging.getLogger(__name__)
+_warned_inert: set[tuple[str, str]] = set()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,7 +70,11 @@ DivergenceFn = Callable[[SupportInputs, Any], SupportTerms]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Divergence:
-    """A registered divergence: its name, its function and the dataclass of its options."""
+    """A registered divergence: its name, its function and the dataclass of its options.
+
+    An options dataclass may define ``inert_keys(given: dict) -> list[str]``: options that were passed
+    but have no effect; they are logged as a warning once per process.
+    """
 
     name: str
     fn: DivergenceFn
@@ -87,7 +95,14 @@ class Divergence:
                     f"loss_type={self.name!r} has no option {key!r}{hint} "
                     f"(its options: {', '.join(valid) or 'none'})"
                 )
-        return self.options_cls(**options)
+        built = self.options_cls(**options)
+        inert_keys = getattr(self.options_cls, "inert_keys", None)
+        for key in inert_keys(options) if inert_keys else []:
+            if (self.name, key) not in _warned_inert:  # once per process, not once per micro-batch
+                _warned_inert.add((self.name, key))
+                logger.warning("loss_type=%r: option %r has no effect with these options %s",
+                               self.name, key, options)
+        return built
 
 
 _REGISTRY: dict[str, Divergence] = {}

@@ -151,17 +151,19 @@ def tcad_sequence_weights(
     has_tokens = torch.cat([mask.bool().any(1) for mask in masks])
     _, group = torch.unique(torch.cat(groups), return_inverse=True)
     num_groups = int(group.max()) + 1 if group.numel() else 0
-    members = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, has_tokens.double())
-    total_conf = torch.zeros(num_groups, dtype=torch.float64).index_add_(
-        0, group, torch.where(has_tokens, confidence, torch.zeros_like(confidence))
-    )
-    score = alpha * (confidence - (total_conf / members.clamp(min=1))[group])
+    device = confidence.device
+
+    def per_group_sum(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(num_groups, dtype=torch.float64, device=device).index_add_(0, group, values)
+
+    members = per_group_sum(has_tokens.double())
+    group_mean = per_group_sum(torch.where(has_tokens, confidence, torch.zeros_like(confidence))) / members.clamp(min=1)
+    score = alpha * (confidence - group_mean[group])
     score = torch.where(has_tokens, score, torch.full_like(score, float("-inf")))
-    group_max = torch.full((num_groups,), float("-inf"), dtype=torch.float64).scatter_reduce(
-        0, group, score, reduce="amax"
-    )
+    group_max = torch.full((num_groups,), float("-inf"), dtype=torch.float64, device=device)
+    group_max = group_max.scatter_reduce(0, group, score, reduce="amax")
     exp = torch.where(has_tokens, (score - group_max[group]).exp(), torch.zeros_like(score))
-    denominator = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, exp)
+    denominator = per_group_sum(exp)
     weights = (exp / denominator.clamp(min=1e-300)[group]).to(torch.float32)
     pieces = list(weights.split(sizes))
     return pieces if is_list else pieces[0]

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gkd.losses import divergences as _divergences  # noqa: F401 - registers the losses
-from megatron_gkd.losses.registry import SupportInputs, SupportTerms, get_divergence
+from megatron_gkd.losses.registry import SupportInputs, get_divergence
 from megatron_gkd.losses.shard_ops import (
     LocalSupport,
     ShardLayout,
@@ -94,12 +94,12 @@ def prepare_teacher(
     return TeacherSupport(ids, logprobs, valid)
 
 
-def support_metrics(terms_inputs: SupportInputs) -> dict[str, torch.Tensor]:
+def support_metrics(inputs: SupportInputs) -> dict[str, torch.Tensor]:
     """Teacher and student probability mass on the support, per token."""
-    valid = terms_inputs.valid
-    teacher_mass = terms_inputs.teacher_logprobs.exp().sum(-1)
-    student_on_support = terms_inputs.student_logits.masked_fill(~valid, float("-inf")).logsumexp(-1)
-    student_mass = (student_on_support - terms_inputs.student_lse).exp()
+    valid = inputs.valid
+    teacher_mass = inputs.teacher_logprobs.exp().sum(-1)
+    student_on_support = inputs.student_logits.masked_fill(~valid, float("-inf")).logsumexp(-1)
+    student_mass = (student_on_support - inputs.student_lse).exp()
     return {"teacher_mass": teacher_mass, "student_mass": student_mass}
 
 
@@ -150,10 +150,15 @@ def vocab_parallel_topk(
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ForwardState:
-    """What the backward of either path needs besides the logits (or the tensors that make them)."""
+    """What the backward of either path needs besides the logits (or the tensors that make them).
+
+    The loss itself is not kept here: holding an output on the autograd context would make a
+    reference cycle (output -> grad_fn -> ctx -> output) that frees only at garbage collection.
+    """
 
     student_lse: torch.Tensor
-    terms: SupportTerms
+    grad_support: torch.Tensor
+    lse_coef: torch.Tensor
     support: LocalSupport
 
 
@@ -165,21 +170,26 @@ def finish_forward(
     layout: ShardLayout,
     divergence_name: str,
     options: Any,
-) -> tuple[ForwardState, dict[str, torch.Tensor]]:
-    """Combines the shards' partial results and evaluates the divergence (shared by both paths)."""
+) -> tuple[ForwardState, torch.Tensor, dict[str, torch.Tensor]]:
+    """Combines the shards' partial results and evaluates the divergence (shared by both paths).
+
+    Returns:
+        ``(state for the backward, per-token loss, metrics)``.
+    """
     student_lse, support_logits = combine_shards(local_lse, local_support_logits, layout)
     inputs = SupportInputs(support_logits, teacher.logprobs, teacher.valid, student_lse)
     terms = get_divergence(divergence_name).fn(inputs, options)
-    return ForwardState(student_lse, terms, support), support_metrics(inputs)
+    state = ForwardState(student_lse, terms.grad_support, terms.lse_coef, support)
+    return state, terms.loss, support_metrics(inputs)
 
 
 def backward_scales(
     state: ForwardState, grad_loss: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, SparseGrad]:
     """Dense per-row scale and sparse support entries of d(loss . grad_loss)/d(logits)."""
-    grad_loss = grad_loss.to(state.terms.lse_coef.dtype)
-    dense_scale = state.terms.lse_coef * grad_loss / temperature
-    sparse_values = state.terms.grad_support * (grad_loss / temperature).unsqueeze(1)
+    grad_loss = grad_loss.to(state.lse_coef.dtype)
+    dense_scale = state.lse_coef * grad_loss / temperature
+    sparse_values = state.grad_support * (grad_loss / temperature).unsqueeze(1)
     return dense_scale, SparseGrad.of(state.support, sparse_values)
 
 
@@ -192,17 +202,14 @@ class _VocabParallelDistill(torch.autograd.Function):
         support = LocalSupport.of(teacher.ids, teacher.valid, layout)
         local_support_logits = support.gather(logits, dtype) / temperature
         local_lse = local_logsumexp(logits, temperature, dtype)
-        state, metrics = finish_forward(
+        state, loss, metrics = finish_forward(
             local_lse, local_support_logits, teacher, support, layout, divergence_name, options
         )
-        if diagnostics:
-            metrics["topk_overlap"] = topk_overlap(logits, teacher, layout)
+        overlap = topk_overlap(logits, teacher, layout) if diagnostics else logits.new_empty(0, dtype=dtype)
         ctx.save_for_backward(logits)
         ctx.state, ctx.temperature, ctx.dtype = state, temperature, dtype
-        names = sorted(metrics)
-        ctx.mark_non_differentiable(*[metrics[name] for name in names])
-        ctx.metric_names = names
-        return (state.terms.loss, *[metrics[name] for name in names])
+        ctx.mark_non_differentiable(metrics["student_mass"], metrics["teacher_mass"], overlap)
+        return loss, metrics["student_mass"], metrics["teacher_mass"], overlap
 
     @staticmethod
     def backward(ctx, grad_loss, *grad_metrics):
@@ -273,9 +280,11 @@ def vocab_parallel_distill_loss(
     teacher = prepare_teacher(
         teacher_topk_ids, teacher_topk_logprobs, logits.shape[0], layout.vocab_size, compute_dtype(logits.dtype)
     )
-    loss, *metric_values = _VocabParallelDistill.apply(
-        logits, teacher, layout, loss_type, divergence_options, temperature, bool(own.get("diagnostics", False))
+    diagnostics = bool(own.get("diagnostics", False))
+    loss, student_mass, teacher_mass, overlap = _VocabParallelDistill.apply(
+        logits, teacher, layout, loss_type, divergence_options, temperature, diagnostics
     )
-    names = ["student_mass", "teacher_mass"] + (["topk_overlap"] if own.get("diagnostics") else [])
-    metrics = {name: value.reshape(lead) for name, value in zip(sorted(names), metric_values)}
+    metrics = {"student_mass": student_mass.reshape(lead), "teacher_mass": teacher_mass.reshape(lead)}
+    if diagnostics:
+        metrics["topk_overlap"] = overlap.reshape(lead)
     return loss.reshape(lead), metrics

@@ -144,3 +144,15 @@ def test_registry_names_and_options():
     assert get_divergence("tcad").build_options({}).coverage_coef == 1.0
     with pytest.raises(ValueError, match="registered"):
         get_divergence("nope")
+
+
+def test_inert_option_is_warned_once(caplog):
+    from megatron_gkd.losses import registry
+
+    registry._warned_inert.discard(("tcad", "alpha"))
+    logits, ids, logprobs, _ = _inputs()
+    with caplog.at_level("WARNING", logger="megatron_gkd.losses.registry"):
+        for _ in range(2):
+            vocab_parallel_distill_loss(logits, ids, logprobs, loss_type="tcad", tp_group=None, alpha=0.2)
+    assert [r.getMessage() for r in caplog.records if "'alpha' has no effect" in r.getMessage()] != []
+    assert len([r for r in caplog.records if "alpha" in r.getMessage()]) == 1

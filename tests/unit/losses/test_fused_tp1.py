@@ -40,3 +40,11 @@ def test_fused_rejects_bad_options():
     with pytest.raises(ValueError, match=r"\[V/tp, h\]"):
         fused_vocab_parallel_distill_loss(hidden, weight.t(), ids, logprobs, loss_type="forward_kl",
                                           tp_group=None)
+
+
+def test_fused_refuses_diagnostics():
+    hidden, weight = torch.randn(4, 8), torch.randn(16, 8)
+    ids, logprobs = torch.zeros(4, 2, dtype=torch.long), torch.full((4, 2), -1.0)
+    with pytest.raises(ValueError, match="diagnostics"):
+        fused_vocab_parallel_distill_loss(hidden, weight, ids, logprobs, loss_type="forward_kl",
+                                          tp_group=None, diagnostics=True)
