@@ -4,7 +4,7 @@
     python benchmarks/losses.py --large         # V=151936 (no naive baseline: it needs ~10 GiB/rank)
     python benchmarks/losses.py --fused-tokens 16384   # also fused vs unfused output layer + loss
 
-For each loss: forward+backward seconds (median of --repeats) and peak extra memory per rank, next to
+For each loss: forward+backward seconds (minimum of --repeats, wall and CPU time) and peak extra memory per rank, next to
 (a) a naive baseline that all-gathers the vocabulary and runs the dense fp32 formulas with autograd and
 (b) the floor: one fp32 ``log_softmax`` forward+backward over the local shard.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
+import sys
 import time
 
 import torch
@@ -58,16 +59,29 @@ def _peak_extra_mib(fn) -> float:
     return (_status_kib("VmHWM") - before) / 1024
 
 
-def _timed(fn, repeats: int) -> tuple[float, float]:
+def _progress(row: dict) -> None:
+    if dist.get_rank() == 0:
+        print(f"  rank 0: {row['method']} K={row['k']}: {row['seconds']:.3f} s wall, {row['cpu']:.3f} s cpu, "
+              f"{row['mib']:.0f} MiB",
+              file=sys.stderr, flush=True)
+
+
+def _timed(fn, repeats: int) -> dict:
+    """Minimum wall and CPU (user + system, this process) seconds over ``repeats``, and peak memory.
+
+    Minima, and CPU time next to wall time, because the machine is shared: a rank that is descheduled
+    accrues wall time but not CPU time.
+    """
     fn()  # warm-up
-    times = []
+    walls, cpus = [], []
     for _ in range(repeats):
         dist.barrier()
-        start = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - start)
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
     dist.barrier()
-    return statistics.median(times), _peak_extra_mib(fn)
+    return {"seconds": min(walls), "cpu": min(cpus), "mib": _peak_extra_mib(fn)}
 
 
 def _teacher(num_tokens: int, vocab: int, k: int, generator: torch.Generator):
@@ -98,8 +112,8 @@ def _loss_body(num_tokens: int, vocab: int, topks: list[int], repeats: int, naiv
         torch.log_softmax(x, dim=-1).backward(upstream)
         x.grad = None
 
-    seconds, memory = _timed(floor, repeats)
-    rows.append({"method": "floor: log_softmax fwd+bwd (local shard)", "k": "-", "seconds": seconds, "mib": memory})
+    rows.append({"method": "floor: log_softmax fwd+bwd (local shard)", "k": "-", **_timed(floor, repeats)})
+    _progress(rows[-1])
     for k in topks:
         ids, logprobs = _teacher(num_tokens, vocab, k, generator)
         for loss_type, options in LOSSES:
@@ -108,8 +122,8 @@ def _loss_body(num_tokens: int, vocab: int, topks: list[int], repeats: int, naiv
                 loss.sum().backward()
                 x.grad = None
 
-            seconds, memory = _timed(ours, repeats)
-            rows.append({"method": loss_type, "k": k, "seconds": seconds, "mib": memory})
+            rows.append({"method": loss_type, "k": k, **_timed(ours, repeats)})
+            _progress(rows[-1])
             if not naive:
                 continue
 
@@ -123,8 +137,8 @@ def _loss_body(num_tokens: int, vocab: int, topks: list[int], repeats: int, naiv
                 x.grad = full.grad[:, rank * vocab_local:(rank + 1) * vocab_local].contiguous()
                 x.grad = None
 
-            seconds, memory = _timed(gathered, repeats)
-            rows.append({"method": f"naive gather {loss_type}", "k": k, "seconds": seconds, "mib": memory})
+            rows.append({"method": f"naive gather {loss_type}", "k": k, **_timed(gathered, 1)})
+            _progress(rows[-1])
     return rows
 
 
@@ -153,27 +167,34 @@ def _fused_body(num_tokens: int, vocab: int, hidden_size: int, k: int, chunk_siz
 
     rows = []
     for name, fn in (("unfused: output layer + forward_kl", unfused), (f"fused (chunk {chunk_size})", fused)):
-        seconds, memory = _timed(fn, 1)
-        rows.append({"method": name, "k": k, "seconds": seconds, "mib": memory})
+        rows.append({"method": name, "k": k, **_timed(fn, 1)})
+        _progress(rows[-1])
     return rows
 
 
 def _merge(per_rank: list[list[dict]]) -> list[dict]:
-    """Rank 0's row with the larger time and memory of the two ranks."""
+    """Rank 0's row with the larger times and memory of the ranks."""
     merged = []
     for rows in zip(*per_rank):
         row = dict(rows[0])
-        row["seconds"] = max(r["seconds"] for r in rows)
-        row["mib"] = max(r["mib"] for r in rows)
+        for key in ("seconds", "cpu", "mib"):
+            row[key] = max(r[key] for r in rows)
         merged.append(row)
     return merged
 
 
 def _table(rows: list[dict], floor: dict | None) -> str:
-    lines = ["| method | K | fwd+bwd s | x floor | peak extra MiB/rank |", "|---|---|---|---|---|"]
+    lines = [
+        "| method | K | wall s | x floor (wall) | cpu s | x floor (cpu) | peak extra MiB/rank |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
-        ratio = f"{row['seconds'] / floor['seconds']:.2f}" if floor else "-"
-        lines.append(f"| {row['method']} | {row['k']} | {row['seconds']:.3f} | {ratio} | {row['mib']:.0f} |")
+        wall = f"{row['seconds'] / floor['seconds']:.2f}" if floor else "-"
+        cpu = f"{row['cpu'] / floor['cpu']:.2f}" if floor else "-"
+        lines.append(
+            f"| {row['method']} | {row['k']} | {row['seconds']:.3f} | {wall} | {row['cpu']:.3f} | {cpu} "
+            f"| {row['mib']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -182,19 +203,22 @@ def main() -> None:
     parser.add_argument("--large", action="store_true", help="V=151936 instead of 32768")
     parser.add_argument("--num-tokens", type=int, default=4096)
     parser.add_argument("--topk", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-naive", action="store_true", help="skip the vocabulary-gather baseline")
     parser.add_argument("--fused-tokens", type=int, default=0, help="also compare fused vs unfused at this N")
+    parser.add_argument("--fused-only", action="store_true", help="only the fused vs unfused comparison")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--chunk-size", type=int, default=1024)
     args = parser.parse_args()
     vocab = 151936 if args.large else 32768
     naive = not (args.no_naive or args.large)
     world = 2
-    print(f"# gloo, {world} ranks x 1 thread, N={args.num_tokens}, V={vocab} (V/tp={vocab // world}), fp32")
-    rows = _merge(run_distributed(_loss_body, world, args=(args.num_tokens, vocab, args.topk, args.repeats, naive),
-                                  timeout=3600))
-    print(_table(rows, rows[0]))
+    if not args.fused_only:
+        print(f"# gloo, {world} ranks x 1 thread, N={args.num_tokens}, V={vocab} (V/tp={vocab // world}), fp32")
+        rows = _merge(run_distributed(
+            _loss_body, world, args=(args.num_tokens, vocab, args.topk, args.repeats, naive), timeout=3600
+        ))
+        print(_table(rows, rows[0]))
     if args.fused_tokens:
         print(f"\n# fused vs unfused: N={args.fused_tokens}, h={args.hidden_size}, V={vocab}, forward_kl")
         fused = _merge(run_distributed(
