@@ -97,6 +97,11 @@ def teachers(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def reference(teachers):
+    return ReferenceTeacher(teachers[0])
+
+
+@pytest.fixture(scope="module")
 def results(teachers):
     leader, follower = run_distributed(_score_everywhere, 2, args=tuple(map(str, teachers)), timeout=600)
     return leader, follower
@@ -122,17 +127,18 @@ def _assert_same(got, want, atol):
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_megatron_backend_matches_transformers(results, teachers, layout):
+def test_megatron_backend_matches_transformers(results, reference, layout):
     leader, _ = results
-    _assert_matches_reference(ReferenceTeacher(teachers[0]), leader[layout], _batches())
+    _assert_matches_reference(reference, leader[layout], _batches())
     assert leader[layout + "-info"]["supports_requested_ids"]
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_parallel_layouts_equal_tp1(results, layout):
     leader, _ = results
-    # Ids identical; values differ only by the order of float32 sums over the shards.
-    _assert_same(leader[layout], leader["tp1"], atol=1e-5)
+    # Ids identical. Values may differ by float32 rounding: TP=2 sums the row-parallel matmuls in
+    # another order, ~2e-5 on this teacher's wide logits; the bound is the reference tolerance.
+    _assert_same(leader[layout], leader["tp1"], atol=1e-4)
 
 
 def test_padded_output_rows_are_ignored(results, teachers):
@@ -144,11 +150,11 @@ def test_padded_output_rows_are_ignored(results, teachers):
     _assert_matches_reference(ReferenceTeacher(teachers[1]), outputs, _batches()[:1], vocab_limit=VOCAB)
 
 
-def test_local_client_equals_backend_on_every_rank(results, teachers):
+def test_local_client_equals_backend_on_every_rank(results, reference):
     leader, follower = results
     _assert_same(leader["local"], leader["tp2"], atol=0)
     _assert_same(follower["local"], leader["local"], atol=0)
-    _assert_matches_reference(ReferenceTeacher(teachers[0]), leader["local"], _batches())
+    _assert_matches_reference(reference, leader["local"], _batches())
     assert leader["local-info"].tokenizer_digest == leader["tp2-info"]["tokenizer_digest"]
     # offload=True is accepted and inert on cpu, with a warning.
     assert any("offload has no effect" in message for message in leader["local-warnings"])
