@@ -53,7 +53,9 @@ class ReferenceTeacher:
     def __init__(self, directory: str | pathlib.Path):
         from transformers import AutoModelForCausalLM
 
-        self._model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64).eval()
+        # Eager experts: transformers' default grouped matmul for MoE layers rejects float64.
+        self._model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64,
+                                                           experts_implementation="eager").eval()
 
     @torch.no_grad()
     def logprobs(self, token_ids: np.ndarray, response_start: int, temperature: float = 1.0,

@@ -1,8 +1,9 @@
 """The ``megatron`` backend and the ``local`` client against transformers, and across layouts.
 
 One spawn of two gloo ranks scores the same batches with the backend at TP=1 (two replicas), TP=2 and
-PP=2 (rank 0 leads, rank 1 follows through the tensor broadcast of each request), then with the
-``local`` client at TP=2 (offload requested: inert on cpu). The parent compares every layout with
+PP=2 (rank 0 leads, rank 1 follows through the tensor broadcast of each request), a padded output
+table at TP=2 and a Qwen3-MoE teacher at EP=2, then with the ``local`` client at TP=2 (offload
+requested: inert on cpu). The parent compares every layout with
 float64 transformers (top-k ids identical, log-probs within 1e-4, every row: row 0 and the last token
 included, requested ids too), TP=2 and PP=2 with TP=1, and the local client with the backend.
 """
@@ -16,6 +17,7 @@ import pytest
 
 from megatron_gkd.teacher import ScoreBatch, SequenceRequest
 from megatron_gkd.testing.distributed import run_distributed
+from megatron_gkd.testing.hf_models import make_tiny_checkpoint
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher, build_tiny_teacher
 from tests.unit.teacher.conftest import random_sequences
 
@@ -49,6 +51,21 @@ def _batches() -> list[ScoreBatch]:
     ]
 
 
+def _bad_batches() -> list[ScoreBatch]:
+    return [ScoreBatch(sequences=[SequenceRequest(token_ids=[3, 4, 5], response_start=1)], top_k=VOCAB + 1),
+            ScoreBatch(sequences=[SequenceRequest(token_ids=[3, VOCAB + 7], response_start=1)], top_k=2)]
+
+
+def _refusal(backend, batch) -> str | None:
+    from megatron_gkd.teacher import TeacherError
+
+    try:
+        backend.score(batch)
+    except TeacherError as error:
+        return error.code.value
+    return None
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)
@@ -58,19 +75,25 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def _score_everywhere(teacher: str, padded_teacher: str) -> dict:
-    """Rank body: outputs per layout (leader only), the padded teacher at TP=2, and the local client."""
+def _score_everywhere(teacher: str, padded_teacher: str, moe_teacher: str) -> dict:
+    """Rank body: outputs per layout (leader only), the padded teacher at TP=2, a MoE teacher at EP=2
+    (two data-parallel ranks that both score the batch), and the local client."""
     from megatron_gkd import parallel
     from megatron_gkd.teacher.backends import build_backend
     from megatron_gkd.teacher.clients import build_client
 
     batches = _batches()
     results = {}
-    for name, layout in [*LAYOUTS.items(), ("padded-tp2", LAYOUTS["tp2"])]:
-        backend = build_backend("megatron", model=padded_teacher if name.startswith("padded") else teacher,
-                                **layout)
+    extra = {"padded-tp2": (padded_teacher, LAYOUTS["tp2"]),
+             "moe-ep2": (moe_teacher, dict(expert_model_parallel_size=2))}
+    runs = [(name, teacher, layout) for name, layout in LAYOUTS.items()]
+    runs += [(name, path, layout) for name, (path, layout) in extra.items()]
+    for name, path, layout in runs:
+        backend = build_backend("megatron", model=path, **layout)
         if backend.is_leader:
-            results[name] = [backend.score(batch) for batch in batches[:1 if name.startswith("padded") else None]]
+            if name == "tp2":  # refused on the leader, before the followers hear of it
+                results["refused"] = [_refusal(backend, bad) for bad in _bad_batches()]
+            results[name] = [backend.score(batch) for batch in batches[:1 if name in extra else None]]
             results[name + "-info"] = backend.info().to_dict()
         else:
             backend.follow()
@@ -91,9 +114,13 @@ def _score_everywhere(teacher: str, padded_teacher: str) -> dict:
 def teachers(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_teacher")
     # Two key/value heads so that TP=2 can split them.
-    return (build_tiny_teacher(root / "dense", vocab_size=VOCAB, num_key_value_heads=2, seed=1),
-            build_tiny_teacher(root / "padded", vocab_size=PADDED_VOCAB, tokenizer_size=VOCAB,
-                               num_key_value_heads=2, num_layers=1, seed=2))
+    dense = build_tiny_teacher(root / "dense", vocab_size=VOCAB, num_key_value_heads=2, seed=1)
+    padded = build_tiny_teacher(root / "padded", vocab_size=PADDED_VOCAB, tokenizer_size=VOCAB,
+                                num_key_value_heads=2, num_layers=1, seed=2)
+    # Another registered architecture: the tiny Qwen3-MoE of the models tests, over this tokenizer.
+    moe = build_tiny_teacher(root / "moe", vocab_size=VOCAB, num_layers=1)
+    make_tiny_checkpoint("Qwen3MoeForCausalLM", moe, seed=3, vocab_size=VOCAB)
+    return dense, padded, moe
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +168,12 @@ def test_parallel_layouts_equal_tp1(results, layout):
     _assert_same(leader[layout], leader["tp1"], atol=1e-4)
 
 
+def test_bad_requests_are_refused_and_the_ranks_stay_in_step(results):
+    leader, _ = results
+    # The tp2 outputs that follow the refusals match transformers (test above), so no rank fell behind.
+    assert leader["refused"] == ["unsupported", "bad_request"]
+
+
 def test_padded_output_rows_are_ignored(results, teachers):
     leader, _ = results
     info = leader["padded-tp2-info"]
@@ -148,6 +181,11 @@ def test_padded_output_rows_are_ignored(results, teachers):
     outputs = leader["padded-tp2"]
     assert max(int(o.topk_ids.max()) for o in outputs[0]) < VOCAB
     _assert_matches_reference(ReferenceTeacher(teachers[1]), outputs, _batches()[:1], vocab_limit=VOCAB)
+
+
+def test_moe_teacher_with_expert_parallelism_matches_transformers(results, teachers):
+    leader, _ = results
+    _assert_matches_reference(ReferenceTeacher(teachers[2]), leader["moe-ep2"], _batches()[:1])
 
 
 def test_local_client_equals_backend_on_every_rank(results, reference):
