@@ -117,6 +117,7 @@ class MegatronScorer:
         self._tp_group = mpu.get_tensor_model_parallel_group()
         self._mp_group = mpu.get_model_parallel_group()
         self._last_stage = mpu.is_pipeline_last_stage(ignore_virtual=True)
+        self._pipelined = mpu.get_pipeline_model_parallel_world_size() > 1
         # The model-parallel rank whose outputs every rank receives: last stage, TP rank 0.
         owner = dist.get_rank() if self._last_stage and mpu.get_tensor_model_parallel_rank() == 0 else -1
         owner = torch.tensor([owner], dtype=torch.int64, device=device)
@@ -142,17 +143,19 @@ class MegatronScorer:
     def _forward(self, batch: ScoreBatch) -> list[dict[str, torch.Tensor]]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        # Every micro-batch has the batch's longest length: pipeline stages exchange fixed-shape
-        # activations. Right padding is invisible to the real positions under causal attention.
+        # Pipeline stages exchange fixed-shape activations, so there every micro-batch has the batch's
+        # longest length; a single stage runs each sequence at its own length. Right padding is
+        # invisible to the real positions under causal attention.
         longest = max(len(s.token_ids) for s in batch.sequences)
-        position_ids = torch.arange(longest, device=self.device)[None]
         sequences = iter(batch.sequences)
         rows: list[dict[str, torch.Tensor]] = []
 
         def forward_step(data_iterator, model):
             sequence = next(data_iterator)
-            tokens = torch.zeros(1, longest, dtype=torch.long, device=self.device)
+            length = longest if self._pipelined else len(sequence.token_ids)
+            tokens = torch.zeros(1, length, dtype=torch.long, device=self.device)
             tokens[0, :len(sequence.token_ids)] = torch.as_tensor(sequence.token_ids, device=self.device)
+            position_ids = torch.arange(length, device=self.device)[None]
             output = model(tokens, position_ids, attention_mask=None)
 
             def collect(logits):  # last stage only: logits [1, L, V/tp]
