@@ -7,7 +7,9 @@ Rank 0 is the leader: it talks to the proxy as a worker and, for each batch, bro
 to the other ranks (the followers, which run :meth:`MegatronBackend.follow`); then every rank runs
 the forward and the last pipeline stage computes the rows (:mod:`megatron_gkd.teacher.megatron_scoring`).
 The request crosses ranks as plain tensors (a fixed header, the token ids, the requested ids), never
-as pickled objects.
+as pickled objects. Requests the backend refuses are refused on rank 0 before the broadcast; a failure
+inside the forward after it (e.g. out of memory on one rank) leaves the ranks out of step, and the
+server must be restarted (clients retry on other workers meanwhile).
 """
 
 from __future__ import annotations
