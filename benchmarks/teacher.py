@@ -7,10 +7,12 @@ float32 log-probs, float32 token log-probs ``[B, S]``, as a trainer-side tensor 
 
     .venv/bin/python benchmarks/teacher.py                     # hf backend, k = 64 and 256
     .venv/bin/python benchmarks/teacher.py --backend vllm      # in-process vLLM (CPU: slow start)
+    .venv/bin/python benchmarks/teacher.py --backend megatron  # Megatron-Core, one rank (TP=1)
 """
 
 import argparse
 import logging
+import os
 import tempfile
 import time
 
@@ -49,7 +51,7 @@ def dense_bytes(batch: ScoreBatch) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", default="hf", choices=("hf", "vllm"))
+    parser.add_argument("--backend", default="hf", choices=("hf", "vllm", "megatron"))
     parser.add_argument("--top-k", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--num-batches", type=int, default=4)
@@ -61,6 +63,11 @@ def main() -> None:
     kwargs = {"max_top_k": max(args.top_k)}
     if args.backend == "vllm":
         kwargs.update(max_model_len=1024, enforce_eager=True)
+    if args.backend == "megatron":  # a one-rank process group, as torchrun would describe it
+        from megatron_gkd.testing.distributed import free_port
+
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
     backend = build_backend(args.backend, model=str(model_dir), **kwargs)
     proxy = Proxy("tcp://127.0.0.1:0", "inproc://teacher-bench").start()
     worker = Worker(proxy.backend_address, backend).start()

@@ -3,6 +3,8 @@
     teacher_server.py serve  --frontend tcp://127.0.0.1:5555 --backend hf --model DIR   # proxy + 1 worker
     teacher_server.py proxy  --frontend tcp://0.0.0.0:5555 --workers tcp://0.0.0.0:5556 --secret-file F
     teacher_server.py worker --connect tcp://proxy-host:5556 --backend vllm --model DIR --secret-file F
+    torchrun --nproc_per_node 2 teacher_server.py serve --backend megatron --model DIR \
+        --backend-arg tensor_model_parallel_size=2          # rank 0 serves, the other ranks follow
 
 Backend options are given as ``--backend-arg key=value`` (values parsed as JSON when they parse, e.g.
 ``tensor_parallel_size=8``); ``--backend-module M`` imports a module that registers more backends.
@@ -66,17 +68,25 @@ def main(argv: list[str] | None = None) -> None:
     for module in args.backend_module:
         importlib.import_module(module)
     stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
     proxy = worker = backend = None
     try:
-        if args.role in ("serve", "proxy"):
-            workers = "inproc://teacher-workers" if args.role == "serve" else args.workers
-            proxy = Proxy(args.frontend, workers, secret, args.insecure, limits).start()
         if args.role in ("serve", "worker"):
             if not args.model:
                 raise ValueError("--model is required for the serve and worker roles")
             backend = build_backend(args.backend, model=args.model, **_backend_kwargs(args.backend_arg))
+            if not backend.is_leader:
+                # An extra rank of a multi-process backend (megatron under torchrun): it runs its share
+                # of every forward that rank 0 receives, and opens no socket.
+                backend.follow()
+                return
+        # Installed after the followers branched off: they end with the leader or by the default
+        # SIGTERM that torchrun forwards.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stop.set())
+        if args.role in ("serve", "proxy"):
+            workers = "inproc://teacher-workers" if args.role == "serve" else args.workers
+            proxy = Proxy(args.frontend, workers, secret, args.insecure, limits).start()
+        if backend is not None:
             connect = proxy.backend_address if proxy else args.connect
             worker = Worker(connect, backend, secret, args.insecure, limits).start()
         # Scripts and tests read this line; it also tells the ports picked for ":0" addresses.

@@ -192,6 +192,13 @@ def set_accelerator_rng_state(state: torch.Tensor | None) -> None:
         getattr(torch, platform.device_type).set_rng_state(state)
 
 
+def empty_cache() -> None:
+    """Returns the accelerator allocator's cached blocks to the device; no-op on the host."""
+    platform = current()
+    if platform.name != "cpu":
+        getattr(torch, platform.device_type).empty_cache()
+
+
 def max_memory_allocated() -> int:
     """Peak bytes allocated on the accelerator since the last reset (0 on the host: use RSS there)."""
     platform = current()

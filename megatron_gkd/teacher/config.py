@@ -12,7 +12,8 @@ logger = logging.getLogger(__name__)
 
 # Options that only some clients read; setting one for another client is inert and logged.
 _CLIENT_OPTIONS = {"address": "zmq", "secret_file": "zmq", "insecure": "zmq", "base_url": "openai",
-                   "model": "openai", "teacher_tokenizer": "openai", "api_key": "openai"}
+                   "model": "openai", "teacher_tokenizer": "openai", "api_key": "openai",
+                   "checkpoint": "local", "offload": "local"}
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -21,7 +22,7 @@ class TeacherConfig:
 
     Attributes:
         client: ``zmq`` (the teacher service), ``openai`` (an OpenAI-compatible server) or ``local``
-            (a colocated Megatron teacher; not available yet).
+            (a Megatron-Core teacher colocated on the training ranks, in the trainer's layout).
         top_k: k, the number of teacher log-probs per response token.
         temperature: teacher temperature (``vllm``/``openai`` serve 1.0 only).
         address: zmq: the proxy's frontend, e.g. ``tcp://teacher-host:5555``.
@@ -31,6 +32,8 @@ class TeacherConfig:
         model: openai: served model name (default: the server's first).
         teacher_tokenizer: openai: the teacher's tokenizer, for the vocabulary check.
         api_key: openai: bearer token, if the server wants one.
+        checkpoint: local: HF checkpoint directory of the teacher (loaded with ``models.load_hf``).
+        offload: local: keep the teacher's weights in host memory between calls (inert on cpu).
         attempt_timeout_s: wait for one answer before retrying.
         deadline_s: give up on a batch after this long; the step then fails, it never trains on
             partial teacher data.
@@ -48,6 +51,8 @@ class TeacherConfig:
     model: str | None = None
     teacher_tokenizer: str | None = None
     api_key: str | None = None
+    checkpoint: str | None = None
+    offload: bool = False
     attempt_timeout_s: float = 60.0
     deadline_s: float = 300.0
     max_attempts: int = 5
@@ -64,6 +69,8 @@ class TeacherConfig:
             raise ValueError("teacher.address is required for client 'zmq' (e.g. tcp://host:5555)")
         if self.client == "openai" and not self.base_url:
             raise ValueError("teacher.base_url is required for client 'openai' (e.g. http://host:8000)")
+        if self.client == "local" and not self.checkpoint:
+            raise ValueError("teacher.checkpoint is required for client 'local' (a HF checkpoint directory)")
         for option, owner in _CLIENT_OPTIONS.items():
             if owner != self.client and getattr(self, option) not in (None, False):
                 logger.warning("teacher.%s has no effect with client %r (only %r reads it)", option,
@@ -84,4 +91,6 @@ def build_client_from_config(config: TeacherConfig) -> TeacherClient:
         return build_client("openai", base_url=config.base_url, model=config.model,
                             teacher_tokenizer=config.teacher_tokenizer, api_key=config.api_key,
                             retry=config.retry(), max_inflight=config.max_inflight)
+    if config.client == "local":
+        return build_client("local", model=config.checkpoint, offload=config.offload)
     return build_client(config.client)

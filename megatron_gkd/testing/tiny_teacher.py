@@ -15,12 +15,14 @@ import torch
 
 
 def build_tiny_teacher(directory: str | pathlib.Path, vocab_size: int = 512, tokenizer_size: int | None = None,
-                       num_layers: int = 2, hidden_size: int = 128, seed: int = 0) -> pathlib.Path:
+                       num_layers: int = 2, hidden_size: int = 128, seed: int = 0,
+                       num_key_value_heads: int = 1) -> pathlib.Path:
     """Writes a random Llama checkpoint with its tokenizer to ``directory`` and returns the path.
 
     Args:
         vocab_size: rows of the embedding/output tables.
         tokenizer_size: ids the tokenizer defines (default ``vocab_size``; smaller means a padded table).
+        num_key_value_heads: key/value heads (tensor parallelism needs a multiple of its size).
     """
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -37,7 +39,7 @@ def build_tiny_teacher(directory: str | pathlib.Path, vocab_size: int = 512, tok
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=num_layers, num_attention_heads=hidden_size // 64,
-                         num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
+                         num_key_value_heads=num_key_value_heads, head_dim=64, max_position_embeddings=1024,
                          initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1,
                          eos_token_id=2, pad_token_id=0)
     model = LlamaForCausalLM(config).eval()
@@ -51,7 +53,9 @@ class ReferenceTeacher:
     def __init__(self, directory: str | pathlib.Path):
         from transformers import AutoModelForCausalLM
 
-        self._model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64).eval()
+        # Eager experts: transformers' default grouped matmul for MoE layers rejects float64.
+        self._model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64,
+                                                           experts_implementation="eager").eval()
 
     @torch.no_grad()
     def logprobs(self, token_ids: np.ndarray, response_start: int, temperature: float = 1.0,

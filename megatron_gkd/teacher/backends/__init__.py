@@ -54,13 +54,21 @@ class TeacherBackend(abc.ABC):
     def close(self) -> None:
         """Releases the model; the default has nothing to release."""
 
+    @property
+    def is_leader(self) -> bool:
+        """False on the extra ranks of a multi-process backend (``megatron`` under torchrun)."""
+        return True
 
-# name -> "module:Class". The megatron backend needs megatron_gkd.models (models issue); it is listed
-# so the name is known and a request for it says why it cannot be built yet.
+    def follow(self) -> None:
+        """Extra ranks: take part in the leader's scoring until it closes (multi-process backends)."""
+        raise NotImplementedError(f"{type(self).__name__} runs in one process; it has no followers")
+
+
+# name -> "module:Class"; None marks a known name that this build cannot construct.
 _BACKENDS: dict[str, str | None] = {
     "hf": "megatron_gkd.teacher.backends.hf:HFBackend",
     "vllm": "megatron_gkd.teacher.backends.vllm:VLLMBackend",
-    "megatron": None,
+    "megatron": "megatron_gkd.teacher.backends.megatron:MegatronBackend",
 }
 
 
@@ -85,8 +93,8 @@ def build_backend(name: str, **kwargs: Any) -> TeacherBackend:
     target = _BACKENDS[name]
     if target is None:
         raise ValueError(
-            f"teacher backend {name!r} is not available yet: it needs the Megatron-Core model "
-            "providers (megatron_gkd.models.load_hf), which are not merged; use 'hf' or 'vllm'"
+            f"teacher backend {name!r} is not available in this build; choose one of "
+            f"{[n for n, t in _BACKENDS.items() if t]}"
         )
     module_name, class_name = target.split(":")
     return getattr(importlib.import_module(module_name), class_name)(**kwargs)

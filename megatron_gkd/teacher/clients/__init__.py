@@ -120,11 +120,11 @@ class TeacherClient(abc.ABC):
         self.close()
 
 
-# name -> "module:Class"; `local` (a colocated Megatron teacher) needs megatron_gkd.models.
+# name -> "module:Class"; None marks a known name that this build cannot construct.
 _CLIENTS: dict[str, str | None] = {
     "zmq": "megatron_gkd.teacher.clients.zmq_client:ZmqTeacherClient",
     "openai": "megatron_gkd.teacher.clients.openai_client:OpenAITeacherClient",
-    "local": None,
+    "local": "megatron_gkd.teacher.clients.local:LocalTeacherClient",
 }
 
 
@@ -149,9 +149,8 @@ def build_client(name: str, **kwargs: Any) -> TeacherClient:
     target = _CLIENTS[name]
     if target is None:
         raise ValueError(
-            f"teacher client {name!r} is not available yet: a colocated Megatron teacher needs "
-            "the Megatron-Core model providers (megatron_gkd.models), which are not merged; use "
-            "'zmq' or 'openai'"
+            f"teacher client {name!r} is not available in this build; choose one of "
+            f"{[n for n, t in _CLIENTS.items() if t]}"
         )
     module_name, class_name = target.split(":")
     return getattr(importlib.import_module(module_name), class_name)(**kwargs)

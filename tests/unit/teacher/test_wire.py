@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from megatron_gkd.teacher import codec, wire
-from megatron_gkd.teacher.backends import build_backend
-from megatron_gkd.teacher.clients import build_client
+from megatron_gkd.teacher.backends import backend_names, build_backend
+from megatron_gkd.teacher.clients import build_client, client_names
 from megatron_gkd.teacher.server import Proxy, check_exposure, is_loopback
 from megatron_gkd.teacher.types import (ErrorCode, ScoreBatch, SequenceRequest, TeacherOutput,
                                         TeacherOutputError)
@@ -177,13 +177,13 @@ def test_vocab_check_padded_tables_and_mismatch(caplog):
     np.testing.assert_array_equal(restricted.topk_logprobs[2], output.topk_logprobs[2])
 
 
-def test_registries_name_what_is_not_available_yet():
-    with pytest.raises(ValueError, match="'megatron' is not available yet"):
-        build_backend("megatron", model="x")
-    with pytest.raises(ValueError, match="'local' is not available yet"):
-        build_client("local")
+def test_registries_know_every_backend_and_client():
+    assert {"hf", "vllm", "megatron"} <= set(backend_names())
+    assert {"zmq", "openai", "local"} <= set(client_names())
     with pytest.raises(ValueError, match="unknown"):
         build_backend("nope")
+    with pytest.raises(ValueError, match="unknown"):
+        build_client("nope")
 
 
 def test_non_loopback_needs_secret_or_insecure(caplog):
@@ -209,8 +209,11 @@ def test_teacher_config_validates_and_warns_on_inert_options(caplog):
     with caplog.at_level("WARNING"):
         TeacherConfig(client="zmq", address="tcp://127.0.0.1:5555", base_url="http://x")
     assert "teacher.base_url has no effect" in caplog.text
-    with pytest.raises(ValueError, match="not available yet"):
-        build_client_from_config(TeacherConfig(client="local"))
+    with pytest.raises(ValueError, match="teacher.checkpoint is required"):
+        TeacherConfig(client="local")
+    with caplog.at_level("WARNING"):
+        TeacherConfig(client="zmq", address="tcp://127.0.0.1:5555", offload=True)
+    assert "teacher.offload has no effect" in caplog.text
     with build_client_from_config(TeacherConfig(client="zmq", address="tcp://127.0.0.1:5555",
                                                 deadline_s=7)) as client:
         assert client.address == "tcp://127.0.0.1:5555" and client._retry.deadline_s == 7

@@ -1,0 +1,39 @@
+"""Vocab-parallel distillation losses (GKD family and TCAD), their TCAD helpers and the fused path.
+
+Public API::
+
+    loss, metrics = vocab_parallel_distill_loss(logits_shard, teacher_ids, teacher_logprobs,
+                                                loss_type="forward_kl", tp_group=tp_group)
+    loss, metrics = fused_vocab_parallel_distill_loss(hidden, output_weight_shard, teacher_ids,
+                                                      teacher_logprobs, loss_type=..., tp_group=...)
+    scalar = aggregate_distill_loss(loss, loss_mask, sequence_weights)
+
+TCAD: :func:`tcad_support`, :func:`vocab_parallel_topk`, :func:`tcad_sequence_weights`.
+New divergences register with :func:`register_divergence`.
+"""
+
+from megatron_gkd.losses.aggregation import aggregate_distill_loss
+from megatron_gkd.losses.fused import fused_vocab_parallel_distill_loss
+from megatron_gkd.losses.registry import (
+    SupportInputs,
+    SupportTerms,
+    get_divergence,
+    register_divergence,
+    registered_divergences,
+)
+from megatron_gkd.losses.tcad import tcad_sequence_weights, tcad_support
+from megatron_gkd.losses.vocab_parallel import vocab_parallel_distill_loss, vocab_parallel_topk
+
+__all__ = [
+    "SupportInputs",
+    "SupportTerms",
+    "aggregate_distill_loss",
+    "fused_vocab_parallel_distill_loss",
+    "get_divergence",
+    "register_divergence",
+    "registered_divergences",
+    "tcad_sequence_weights",
+    "tcad_support",
+    "vocab_parallel_distill_loss",
+    "vocab_parallel_topk",
+]

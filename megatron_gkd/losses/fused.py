@@ -1,0 +1,172 @@
+"""Fused output layer + distillation loss, chunked over tokens: the ``[N, V/tp]`` logits never exist.
+
+The forward computes each token chunk's logits ``hidden_c @ W^T``, keeps only its local log-partition
+and the logits at the teacher ids, and drops the chunk; the backward recomputes the chunk's logits,
+turns them in place into the logit gradient, and accumulates the gradients of ``hidden`` and ``W``.
+Peak extra memory is one chunk of logits (plus its compute-dtype copy for narrow inputs), the fp32
+weight-gradient accumulator and the hidden gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_gkd.losses.shard_ops import (
+    LocalSupport,
+    ShardLayout,
+    compute_dtype,
+    local_logsumexp,
+    rows_per_chunk,
+    write_grad_rows,
+)
+from megatron_gkd.losses.vocab_parallel import (
+    backward_scales,
+    check_temperature,
+    finish_forward,
+    prepare_teacher,
+    split_options,
+)
+
+DEFAULT_CHUNK_SIZE = 1024
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FusedOptions:
+    """Options of the fused path (on top of the divergence's).
+
+    Attributes:
+        chunk_size: tokens per chunk; memory is about ``chunk_size x V/tp`` logits.
+        all_reduce_hidden_grad: sum the hidden gradient over ``tp_group`` in the backward, as the
+            backward of Megatron's column-parallel output layer does for a replicated input. Turn it
+            off when the caller reduces it itself (e.g. sequence parallelism's reduce-scatter).
+    """
+
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    all_reduce_hidden_grad: bool = True
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1:
+            raise ValueError(f"option chunk_size={self.chunk_size} must be >= 1")
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``[c, V/tp]`` logits in the input dtype, as the unfused output layer would produce them."""
+    return hidden @ weight.t()
+
+
+class _FusedDistill(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher, layout, divergence_name, options, fused, temperature):
+        dtype = compute_dtype(hidden.dtype)
+        num_tokens = hidden.shape[0]
+        support = LocalSupport.of(teacher.ids, teacher.valid, layout)
+        local_lse = torch.empty(num_tokens, dtype=dtype, device=hidden.device)
+        local_support_logits = torch.empty(teacher.ids.shape, dtype=dtype, device=hidden.device)
+        for start in range(0, num_tokens, fused.chunk_size):
+            stop = min(start + fused.chunk_size, num_tokens)
+            logits = _chunk_logits(hidden[start:stop], weight)
+            local_lse[start:stop] = local_logsumexp(logits, temperature, dtype)
+            chunk_support = LocalSupport(support.local_index[start:stop], support.in_shard[start:stop])
+            local_support_logits[start:stop] = chunk_support.gather(logits, dtype) / temperature
+            del logits
+        state, loss, metrics = finish_forward(
+            local_lse, local_support_logits, teacher, support, layout, divergence_name, options
+        )
+        ctx.save_for_backward(hidden, weight)
+        ctx.state, ctx.layout, ctx.fused, ctx.temperature, ctx.dtype = state, layout, fused, temperature, dtype
+        ctx.mark_non_differentiable(metrics["student_mass"], metrics["teacher_mass"])
+        return loss, metrics["student_mass"], metrics["teacher_mass"]
+
+    @staticmethod
+    def backward(ctx, grad_loss, *grad_metrics):
+        del grad_metrics
+        hidden, weight = ctx.saved_tensors
+        dtype, temperature, chunk_size = ctx.dtype, ctx.temperature, ctx.fused.chunk_size
+        dense_scale, sparse = backward_scales(ctx.state, grad_loss, temperature)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+        vocab_local = weight.shape[0]
+        rows = rows_per_chunk(vocab_local)
+        for start in range(0, hidden.shape[0], chunk_size):
+            stop = min(start + chunk_size, hidden.shape[0])
+            logits = _chunk_logits(hidden[start:stop], weight)
+            # fp32/fp64 logits become their own gradient; narrow ones need a compute-dtype copy.
+            grad_logits = logits if logits.dtype == dtype else torch.empty_like(logits, dtype=dtype)
+            for row in range(0, stop - start, rows):
+                row_stop = min(row + rows, stop - start)
+                out = grad_logits[row:row_stop]
+                write_grad_rows(
+                    logits[row:row_stop], ctx.state.student_lse[start + row:start + row_stop],
+                    dense_scale[start + row:start + row_stop], temperature, out,
+                )
+                sparse.add_to_rows(out, start + row, start + row_stop)
+            grad_logits = grad_logits.to(hidden.dtype)
+            torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
+            grad_weight.add_(torch.mm(grad_logits.t(), hidden[start:stop]).to(dtype))
+            del logits, grad_logits
+        if ctx.fused.all_reduce_hidden_grad and ctx.layout.tp_size > 1:
+            dist.all_reduce(grad_hidden, group=ctx.layout.tp_group)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None
+
+
+def fused_vocab_parallel_distill_loss(
+    hidden: torch.Tensor,
+    output_weight_shard: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    *,
+    loss_type: str,
+    tp_group: dist.ProcessGroup | None,
+    temperature: float = 1.0,
+    **options: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`vocab_parallel_distill_loss` of ``hidden @ output_weight_shard^T``, chunked over tokens.
+
+    Args:
+        hidden: ``[N, h]`` or ``[s, b, h]`` last hidden states, the same on every rank of ``tp_group``
+            (the input of Megatron's column-parallel output layer without sequence parallelism).
+        output_weight_shard: ``[V/tp, h]`` this rank's rows of the output-layer weight.
+        teacher_topk_ids, teacher_topk_logprobs, loss_type, tp_group, temperature: as for
+            :func:`vocab_parallel_distill_loss`.
+        **options: the divergence's options, plus ``chunk_size`` (tokens per chunk, default 1024) and
+            ``all_reduce_hidden_grad`` (default True) of :class:`FusedOptions`.
+
+    Returns:
+        ``(per_token_loss, metrics)`` as :func:`vocab_parallel_distill_loss` (``teacher_mass``,
+        ``student_mass``); the gradient flows to both ``hidden`` and ``output_weight_shard``.
+
+    Raises:
+        ValueError: as :func:`vocab_parallel_distill_loss`, or shapes of hidden and weight disagree.
+    """
+    if options.pop("diagnostics", False):
+        raise ValueError(
+            "diagnostics=True is not available on the fused path (the logits never exist in full); "
+            "compute the overlap from vocab_parallel_topk on a logits chunk if needed"
+        )
+    divergence_options, own = split_options(loss_type, options, ("chunk_size", "all_reduce_hidden_grad"))
+    fused = FusedOptions(**own)
+    temperature = check_temperature(temperature)
+    if output_weight_shard.dim() != 2 or hidden.shape[-1] != output_weight_shard.shape[1]:
+        raise ValueError(
+            f"output_weight_shard {tuple(output_weight_shard.shape)} must be [V/tp, h] with h = "
+            f"hidden.shape[-1] = {hidden.shape[-1]}"
+        )
+    if hidden.dtype != output_weight_shard.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and output_weight_shard ({output_weight_shard.dtype}) "
+                         "must share a dtype")
+    lead = hidden.shape[:-1]
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    layout = ShardLayout.of(tp_group, output_weight_shard.shape[0])
+    teacher = prepare_teacher(
+        teacher_topk_ids, teacher_topk_logprobs, flat_hidden.shape[0], layout.vocab_size,
+        compute_dtype(hidden.dtype),
+    )
+    loss, student_mass, teacher_mass = _FusedDistill.apply(
+        flat_hidden, output_weight_shard, teacher, layout, loss_type, divergence_options, fused, temperature
+    )
+    metrics = {"student_mass": student_mass.reshape(lead), "teacher_mass": teacher_mass.reshape(lead)}
+    return loss.reshape(lead), metrics

@@ -1,0 +1,89 @@
+"""Dense float64 references of the distillation losses: the full vocabulary, plain formulas, autograd.
+
+Written for clarity, not speed, and independently of the analytic gradients in
+:mod:`megatron_gkd.losses.divergences`; tests and ``benchmarks/losses.py`` compare against them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _renormalise(log_values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Log of the distribution proportional to ``exp(log_values)`` on the valid entries (row has one)."""
+    masked = log_values.masked_fill(~valid, float("-inf"))
+    return masked - torch.logsumexp(masked, dim=-1, keepdim=True)
+
+
+def _kl(log_a: torch.Tensor, log_b: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``sum_valid a (log a - log b)``."""
+    safe_a = torch.where(valid, log_a, torch.zeros_like(log_a))
+    safe_b = torch.where(valid, log_b, torch.zeros_like(log_b))
+    return (valid * safe_a.exp() * (safe_a - safe_b)).sum(-1)
+
+
+def _jsd(log_p: torch.Tensor, log_q: torch.Tensor, valid: torch.Tensor, beta: float) -> torch.Tensor:
+    p = torch.where(valid, log_p, torch.zeros_like(log_p)).exp() * valid
+    q = torch.where(valid, log_q, torch.zeros_like(log_q)).exp() * valid
+    mixture = torch.where(valid, beta * p + (1 - beta) * q, torch.ones_like(p))  # log(0) has a NaN grad
+    log_m = torch.log(mixture)
+    return beta * _kl(log_p, log_m, valid) + (1 - beta) * _kl(log_q, log_m, valid)
+
+
+def reference_distill_loss(
+    full_logits: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    loss_type: str,
+    temperature: float = 1.0,
+    *,
+    dtype: torch.dtype = torch.float64,
+    **options,
+) -> torch.Tensor:
+    """Per-token loss ``[N]`` from the full ``[N, V]`` logits, differentiable by autograd.
+
+    Same definitions as :func:`megatron_gkd.losses.vocab_parallel_distill_loss`; rows whose teacher
+    entries are all ``-inf`` get loss 0. ``dtype`` is float64 for tests; the benchmark's naive baseline
+    passes float32.
+    """
+    logits = full_logits.to(dtype)
+    lp = teacher_logprobs.to(dtype)
+    valid = torch.isfinite(lp)
+    has = valid.any(-1)
+    loss = torch.zeros(logits.shape[0], dtype=dtype)
+    if not bool(has.any()):
+        return loss + 0 * logits.sum()
+    all_rows = bool(has.all())
+    rows = has.nonzero().squeeze(1)
+    ids = teacher_ids.long().clamp(0, logits.shape[1] - 1)  # padding ids may be anything
+    if not all_rows:  # rows without support stay 0
+        logits, lp, valid, ids = logits[rows], lp[rows], valid[rows], ids[rows]
+    z = logits / temperature
+    log_q_full = torch.log_softmax(z, dim=-1)
+    log_q = log_q_full.gather(1, ids)
+    z_support = z.gather(1, ids)
+    forward_kl = _kl(lp, log_q, valid)  # teacher not renormalised
+    log_p_hat, log_q_hat = _renormalise(lp, valid), _renormalise(z_support, valid)
+    reverse_kl = _kl(log_q_hat, log_p_hat, valid)
+    if loss_type == "forward_kl":
+        value = forward_kl
+    elif loss_type == "reverse_kl":
+        value = reverse_kl
+    elif loss_type == "jsd":
+        value = _jsd(log_p_hat, log_q_hat, valid, options.get("beta", 0.5))
+    elif loss_type == "kl_rkl":
+        ratio = options.get("rkl_ratio", 0.1)
+        value = (1 - ratio) * forward_kl + ratio * reverse_kl
+    elif loss_type == "tcad":
+        divergence = options.get("divergence", "forward_kl")
+        if divergence == "forward_kl":
+            value = _kl(log_p_hat, log_q_hat, valid)
+        elif divergence == "reverse_kl":
+            value = reverse_kl
+        else:
+            value = _jsd(log_p_hat, log_q_hat, valid, options.get("alpha", 0.5))
+        coverage = torch.logsumexp(z, -1) - torch.logsumexp(z_support.masked_fill(~valid, float("-inf")), -1)
+        value = value + options.get("coverage_coef", 1.0) * coverage
+    else:
+        raise ValueError(f"no reference for loss_type {loss_type!r}")
+    return value if all_rows else loss.index_put((rows,), value)

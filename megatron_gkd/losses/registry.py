@@ -1,0 +1,143 @@
+"""Registry of divergences on the teacher's support, chosen by the ``loss_type`` string.
+
+A divergence sees only ``[N, K]`` tensors: the student's tempered logits at the teacher's ids, the
+teacher's log-probs there, the validity mask and the student's full-vocabulary log-partition ``L``.
+Every loss in this package has the form ``f(z_S, L)`` with ``f`` *linear* in ``L``, so its gradient
+with respect to the full logit row is ``lse_coef * softmax(z) + grad_support`` scattered onto ``S``.
+That is what lets the vocab-parallel function write the whole gradient in one pass over the shard.
+
+Adding a loss::
+
+    @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+    class MyOptions:
+        gamma: float = 1.0
+
+    @register_divergence("my_loss", options=MyOptions)
+    def my_loss(support: SupportInputs, options: MyOptions) -> SupportTerms:
+        ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+_warned_inert: set[tuple[str, str]] = set()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SupportInputs:
+    """What a divergence sees; all float tensors in the compute dtype (fp32, or fp64 for fp64 inputs).
+
+    Attributes:
+        student_logits: ``[N, K]`` tempered student logits ``z = logits / T`` at the teacher ids
+            (0 where ``valid`` is false).
+        teacher_logprobs: ``[N, K]`` teacher log-probs; ``-inf`` where ``valid`` is false.
+        valid: ``[N, K]`` bool, false for padding entries.
+        student_lse: ``[N]`` ``logsumexp`` of ``z`` over the full vocabulary.
+    """
+
+    student_logits: torch.Tensor
+    teacher_logprobs: torch.Tensor
+    valid: torch.Tensor
+    student_lse: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SupportTerms:
+    """A divergence's value and exact gradient, split into the support part and the ``L`` part.
+
+    Attributes:
+        loss: ``[N]`` per-token loss.
+        grad_support: ``[N, K]`` partial derivative of ``loss`` with respect to ``student_logits``
+            holding ``student_lse`` fixed (0 at invalid entries).
+        lse_coef: ``[N]`` partial derivative of ``loss`` with respect to ``student_lse``; the full
+            gradient on vocabulary entry ``i`` is ``lse_coef * softmax(z)_i + grad_support`` on ``S``.
+    """
+
+    loss: torch.Tensor
+    grad_support: torch.Tensor
+    lse_coef: torch.Tensor
+
+
+DivergenceFn = Callable[[SupportInputs, Any], SupportTerms]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Divergence:
+    """A registered divergence: its name, its function and the dataclass of its options.
+
+    An options dataclass may define ``inert_keys(given: dict) -> list[str]``: options that were passed
+    but have no effect; they are logged as a warning once per process.
+    """
+
+    name: str
+    fn: DivergenceFn
+    options_cls: type
+
+    def build_options(self, options: dict[str, Any]) -> Any:
+        """Instantiates this divergence's options, naming any unknown key and the closest valid one.
+
+        Raises:
+            ValueError: an option is unknown to this divergence or has an invalid value.
+        """
+        valid = [field.name for field in dataclasses.fields(self.options_cls)]
+        for key in options:
+            if key not in valid:
+                close = difflib.get_close_matches(key, valid, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(
+                    f"loss_type={self.name!r} has no option {key!r}{hint} "
+                    f"(its options: {', '.join(valid) or 'none'})"
+                )
+        built = self.options_cls(**options)
+        inert_keys = getattr(self.options_cls, "inert_keys", None)
+        for key in inert_keys(options) if inert_keys else []:
+            if (self.name, key) not in _warned_inert:  # once per process, not once per micro-batch
+                _warned_inert.add((self.name, key))
+                logger.warning("loss_type=%r: option %r has no effect with these options %s",
+                               self.name, key, options)
+        return built
+
+
+_REGISTRY: dict[str, Divergence] = {}
+
+
+def register_divergence(name: str, *, options: type) -> Callable[[DivergenceFn], DivergenceFn]:
+    """Registers ``fn(support, options) -> SupportTerms`` under ``name``.
+
+    Args:
+        name: the ``loss_type`` string that selects it.
+        options: a dataclass whose fields are the loss's keyword options (with defaults).
+    """
+
+    def decorate(fn: DivergenceFn) -> DivergenceFn:
+        if name in _REGISTRY:
+            raise ValueError(f"divergence {name!r} is registered twice")
+        _REGISTRY[name] = Divergence(name, fn, options)
+        return fn
+
+    return decorate
+
+
+def get_divergence(name: str) -> Divergence:
+    """The divergence registered as ``name``.
+
+    Raises:
+        ValueError: no divergence has that name (the message lists the registered ones).
+    """
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"unknown loss_type {name!r}{hint} (registered: {', '.join(sorted(_REGISTRY))})")
+    return _REGISTRY[name]
+
+
+def registered_divergences() -> list[str]:
+    """Names of all registered divergences, sorted."""
+    return sorted(_REGISTRY)

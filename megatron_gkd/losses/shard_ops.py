@@ -1,0 +1,204 @@
+"""Building blocks shared by the unfused and the fused vocab-parallel paths.
+
+Both paths stream over the ``[N, V/tp]`` logit shard in row chunks that fit in cache, so that no more
+than one fp32 chunk buffer exists besides the gradient itself; exponentials are recomputed in the
+backward straight into the gradient buffer instead of saving the softmax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+# Rows per chunk are chosen so a chunk holds about this many elements (1 MiB in fp32): small enough to
+# stay in a CPU core's L2 while several passes run over it, large enough that per-op overhead is noise.
+CHUNK_ELEMENTS = 1 << 18
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 inputs are computed in fp64, everything else in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rows_per_chunk(vocab_size_local: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, vocab_size_local))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ShardLayout:
+    """Where this rank's vocabulary shard lies: ids ``[vocab_start, vocab_start + vocab_size_local)``."""
+
+    tp_group: dist.ProcessGroup | None
+    tp_size: int
+    tp_rank: int
+    vocab_size_local: int
+
+    @classmethod
+    def of(cls, tp_group: dist.ProcessGroup | None, vocab_size_local: int) -> "ShardLayout":
+        if tp_group is None:
+            return cls(None, 1, 0, vocab_size_local)
+        return cls(tp_group, dist.get_world_size(tp_group), dist.get_rank(tp_group), vocab_size_local)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.tp_rank * self.vocab_size_local
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tp_size * self.vocab_size_local
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LocalSupport:
+    """The teacher ids that fall in this rank's shard.
+
+    Attributes:
+        local_index: ``[N, K]`` column in the shard; 0 where ``in_shard`` is false (never used there:
+            every read is masked and every write goes through the compacted entries below).
+        in_shard: ``[N, K]`` bool, valid entries owned by this rank.
+    """
+
+    local_index: torch.Tensor
+    in_shard: torch.Tensor
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, valid: torch.Tensor, layout: ShardLayout) -> "LocalSupport":
+        local = ids - layout.vocab_start
+        in_shard = valid & (local >= 0) & (local < layout.vocab_size_local)
+        return cls(torch.where(in_shard, local, torch.zeros_like(local)), in_shard)
+
+    def gather(self, logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``[rows, K]`` logits at the owned ids in ``dtype``, exactly 0 elsewhere."""
+        values = logits.gather(1, self.local_index).to(dtype)
+        return torch.where(self.in_shard, values, torch.zeros_like(values))
+
+
+def all_gather_rows(tensor: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+    """``[tp, *tensor.shape]`` stack of every rank's ``tensor`` (no autograd)."""
+    if layout.tp_size == 1:
+        return tensor.unsqueeze(0)
+    pieces = [torch.empty_like(tensor) for _ in range(layout.tp_size)]
+    dist.all_gather(pieces, tensor.contiguous(), group=layout.tp_group)
+    return torch.stack(pieces)
+
+
+def combine_shards(
+    local_lse: torch.Tensor, local_support_logits: torch.Tensor, layout: ShardLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global ``logsumexp`` and support logits from every rank's partial values, in one collective.
+
+    Each support entry is owned by exactly one rank and the others hold an exact 0, so the sum over
+    ranks reproduces the owner's value bit for bit.
+    """
+    stacked = all_gather_rows(torch.cat([local_lse.unsqueeze(-1), local_support_logits], dim=-1), layout)
+    return torch.logsumexp(stacked[..., 0], dim=0), stacked[..., 1:].sum(0)
+
+
+def local_logsumexp_rows(
+    logits: torch.Tensor, temperature: float, work: torch.Tensor
+) -> torch.Tensor:
+    """``logsumexp(logits / T)`` over one row chunk, using ``work`` (same shape, compute dtype) as scratch."""
+    row_max = logits.amax(dim=1, keepdim=True)
+    if logits.dtype == work.dtype:
+        torch.sub(logits, row_max, out=work)
+    else:
+        work.copy_(logits)  # upcast first: subtracting in bf16 would round
+        work.sub_(row_max)
+    if temperature != 1.0:
+        work.div_(temperature)
+    work.exp_()
+    return row_max.squeeze(1).to(work.dtype) / temperature + work.sum(dim=1).log()
+
+
+def local_logsumexp(logits: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    """``[N]`` ``logsumexp`` of ``logits / T`` over this shard, streamed in cache-sized row chunks."""
+    num_rows, vocab_local = logits.shape
+    rows = rows_per_chunk(vocab_local)
+    work = torch.empty(min(rows, num_rows), vocab_local, dtype=dtype, device=logits.device)
+    out = torch.empty(num_rows, dtype=dtype, device=logits.device)
+    for start in range(0, num_rows, rows):
+        stop = min(start + rows, num_rows)
+        out[start:stop] = local_logsumexp_rows(logits[start:stop], temperature, work[: stop - start])
+    return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SparseGrad:
+    """The support part of the gradient, compacted to the entries this rank owns, sorted by row."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    values: torch.Tensor
+    row_offsets: list[int]  # entries of rows [a, b) are [row_offsets[a], row_offsets[b])
+
+    @classmethod
+    def of(cls, support: LocalSupport, grad_support: torch.Tensor) -> "SparseGrad":
+        rows, k = support.in_shard.nonzero(as_tuple=True)  # row-major: sorted by row
+        counts = support.in_shard.sum(dim=1)
+        offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+        offsets[1:] = counts.cumsum(0).cpu()
+        return cls(rows, support.local_index[rows, k], grad_support[rows, k], offsets.tolist())
+
+    def add_to_rows(self, out: torch.Tensor, start: int, stop: int) -> None:
+        """Adds the entries of rows ``[start, stop)`` into ``out`` (those rows, contiguous)."""
+        first, last = self.row_offsets[start], self.row_offsets[stop]
+        if first == last:
+            return
+        flat = (self.rows[first:last] - start) * out.shape[1] + self.cols[first:last]
+        out.view(-1).index_add_(0, flat, self.values[first:last].to(out.dtype))
+
+
+def write_grad_rows(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    dense_scale: torch.Tensor,
+    temperature: float,
+    out: torch.Tensor,
+) -> None:
+    """``out = dense_scale * exp(logits / T - lse)`` for one row chunk; ``out`` may alias ``logits``."""
+    shift = (lse * temperature).unsqueeze(1)
+    if logits.dtype == out.dtype:
+        torch.sub(logits, shift, out=out)
+    else:
+        out.copy_(logits)
+        out.sub_(shift)
+    if temperature != 1.0:
+        out.div_(temperature)
+    out.exp_()
+    out.mul_(dense_scale.unsqueeze(1))
+
+
+def logits_grad(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    dense_scale: torch.Tensor,
+    sparse: SparseGrad,
+    temperature: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The full ``[N, V/tp]`` gradient in ``logits.dtype``: dense softmax part plus the sparse support part.
+
+    Written chunk by chunk straight into the result; a separate compute-dtype chunk buffer is used only
+    when the logits are in a narrower dtype (the support part is added before rounding).
+    """
+    num_rows, vocab_local = logits.shape
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    if not bool(dense_scale.ne(0).any()):
+        # No dense part (reverse_kl, jsd, or every token masked): zeros plus the support entries. The
+        # entries land on zeros, so rounding them to a narrow dtype here rounds each value once.
+        grad.zero_()
+        sparse.add_to_rows(grad, 0, num_rows)
+        return grad
+    rows = rows_per_chunk(vocab_local)
+    work = None if grad.dtype == dtype else torch.empty(min(rows, num_rows), vocab_local, dtype=dtype,
+                                                        device=logits.device)
+    for start in range(0, num_rows, rows):
+        stop = min(start + rows, num_rows)
+        out = grad[start:stop] if work is None else work[: stop - start]
+        write_grad_rows(logits[start:stop], lse[start:stop], dense_scale[start:stop], temperature, out)
+        sparse.add_to_rows(out, start, stop)
+        if work is not None:
+            grad[start:stop].copy_(out)
+    return grad

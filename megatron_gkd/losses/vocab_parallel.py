@@ -1,0 +1,290 @@
+"""Vocab-parallel distillation losses on the student's ``[N, V/tp]`` logit shard (no vocabulary gather).
+
+Rank r of ``tp_group`` holds vocabulary ids ``[r V/tp, (r+1) V/tp)``. One forward pass over the shard
+computes its local log-partition; one all-gather of ``[N, K+1]`` values combines the log-partitions
+and the student logits at the teacher ids; the divergence (see :mod:`.divergences`) then works on
+``[N, K]`` tensors. The backward recomputes ``exp`` straight into the gradient buffer, so besides the
+gradient itself only a cache-sized scratch chunk is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_gkd.losses import divergences as _divergences  # noqa: F401 - registers the losses
+from megatron_gkd.losses.registry import SupportInputs, get_divergence
+from megatron_gkd.losses.shard_ops import (
+    LocalSupport,
+    ShardLayout,
+    SparseGrad,
+    all_gather_rows,
+    combine_shards,
+    compute_dtype,
+    local_logsumexp,
+    logits_grad,
+)
+
+logger = logging.getLogger(__name__)
+
+# Teacher log-probs a little above 0 come from rounding (bf16 transport); clearly positive values mean
+# the teacher sent logits, not log-probs.
+_MAX_TEACHER_LOGPROB = 1e-2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TeacherSupport:
+    """Flattened, validated teacher inputs: ids ``[N, K]``, log-probs ``[N, K]`` in the compute dtype."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    valid: torch.Tensor
+
+
+def prepare_teacher(
+    teacher_topk_ids: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    num_rows: int,
+    vocab_size: int,
+    dtype: torch.dtype,
+) -> TeacherSupport:
+    """Flattens the teacher tensors to ``[N, K]`` and rejects malformed input (never a silent zero).
+
+    Raises:
+        ValueError: shapes disagree, ids are not integers, a log-prob is NaN / positive, or a valid id
+            lies outside ``[0, vocab_size)``.
+    """
+    if teacher_topk_ids.shape != teacher_topk_logprobs.shape:
+        raise ValueError(
+            f"teacher_topk_ids {tuple(teacher_topk_ids.shape)} and teacher_topk_logprobs "
+            f"{tuple(teacher_topk_logprobs.shape)} must have the same shape"
+        )
+    if teacher_topk_ids.dtype.is_floating_point or teacher_topk_ids.dtype == torch.bool:
+        raise ValueError(f"teacher_topk_ids must be an integer tensor (int64), got {teacher_topk_ids.dtype}")
+    num_ids = teacher_topk_ids.shape[-1]
+    ids = teacher_topk_ids.reshape(-1, num_ids).long()
+    logprobs = teacher_topk_logprobs.reshape(-1, num_ids).to(dtype)
+    if ids.shape[0] != num_rows:
+        raise ValueError(
+            f"teacher tensors hold {ids.shape[0]} tokens but student_logits holds {num_rows}; their "
+            "leading dimensions must match ([N, K] with [N, V/tp], or [s, b, K] with [s, b, V/tp])"
+        )
+    valid = logprobs > float("-inf")
+    malformed = torch.stack([
+        logprobs.isnan().any(),
+        (logprobs > _MAX_TEACHER_LOGPROB).any(),
+        (valid & ((ids < 0) | (ids >= vocab_size))).any(),
+    ]).tolist()  # one host sync for all three checks
+    if malformed[0]:
+        raise ValueError("teacher_topk_logprobs contains NaN; mark padding entries with -inf")
+    if malformed[1]:
+        raise ValueError(
+            "teacher_topk_logprobs has positive values: it must hold full-vocabulary log-probabilities, "
+            "not logits"
+        )
+    if malformed[2]:
+        raise ValueError(
+            f"teacher_topk_ids has a valid entry outside [0, {vocab_size}) (vocabulary = V/tp x tp); "
+            "padding entries must carry a -inf log-prob"
+        )
+    return TeacherSupport(ids, logprobs, valid)
+
+
+def support_metrics(inputs: SupportInputs) -> dict[str, torch.Tensor]:
+    """Teacher and student probability mass on the support, per token."""
+    valid = inputs.valid
+    teacher_mass = inputs.teacher_logprobs.exp().sum(-1)
+    student_on_support = inputs.student_logits.masked_fill(~valid, float("-inf")).logsumexp(-1)
+    student_mass = (student_on_support - inputs.student_lse).exp()
+    return {"teacher_mass": teacher_mass, "student_mass": student_mass}
+
+
+def topk_overlap(
+    student_logits: torch.Tensor, teacher: TeacherSupport, layout: ShardLayout
+) -> torch.Tensor:
+    """Fraction of the valid teacher ids that are in the student's top-K (K = teacher width), per token."""
+    num_ids = teacher.ids.shape[1]
+    student_ids, _ = _topk(student_logits, num_ids, layout)
+    sorted_ids, _ = student_ids.sort(dim=1)
+    position = torch.searchsorted(sorted_ids, teacher.ids).clamp_(max=num_ids - 1)
+    hit = (sorted_ids.gather(1, position) == teacher.ids) & teacher.valid
+    count = teacher.valid.sum(1)
+    return hit.sum(1).to(teacher.logprobs.dtype) / count.clamp(min=1)
+
+
+def _topk(logits: torch.Tensor, k: int, layout: ShardLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    if not 0 < k <= layout.vocab_size:
+        raise ValueError(f"k={k} must lie in [1, vocabulary size {layout.vocab_size}]")
+    values, index = logits.detach().topk(min(k, layout.vocab_size_local), dim=1)
+    candidates = all_gather_rows(values, layout)  # [tp, N, k']
+    ids = all_gather_rows(index + layout.vocab_start, layout)
+    candidates = candidates.permute(1, 0, 2).reshape(logits.shape[0], -1)
+    ids = ids.permute(1, 0, 2).reshape(logits.shape[0], -1)
+    best, where = candidates.topk(k, dim=1)
+    return ids.gather(1, where), best
+
+
+def vocab_parallel_topk(
+    student_logits: torch.Tensor, k: int, tp_group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global top-k of the vocab-parallel logits, on every rank.
+
+    Args:
+        student_logits: ``[N, V/tp]`` or ``[s, b, V/tp]`` shard of this rank.
+        k: number of ids, at most the full vocabulary size.
+        tp_group: tensor-parallel group (``None``: the vocabulary is not split).
+
+    Returns:
+        ``(ids, values)``: ``[..., k]`` global int64 ids and their logits (input dtype), best first.
+    """
+    vocab_local = student_logits.shape[-1]
+    layout = ShardLayout.of(tp_group, vocab_local)
+    ids, values = _topk(student_logits.reshape(-1, vocab_local), k, layout)
+    lead = student_logits.shape[:-1]
+    return ids.reshape(*lead, k), values.reshape(*lead, k)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ForwardState:
+    """What the backward of either path needs besides the logits (or the tensors that make them).
+
+    The loss itself is not kept here: holding an output on the autograd context would make a
+    reference cycle (output -> grad_fn -> ctx -> output) that frees only at garbage collection.
+    """
+
+    student_lse: torch.Tensor
+    grad_support: torch.Tensor
+    lse_coef: torch.Tensor
+    support: LocalSupport
+
+
+def finish_forward(
+    local_lse: torch.Tensor,
+    local_support_logits: torch.Tensor,
+    teacher: TeacherSupport,
+    support: LocalSupport,
+    layout: ShardLayout,
+    divergence_name: str,
+    options: Any,
+) -> tuple[ForwardState, torch.Tensor, dict[str, torch.Tensor]]:
+    """Combines the shards' partial results and evaluates the divergence (shared by both paths).
+
+    Returns:
+        ``(state for the backward, per-token loss, metrics)``.
+    """
+    student_lse, support_logits = combine_shards(local_lse, local_support_logits, layout)
+    inputs = SupportInputs(support_logits, teacher.logprobs, teacher.valid, student_lse)
+    terms = get_divergence(divergence_name).fn(inputs, options)
+    state = ForwardState(student_lse, terms.grad_support, terms.lse_coef, support)
+    return state, terms.loss, support_metrics(inputs)
+
+
+def backward_scales(
+    state: ForwardState, grad_loss: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, SparseGrad]:
+    """Dense per-row scale and sparse support entries of d(loss . grad_loss)/d(logits)."""
+    grad_loss = grad_loss.to(state.lse_coef.dtype)
+    dense_scale = state.lse_coef * grad_loss / temperature
+    sparse_values = state.grad_support * (grad_loss / temperature).unsqueeze(1)
+    return dense_scale, SparseGrad.of(state.support, sparse_values)
+
+
+class _VocabParallelDistill(torch.autograd.Function):
+    """Per-token distillation loss of a logit shard; exact analytic backward, no autograd through comms."""
+
+    @staticmethod
+    def forward(ctx, logits, teacher, layout, divergence_name, options, temperature, diagnostics):
+        dtype = compute_dtype(logits.dtype)
+        support = LocalSupport.of(teacher.ids, teacher.valid, layout)
+        local_support_logits = support.gather(logits, dtype) / temperature
+        local_lse = local_logsumexp(logits, temperature, dtype)
+        state, loss, metrics = finish_forward(
+            local_lse, local_support_logits, teacher, support, layout, divergence_name, options
+        )
+        overlap = topk_overlap(logits, teacher, layout) if diagnostics else logits.new_empty(0, dtype=dtype)
+        ctx.save_for_backward(logits)
+        ctx.state, ctx.temperature, ctx.dtype = state, temperature, dtype
+        ctx.mark_non_differentiable(metrics["student_mass"], metrics["teacher_mass"], overlap)
+        return loss, metrics["student_mass"], metrics["teacher_mass"], overlap
+
+    @staticmethod
+    def backward(ctx, grad_loss, *grad_metrics):
+        del grad_metrics
+        (logits,) = ctx.saved_tensors
+        dense_scale, sparse = backward_scales(ctx.state, grad_loss, ctx.temperature)
+        grad = logits_grad(logits, ctx.state.student_lse, dense_scale, sparse, ctx.temperature, ctx.dtype)
+        return grad, None, None, None, None, None, None
+
+
+def split_options(loss_type: str, options: dict[str, Any], common: tuple[str, ...]) -> tuple[Any, dict]:
+    """Separates the path's own options (``common``) from the divergence's and validates the latter."""
+    own = {key: options[key] for key in common if key in options}
+    divergence_options = {key: value for key, value in options.items() if key not in common}
+    return get_divergence(loss_type).build_options(divergence_options), own
+
+
+def check_temperature(temperature: float) -> float:
+    temperature = float(temperature)
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    return temperature
+
+
+def vocab_parallel_distill_loss(
+    student_logits: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    *,
+    loss_type: str,
+    tp_group: dist.ProcessGroup | None,
+    temperature: float = 1.0,
+    **options: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token distillation loss computed on this rank's vocabulary shard.
+
+    Args:
+        student_logits: ``[N, V/tp]`` or ``[s, b, V/tp]`` logits (fp32, bf16, fp16 or fp64); rank r of
+            ``tp_group`` holds ids ``[r V/tp, (r+1) V/tp)``.
+        teacher_topk_ids: ``[N, K]`` (or ``[s, b, K]``) int64 global ids, distinct within a row.
+        teacher_topk_logprobs: same shape, full-vocabulary-normalised teacher log-probs; ``-inf``
+            marks padding entries, which are ignored whatever their id.
+        loss_type: a registered divergence: ``forward_kl``, ``reverse_kl``, ``jsd``, ``kl_rkl``,
+            ``tcad`` (see :mod:`megatron_gkd.losses.divergences` for the exact definitions).
+        tp_group: tensor-parallel group; ``None`` means the vocabulary is not split (TP=1).
+        temperature: student probabilities are ``softmax(student_logits / temperature)``.
+        **options: the divergence's options (``beta`` for ``jsd``, ``rkl_ratio`` for ``kl_rkl``,
+            ``divergence`` / ``alpha`` / ``coverage_coef`` for ``tcad``) and ``diagnostics`` (bool,
+            default False): also compute the ``topk_overlap`` metric, which costs a vocab-parallel
+            top-k and an extra collective.
+
+    Returns:
+        ``(per_token_loss, metrics)``: the loss ``[N]`` (or ``[s, b]``) in fp32 (fp64 for fp64
+        logits), neither masked nor averaged (see :func:`aggregate_distill_loss`), and detached per-token
+        metrics of the same shape: ``teacher_mass`` and ``student_mass`` (probability on the teacher
+        ids), plus ``topk_overlap`` with ``diagnostics=True``. Rows whose teacher entries are all
+        padding have loss 0 and gradient 0.
+
+    Raises:
+        ValueError: unknown ``loss_type`` or option, bad temperature, malformed teacher tensors.
+    """
+    divergence_options, own = split_options(loss_type, options, ("diagnostics",))
+    temperature = check_temperature(temperature)
+    vocab_local = student_logits.shape[-1]
+    lead = student_logits.shape[:-1]
+    logits = student_logits.reshape(-1, vocab_local)
+    layout = ShardLayout.of(tp_group, vocab_local)
+    teacher = prepare_teacher(
+        teacher_topk_ids, teacher_topk_logprobs, logits.shape[0], layout.vocab_size, compute_dtype(logits.dtype)
+    )
+    diagnostics = bool(own.get("diagnostics", False))
+    loss, student_mass, teacher_mass, overlap = _VocabParallelDistill.apply(
+        logits, teacher, layout, loss_type, divergence_options, temperature, diagnostics
+    )
+    metrics = {"student_mass": student_mass.reshape(lead), "teacher_mass": teacher_mass.reshape(lead)}
+    if diagnostics:
+        metrics["topk_overlap"] = overlap.reshape(lead)
+    return loss.reshape(lead), metrics

@@ -1,0 +1,142 @@
+"""``megatron`` backend: a Megatron-Core teacher sharded over the server's own torchrun ranks.
+
+    torchrun --nproc_per_node 4 launch/teacher_server.py serve --backend megatron --model DIR \\
+        --backend-arg tensor_model_parallel_size=2 --backend-arg pipeline_model_parallel_size=2
+
+Rank 0 is the leader: it talks to the proxy as a worker and, for each batch, broadcasts the request
+to the other ranks (the followers, which run :meth:`MegatronBackend.follow`); then every rank runs
+the forward and the last pipeline stage computes the rows (:mod:`megatron_gkd.teacher.megatron_scoring`).
+The request crosses ranks as plain tensors (a fixed header, the token ids, the requested ids), never
+as pickled objects. Requests the backend refuses are refused on rank 0 before the broadcast; a failure
+inside the forward after it (e.g. out of memory on one rank) leaves the ranks out of step, and the
+server must be restarted (clients retry on other workers meanwhile).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
+from megatron_gkd.teacher.types import ScoreBatch, SequenceRequest, TeacherOutput
+
+logger = logging.getLogger(__name__)
+
+# Header: [command, num_sequences, num_tokens, top_k, num_requested (-1: none), temperature bits].
+_SCORE, _STOP = 1, 0
+_HEADER = 6
+
+
+class MegatronBackend(TeacherBackend):
+    """Megatron-Core teacher loaded with ``megatron_gkd.models.load_hf`` (any registered architecture).
+
+    Builds the model-parallel layout itself (``parallel.initialize``), on the default process group
+    (initialised from the torchrun environment when needed). All ranks construct the backend; rank 0
+    serves, the others call :meth:`follow` until the leader closes.
+
+    Args:
+        model: HF checkpoint directory (with its tokenizer).
+        dtype: parameter dtype name; scoring is in float32 regardless.
+        tensor_model_parallel_size: TP size.
+        pipeline_model_parallel_size: PP size.
+        virtual_pipeline_model_parallel_size: VPP size (chunks per pipeline rank).
+        expert_model_parallel_size: EP size (MoE teachers).
+        max_top_k: largest k served.
+    """
+
+    def __init__(self, model: str, dtype: str = "float32", tensor_model_parallel_size: int = 1,
+                 pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: int | None = None,
+                 expert_model_parallel_size: int = 1, max_top_k: int = 4096):
+        from megatron_gkd import platform
+
+        if not platform.is_set_up():  # the server process: before anything imports Megatron-Core
+            platform.setup()
+        from megatron_gkd import parallel
+        from megatron_gkd.teacher.megatron_scoring import MegatronScorer, load_teacher
+
+        parallel.initialize(tensor_model_parallel_size=tensor_model_parallel_size,
+                            pipeline_model_parallel_size=pipeline_model_parallel_size,
+                            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+                            expert_model_parallel_size=expert_model_parallel_size)
+        self._device = platform.device()
+        chunks, vocab = load_teacher(model, dtype)
+        self._scorer = MegatronScorer(chunks, vocab, self._device)
+        self._closed = False
+        self._info = BackendInfo(
+            name="megatron", vocab_size=vocab.vocab_size, tokenizer_size=vocab.tokenizer_size,
+            tokenizer_digest=vocab.tokenizer_digest, max_top_k=min(max_top_k, vocab.tokenizer_size),
+            supports_requested_ids=True, supports_temperature=True)
+
+    @property
+    def is_leader(self) -> bool:
+        return dist.get_rank() == 0
+
+    def info(self) -> BackendInfo:
+        return self._info
+
+    def score(self, batch: ScoreBatch) -> list[TeacherOutput]:
+        """Leader only: validates, sends the batch to the followers, scores it with them."""
+        assert self.is_leader, "followers score through follow()"
+        # Refused requests never reach the followers, so every rank stays in step.
+        self._scorer.check(batch, self._info.max_top_k)
+        self._send(batch)
+        return self._scorer.score(batch)
+
+    def follow(self) -> None:
+        """Followers: score every batch the leader sends until it closes."""
+        assert not self.is_leader, "the leader serves requests; only other ranks follow"
+        while (batch := self._receive()) is not None:
+            self._scorer.score(batch)
+        logger.info("megatron teacher rank %d: the leader closed", dist.get_rank())
+
+    def close(self) -> None:
+        from megatron_gkd import parallel
+
+        if self._closed:
+            return
+        self._closed = True
+        if self.is_leader:
+            self._broadcast(torch.tensor([_STOP] + [0] * (_HEADER - 1), dtype=torch.int64))
+        parallel.destroy()
+
+    # -- request transport between ranks (tensors only) ------------------------------------------
+
+    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.to(self._device)
+        dist.broadcast(tensor, 0)
+        return tensor.cpu()
+
+    def _send(self, batch: ScoreBatch) -> None:
+        m = batch.num_requested
+        temperature = torch.tensor([batch.temperature], dtype=torch.float64).view(torch.int64)
+        tokens = np.concatenate([s.token_ids for s in batch.sequences])
+        self._broadcast(torch.tensor([_SCORE, len(batch.sequences), len(tokens), batch.top_k,
+                                      -1 if m is None else m, int(temperature)], dtype=torch.int64))
+        starts = [[len(s.token_ids), s.response_start] for s in batch.sequences]
+        self._broadcast(torch.tensor(starts, dtype=torch.int64))
+        self._broadcast(torch.from_numpy(tokens))
+        if m is not None:
+            self._broadcast(torch.from_numpy(np.concatenate([s.requested_ids for s in batch.sequences])))
+
+    def _receive(self) -> ScoreBatch | None:
+        header = self._broadcast(torch.zeros(_HEADER, dtype=torch.int64)).tolist()
+        command, num_sequences, num_tokens, top_k, m, temperature = header
+        if command == _STOP:
+            return None
+        temperature = float(torch.tensor([temperature], dtype=torch.int64).view(torch.float64))
+        starts = self._broadcast(torch.zeros(num_sequences, 2, dtype=torch.int64)).tolist()
+        tokens = self._broadcast(torch.zeros(num_tokens, dtype=torch.int64)).numpy()
+        requested = None
+        if m >= 0:
+            num_rows = sum(length - start for length, start in starts)
+            requested = self._broadcast(torch.zeros(num_rows, m, dtype=torch.int64)).numpy()
+        sequences, offset, row = [], 0, 0
+        for length, start in starts:
+            ids = None if requested is None else requested[row:row + length - start]
+            sequences.append(SequenceRequest(token_ids=tokens[offset:offset + length], response_start=start,
+                                             requested_ids=ids))
+            offset, row = offset + length, row + length - start
+        return ScoreBatch(sequences=sequences, top_k=top_k, temperature=temperature)

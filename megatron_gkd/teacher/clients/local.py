@@ -1,0 +1,123 @@
+"""``local`` client: a Megatron-Core teacher colocated on the training ranks.
+
+The teacher is sharded with the trainer's own layout (the initialised ``megatron_gkd.parallel`` state)
+and scored by the same per-rank function as the ``megatron`` backend
+(:class:`~megatron_gkd.teacher.megatron_scoring.MegatronScorer`). ``score`` is a collective: every rank
+of a model-parallel group calls it with the same batch (as the trainer's ranks hold the same data
+within such a group), and every one of them gets the outputs.
+
+With ``offload=True`` the teacher's weights live in host memory between calls and are copied to the
+device for each batch, so the student's training step has the device memory to itself. On the ``cpu``
+platform the weights are already in host memory: the option is accepted and inert (a warning says so).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+
+import torch
+
+from megatron_gkd.teacher.clients import TeacherClient, TeacherInfo
+from megatron_gkd.teacher.types import ScoreBatch, TeacherOutput
+
+logger = logging.getLogger(__name__)
+
+
+class WeightOffload:
+    """Moves module parameters and buffers to host memory and back (pinned host copies).
+
+    Args:
+        modules: the modules whose tensors move.
+        enabled: whether to offload at all; on the ``cpu`` platform this is inert and logs a warning.
+    """
+
+    def __init__(self, modules: list[torch.nn.Module], enabled: bool):
+        from megatron_gkd import platform
+
+        self._modules = modules
+        self._device = platform.device()
+        self.active = enabled and self._device.type != "cpu"
+        if enabled and not self.active:
+            logger.warning("teacher offload has no effect on the %r platform: the teacher's weights "
+                           "are already in host memory", platform.current().name)
+
+    def _tensors(self):
+        for module in self._modules:
+            yield from module.parameters()
+            yield from module.buffers()
+
+    def to_host(self) -> None:
+        """Copies every tensor to pinned host memory and frees its device memory."""
+        if not self.active:
+            return
+        from megatron_gkd import platform
+
+        for tensor in self._tensors():
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+            host.copy_(tensor.data, non_blocking=True)
+            tensor.data = host
+        platform.synchronize()  # the copies must land before the device memory is reused
+        platform.empty_cache()
+
+    def to_device(self) -> None:
+        """Copies every tensor back to the device (asynchronously from pinned memory)."""
+        if not self.active:
+            return
+        for tensor in self._tensors():
+            tensor.data = tensor.data.to(self._device, non_blocking=True)
+
+
+class LocalTeacherClient(TeacherClient):
+    """Scores with a colocated Megatron-Core teacher on this rank's share of the trainer's layout.
+
+    Call after :func:`megatron_gkd.parallel.initialize`.
+
+    Args:
+        model: HF checkpoint directory of the teacher (with its tokenizer), loaded with ``load_hf``.
+        dtype: parameter dtype name.
+        offload: keep the weights in host memory between calls (no-op with a warning on ``cpu``).
+        max_top_k: largest k served.
+    """
+
+    def __init__(self, model: str, dtype: str = "float32", offload: bool = False, max_top_k: int = 4096):
+        from megatron_gkd import platform
+        from megatron_gkd.teacher.megatron_scoring import MegatronScorer, load_teacher
+
+        super().__init__(max_inflight=1)
+        chunks, vocab = load_teacher(model, dtype)
+        self._scorer = MegatronScorer(chunks, vocab, platform.device())
+        self._max_top_k = min(max_top_k, vocab.tokenizer_size)
+        self._offload = WeightOffload(chunks, offload)
+        self._offload.to_host()
+
+    def info(self) -> TeacherInfo:
+        vocab = self._scorer.vocab
+        return TeacherInfo(vocab_size=vocab.vocab_size, tokenizer_size=vocab.tokenizer_size,
+                           tokenizer_digest=vocab.tokenizer_digest, max_top_k=self._max_top_k,
+                           supports_requested_ids=True, supports_temperature=True)
+
+    def _score(self, batch: ScoreBatch) -> list[TeacherOutput]:
+        self._scorer.check(batch, self._max_top_k)
+        self._offload.to_device()
+        try:
+            outputs = self._scorer.score(batch)
+        finally:
+            self._offload.to_host()
+        for index, (output, sequence) in enumerate(zip(outputs, batch.sequences, strict=True)):
+            output.validate(sequence.num_response_tokens, batch.top_k, batch.num_requested,
+                            name=f"sequence {index} (local teacher)")
+        return outputs
+
+    def score_async(self, batch: ScoreBatch) -> concurrent.futures.Future:
+        """Scores now, on the calling thread, and returns a completed Future.
+
+        The teacher shares the training ranks' devices and process groups: scoring on a background
+        thread would interleave its collectives with the trainer's and could deadlock.
+        """
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(self.score(batch))
+        except Exception as error:  # noqa: BLE001 - delivered through the future, as other clients do
+            future.set_exception(error)
+        return future

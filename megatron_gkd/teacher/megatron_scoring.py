@@ -1,0 +1,200 @@
+"""Scoring with a sharded Megatron-Core teacher: the per-rank function behind ``megatron`` and ``local``.
+
+Every rank of the teacher's model-parallel group calls :meth:`MegatronScorer.score` with the same
+batch (a collective). Each sequence is one micro-batch of Megatron's forward-only pipeline schedule;
+the last pipeline stage turns its ``[L, V/tp]`` logit shard into the TeacherOutput rows without ever
+gathering the vocabulary:
+
+- log-partition: ``logsumexp`` over the shard, all-gathered over TP (``[T]`` per rank) and combined;
+- top-k: :func:`megatron_gkd.losses.vocab_parallel_topk` (local top-k, all-gather of ``[T, k]``);
+- the response token and the requested ids (TCAD, different ids per row): each rank reads the ids it
+  owns and contributes an exact 0 for the others, summed over TP in the same all-gather as the
+  log-partition (:func:`megatron_gkd.losses.shard_ops.combine_shards`).
+
+The rows (row t predicts response token t, from position ``response_start + t - 1``) are then
+broadcast from the last stage to the whole model-parallel group, so every rank returns the outputs.
+Output-table rows past the tokenizer (padded embeddings) are masked out before normalising.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_gkd.losses import vocab_parallel_topk
+from megatron_gkd.losses.shard_ops import LocalSupport, ShardLayout, combine_shards
+from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, SequenceRequest, TeacherError, TeacherOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class TeacherVocab:
+    """Sizes of the teacher's vocabulary.
+
+    Attributes:
+        vocab_size: rows of the output layer (all TP shards together; may be padded).
+        tokenizer_size: ids the tokenizer defines; rows at or past it get no probability.
+        tokenizer_digest: :func:`megatron_gkd.teacher.vocab.tokenizer_digest` of the tokenizer.
+    """
+
+    vocab_size: int
+    tokenizer_size: int
+    tokenizer_digest: str
+
+
+def load_teacher(path: str, dtype: str = "float32", **config_overrides) -> tuple[list[torch.nn.Module], TeacherVocab]:
+    """This rank's teacher chunks (``models.load_hf``, in eval mode) and its vocabulary sizes.
+
+    Call after :func:`megatron_gkd.parallel.initialize`; the layout is the initialised one.
+    """
+    from transformers import AutoTokenizer
+
+    from megatron_gkd.models import load_hf
+    from megatron_gkd.teacher.vocab import tokenizer_digest
+
+    chunks = load_hf(path, dtype=getattr(torch, dtype), **config_overrides)
+    for chunk in chunks:
+        chunk.eval()
+        chunk.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    vocab = TeacherVocab(vocab_size=int(chunks[0].vocab_size), tokenizer_size=len(tokenizer),
+                         tokenizer_digest=tokenizer_digest(tokenizer))
+    if vocab.vocab_size != vocab.tokenizer_size:
+        logger.info("megatron teacher: %d output rows, %d tokenizer ids; rows past the tokenizer are "
+                    "ignored", vocab.vocab_size, vocab.tokenizer_size)
+    return chunks, vocab
+
+
+def score_rows(logits: torch.Tensor, sequence: SequenceRequest, top_k: int, temperature: float,
+               tokenizer_size: int, tp_group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """TeacherOutput rows of one sequence from its ``[L, V/tp]`` logit shard (collective over TP).
+
+    Returns:
+        ``topk_ids`` ``[T, k]``, ``topk_logprobs`` ``[T, k]``, ``token_logprobs`` ``[T]`` and, when
+        ids were requested, ``requested_logprobs`` ``[T, m]``; float32 log-probs.
+    """
+    start, end = sequence.response_start, len(sequence.token_ids)
+    # [T, V/tp]; fp32 so that bf16 teachers normalise without rounding the log-partition.
+    scaled = logits[start - 1:end - 1].float() / temperature
+    layout = ShardLayout.of(tp_group, scaled.shape[-1])
+    if layout.vocab_start + layout.vocab_size_local > tokenizer_size:
+        padded = torch.arange(layout.vocab_size_local, device=scaled.device) + layout.vocab_start >= tokenizer_size
+        scaled = scaled.masked_fill(padded, float("-inf"))
+    # A shard made only of padded rows has lse -inf; logsumexp over ranks then ignores it.
+    local_lse = torch.logsumexp(scaled, dim=-1)
+    response = torch.as_tensor(sequence.response_ids, device=scaled.device)[:, None]
+    support_ids = response
+    if sequence.requested_ids is not None:
+        support_ids = torch.cat([response, torch.as_tensor(sequence.requested_ids, device=scaled.device)], 1)
+    support = LocalSupport.of(support_ids, torch.ones_like(support_ids, dtype=torch.bool), layout)
+    lse, support_logits = combine_shards(local_lse, support.gather(scaled, torch.float32), layout)
+    ids, values = vocab_parallel_topk(scaled, top_k, tp_group)
+    rows = {"topk_ids": ids, "topk_logprobs": values - lse[:, None],
+            "token_logprobs": support_logits[:, 0] - lse}
+    if sequence.requested_ids is not None:
+        rows["requested_logprobs"] = support_logits[:, 1:] - lse[:, None]
+    return rows
+
+
+class MegatronScorer:
+    """Scores batches with this rank's chunks of a Megatron-Core teacher (a collective call).
+
+    Args:
+        chunks: this rank's model chunks (one per virtual pipeline stage), e.g. from :func:`load_teacher`.
+        vocab: the teacher's vocabulary sizes.
+        device: device of the model's activations (:func:`megatron_gkd.platform.device`).
+    """
+
+    def __init__(self, chunks: list[torch.nn.Module], vocab: TeacherVocab, device: torch.device):
+        from megatron.core import parallel_state as mpu
+
+        self.chunks, self.vocab, self.device = chunks, vocab, device
+        self._tp_group = mpu.get_tensor_model_parallel_group()
+        self._mp_group = mpu.get_model_parallel_group()
+        self._last_stage = mpu.is_pipeline_last_stage(ignore_virtual=True)
+        self._pipelined = mpu.get_pipeline_model_parallel_world_size() > 1
+        # The model-parallel rank whose outputs every rank receives: last stage, TP rank 0.
+        owner = dist.get_rank() if self._last_stage and mpu.get_tensor_model_parallel_rank() == 0 else -1
+        owner = torch.tensor([owner], dtype=torch.int64, device=device)
+        dist.all_reduce(owner, op=dist.ReduceOp.MAX, group=self._mp_group)
+        self._owner = int(owner.item())
+
+    def check(self, batch: ScoreBatch, max_top_k: int) -> None:
+        """Raises TeacherError for requests this teacher cannot score (same answer on every rank)."""
+        if batch.top_k > max_top_k:
+            raise TeacherError(ErrorCode.UNSUPPORTED, f"top_k={batch.top_k} exceeds this teacher's max {max_top_k}")
+        for sequence in batch.sequences:
+            for what, ids in (("token id", sequence.token_ids), ("requested id", sequence.requested_ids)):
+                if ids is not None and ids.size and (int(ids.max()) >= self.vocab.tokenizer_size or int(ids.min()) < 0):
+                    raise TeacherError(ErrorCode.BAD_REQUEST, f"{what} {int(ids.max())} is outside the "
+                                       f"teacher's vocabulary of {self.vocab.tokenizer_size}")
+
+    @torch.no_grad()
+    def score(self, batch: ScoreBatch) -> list[TeacherOutput]:
+        """One TeacherOutput per sequence, on every rank of the model-parallel group."""
+        rows = self._forward(batch)
+        return self._broadcast(rows, batch)
+
+    def _forward(self, batch: ScoreBatch) -> list[dict[str, torch.Tensor]]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        # Pipeline stages exchange fixed-shape activations, so there every micro-batch has the batch's
+        # longest length; a single stage runs each sequence at its own length. Right padding is
+        # invisible to the real positions under causal attention.
+        longest = max(len(s.token_ids) for s in batch.sequences)
+        sequences = iter(batch.sequences)
+        rows: list[dict[str, torch.Tensor]] = []
+
+        def forward_step(data_iterator, model):
+            sequence = next(data_iterator)
+            length = longest if self._pipelined else len(sequence.token_ids)
+            tokens = torch.zeros(1, length, dtype=torch.long, device=self.device)
+            tokens[0, :len(sequence.token_ids)] = torch.as_tensor(sequence.token_ids, device=self.device)
+            position_ids = torch.arange(length, device=self.device)[None]
+            output = model(tokens, position_ids, attention_mask=None)
+
+            def collect(logits):  # last stage only: logits [1, L, V/tp]
+                rows.append(score_rows(logits[0], sequence, batch.top_k, batch.temperature,
+                                       self.vocab.tokenizer_size, self._tp_group))
+                return logits.new_zeros(()), {}
+
+            return output, collect
+
+        # Each chunk's forward pulls the same sequence in turn, so one iterator per chunk.
+        data = [iter(batch.sequences) for _ in self.chunks] if len(self.chunks) > 1 else sequences
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=data,
+            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+            num_microbatches=len(batch.sequences), seq_length=longest, micro_batch_size=1,
+            forward_only=True)
+        return rows
+
+    def _broadcast(self, rows: list[dict[str, torch.Tensor]], batch: ScoreBatch) -> list[TeacherOutput]:
+        lengths = [s.num_response_tokens for s in batch.sequences]
+        total, k, m = sum(lengths), batch.top_k, batch.num_requested or 0
+        # Two buffers: int64 ids [N, k]; float32 [N, k + 1 + m] = top-k log-probs, token, requested.
+        if rows:
+            ids = torch.cat([r["topk_ids"] for r in rows])
+            values = torch.cat([torch.cat([r["topk_logprobs"], r["token_logprobs"][:, None]]
+                                          + ([r["requested_logprobs"]] if m else []), 1) for r in rows])
+        else:
+            ids = torch.empty(total, k, dtype=torch.int64, device=self.device)
+            values = torch.empty(total, k + 1 + m, dtype=torch.float32, device=self.device)
+        if dist.get_world_size(self._mp_group) > 1:
+            dist.broadcast(ids, self._owner, group=self._mp_group)
+            dist.broadcast(values, self._owner, group=self._mp_group)
+        ids, values = ids.cpu().numpy(), values.cpu().numpy()
+        outputs, offset = [], 0
+        for length in lengths:
+            part = slice(offset, offset + length)
+            outputs.append(TeacherOutput(
+                topk_ids=np.ascontiguousarray(ids[part]), topk_logprobs=np.ascontiguousarray(values[part, :k]),
+                token_logprobs=np.ascontiguousarray(values[part, k]),
+                requested_logprobs=np.ascontiguousarray(values[part, k + 1:]) if m else None))
+            offset += length
+        return outputs
