@@ -54,13 +54,14 @@ class VLLMEngine(RolloutEngine):
         weight_version: version of the weights in ``model``.
         join_world: make the job's ranks vLLM's workers (``external_launcher``); default: when a
             ``torch.distributed`` world exists. ``False`` on a disaggregated serving rank.
+        pad_token_id: padding id in the returned batches.
         engine_kwargs: further ``vllm.LLM`` keyword arguments.
     """
 
     def __init__(self, model: str, *, tensor_parallel_size: int = 1, max_model_len: int = 1024,
                  max_logprobs: int = 20, dtype: str = "float32", gpu_memory_utilization: float = 0.1,
                  seed: int = 0, weight_version: int = 0, enforce_eager: bool = True,
-                 join_world: bool | None = None, **engine_kwargs):
+                 join_world: bool | None = None, pad_token_id: int = 0, **engine_kwargs):
         vllm = _import_vllm()
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if join_world is not None:
@@ -89,7 +90,7 @@ class VLLMEngine(RolloutEngine):
                             gpu_memory_utilization=gpu_memory_utilization, seed=seed,
                             enforce_eager=enforce_eager, logprobs_mode="raw_logprobs",
                             **parallel_kwargs, **engine_kwargs)
-        self._pad_token_id = self.llm.get_tokenizer().pad_token_id or 0
+        self._pad_token_id = pad_token_id
 
     @property
     def weight_version(self) -> int:
