@@ -129,6 +129,8 @@ class VLLMEngine(RolloutEngine):
         logger.info("vLLM rollout engine now holds weight version %d", version)
 
     def close(self) -> None:
+        """Stops the engine (and its engine-core process, if it has one)."""
+        self.llm.llm_engine.engine_core.shutdown()
         del self.llm
 
 

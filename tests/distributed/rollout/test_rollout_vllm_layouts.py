@@ -31,8 +31,13 @@ def _colocated(model_dir, tensor_parallel_size):
 
 
 def _disaggregated(model_dir):
+    import multiprocessing
+
     from megatron_gkd.rollout import build_engine
 
+    # The harness spawns daemonic ranks, which may not start children; the serving rank's vLLM runs
+    # its engine core in a child process (torchrun's workers are not daemons).
+    multiprocessing.current_process().daemon = False
     side = build_engine("vllm", model=model_dir, layout="disaggregated", server_rank=2, trainer_rank=0, **ENGINE)
     if torch.distributed.get_rank() == 2:
         try:
