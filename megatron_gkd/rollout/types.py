@@ -13,10 +13,12 @@ distribution at response position ``t`` (the ids TCAD asks the teacher to score)
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Sequence
 
 import torch
 
+logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(kw_only=True)
 class SamplingConfig:
@@ -61,6 +63,8 @@ class SamplingConfig:
             raise ValueError(f"sampling.logprobs_k={self.logprobs_k} must be >= 0 (0: no top-k ids)")
         if any(i < 0 for i in self.stop_token_ids):
             raise ValueError(f"sampling.stop_token_ids={self.stop_token_ids} must be token ids >= 0")
+        if self.greedy and (self.top_p < 1.0 or self.top_k):
+            logger.warning("sampling.top_p/top_k have no effect with temperature=0 (greedy)")
 
     @property
     def greedy(self) -> bool:

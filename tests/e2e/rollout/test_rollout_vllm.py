@@ -72,3 +72,21 @@ def test_too_long_prompts_are_rejected_not_cut(engine):
     with pytest.raises(ValueError, match=r"2 of 3 prompts are too long.*max_tokens=16.*max_model_len=96"):
         engine.generate([fits, fits + [5], [1] * MAX_MODEL_LEN], SamplingConfig(max_tokens=16))
     assert engine.generate([fits], SamplingConfig(temperature=0.0, max_tokens=16)).num_samples == 1
+
+
+def test_load_weights_changes_outputs_and_version(engine, model_dir, reference):
+    """Runs once the weight-sync receiver is on the branch (issue 5, weight_sync side)."""
+    pytest.importorskip("megatron_gkd.weight_sync.receiver")
+    from safetensors.torch import load_file
+
+    greedy = SamplingConfig(temperature=0.0, max_tokens=4)
+    original = load_file(f"{model_dir}/model.safetensors")["lm_head.weight"]
+    engine.load_weights([("lm_head.weight", torch.zeros_like(original))], version=1)
+    try:
+        batch = engine.generate(PROMPTS[:1], greedy)
+        assert batch.weight_version == 1 and engine.weight_version == 1
+        assert batch.response(0) == [0, 0, 0, 0]  # all logits equal: the first id wins
+        torch.testing.assert_close(batch.logprobs(0), torch.full((4,), -torch.log(torch.tensor(256.0))))
+    finally:
+        engine.load_weights([("lm_head.weight", original)], version=2)
+    assert engine.generate(PROMPTS[:1], greedy).response(0) == reference.greedy(PROMPTS[0], 4)
