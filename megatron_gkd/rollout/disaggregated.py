@@ -97,12 +97,20 @@ class RolloutClient(RolloutEngine):
             self._closed = True
 
 
+def new_rollout_group(ranks: Sequence[int]):
+    """A ``torch.distributed`` group of ``ranks`` on the platform's backend (collective: every rank calls it)."""
+    from megatron_gkd import platform
+
+    return torch.distributed.new_group(ranks=sorted(ranks), backend=platform.dist_backend())
+
+
 def build_disaggregated(*, group=None, server_rank: int, trainer_rank: int = 0, max_model_len: int = 1024,
                         **engine_kwargs) -> RolloutServer | RolloutClient:
     """On ``server_rank``: a :class:`RolloutServer` around a vLLM engine; elsewhere: a client.
 
     Args:
-        group: ``torch.distributed`` group with the trainer ranks and the serving rank (default world).
+        group: ``torch.distributed`` group with the trainer ranks and the serving rank (default world;
+            see :func:`new_rollout_group`).
         server_rank: global rank that serves the engine.
         trainer_rank: global rank whose prompts are sent.
         max_model_len: passed to the engine; the client reports it.

@@ -34,11 +34,13 @@ def _disaggregated(model_dir):
     import multiprocessing
 
     from megatron_gkd.rollout import build_engine
+    from megatron_gkd.rollout.disaggregated import new_rollout_group
 
     # The harness spawns daemonic ranks, which may not start children; the serving rank's vLLM runs
     # its engine core in a child process (torchrun's workers are not daemons).
     multiprocessing.current_process().daemon = False
-    side = build_engine("vllm", model=model_dir, layout="disaggregated", server_rank=2, trainer_rank=0, **ENGINE)
+    side = build_engine("vllm", model=model_dir, layout="disaggregated", group=new_rollout_group([0, 1, 2]),
+                        server_rank=2, trainer_rank=0, **ENGINE)
     if torch.distributed.get_rank() == 2:
         try:
             return side.serve()
