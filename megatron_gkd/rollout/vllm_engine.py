@@ -151,6 +151,8 @@ class _Samples:
         ids, values = flat.token_ids, flat.logprobs
         if any(ids[begin[t]] != token for t, token in enumerate(tokens)):
             raise RuntimeError("vLLM log-prob rows are not aligned with the sampled tokens")
+        if any(flat.end_indices[t] - begin[t] != k + 1 for t in range(len(tokens))):
+            raise RuntimeError(f"vLLM returned a log-prob row without 1 + {k} entries")
         self.prompts.append(list(prompt))
         self.responses.append(tokens)
         self.logprobs.append([values[begin[t]] for t in range(len(tokens))])

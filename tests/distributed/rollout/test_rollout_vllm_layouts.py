@@ -65,9 +65,11 @@ def _check(batch, reference):
     assert_rollout_matches(batch, reference)
 
 
-def test_colocated_tp2_on_two_ranks(model_dir):
+@pytest.mark.parametrize("tensor_parallel_size", [2, 1], ids=["tp2", "tp1-dp2"])
+def test_colocated_on_two_ranks(model_dir, tensor_parallel_size):
+    """TP=2: one engine sharded over both ranks; TP=1: two vLLM data-parallel replicas."""
     reference = HFReference(model_dir)
-    batches = run_distributed(_colocated, 2, args=(model_dir, 2), timeout=600)
+    batches = run_distributed(_colocated, 2, args=(model_dir, tensor_parallel_size), timeout=600)
     for batch in batches:
         _check(batch, reference)
 

@@ -60,3 +60,20 @@ def test_registry_lists_engines_and_rejects_unknown_names():
         build_engine("sglang")
     with pytest.raises(ValueError, match="rollout.layout='split'"):
         build_engine("vllm", layout="split", model="unused")
+
+
+def test_reference_sampler_filters_top_k_and_top_p():
+    from megatron_gkd.rollout.megatron_engine import _sample
+
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    generator = torch.Generator().manual_seed(0)
+
+    def draws(**kwargs):
+        config = SamplingConfig(**kwargs)
+        return {_sample(logits, config, generator) for _ in range(200)}
+
+    assert draws(temperature=0.0) == {0}
+    assert draws(temperature=1.0) == {0, 1, 2, 3}
+    assert draws(temperature=1.0, top_k=2) == {0, 1}
+    assert draws(temperature=1.0, top_p=0.75) == {0, 1}  # 0.5 < 0.75, 0.8 reaches it
+    assert draws(temperature=1.0, top_p=0.4) == {0}
