@@ -89,8 +89,9 @@ class _FusedDistill(torch.autograd.Function):
         dense_scale, sparse = backward_scales(ctx.state, grad_loss, temperature)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
-        vocab_local = weight.shape[0]
-        rows = rows_per_chunk(vocab_local)
+        rows = rows_per_chunk(weight.shape[0])
+        shift = (ctx.state.student_lse * temperature).unsqueeze(1)
+        dense_scale = dense_scale.unsqueeze(1)
         for start in range(0, hidden.shape[0], chunk_size):
             stop = min(start + chunk_size, hidden.shape[0])
             logits = _chunk_logits(hidden[start:stop], weight)
@@ -100,7 +101,7 @@ class _FusedDistill(torch.autograd.Function):
                 row_stop = min(row + rows, stop - start)
                 out = grad_logits[row:row_stop]
                 write_grad_rows(
-                    logits[row:row_stop], ctx.state.student_lse[start + row:start + row_stop],
+                    logits[row:row_stop], shift[start + row:start + row_stop],
                     dense_scale[start + row:start + row_stop], temperature, out,
                 )
                 sparse.add_to_rows(out, start + row, start + row_stop)

@@ -126,39 +126,46 @@ def local_logsumexp(logits: torch.Tensor, temperature: float, dtype: torch.dtype
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SparseGrad:
-    """The support part of the gradient, compacted to the entries this rank owns, sorted by row."""
+    """The support part of the gradient, compacted to the entries this rank owns, sorted by row.
 
-    rows: torch.Tensor
-    cols: torch.Tensor
+    Entries are addressed by their flat position ``row * V/tp + column`` in the ``[N, V/tp]`` gradient;
+    a row chunk starting at ``start`` subtracts ``start * V/tp`` once.
+    """
+
+    flat_index: torch.Tensor
     values: torch.Tensor
     row_offsets: list[int]  # entries of rows [a, b) are [row_offsets[a], row_offsets[b])
 
     @classmethod
-    def of(cls, support: LocalSupport, grad_support: torch.Tensor) -> "SparseGrad":
-        rows, k = support.in_shard.nonzero(as_tuple=True)  # row-major: sorted by row
+    def of(cls, support: LocalSupport, grad_support: torch.Tensor, vocab_size_local: int) -> "SparseGrad":
+        # Boolean-mask selection keeps row-major order: entries come sorted by row.
         counts = support.in_shard.sum(dim=1)
+        rows = torch.arange(counts.numel(), device=counts.device).repeat_interleave(counts)
+        flat_index = rows * vocab_size_local + support.local_index[support.in_shard]
         offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
-        offsets[1:] = counts.cumsum(0).cpu()
-        return cls(rows, support.local_index[rows, k], grad_support[rows, k], offsets.tolist())
+        offsets[1:] = counts.cumsum(0).cpu()  # one host sync per call, none per chunk
+        return cls(flat_index, grad_support[support.in_shard], offsets.tolist())
 
     def add_to_rows(self, out: torch.Tensor, start: int, stop: int) -> None:
         """Adds the entries of rows ``[start, stop)`` into ``out`` (those rows, contiguous)."""
         first, last = self.row_offsets[start], self.row_offsets[stop]
         if first == last:
             return
-        flat = (self.rows[first:last] - start) * out.shape[1] + self.cols[first:last]
+        flat = self.flat_index[first:last] - start * out.shape[1]
         out.view(-1).index_add_(0, flat, self.values[first:last].to(out.dtype))
 
 
 def write_grad_rows(
     logits: torch.Tensor,
-    lse: torch.Tensor,
+    shift: torch.Tensor,
     dense_scale: torch.Tensor,
     temperature: float,
     out: torch.Tensor,
 ) -> None:
-    """``out = dense_scale * exp(logits / T - lse)`` for one row chunk; ``out`` may alias ``logits``."""
-    shift = (lse * temperature).unsqueeze(1)
+    """``out = dense_scale * exp((logits - shift) / T)`` for one row chunk; ``out`` may alias ``logits``.
+
+    ``shift`` (``lse * T``) and ``dense_scale`` are ``[rows, 1]`` columns.
+    """
     if logits.dtype == out.dtype:
         torch.sub(logits, shift, out=out)
     else:
@@ -167,7 +174,7 @@ def write_grad_rows(
     if temperature != 1.0:
         out.div_(temperature)
     out.exp_()
-    out.mul_(dense_scale.unsqueeze(1))
+    out.mul_(dense_scale)
 
 
 def logits_grad(
@@ -194,10 +201,11 @@ def logits_grad(
     rows = rows_per_chunk(vocab_local)
     work = None if grad.dtype == dtype else torch.empty(min(rows, num_rows), vocab_local, dtype=dtype,
                                                         device=logits.device)
+    shift, dense_scale = (lse * temperature).unsqueeze(1), dense_scale.unsqueeze(1)
     for start in range(0, num_rows, rows):
         stop = min(start + rows, num_rows)
         out = grad[start:stop] if work is None else work[: stop - start]
-        write_grad_rows(logits[start:stop], lse[start:stop], dense_scale[start:stop], temperature, out)
+        write_grad_rows(logits[start:stop], shift[start:stop], dense_scale[start:stop], temperature, out)
         sparse.add_to_rows(out, start, stop)
         if work is not None:
             grad[start:stop].copy_(out)

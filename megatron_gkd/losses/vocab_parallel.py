@@ -160,6 +160,7 @@ class ForwardState:
     grad_support: torch.Tensor
     lse_coef: torch.Tensor
     support: LocalSupport
+    vocab_size_local: int
 
 
 def finish_forward(
@@ -179,7 +180,7 @@ def finish_forward(
     student_lse, support_logits = combine_shards(local_lse, local_support_logits, layout)
     inputs = SupportInputs(support_logits, teacher.logprobs, teacher.valid, student_lse)
     terms = get_divergence(divergence_name).fn(inputs, options)
-    state = ForwardState(student_lse, terms.grad_support, terms.lse_coef, support)
+    state = ForwardState(student_lse, terms.grad_support, terms.lse_coef, support, layout.vocab_size_local)
     return state, terms.loss, support_metrics(inputs)
 
 
@@ -190,7 +191,7 @@ def backward_scales(
     grad_loss = grad_loss.to(state.lse_coef.dtype)
     dense_scale = state.lse_coef * grad_loss / temperature
     sparse_values = state.grad_support * (grad_loss / temperature).unsqueeze(1)
-    return dense_scale, SparseGrad.of(state.support, sparse_values)
+    return dense_scale, SparseGrad.of(state.support, sparse_values, state.vocab_size_local)
 
 
 class _VocabParallelDistill(torch.autograd.Function):
