@@ -126,7 +126,7 @@ def make_llm(path: str):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
-    return LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=128, max_num_seqs=4,
+    return LLM(model=path, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4,
                gpu_memory_utilization=0.02, seed=0)
 
 
@@ -176,7 +176,7 @@ def colocated_rank(path: str, steps: int, config, prompts, out_root: str, num_to
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
-    llm = LLM(model=path, dtype="float32", enforce_eager=True, max_model_len=128, max_num_seqs=4, seed=0,
+    llm = LLM(model=path, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4, seed=0,
               gpu_memory_utilization=0.02, tensor_parallel_size=2, distributed_executor_backend="external_launcher")
     before = _greedy_and_logprobs(llm, prompts, num_tokens)
     parallel.initialize(tensor_model_parallel_size=2)
