@@ -28,8 +28,33 @@ def reload_vllm_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
 
     def reload(worker):
         worker.model_runner.reload_weights(weights_iterator=weights)
+        _repack_cpu_moe_experts(worker.model_runner.get_model())
 
     llm.collective_rpc(reload)
+
+
+def _repack_cpu_moe_experts(model) -> int:
+    """Redoes the CPU backend's expert prepacking that vLLM 0.32 skips on an in-place reload.
+
+    ``UnquantizedFusedMoEMethod._setup_kernel`` calls ``fused_experts.process_weights_after_loading``
+    (the CPU grouped-GEMM prepack) only on the first load; on a weight update it copies the freshly
+    loaded, *unpacked* experts into the packed storage, and the engine then computes garbage (seen
+    here: reloading a Qwen3-MoE checkpoint's own weights moved prompt log-probs by 0.19). Repacking
+    after the reload gives transformers' log-probs within 4e-7. Only on the CPU platform, where that
+    method turns loaded weights into the kernel layout.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    repacked = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is not None and hasattr(module, "w13_weight"):
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
 
 
 class WeightReceiver:
