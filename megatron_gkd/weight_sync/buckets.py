@@ -85,9 +85,10 @@ def layout_buckets(plan: WeightSyncPlan, bucket_bytes: int) -> list[BucketSpec]:
 # --- checksums (registry by name) ------------------------------------------------------------------
 
 def _sum_checksum(payload: torch.Tensor) -> int:
-    # A position-blind but cheap check (vectorised, no Python per byte): catches truncated, shifted or
-    # garbage buffers. Use "crc32" when reordering within a bucket must be caught too.
-    return int(payload.view(torch.int32).sum(dtype=torch.int64))
+    # A position-blind but cheap check: catches truncated, shifted or garbage buffers; "crc32" also
+    # catches reordering. Summed as int64 words (wrapping): summing int32 words into int64 made torch
+    # cast every element and cost 20x more (0.74 s vs 0.03 s for 176 MiB here).
+    return int(payload.view(torch.int64).sum())
 
 
 def _crc32_checksum(payload: torch.Tensor) -> int:
