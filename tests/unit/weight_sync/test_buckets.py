@@ -128,3 +128,14 @@ def test_plan_json_round_trip_and_digest():
 def test_config_errors_name_the_key(kwargs, key):
     with pytest.raises(ValueError, match=key):
         WeightSyncConfig(**kwargs)
+
+
+def test_verify_fails_loudly_beyond_tolerance():
+    from megatron_gkd.weight_sync import WeightSyncMismatch, check_prompt_logprobs
+
+    expected = torch.tensor([-1.0, -2.0, -0.5], dtype=torch.float64)
+    assert check_prompt_logprobs(expected + 5e-5, expected, 1e-4, version=2) == pytest.approx(5e-5)
+    with pytest.raises(WeightSyncMismatch, match="version 3"):
+        check_prompt_logprobs(expected + torch.tensor([0.0, 2e-4, 0.0], dtype=torch.float64), expected, 1e-4, version=3)
+    with pytest.raises(WeightSyncMismatch):
+        check_prompt_logprobs(torch.full((3,), float("nan"), dtype=torch.float64), expected, 1e-4, version=3)
