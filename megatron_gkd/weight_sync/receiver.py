@@ -43,18 +43,21 @@ def _repack_cpu_moe_experts(model) -> int:
     after the reload gives transformers' log-probs within 4e-7. Only on the CPU platform, where that
     method turns loaded weights into the kernel layout.
     """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return 0
-    repacked = 0
+    layers = []
     for module in model.modules():
         kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
         if experts is not None and hasattr(module, "w13_weight"):
-            experts.process_weights_after_loading(module)
-            repacked += 1
-    return repacked
+            layers.append((module, experts))
+    if not layers:
+        return 0
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    for module, experts in layers:
+        experts.process_weights_after_loading(module)
+    return len(layers)
 
 
 class WeightReceiver:
