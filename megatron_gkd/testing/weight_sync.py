@@ -1,0 +1,195 @@
+"""Rank bodies for weight-sync tests and the benchmark: trainer ranks train a ``load_hf`` student and
+send it; rollout ranks receive it into vLLM (or into a recorder that stands in for vLLM).
+
+Run with ``run_distributed(..., init_process_group=False)``: trainer ranks ``0..T-1`` join their own
+default group (the trainer's world), rollout ranks ``T..`` only the weight-sync group, as separate jobs
+would.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import torch
+
+# Layout name -> parallel.initialize sizes (2 trainer ranks each).
+LAYOUTS = {
+    "tp2": dict(tensor_model_parallel_size=2),
+    "pp2": dict(pipeline_model_parallel_size=2),
+    "ep2": dict(expert_model_parallel_size=2),
+    "tp1": dict(),
+}
+SEQ_LENGTH = 16
+
+
+class RecordingLLM:
+    """Stands in for ``vllm.LLM``: ``collective_rpc`` runs on one fake worker whose ``reload_weights``
+    records what it is given (a copy check: the buffers are overwritten after the sync)."""
+
+    def __init__(self):
+        self.weights: dict[str, torch.Tensor] = {}
+        self.model_runner = self
+
+    def collective_rpc(self, fn):
+        return [fn(self)]
+
+    def get_model(self) -> torch.nn.Module:
+        return torch.nn.Module()
+
+    def reload_weights(self, weights_iterator):
+        for name, tensor in weights_iterator:
+            self.weights[name] = tensor
+
+
+def wrap_for_training(chunks):
+    """DDP-wrap ``load_hf`` chunks and build Megatron's Adam optimizer over them."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False)
+    wrapped = [
+        DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.0, clip_grad=1.0, bf16=False, fp16=False,
+                        params_dtype=torch.float32, use_distributed_optimizer=False),
+        wrapped,
+    )
+    return wrapped, optimizer
+
+
+def train(chunks, optimizer, num_steps: int, vocab_size: int, seed: int = 0) -> None:
+    """``num_steps`` Adam steps of next-token cross entropy on random tokens (same on every rank)."""
+    from megatron_gkd.testing.mcore import train_step
+
+    spec = types.SimpleNamespace(seq_length=SEQ_LENGTH, micro_batch_size=1)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(num_steps):
+        microbatches = [torch.randint(0, vocab_size, (1, SEQ_LENGTH + 1), generator=generator) for _ in range(2)]
+        for chunk in chunks:
+            chunk.train()
+        train_step(spec, chunks, optimizer, microbatches)
+
+
+def _transport(port: int, rank: int, num_trainers: int, num_rollout: int):
+    from megatron_gkd.weight_sync import TorchDistributedTransport
+
+    return TorchDistributedTransport(address="127.0.0.1", port=port, rank=rank, num_trainer_ranks=num_trainers, num_rollout_ranks=num_rollout, timeout_s=600)
+
+
+def trainer_rank(runs, trainer_port: int, num_trainers: int, num_rollout: int, config, prompts, out_root: str):
+    """For each run (dict: ``layout``, ``path`` to load, sync ``port``, ``steps``): load, train, sync, save.
+
+    Returns per run: plan digest, the student's prompt logits ``[b][s, v]`` (last stage) and the
+    ``save_hf`` directory.
+    """
+    import torch.distributed as dist
+
+    from megatron_gkd import parallel
+    from megatron_gkd.models import load_hf, save_hf
+    from megatron_gkd.testing.hf_models import megatron_logits
+    from megatron_gkd.weight_sync import WeightSender, build_plan, connect_trainer
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{trainer_port}", rank=rank, world_size=num_trainers)
+    results = []
+    for run in runs:
+        layout, path, port, num_steps = run["layout"], run["path"], run["port"], run["steps"]
+        parallel.initialize(**LAYOUTS[layout])
+        chunks, optimizer = wrap_for_training(load_hf(path))
+        plan = build_plan(chunks)
+        transport = _transport(port, rank, num_trainers, num_rollout)
+        connect_trainer(plan, transport)
+        sender = WeightSender(plan, transport, config)
+        train(chunks, optimizer, num_steps, chunks[0].module.hf_model_info.hf_config["vocab_size"])
+        sender.sync(chunks, version=1)
+        logits = [megatron_logits(chunks, torch.tensor([p])) for p in prompts]
+        out = os.path.join(out_root, f"{layout}-saved")
+        save_hf(chunks, out)
+        results.append(dict(layout=layout, digest=plan.digest, plan=plan.to_json(), logits=None if logits[0] is None else [x[0] for x in logits], saved=out))
+        transport.close()
+        parallel.destroy()
+    return results
+
+
+def _greedy_and_logprobs(llm, prompts, num_tokens: int):
+    from vllm import SamplingParams
+
+    from megatron_gkd.weight_sync import vllm_prompt_logprobs
+
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs], vllm_prompt_logprobs(llm, prompts)
+
+
+def make_llm(path: str):
+    """A small in-process vLLM engine (fp32, eager, little KV cache)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    return LLM(model=path, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4,
+               gpu_memory_utilization=0.02, seed=0)
+
+
+def rollout_rank(runs, num_trainers: int, num_rollout: int, config, prompts, num_tokens: int, use_vllm: bool):
+    """For each run (``engine``: the checkpoint vLLM starts from): (vLLM only) outputs before the sync, receive the weights, outputs after."""
+    from megatron_gkd.weight_sync import WeightReceiver, connect_rollout
+
+    rank = int(os.environ["RANK"])
+    # vLLM's own single-process group must not see the spawner's multi-rank environment.
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_PORT=str(29500 + rank))
+    results, engines = [], {}
+    for run in runs:
+        layout, port = run["layout"], run["port"]
+        transport = _transport(port, rank, num_trainers, num_rollout)
+        plan = connect_rollout(transport)
+        if use_vllm:
+            # One engine per process (vLLM keeps process-wide state): runs share the architecture.
+            if not engines:
+                engines["llm"] = make_llm(run["engine"])
+            llm = engines["llm"]
+            before = _greedy_and_logprobs(llm, prompts, num_tokens)
+        else:
+            llm, before = RecordingLLM(), None
+        receiver = WeightReceiver(plan, transport, config)
+        version = receiver.sync(llm)
+        after = _greedy_and_logprobs(llm, prompts, num_tokens) if use_vllm else None
+        results.append(dict(layout=layout, digest=plan.digest, version=version, before=before, after=after,
+                            weights=None if use_vllm else llm.weights, num_buckets=len(receiver.buckets)))
+        transport.close()
+    return results
+
+
+def disaggregated(runs, trainer_port, num_trainers, num_rollout, config, prompts, out_root, num_tokens=4, use_vllm=True):
+    """The rank body: trainer ranks first, rollout ranks after them."""
+    if int(os.environ["RANK"]) < num_trainers:
+        return trainer_rank(runs, trainer_port, num_trainers, num_rollout, config, prompts, out_root)
+    return rollout_rank(runs, num_trainers, num_rollout, config, prompts, num_tokens, use_vllm)
+
+
+def colocated_rank(path: str, steps: int, config, prompts, out_root: str, num_tokens: int = 4):
+    """Training TP=2 and a vLLM TP=2 shard on each rank (``external_launcher``): sync without broadcast."""
+    from megatron_gkd import parallel
+    from megatron_gkd.models import load_hf, save_hf
+    from megatron_gkd.testing.hf_models import megatron_logits
+    from megatron_gkd.weight_sync import build_plan, colocated_sync
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    llm = LLM(model=path, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4, seed=0,
+              gpu_memory_utilization=0.02, tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+    before = _greedy_and_logprobs(llm, prompts, num_tokens)
+    parallel.initialize(tensor_model_parallel_size=2)
+    chunks, optimizer = wrap_for_training(load_hf(path))
+    plan = build_plan(chunks)
+    train(chunks, optimizer, steps, chunks[0].module.hf_model_info.hf_config["vocab_size"])
+    receiver = colocated_sync(chunks, llm, plan, config, version=1)
+    after = _greedy_and_logprobs(llm, prompts, num_tokens)
+    logits = [megatron_logits(chunks, torch.tensor([p]))[0] for p in prompts]
+    out = os.path.join(out_root, "colocated-saved")
+    save_hf(chunks, out)
+    parallel.destroy()
+    return dict(before=before, after=after, logits=logits, saved=out, version=receiver.version)

@@ -1,0 +1,103 @@
+"""Weight sync: the trainer's new weights into the rollout engine, fast and provably fresh.
+
+Trainer side (every trainer rank)::
+
+    plan = build_plan(chunks)                                  # once, collective
+    transport = get_transport("distributed")(address=..., port=..., rank=trainer_rank,
+                                             num_trainer_ranks=T, num_rollout_ranks=R)
+    connect_trainer(plan, transport)
+    sender = WeightSender(plan, transport, config)
+    sender.sync(chunks, version)                               # after each optimizer step
+
+Rollout side (each rollout rank)::
+
+    plan = connect_rollout(transport)                          # the plan arrives once
+    receiver = WeightReceiver(plan, transport, config)
+    receiver.sync(llm)                                         # -> new weight version
+
+Colocated (the trainer rank holds the engine): :func:`colocated_sync`, no broadcast.
+"""
+
+from __future__ import annotations
+
+from megatron_gkd.weight_sync.buckets import BucketSpec, ChecksumMismatch, layout_buckets
+from megatron_gkd.weight_sync.config import WeightSyncConfig
+from megatron_gkd.weight_sync.plan import TensorSpec, WeightSyncPlan, build_plan
+from megatron_gkd.weight_sync.receiver import WeightReceiver, reload_vllm_weights
+from megatron_gkd.weight_sync.sender import WeightSender
+from megatron_gkd.weight_sync.transports import TRANSPORTS, ColocatedTransport, TorchDistributedTransport, get_transport, register_transport
+from megatron_gkd.weight_sync.verify import WeightSyncMismatch, check_prompt_logprobs, student_prompt_logprobs, vllm_prompt_logprobs
+
+
+def connect_trainer(plan: WeightSyncPlan, transport) -> None:
+    """Trainer ranks: send the plan to the rollout ranks (from trainer rank 0) and build the groups."""
+    transport.share_text(plan.to_json() if transport.rank == 0 else None, src=0)
+    transport.connect(plan.owners)
+
+
+def connect_rollout(transport) -> WeightSyncPlan:
+    """Rollout ranks: the plan (once) and the groups."""
+    plan = WeightSyncPlan.from_json(transport.share_text(None, src=0))
+    transport.connect(plan.owners)
+    return plan
+
+
+def colocated_sync(chunks, llm, plan: WeightSyncPlan, config: WeightSyncConfig, version: int, *, receiver=None):
+    """One sync where the trainer rank holds the engine (or ``llm=None`` on ranks without one).
+
+    Every trainer rank calls it (the exporter's gathers are collectives). Needs every tensor on the
+    engine's rank after the TP gathers: pipeline and expert parallel size 1.
+
+    Returns:
+        the receiver (pass it back next time) on ranks with an engine, else ``None``.
+    """
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_pipeline_model_parallel_world_size() > 1 or mpu.get_expert_model_parallel_world_size() > 1:
+        raise ValueError(
+            "weight_sync.transport='colocated' needs pipeline and expert parallel size 1 (a rank holds "
+            "only its stage's and its experts' weights); use transport='distributed'"
+        )
+    sender = WeightSender(plan, None, config, owns_all=True)
+    stream = sender.packed(chunks, version)
+    if llm is not None:
+        transport = ColocatedTransport()
+        transport.bind(stream)
+        receiver = receiver or WeightReceiver(plan, transport, config)
+        receiver.transport = transport
+        receiver.sync(llm, verify=False)
+        # After the stream: the student's forward is a TP collective like the exporter's gathers.
+        if config.verify:
+            receiver.verify(llm, sender.share_student_logprobs(chunks))
+        return receiver
+    for _ in stream:
+        pass
+    if config.verify:
+        sender.share_student_logprobs(chunks)
+    return None
+
+
+__all__ = [
+    "BucketSpec",
+    "ChecksumMismatch",
+    "ColocatedTransport",
+    "TRANSPORTS",
+    "TensorSpec",
+    "TorchDistributedTransport",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightSyncConfig",
+    "WeightSyncMismatch",
+    "WeightSyncPlan",
+    "build_plan",
+    "check_prompt_logprobs",
+    "colocated_sync",
+    "connect_rollout",
+    "connect_trainer",
+    "get_transport",
+    "layout_buckets",
+    "reload_vllm_weights",
+    "register_transport",
+    "student_prompt_logprobs",
+    "vllm_prompt_logprobs",
+]

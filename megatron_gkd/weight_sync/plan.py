@@ -1,0 +1,205 @@
+"""The weight-sync plan (meta-info): every HF tensor the trainer will send, built once at start-up.
+
+Each entry names one Hugging Face tensor with its full shape and dtype, where it lives in the trainer
+(pipeline rank, virtual-pipeline chunk, the TP dimension it is split along, the global expert id) and
+the Megatron -> HF transform that produces it: the :class:`~megatron_gkd.models.WeightRule` of the
+models package (its Megatron template, the part of the fused tensor, the fusion and its parameters).
+The plan is built from the same walk as :func:`megatron_gkd.models.export_hf_weights`, so the order
+of entries on an owner rank is the order in which that exporter yields them; ``owner`` is the global
+rank on which the exporter yields the tensor (``owner_only=True``).
+
+All ranks build it from one all-gather and check that their digests agree; it serialises to JSON
+(no pickle), so a receiver in another process or job gets it once, in a handshake.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import torch
+import torch.distributed as dist
+
+from megatron_gkd.models import mapped_tensors, shard_coordinates, unwrap
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One HF tensor of the plan.
+
+    Attributes:
+        name: HF tensor name (what vLLM's ``load_weights`` expects).
+        shape: full (gathered) shape.
+        dtype: dtype as sent (``"float32"``, ``"bfloat16"``...).
+        pp_rank: pipeline stage that holds it.
+        vpp_chunk: virtual-pipeline chunk on that stage.
+        tp_dim: dimension split by tensor (or expert-tensor) parallelism; ``None`` if replicated.
+        tp_size: size of the group that splits it.
+        expert: global expert id of a routed-expert tensor, else ``None``.
+        megatron: global Megatron parameter name it is cut from.
+        part: index of this tensor among the HF tensors of its rule (q/k/v, gate/up).
+        fusion: the rule's fusion, ``{"type": class name, **parameters}``.
+        position: index in the exporter's walk on the owner rank (the same on every rank of a stage).
+        owner: global trainer rank that yields (and sends) it.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    pp_rank: int
+    vpp_chunk: int
+    tp_dim: int | None
+    tp_size: int
+    expert: int | None
+    megatron: str
+    part: int
+    fusion: dict
+    position: int
+    owner: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def num_bytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * torch.empty((), dtype=self.torch_dtype).element_size()
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightSyncPlan:
+    """The ordered entries and the trainer world they were built on."""
+
+    entries: tuple[TensorSpec, ...]
+    trainer_world_size: int
+    logits_rank: int = 0
+    """A trainer rank of the last pipeline stage (it shares the student's log-probs for ``verify``)."""
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"trainer_world_size": self.trainer_world_size, "logits_rank": self.logits_rank, "entries": [dataclasses.asdict(e) for e in self.entries]},
+            sort_keys=True,
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "WeightSyncPlan":
+        data = json.loads(text)
+        entries = tuple(
+            TensorSpec(**{**entry, "shape": tuple(entry["shape"])}) for entry in data["entries"]
+        )
+        return cls(entries=entries, trainer_world_size=data["trainer_world_size"], logits_rank=data["logits_rank"])
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(entry.num_bytes for entry in self.entries)
+
+    @property
+    def owners(self) -> list[int]:
+        return sorted({entry.owner for entry in self.entries})
+
+
+def _fusion_description(fusion) -> dict:
+    return {"type": type(fusion).__name__, **{k: v for k, v in vars(fusion).items() if not k.startswith("_")}}
+
+
+def local_entries(chunks) -> list[dict]:
+    """This rank's view of the plan: every HF tensor its chunks export, ``owner`` set where it owns it.
+
+    No communication and no copies (shapes come from the fusion applied to meta tensors).
+    """
+    from megatron.core import parallel_state as mpu
+
+    from megatron_gkd.models.export import _is_owner
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    pp_rank = mpu.get_pipeline_model_parallel_rank()
+    entries, position = [], 0
+    for vpp_chunk, chunk in enumerate(chunks):
+        model = unwrap(chunk)
+        for megatron_name, tensor, rule, fields in mapped_tensors(model, model.hf_model_info.rules):
+            if not rule.export:
+                continue
+            _, shard_rank, size = shard_coordinates(rule)
+            slices = rule.to_hf(torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))
+            for part, (hf_name, piece, dim) in enumerate(zip(rule.hf_names(fields), slices, rule.tp_dims)):
+                shape = list(piece.shape)
+                if dim is not None and size > 1:
+                    shape[dim] *= size
+                owns = _is_owner(hf_name, rule.is_expert, shard_rank, size)
+                entries.append(
+                    dict(
+                        name=hf_name,
+                        shape=tuple(shape),
+                        dtype=str(tensor.dtype).removeprefix("torch."),
+                        pp_rank=pp_rank,
+                        vpp_chunk=vpp_chunk,
+                        tp_dim=dim,
+                        tp_size=size,
+                        expert=int(fields["expert"]) if "expert" in fields else None,
+                        megatron=megatron_name,
+                        part=part,
+                        fusion=_fusion_description(rule.fusion),
+                        position=position,
+                        owner=rank if owns else -1,
+                    )
+                )
+                position += 1
+    return entries
+
+
+def build_plan(chunks, group: dist.ProcessGroup | None = None) -> WeightSyncPlan:
+    """The plan of the whole trainer (collective over ``group``, default: the world of the trainer).
+
+    Raises:
+        RuntimeError: ranks disagree on the plan, or a tensor has no owner or two.
+    """
+    from megatron.core import parallel_state as mpu
+
+    is_logits_rank = mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
+    mine = (local_entries(chunks), is_logits_rank)
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        world = dist.get_world_size(group)
+    else:
+        gathered, world = [mine], 1
+    logits_rank = min(rank for rank, (_, flag) in enumerate(gathered) if flag)
+    gathered = [rank_entries for rank_entries, _ in gathered]
+    owned: dict[str, dict] = {}
+    seen: set[str] = set()
+    for rank_entries in gathered:
+        for entry in rank_entries:
+            seen.add(entry["name"])
+            if entry["owner"] < 0:
+                continue
+            if entry["name"] in owned:
+                raise RuntimeError(f"weight sync plan: {entry['name']} is owned by ranks {owned[entry['name']]['owner']} and {entry['owner']}")
+            owned[entry["name"]] = entry
+    if missing := sorted(seen - set(owned)):
+        raise RuntimeError(f"weight sync plan: no rank owns {missing[:5]} ({len(missing)} tensors)")
+    # Exporter order on each owner; across owners by position, so that buckets complete in an order
+    # that every rank of a stage reaches together (see buckets.layout_buckets).
+    ordered = sorted(owned.values(), key=lambda e: (e["position"], e["pp_rank"], e["owner"]))
+    plan = WeightSyncPlan(entries=tuple(TensorSpec(**e) for e in ordered), trainer_world_size=world, logits_rank=logits_rank)
+    _check_agreement(plan, group)
+    return plan
+
+
+def _check_agreement(plan: WeightSyncPlan, group) -> None:
+    if not dist.is_initialized():
+        return
+    digests = [None] * dist.get_world_size(group)
+    dist.all_gather_object(digests, plan.digest, group=group)
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"weight sync plan differs between ranks: digests {digests}")

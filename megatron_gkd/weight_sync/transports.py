@@ -1,0 +1,163 @@
+"""How bucket bytes travel from the trainer to the rollout ranks (registry by name).
+
+``distributed``
+    A dedicated process group between the trainer ranks and the rollout ranks, built from its own
+    TCP store (the trainer's torchrun world and the rollout processes need not share a default
+    group). Each owner rank gets a group with just the rollout ranks, so a bucket is one broadcast
+    from its owner and ranks that own nothing take no part. Operations are asynchronous: a sender
+    packs bucket i+1 while bucket i is on the wire, a receiver posts bucket i+1 before unpacking i.
+``colocated``
+    The sender and the receiver are in one process: the receiver unpacks straight from the sender's
+    bucket buffer; nothing is broadcast.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_gkd import platform
+from megatron_gkd.weight_sync.buckets import BucketSpec
+
+logger = logging.getLogger(__name__)
+
+TRANSPORTS: dict[str, type] = {}
+
+
+def register_transport(name: str):
+    def wrap(cls):
+        TRANSPORTS[name] = cls
+        return cls
+
+    return wrap
+
+
+def get_transport(name: str) -> type:
+    if name not in TRANSPORTS:
+        raise ValueError(f"weight_sync.transport={name!r} is not registered; choose one of {sorted(TRANSPORTS)}")
+    return TRANSPORTS[name]
+
+
+class _Done:
+    """A finished operation (the Work interface: ``wait``), holding the bytes' buffer."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+
+    def wait(self) -> bool:
+        return True
+
+
+class _Pending:
+    def __init__(self, work, buffer: torch.Tensor):
+        self.work = work
+        self.buffer = buffer
+
+    def wait(self) -> bool:
+        return self.work.wait()
+
+
+def _new_group(store, rank: int, size: int, backend: str, timeout: datetime.timedelta):
+    if backend != "gloo":
+        raise ValueError(
+            f"the distributed weight-sync transport builds its group with ProcessGroupGloo; backend "
+            f"{backend!r} is not wired in yet (add its constructor in weight_sync.transports._new_group)"
+        )
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+@register_transport("distributed")
+class TorchDistributedTransport:
+    """A dedicated group: trainer ranks ``0..T-1`` (their trainer rank), rollout ranks ``T..T+R-1``.
+
+    Args:
+        address, port: the TCP store of this group (sync rank 0, the first trainer rank, hosts it).
+        rank: this process's rank in the group.
+        num_trainer_ranks: T; num_rollout_ranks: R.
+        backend: default: the platform's (gloo on the host).
+        timeout_s: for the store and every operation.
+    """
+
+    def __init__(self, *, address: str, port: int, rank: int, num_trainer_ranks: int, num_rollout_ranks: int,
+                 backend: str | None = None, timeout_s: float = 600.0):
+        if not 0 <= rank < num_trainer_ranks + num_rollout_ranks:
+            raise ValueError(f"weight sync rank {rank} outside [0, {num_trainer_ranks + num_rollout_ranks})")
+        self.rank = rank
+        self.num_trainer_ranks = num_trainer_ranks
+        self.rollout_ranks = list(range(num_trainer_ranks, num_trainer_ranks + num_rollout_ranks))
+        self.backend = backend or platform.dist_backend()
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        size = num_trainer_ranks + num_rollout_ranks
+        self._store = dist.TCPStore(address, port, size, is_master=rank == 0, timeout=self.timeout)
+        self.world = _new_group(dist.PrefixStore("weight_sync/all", self._store), rank, size, self.backend, self.timeout)
+        self._owner_groups: dict[int, object] = {}
+
+    @property
+    def is_rollout(self) -> bool:
+        return self.rank in self.rollout_ranks
+
+    def connect(self, owners: list[int]) -> None:
+        """Builds one group per owner (the owner and the rollout ranks); every member calls it."""
+        for owner in owners:
+            members = [owner, *self.rollout_ranks]
+            if self.rank in members:
+                store = dist.PrefixStore(f"weight_sync/owner{owner}", self._store)
+                self._owner_groups[owner] = _new_group(store, members.index(self.rank), len(members), self.backend, self.timeout)
+
+    def share_text(self, text: str | None, src: int = 0) -> str:
+        """``text`` of rank ``src`` on every rank of the group (the plan handshake)."""
+        length = torch.tensor([len(text.encode()) if self.rank == src else 0], dtype=torch.int64)
+        self.world.broadcast(length, src).wait()
+        data = torch.empty(int(length), dtype=torch.uint8)
+        if self.rank == src:
+            data.copy_(torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8))
+        self.world.broadcast(data, src).wait()
+        return bytes(data.numpy()).decode()
+
+    def share_tensor(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        self.world.broadcast(tensor, src).wait()
+        return tensor
+
+    def group_of(self, owner: int):
+        """The group of ``owner`` and the rollout ranks (owner is its rank 0)."""
+        return self._owner_groups[owner]
+
+    def barrier(self) -> None:
+        self.world.broadcast(torch.zeros(1), 0).wait()
+
+    def send(self, bucket: BucketSpec, buffer: torch.Tensor):
+        return _Pending(self._owner_groups[bucket.owner].broadcast(buffer[: bucket.buffer_bytes], 0), buffer)
+
+    def recv(self, bucket: BucketSpec, buffer: torch.Tensor):
+        return _Pending(self._owner_groups[bucket.owner].broadcast(buffer[: bucket.buffer_bytes], 0), buffer)
+
+    def close(self) -> None:
+        self._owner_groups.clear()
+        self.world = None
+        self._store = None
+
+
+@register_transport("colocated")
+class ColocatedTransport:
+    """Sender and receiver share a process: :meth:`recv` takes the sender's next packed bucket."""
+
+    needs_buffers = False
+
+    def __init__(self):
+        self._stream: Iterator[tuple[BucketSpec, torch.Tensor]] | None = None
+
+    def bind(self, stream: Iterator[tuple[BucketSpec, torch.Tensor]]) -> None:
+        self._stream = stream
+
+    def recv(self, bucket: BucketSpec, buffer: torch.Tensor | None = None):
+        assert self._stream is not None, "bind the sender's stream first"
+        sent, sent_buffer = next(self._stream)
+        assert (sent.owner, sent.index) == (bucket.owner, bucket.index), (sent.index, bucket.index)
+        return _Done(sent_buffer)
+
+    def close(self) -> None:
+        self._stream = None

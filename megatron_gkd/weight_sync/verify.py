@@ -1,0 +1,48 @@
+"""The ``verify`` option: after a sync, vLLM's prompt log-probs must equal the student's own forward."""
+
+from __future__ import annotations
+
+import torch
+
+
+class WeightSyncMismatch(RuntimeError):
+    """vLLM does not compute what the student computes after a sync."""
+
+
+def vllm_prompt_logprobs(llm, prompts) -> torch.Tensor:
+    """Log-probs ``[sum(len(p) - 1)]`` (float64) that vLLM gives each prompt token after the first."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+    values = []
+    for output, prompt in zip(outputs, prompts):
+        for position, entry in enumerate(output.prompt_logprobs[1:], start=1):
+            values.append(entry[prompt[position]].logprob)
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def student_prompt_logprobs(chunks, prompts) -> torch.Tensor | None:
+    """The same log-probs from the Megatron student (collective; the result on the last stage, else ``None``)."""
+    from megatron_gkd.testing.hf_models import megatron_logits
+
+    values = []
+    for prompt in prompts:
+        tokens = torch.tensor([list(prompt)])
+        logits = megatron_logits(chunks, tokens)  # [1, s, v] on the last stage
+        if logits is None:
+            continue
+        logprobs = torch.log_softmax(logits[0, :-1].double(), dim=-1)
+        values.append(logprobs.gather(-1, tokens[0, 1:, None])[:, 0])
+    return torch.cat(values) if values else None
+
+
+def check_prompt_logprobs(got: torch.Tensor, expected: torch.Tensor, tolerance: float, version: int) -> float:
+    """Raises :class:`WeightSyncMismatch` when they differ by more than ``tolerance``; returns the error."""
+    error = (got - expected).abs().max().item()
+    if not error <= tolerance:
+        raise WeightSyncMismatch(
+            f"after weight sync to version {version}, vLLM's prompt log-probs differ from the student's by "
+            f"{error:.3e} (> {tolerance:.1e}): the engine is not running the trained weights"
+        )
+    return error

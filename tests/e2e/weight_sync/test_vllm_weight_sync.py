@@ -1,0 +1,104 @@
+"""Real vLLM: after training steps and a sync, vLLM computes what the Megatron student computes.
+
+For fixed prompts, vLLM's greedy continuation and prompt log-probs after the sync equal those of the
+Megatron student (log-softmax of its logits) and of ``transformers`` loading the ``save_hf`` output,
+within 1e-4 (fp32); each test first checks that vLLM's outputs *changed* from before the sync, so a
+sync that loads nothing fails. The sync runs with ``verify=True`` (the receiver's own check).
+
+Layouts: disaggregated (2 trainer ranks + 1 rollout rank with a TP=1 engine) for training TP=2 then
+PP=2 on one engine, and Qwen3-MoE with EP=2; colocated training TP=2 with a TP=2 engine on the same
+ranks (``external_launcher``), synced without any broadcast.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_gkd.testing.distributed import free_port, run_distributed
+from megatron_gkd.testing.hf_models import make_tiny_checkpoint
+from megatron_gkd.testing.weight_sync import colocated_rank, disaggregated
+from megatron_gkd.weight_sync import WeightSyncConfig
+
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
+
+PROMPTS = [[3, 17, 42, 9, 100, 5, 61, 2], [7, 7, 250, 1, 99]]
+NUM_TOKENS = 4
+TOLERANCE = 1e-4
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+CONFIG = WeightSyncConfig(bucket_size_mb=0.25, verify=True, verify_prompts=tuple(map(tuple, PROMPTS)))
+
+
+def _student_logprobs(logits_per_prompt):
+    values = []
+    for logits, prompt in zip(logits_per_prompt, PROMPTS):
+        logprobs = torch.log_softmax(logits[:-1].double(), dim=-1)
+        values.append(logprobs.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0])
+    return torch.cat(values)
+
+
+def _transformers_outputs(path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    continuations, logits = [], []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            tokens = torch.tensor([prompt])
+            logits.append(model(input_ids=tokens).logits[0])
+            out = model.generate(tokens, max_new_tokens=NUM_TOKENS, do_sample=False, min_new_tokens=NUM_TOKENS)
+            continuations.append(out[0, len(prompt):].tolist())
+    return continuations, _student_logprobs(logits)
+
+
+def _check(before, after, student_logits, saved):
+    (_, logprobs_before), (continuation, logprobs_after) = before, after
+    shift = (logprobs_after - logprobs_before).abs().max().item()
+    assert shift > 1e-2, f"vLLM's prompt log-probs did not change after the sync (max shift {shift:.1e})"
+    student = _student_logprobs(student_logits)
+    error = (logprobs_after - student).abs().max().item()
+    assert error < TOLERANCE, f"vLLM vs Megatron student: max |log-prob error| {error:.2e}"
+    hf_continuation, hf_logprobs = _transformers_outputs(saved)
+    error = (logprobs_after - hf_logprobs).abs().max().item()
+    assert error < TOLERANCE, f"vLLM vs transformers(save_hf): max |log-prob error| {error:.2e}"
+    assert continuation == hf_continuation
+    assert [c[0] for c in continuation] == [int(logits[-1].argmax()) for logits in student_logits]
+
+
+def _disaggregated(tmp_path, runs):
+    return run_distributed(
+        disaggregated, 3, args=(runs, free_port(), 2, 1, CONFIG, PROMPTS, str(tmp_path)),
+        kwargs=dict(num_tokens=NUM_TOKENS), init_process_group=False, timeout=900, env=VLLM_ENV,
+    )
+
+
+def test_dense_tp2_then_pp2_into_a_tp1_engine(tmp_path):
+    llama = make_tiny_checkpoint("LlamaForCausalLM", tmp_path / "llama", seed=5)
+    runs = [
+        dict(layout="tp2", path=llama, port=free_port(), steps=2, engine=llama),
+        # Continues from the TP=2 result, so the PP=2 sync must change the engine again.
+        dict(layout="pp2", path=str(tmp_path / "tp2-saved"), port=free_port(), steps=2, engine=llama),
+    ]
+    trainer0, trainer1, rollout = _disaggregated(tmp_path, runs)
+    for index in range(2):
+        logits = trainer0[index]["logits"] or trainer1[index]["logits"]
+        assert rollout[index]["version"] == 1
+        _check(rollout[index]["before"], rollout[index]["after"], logits, trainer0[index]["saved"])
+
+
+@pytest.mark.slow
+def test_moe_ep2_into_a_tp1_engine(tmp_path):
+    moe = make_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path / "moe", seed=6)
+    runs = [dict(layout="ep2", path=moe, port=free_port(), steps=2, engine=moe)]
+    trainer0, trainer1, rollout = _disaggregated(tmp_path, runs)
+    _check(rollout[0]["before"], rollout[0]["after"], trainer0[0]["logits"], trainer0[0]["saved"])
+
+
+@pytest.mark.slow
+def test_colocated_tp2_into_a_tp2_engine_without_broadcast(tmp_path):
+    llama = make_tiny_checkpoint("LlamaForCausalLM", tmp_path / "llama", seed=7)
+    config = WeightSyncConfig(transport="colocated", bucket_size_mb=0.25, verify=True, verify_prompts=tuple(map(tuple, PROMPTS)))
+    rank0, rank1 = run_distributed(colocated_rank, 2, args=(llama, 2, config, PROMPTS, str(tmp_path)), kwargs=dict(num_tokens=NUM_TOKENS), timeout=900, env=VLLM_ENV)
+    assert rank0["version"] == rank1["version"] == 1
+    assert rank0["after"][0] == rank1["after"][0]
+    _check(rank0["before"], rank0["after"], rank0["logits"], rank0["saved"])
