@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import importlib
 from typing import Any
 
+from megatron_gkd.teacher.registry import LazyRegistry
 from megatron_gkd.teacher.types import ScoreBatch, TeacherOutput
 
 
@@ -64,37 +64,27 @@ class TeacherBackend(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} runs in one process; it has no followers")
 
 
-# name -> "module:Class"; None marks a known name that this build cannot construct.
-_BACKENDS: dict[str, str | None] = {
+_BACKENDS = LazyRegistry("teacher backend", {
     "hf": "megatron_gkd.teacher.backends.hf:HFBackend",
     "vllm": "megatron_gkd.teacher.backends.vllm:VLLMBackend",
     "megatron": "megatron_gkd.teacher.backends.megatron:MegatronBackend",
-}
+})
 
 
 def register_backend(name: str, target: str) -> None:
     """Registers ``"module:Class"`` under ``name`` (plugins: ``--backend-module`` imports them)."""
-    _BACKENDS[name] = target
+    _BACKENDS.register(name, target)
 
 
 def backend_names() -> list[str]:
-    """Registered names, including those not available in this build yet."""
-    return sorted(_BACKENDS)
+    """Registered names."""
+    return _BACKENDS.names()
 
 
 def build_backend(name: str, **kwargs: Any) -> TeacherBackend:
-    """Builds the backend registered as ``name`` with its keyword options.
+    """Builds the implementation registered as ``name`` with its keyword options.
 
     Raises:
-        ValueError: unknown name, or a known backend that is not available in this build yet.
+        ValueError: unknown name (the message lists the registered ones).
     """
-    if name not in _BACKENDS:
-        raise ValueError(f"teacher backend {name!r} is unknown; choose one of {backend_names()}")
-    target = _BACKENDS[name]
-    if target is None:
-        raise ValueError(
-            f"teacher backend {name!r} is not available in this build; choose one of "
-            f"{[n for n, t in _BACKENDS.items() if t]}"
-        )
-    module_name, class_name = target.split(":")
-    return getattr(importlib.import_module(module_name), class_name)(**kwargs)
+    return _BACKENDS.build(name, **kwargs)

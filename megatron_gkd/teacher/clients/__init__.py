@@ -10,10 +10,10 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import dataclasses
-import importlib
 import logging
 from typing import Any
 
+from megatron_gkd.teacher.registry import LazyRegistry
 from megatron_gkd.teacher.types import ScoreBatch, TeacherOutput
 from megatron_gkd.teacher.vocab import VocabAlignment, check_vocab, restrict_to_vocab
 
@@ -120,37 +120,27 @@ class TeacherClient(abc.ABC):
         self.close()
 
 
-# name -> "module:Class"; None marks a known name that this build cannot construct.
-_CLIENTS: dict[str, str | None] = {
+_CLIENTS = LazyRegistry("teacher client", {
     "zmq": "megatron_gkd.teacher.clients.zmq_client:ZmqTeacherClient",
     "openai": "megatron_gkd.teacher.clients.openai_client:OpenAITeacherClient",
     "local": "megatron_gkd.teacher.clients.local:LocalTeacherClient",
-}
+})
 
 
 def register_client(name: str, target: str) -> None:
-    """Registers ``"module:Class"`` under ``name`` (the ``local`` client plugs in here)."""
-    _CLIENTS[name] = target
+    """Registers ``"module:Class"`` under ``name`` (plugins add clients this way)."""
+    _CLIENTS.register(name, target)
 
 
 def client_names() -> list[str]:
-    """Registered names, including those not available in this build yet."""
-    return sorted(_CLIENTS)
+    """Registered names."""
+    return _CLIENTS.names()
 
 
 def build_client(name: str, **kwargs: Any) -> TeacherClient:
-    """Builds the client registered as ``name``.
+    """Builds the implementation registered as ``name`` with its keyword options.
 
     Raises:
-        ValueError: unknown name, or a client not available in this build yet.
+        ValueError: unknown name (the message lists the registered ones).
     """
-    if name not in _CLIENTS:
-        raise ValueError(f"teacher client {name!r} is unknown; choose one of {client_names()}")
-    target = _CLIENTS[name]
-    if target is None:
-        raise ValueError(
-            f"teacher client {name!r} is not available in this build; choose one of "
-            f"{[n for n, t in _CLIENTS.items() if t]}"
-        )
-    module_name, class_name = target.split(":")
-    return getattr(importlib.import_module(module_name), class_name)(**kwargs)
+    return _CLIENTS.build(name, **kwargs)
