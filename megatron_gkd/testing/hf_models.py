@@ -195,3 +195,15 @@ def megatron_logits(chunks, tokens: torch.Tensor) -> torch.Tensor | None:
     # [1, s, v/tp] per micro-batch
     local = torch.cat([entry["logits"] for entry in outputs], dim=0)
     return gather_tp(local, -1, mpu.get_tensor_model_parallel_group())
+
+
+def read_safetensors_dir(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of every ``*.safetensors`` file in ``path`` (round-trip checks compare these)."""
+    from safetensors import safe_open
+
+    tensors = {}
+    for file in sorted(os.listdir(path)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(path, file), framework="pt") as handle:
+                tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return tensors

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_gkd.testing.distributed import run_distributed
-from megatron_gkd.testing.hf_models import TINY_CONFIGS, hf_logits, megatron_logits
+from megatron_gkd.testing.hf_models import TINY_CONFIGS, hf_logits, megatron_logits, read_safetensors_dir
 
 pytestmark = pytest.mark.distributed
 
@@ -102,17 +102,6 @@ def runs(checkpoints, tmp_path_factory):
     return run
 
 
-def _read_all(path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    tensors = {}
-    for file in sorted(os.listdir(path)):
-        if file.endswith(".safetensors"):
-            with safe_open(os.path.join(path, file), framework="pt") as handle:
-                tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
-    return tensors
-
-
 def _check_logits(world_size, checkpoints, runs):
     _, _, references = checkpoints
     seen = set()
@@ -129,7 +118,7 @@ def _check_logits(world_size, checkpoints, runs):
 def _check_round_trip(world_size, checkpoints, runs):
     paths, _, _ = checkpoints
     for layout_name, variant, _, out in runs(world_size)[0]:
-        original, saved = _read_all(paths[variant]), _read_all(out)
+        original, saved = read_safetensors_dir(paths[variant]), read_safetensors_dir(out)
         assert sorted(saved) == sorted(original), f"{variant} at {layout_name}: tensor names differ"
         for name, tensor in original.items():
             assert saved[name].dtype == tensor.dtype, f"{variant} at {layout_name}: {name} dtype"

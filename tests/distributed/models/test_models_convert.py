@@ -15,7 +15,7 @@ import torch
 
 from megatron_gkd import platform
 from megatron_gkd.testing.distributed import free_port
-from megatron_gkd.testing.hf_models import make_tiny_checkpoint
+from megatron_gkd.testing.hf_models import make_tiny_checkpoint, read_safetensors_dir
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -30,24 +30,13 @@ def _torchrun(num_processes: int, *args: str) -> None:
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
 
-def _read_all(path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    tensors = {}
-    for file in sorted(os.listdir(path)):
-        if file.endswith(".safetensors"):
-            with safe_open(os.path.join(path, file), framework="pt") as handle:
-                tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
-    return tensors
-
-
 def test_hf_to_mcore_to_hf_under_torchrun_reproduces_every_tensor(tmp_path):
     source = make_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path / "hf")
     mcore, back = tmp_path / "mcore", tmp_path / "back"
     _torchrun(2, "hf-to-mcore", "--hf", source, "--out", str(mcore), "--tensor-model-parallel-size", "2")
     assert (mcore / "metadata.json").is_file() and (mcore / "hf" / "config.json").is_file()
     _torchrun(2, "mcore-to-hf", "--mcore", str(mcore), "--out", str(back), "--expert-model-parallel-size", "2")
-    original, converted = _read_all(source), _read_all(back)
+    original, converted = read_safetensors_dir(source), read_safetensors_dir(back)
     assert sorted(converted) == sorted(original)
     for name, tensor in original.items():
         assert converted[name].dtype == tensor.dtype and torch.equal(converted[name], tensor), name

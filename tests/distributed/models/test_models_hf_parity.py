@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_gkd.testing.distributed import run_distributed
-from megatron_gkd.testing.hf_models import hf_logits, make_tiny_checkpoint, megatron_logits
+from megatron_gkd.testing.hf_models import hf_logits, make_tiny_checkpoint, megatron_logits, read_safetensors_dir
 
 pytestmark = pytest.mark.distributed
 
@@ -109,17 +109,6 @@ def runs(checkpoints, tmp_path_factory):
     return run
 
 
-def _read_all(path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    tensors = {}
-    for file in sorted(os.listdir(path)):
-        if file.endswith(".safetensors"):
-            with safe_open(os.path.join(path, file), framework="pt") as handle:
-                tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
-    return tensors
-
-
 @pytest.mark.parametrize("world_size", sorted(LAYOUTS))
 def test_logits_match_transformers(world_size, checkpoints, runs):
     _, _, references = checkpoints
@@ -141,7 +130,7 @@ def test_round_trip_is_bit_exact(world_size, checkpoints, runs):
     (rank0, *_) = runs(world_size)
     assert rank0, "no layout ran"
     for layout_name, arch, _, out in rank0:
-        original, saved = _read_all(paths[arch]), _read_all(out)
+        original, saved = read_safetensors_dir(paths[arch]), read_safetensors_dir(out)
         for name in os.listdir(paths[arch]):
             if name.startswith("tokenizer"):
                 with open(os.path.join(paths[arch], name)) as a, open(os.path.join(out, name)) as b:

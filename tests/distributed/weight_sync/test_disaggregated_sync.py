@@ -14,26 +14,13 @@ import pytest
 import torch
 
 from megatron_gkd.testing.distributed import free_port, run_distributed
-from megatron_gkd.testing.hf_models import make_tiny_checkpoint
+from megatron_gkd.testing.hf_models import make_tiny_checkpoint, read_safetensors_dir
 from megatron_gkd.testing.weight_sync import disaggregated
 from megatron_gkd.weight_sync import WeightSyncConfig, WeightSyncPlan
 
 pytestmark = pytest.mark.distributed
 
 PROMPTS = [[3, 17, 42, 9, 100, 5], [7, 7, 250, 1]]
-
-
-def _read_all(path) -> dict[str, torch.Tensor]:
-    import os
-
-    from safetensors import safe_open
-
-    tensors = {}
-    for file in sorted(os.listdir(path)):
-        if file.endswith(".safetensors"):
-            with safe_open(os.path.join(path, file), framework="pt") as handle:
-                tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
-    return tensors
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +49,7 @@ def test_rollout_receives_exactly_the_trained_weights(synced, index, layout):
     assert sent["layout"] == received["layout"] == layout
     assert sent["digest"] == other["digest"] == received["digest"]
     assert received["version"] == 1 and received["num_buckets"] > 3
-    saved, original = _read_all(sent["saved"]), _read_all(runs[index]["path"])
+    saved, original = read_safetensors_dir(sent["saved"]), read_safetensors_dir(runs[index]["path"])
     assert sorted(received["weights"]) == sorted(saved) == sorted(original)
     changed = 0
     for name, tensor in saved.items():
