@@ -47,15 +47,25 @@ def owner_shard_rank(hf_name: str, size: int) -> int:
     return zlib.crc32(hf_name.encode()) % size
 
 
-def _is_owner(hf_name: str, is_expert: bool, shard_rank: int, size: int) -> bool:
-    """One rank per tensor yields it: its owner shard rank in the first data-parallel replica."""
+def _is_first_replica(is_expert: bool) -> bool:
     from megatron.core import parallel_state as mpu
 
-    if shard_rank != owner_shard_rank(hf_name, size):
-        return False
     if is_expert:
         return mpu.get_expert_data_parallel_rank() == 0
     return mpu.get_data_parallel_rank(with_context_parallel=True) == 0
+
+
+def _is_owner(hf_name: str, is_expert: bool, shard_rank: int, size: int) -> bool:
+    """One rank per tensor yields it: its owner shard rank in the first data-parallel replica."""
+    return shard_rank == owner_shard_rank(hf_name, size) and _is_first_replica(is_expert)
+
+
+def holds_shard(hf_name: str, is_expert: bool, tp_dim: int | None, shard_rank: int, size: int) -> bool:
+    """Whether :func:`export_hf_shards` yields this rank's slice of ``hf_name``: every rank of the
+    splitting group in the first replica for a split tensor, the owner alone for a replicated one."""
+    if tp_dim is None or size == 1:
+        return _is_owner(hf_name, is_expert, shard_rank, size)
+    return _is_first_replica(is_expert)
 
 
 def export_hf_weights(modules, *, owner_only: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -86,6 +96,25 @@ def export_hf_weights(modules, *, owner_only: bool = True) -> Iterator[tuple[str
             for hf_name, value in zip(rule.hf_names(fields), full):
                 if not owner_only or _is_owner(hf_name, rule.is_expert, rank, size):
                     yield hf_name, value
+
+
+def export_hf_shards(modules) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """``(hf_name, shard, slice)`` for this rank's slice of every HF tensor it holds; no communication.
+
+    The full tensor is the concatenation of slices ``0..size-1`` along the rule's TP dimension (what
+    :func:`export_hf_weights` all-gathers); a tensor that is not split is yielded whole, as shard 0,
+    by its owner only (:func:`holds_shard`). Slices may be views of the parameters.
+    """
+    for chunk in modules:
+        model = unwrap(chunk)
+        for _, tensor, rule, fields in mapped_tensors(model, model.hf_model_info.rules):
+            if not rule.export:
+                continue
+            _, rank, size = shard_coordinates(rule)
+            slices = rule.to_hf(tensor.detach())
+            for hf_name, piece, dim in zip(rule.hf_names(fields), slices, rule.tp_dims):
+                if holds_shard(hf_name, rule.is_expert, dim, rank, size):
+                    yield hf_name, (rank if dim is not None and size > 1 else 0), piece
 
 
 def save_hf(

@@ -18,7 +18,7 @@ LAYOUTS = {
     "tp2": dict(tensor_model_parallel_size=2),
     "pp2": dict(pipeline_model_parallel_size=2),
     "ep2": dict(expert_model_parallel_size=2),
-    "tp1": dict(),
+    "dp2": dict(),  # data parallel 2
 }
 SEQ_LENGTH = 16
 

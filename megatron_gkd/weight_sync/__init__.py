@@ -20,7 +20,7 @@ Colocated (the trainer rank holds the engine): :func:`colocated_sync`, no broadc
 
 from __future__ import annotations
 
-from megatron_gkd.weight_sync.buckets import BucketSpec, ChecksumMismatch, layout_buckets
+from megatron_gkd.weight_sync.buckets import BucketSpec, ChecksumMismatch, PartSpec, layout_buckets
 from megatron_gkd.weight_sync.config import WeightSyncConfig
 from megatron_gkd.weight_sync.plan import TensorSpec, WeightSyncPlan, build_plan
 from megatron_gkd.weight_sync.receiver import WeightReceiver, reload_vllm_weights
@@ -32,13 +32,13 @@ from megatron_gkd.weight_sync.verify import WeightSyncMismatch, check_prompt_log
 def connect_trainer(plan: WeightSyncPlan, transport) -> None:
     """Trainer ranks: send the plan to the rollout ranks (from trainer rank 0) and build the groups."""
     transport.share_text(plan.to_json() if transport.rank == 0 else None, src=0)
-    transport.connect(plan.owners)
+    transport.connect(plan.senders)
 
 
 def connect_rollout(transport) -> WeightSyncPlan:
     """Rollout ranks: the plan (once) and the groups."""
     plan = WeightSyncPlan.from_json(transport.share_text(None, src=0))
-    transport.connect(plan.owners)
+    transport.connect(plan.senders)
     return plan
 
 
@@ -79,6 +79,7 @@ def colocated_sync(chunks, llm, plan: WeightSyncPlan, config: WeightSyncConfig, 
 
 __all__ = [
     "BucketSpec",
+    "PartSpec",
     "ChecksumMismatch",
     "ColocatedTransport",
     "TRANSPORTS",

@@ -1,14 +1,17 @@
-"""Fixed-size buckets: plan entries packed into flat byte buffers, with a checksum trailer.
+"""Fixed-size buckets: plan tensors packed into flat byte buffers, one part per sending rank.
 
-:func:`layout_buckets` cuts the plan into buckets per owner rank, in plan order, each at most
-``bucket_bytes`` of payload (a larger tensor travels alone). It is a pure function of the plan, so
-senders and receivers agree on it without talking. A bucket is *ready* when its owner's exporter
-has yielded its last tensor; buckets are exchanged in the order of their ready position, which every
-rank of a pipeline stage reaches together (the exporter's gathers are collectives), so a sender
-blocked on a bucket never waits for a peer that waits for the receiver.
+:func:`layout_buckets` cuts the plan, in plan order, into buckets of at most ``bucket_bytes`` of
+payload (a larger tensor travels alone). It is a pure function of the plan, so senders and receivers
+agree on it without talking. In the *sharded* layout (the distributed transport) each tensor-parallel
+slice of a tensor comes from the rank that holds it, so a bucket has one **part** per sending rank:
+every sender packs and sends only its own slices, nobody all-gathers, and the receiver lays the parts
+side by side in one bucket buffer and concatenates the slices of each tensor as it copies them out.
+The unsharded layout (colocated: the gathering exporter yields whole tensors on one rank) has whole
+tensors, grouped into parts by their owner.
 
-A bucket buffer is ``[payload | checksum int64 | version int64]``. Tensors start at 16-byte aligned
-offsets so every dtype can be viewed in place.
+A part is ``[payload | checksum int64 | version int64]``; parts start at 16-byte aligned offsets of
+the bucket buffer and slices at 16-byte aligned offsets of their part, so every dtype can be viewed
+in place.
 """
 
 from __future__ import annotations
@@ -30,56 +33,102 @@ def _aligned(num_bytes: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class BucketSpec:
-    """One bucket: its owner, the entries it carries and where they lie in the payload."""
+class PartSpec:
+    """One sender's share of a bucket: its slices packed back to back, then the trailer.
+
+    ``slices[i] = (entry index in the bucket, shard index)`` lies at ``offsets[i]`` of the part; the
+    part lies at ``start`` of the bucket buffer.
+    """
 
     owner: int
-    index: int
-    entries: tuple[TensorSpec, ...]
+    slices: tuple[tuple[int, int], ...]
     offsets: tuple[int, ...]
     payload_bytes: int
-
-    @property
-    def ready_position(self) -> int:
-        return self.entries[-1].position
-
-    @property
-    def pp_rank(self) -> int:
-        return self.entries[-1].pp_rank
+    start: int
 
     @property
     def buffer_bytes(self) -> int:
         return self.payload_bytes + TRAILER_BYTES
 
+    def region(self, bucket_buffer: torch.Tensor) -> torch.Tensor:
+        """This part's bytes inside a bucket buffer."""
+        return bucket_buffer[self.start : self.start + self.buffer_bytes]
 
-def layout_buckets(plan: WeightSyncPlan, bucket_bytes: int) -> list[BucketSpec]:
-    """Buckets of every owner, in exchange order (ready position, stage, owner)."""
+
+@dataclasses.dataclass(frozen=True)
+class BucketSpec:
+    """One bucket: the plan tensors it carries and the part of each sender."""
+
+    index: int
+    entries: tuple[TensorSpec, ...]
+    parts: tuple[PartSpec, ...]
+    sharded: bool = True
+
+    @property
+    def buffer_bytes(self) -> int:
+        last = self.parts[-1]
+        return last.start + last.buffer_bytes
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(entry.num_bytes for entry in self.entries)
+
+    def part_of(self, owner: int) -> PartSpec | None:
+        return next((part for part in self.parts if part.owner == owner), None)
+
+    def slice_shape(self, entry: TensorSpec) -> tuple[int, ...]:
+        return entry.shard_shape if self.sharded else entry.shape
+
+    def slice_key(self, entry_index: int, shard: int) -> tuple[str, int]:
+        return self.entries[entry_index].name, shard
+
+
+def _slice_bytes(entry: TensorSpec, sharded: bool) -> int:
+    return entry.num_bytes // entry.num_shards if sharded else entry.num_bytes
+
+
+def _make_bucket(index: int, entries: list[TensorSpec], sharded: bool) -> BucketSpec:
+    by_owner: dict[int, list[tuple[int, int]]] = {}
+    for i, entry in enumerate(entries):
+        holders = entry.shards if sharded else (entry.owner,)
+        for shard, owner in enumerate(holders):
+            by_owner.setdefault(owner, []).append((i, shard))
+    parts, start = [], 0
+    for owner in sorted(by_owner):
+        offsets, offset = [], 0
+        for i, _ in by_owner[owner]:
+            offsets.append(offset)
+            offset += _aligned(_slice_bytes(entries[i], sharded))
+        part = PartSpec(owner, tuple(by_owner[owner]), tuple(offsets), offset, start)
+        parts.append(part)
+        start += _aligned(part.buffer_bytes)
+    return BucketSpec(index, tuple(entries), tuple(parts), sharded)
+
+
+def layout_buckets(plan: WeightSyncPlan, bucket_bytes: int, *, sharded: bool = True) -> list[BucketSpec]:
+    """The plan's buckets in exchange order (plan order).
+
+    Args:
+        sharded: slices come from the ranks in each entry's ``shards`` (distributed transport); else
+            whole tensors from each entry's ``owner`` (colocated, after the exporter's gathers).
+    """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    open_buckets: dict[int, list[TensorSpec]] = {}
-    open_bytes: dict[int, int] = {}
-    closed: list[BucketSpec] = []
-    counts: dict[int, int] = {}
-
-    def close(owner: int) -> None:
-        entries = open_buckets.pop(owner)
-        open_bytes.pop(owner)
-        offsets, offset = [], 0
-        for entry in entries:
-            offsets.append(offset)
-            offset += _aligned(entry.num_bytes)
-        closed.append(BucketSpec(owner, counts.get(owner, 0), tuple(entries), tuple(offsets), offset))
-        counts[owner] = counts.get(owner, 0) + 1
-
+    if sharded and any(not entry.shards for entry in plan.entries):
+        raise ValueError("this plan records no slice holders (built before sharded sync?); rebuild it with build_plan")
+    buckets: list[BucketSpec] = []
+    current: list[TensorSpec] = []
+    current_bytes = 0
     for entry in plan.entries:
         size = _aligned(entry.num_bytes)
-        if entry.owner in open_buckets and open_bytes[entry.owner] + size > bucket_bytes:
-            close(entry.owner)
-        open_buckets.setdefault(entry.owner, []).append(entry)
-        open_bytes[entry.owner] = open_bytes.get(entry.owner, 0) + size
-    for owner in list(open_buckets):
-        close(owner)
-    return sorted(closed, key=lambda b: (b.ready_position, b.pp_rank, b.owner, b.index))
+        if current and current_bytes + size > bucket_bytes:
+            buckets.append(_make_bucket(len(buckets), current, sharded))
+            current, current_bytes = [], 0
+        current.append(entry)
+        current_bytes += size
+    if current:
+        buckets.append(_make_bucket(len(buckets), current, sharded))
+    return buckets
 
 
 # --- checksums (registry by name) ------------------------------------------------------------------
@@ -110,68 +159,112 @@ def allocate(num_bytes: int, device=None) -> torch.Tensor:
     return torch.empty(num_bytes, dtype=torch.uint8, device=device)
 
 
-def pack(bucket: BucketSpec, tensors: dict[str, torch.Tensor], buffer: torch.Tensor, version: int, checksum: str) -> None:
-    """Copies the bucket's tensors into ``buffer`` and writes the trailer."""
-    for entry, offset in zip(bucket.entries, bucket.offsets):
-        tensor = tensors[entry.name]
-        assert tuple(tensor.shape) == entry.shape, (entry.name, tuple(tensor.shape), entry.shape)
-        target = buffer[offset : offset + entry.num_bytes].view(entry.torch_dtype).view(entry.shape)
-        target.copy_(tensor)
-    payload = buffer[: bucket.payload_bytes]
-    trailer = buffer[bucket.payload_bytes : bucket.buffer_bytes].view(torch.int64)
-    trailer[0] = CHECKSUMS[checksum](payload.cpu())
+def pack(bucket: BucketSpec, part: PartSpec, tensors: dict[tuple[str, int], torch.Tensor], region: torch.Tensor, version: int, checksum: str) -> None:
+    """Copies ``part``'s slices (``tensors[(name, shard)]``) into ``region`` and writes the trailer."""
+    for (i, shard), offset in zip(part.slices, part.offsets):
+        entry = bucket.entries[i]
+        shape = bucket.slice_shape(entry)
+        tensor = tensors[entry.name, shard]
+        assert tuple(tensor.shape) == shape, (entry.name, shard, tuple(tensor.shape), shape)
+        num_bytes = _slice_bytes(entry, bucket.sharded)
+        region[offset : offset + num_bytes].view(entry.torch_dtype).view(shape).copy_(tensor)
+    trailer = region[part.payload_bytes : part.buffer_bytes].view(torch.int64)
+    trailer[0] = CHECKSUMS[checksum](region[: part.payload_bytes].cpu())
     trailer[1] = version
 
 
+def sent_version(bucket: BucketSpec, buffer: torch.Tensor) -> int:
+    """The weight version written in the first part of a received bucket."""
+    part = bucket.parts[0]
+    return int(part.region(buffer)[part.payload_bytes :].view(torch.int64)[1])
+
+
 def unpack(bucket: BucketSpec, buffer: torch.Tensor, checksum: str, version: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Verifies the trailer and yields ``(name, tensor)`` copies (never views into ``buffer``).
+    """Verifies every part's trailer and yields ``(name, full tensor)`` in bucket order: new tensors
+    (the slices concatenated along ``tp_dim``, or a copy), never views into ``buffer``.
 
     Raises:
         ChecksumMismatch: wrong checksum, or a version other than ``version``.
     """
-    payload = buffer[: bucket.payload_bytes]
-    sent_checksum, sent_version = buffer[bucket.payload_bytes : bucket.buffer_bytes].view(torch.int64).tolist()
-    got = CHECKSUMS[checksum](payload.cpu())
-    if got != sent_checksum:
-        raise ChecksumMismatch(
-            f"bucket {bucket.index} of rank {bucket.owner} ({len(bucket.entries)} tensors, first "
-            f"{bucket.entries[0].name}): checksum {got} != sent {sent_checksum}"
-        )
-    if version is not None and sent_version != version:
-        raise ChecksumMismatch(f"bucket {bucket.index} of rank {bucket.owner} carries version {sent_version}, expected {version}")
-    for entry, offset in zip(bucket.entries, bucket.offsets):
-        view = buffer[offset : offset + entry.num_bytes].view(entry.torch_dtype).view(entry.shape)
-        yield entry.name, view.clone()
+    views: dict[tuple[int, int], torch.Tensor] = {}
+    for part in bucket.parts:
+        region = part.region(buffer)
+        sent_sum, sent = region[part.payload_bytes :].view(torch.int64).tolist()
+        got = CHECKSUMS[checksum](region[: part.payload_bytes].cpu())
+        if got != sent_sum:
+            first = bucket.entries[part.slices[0][0]].name
+            raise ChecksumMismatch(
+                f"bucket {bucket.index}, part of rank {part.owner} ({len(part.slices)} slices, first {first}): "
+                f"checksum {got} != sent {sent_sum}"
+            )
+        if version is not None and sent != version:
+            raise ChecksumMismatch(f"bucket {bucket.index}, part of rank {part.owner} carries version {sent}, expected {version}")
+        for (i, shard), offset in zip(part.slices, part.offsets):
+            entry = bucket.entries[i]
+            num_bytes = _slice_bytes(entry, bucket.sharded)
+            views[i, shard] = region[offset : offset + num_bytes].view(entry.torch_dtype).view(bucket.slice_shape(entry))
+    for i, entry in enumerate(bucket.entries):
+        count = entry.num_shards if bucket.sharded else 1
+        if count == 1:
+            yield entry.name, views[i, 0].clone()
+        else:
+            yield entry.name, torch.cat([views[i, shard] for shard in range(count)], dim=entry.tp_dim)
 
 
 def pack_stream(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    buckets: list[BucketSpec],
+    slices: Iterable[tuple[str, int, torch.Tensor]],
+    work: list[tuple[BucketSpec, PartSpec]],
     buffers: list[torch.Tensor],
     version: int,
     checksum: str,
     before_reuse: Callable[[int], None],
-) -> Iterator[tuple[BucketSpec, int]]:
-    """Packs this rank's ``buckets`` (exchange order) from the exporter's stream.
+    *,
+    whole_buckets: bool = False,
+) -> Iterator[tuple[BucketSpec, PartSpec | None, int]]:
+    """Packs this rank's parts (exchange order) from the exporter's ``(name, shard, tensor)`` stream.
 
-    Yields ``(bucket, slot)`` once ``buffers[slot]`` holds the bucket; slots rotate, and
-    ``before_reuse(slot)`` is called before a slot is written again (wait for its send there).
+    Yields ``(bucket, part, slot)`` once ``buffers[slot]`` holds the part (at offset 0); slots rotate,
+    and ``before_reuse(slot)`` is called before a slot is written again (wait for its send there).
+    With ``whole_buckets`` (colocated: this rank holds every slice), ``work`` lists every part of every
+    bucket and each bucket is yielded once, as ``(bucket, None, slot)``, with its parts at their
+    ``start``.
     """
-    pending: dict[str, torch.Tensor] = {}
-    remaining = iter(buckets)
+    pending: dict[tuple[str, int], torch.Tensor] = {}
+    groups = _group_by_bucket(work) if whole_buckets else [(bucket, [part]) for bucket, part in work]
+    remaining = iter(groups)
     current = next(remaining, None)
     count = 0
-    for name, tensor in named_tensors:
-        pending[name] = tensor
-        while current is not None and all(entry.name in pending for entry in current.entries):
+
+    def complete(bucket, parts):
+        return all(bucket.slice_key(i, shard) in pending for part in parts for i, shard in part.slices)
+
+    for name, shard, tensor in slices:
+        pending[name, shard] = tensor
+        while current is not None and complete(*current):
+            bucket, parts = current
             slot = count % len(buffers)
             before_reuse(slot)
-            pack(current, pending, buffers[slot], version, checksum)
-            for entry in current.entries:
-                del pending[entry.name]
-            yield current, slot
+            for part in parts:
+                region = part.region(buffers[slot]) if whole_buckets else buffers[slot][: part.buffer_bytes]
+                pack(bucket, part, pending, region, version, checksum)
+                for i, shard_index in part.slices:
+                    del pending[bucket.slice_key(i, shard_index)]
+            yield bucket, (None if whole_buckets else parts[0]), slot
             count += 1
             current = next(remaining, None)
     if current is not None or pending:
-        missing = [] if current is None else [e.name for e in current.entries if e.name not in pending]
-        raise RuntimeError(f"exporter stream ended before bucket {current and current.index} was complete (missing {missing[:5]}); unplanned tensors {sorted(pending)[:5]}")
+        missing = [] if current is None else [current[0].slice_key(i, s) for p in current[1] for i, s in p.slices if current[0].slice_key(i, s) not in pending]
+        raise RuntimeError(
+            f"exporter stream ended before bucket {current and current[0].index} was complete (missing {missing[:5]}); "
+            f"unplanned slices {sorted(pending)[:5]}"
+        )
+
+
+def _group_by_bucket(work: list[tuple[BucketSpec, PartSpec]]) -> list[tuple[BucketSpec, list[PartSpec]]]:
+    groups: list[tuple[BucketSpec, list[PartSpec]]] = []
+    for bucket, part in work:
+        if groups and groups[-1][0] is bucket:
+            groups[-1][1].append(part)
+        else:
+            groups.append((bucket, [part]))
+    return groups

@@ -43,7 +43,9 @@ class TensorSpec:
         part: index of this tensor among the HF tensors of its rule (q/k/v, gate/up).
         fusion: the rule's fusion, ``{"type": class name, **parameters}``.
         position: index in the exporter's walk on the owner rank (the same on every rank of a stage).
-        owner: global trainer rank that yields (and sends) it.
+        owner: global trainer rank on which the gathering exporter yields it whole (colocated sync).
+        shards: global trainer rank that holds (and sends) each slice along ``tp_dim``, in order; one
+            rank for a tensor that is not split (its owner).
     """
 
     name: str
@@ -59,6 +61,20 @@ class TensorSpec:
     fusion: dict
     position: int
     owner: int
+    shards: tuple[int, ...] = ()
+
+    @property
+    def num_shards(self) -> int:
+        return max(len(self.shards), 1)
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        """Shape of one slice (the full shape for a tensor that is not split)."""
+        if self.num_shards == 1:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.tp_dim] //= self.num_shards
+        return tuple(shape)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -92,7 +108,7 @@ class WeightSyncPlan:
     def from_json(cls, text: str) -> "WeightSyncPlan":
         data = json.loads(text)
         entries = tuple(
-            TensorSpec(**{**entry, "shape": tuple(entry["shape"])}) for entry in data["entries"]
+            TensorSpec(**{**entry, "shape": tuple(entry["shape"]), "shards": tuple(entry["shards"])}) for entry in data["entries"]
         )
         return cls(entries=entries, trainer_world_size=data["trainer_world_size"], logits_rank=data["logits_rank"])
 
@@ -106,7 +122,13 @@ class WeightSyncPlan:
 
     @property
     def owners(self) -> list[int]:
+        """Ranks on which the gathering exporter yields whole tensors."""
         return sorted({entry.owner for entry in self.entries})
+
+    @property
+    def senders(self) -> list[int]:
+        """Ranks that send slices in the distributed layout."""
+        return sorted({rank for entry in self.entries for rank in entry.shards})
 
 
 def _fusion_description(fusion) -> dict:
@@ -120,7 +142,7 @@ def local_entries(chunks) -> list[dict]:
     """
     from megatron.core import parallel_state as mpu
 
-    from megatron_gkd.models.export import _is_owner
+    from megatron_gkd.models.export import _is_owner, holds_shard
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     pp_rank = mpu.get_pipeline_model_parallel_rank()
@@ -137,6 +159,8 @@ def local_entries(chunks) -> list[dict]:
                 if dim is not None and size > 1:
                     shape[dim] *= size
                 owns = _is_owner(hf_name, rule.is_expert, shard_rank, size)
+                split = dim is not None and size > 1
+                holds = holds_shard(hf_name, rule.is_expert, dim, shard_rank, size)
                 entries.append(
                     dict(
                         name=hf_name,
@@ -152,6 +176,7 @@ def local_entries(chunks) -> list[dict]:
                         fusion=_fusion_description(rule.fusion),
                         position=position,
                         owner=rank if owns else -1,
+                        shard=(shard_rank if split else 0) if holds else -1,
                     )
                 )
                 position += 1
@@ -177,10 +202,17 @@ def build_plan(chunks, group: dist.ProcessGroup | None = None) -> WeightSyncPlan
     logits_rank = min(rank for rank, (_, flag) in enumerate(gathered) if flag)
     gathered = [rank_entries for rank_entries, _ in gathered]
     owned: dict[str, dict] = {}
+    shards: dict[str, dict[int, int]] = {}
     seen: set[str] = set()
-    for rank_entries in gathered:
+    for rank, rank_entries in enumerate(gathered):
         for entry in rank_entries:
             seen.add(entry["name"])
+            shard = entry.pop("shard")
+            if shard >= 0:
+                holders = shards.setdefault(entry["name"], {})
+                if shard in holders:
+                    raise RuntimeError(f"weight sync plan: slice {shard} of {entry['name']} is held by ranks {holders[shard]} and {rank}")
+                holders[shard] = rank
             if entry["owner"] < 0:
                 continue
             if entry["name"] in owned:
@@ -188,6 +220,12 @@ def build_plan(chunks, group: dist.ProcessGroup | None = None) -> WeightSyncPlan
             owned[entry["name"]] = entry
     if missing := sorted(seen - set(owned)):
         raise RuntimeError(f"weight sync plan: no rank owns {missing[:5]} ({len(missing)} tensors)")
+    for name, entry in owned.items():
+        split = entry["tp_dim"] is not None and entry["tp_size"] > 1
+        expected = list(range(entry["tp_size"] if split else 1))
+        if sorted(shards.get(name, {})) != expected:
+            raise RuntimeError(f"weight sync plan: {name} has slices {sorted(shards.get(name, {}))} held, expected {expected}")
+        entry["shards"] = tuple(shards[name][i] for i in expected)
     # Exporter order on each owner; across owners by position, so that buckets complete in an order
     # that every rank of a stage reaches together (see buckets.layout_buckets).
     ordered = sorted(owned.values(), key=lambda e: (e["position"], e["pp_rank"], e["owner"]))

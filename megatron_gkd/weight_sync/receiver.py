@@ -8,7 +8,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from megatron_gkd.weight_sync.buckets import BucketSpec, ChecksumMismatch, allocate, layout_buckets, unpack
+from megatron_gkd.weight_sync.buckets import BucketSpec, ChecksumMismatch, allocate, layout_buckets, sent_version, unpack
 from megatron_gkd.weight_sync.config import WeightSyncConfig
 from megatron_gkd.weight_sync.plan import WeightSyncPlan
 from megatron_gkd.weight_sync.verify import check_prompt_logprobs, vllm_prompt_logprobs
@@ -65,7 +65,8 @@ class WeightReceiver:
 
     Args:
         plan: the trainer's plan (from the handshake).
-        transport: ``recv(bucket, buffer)`` returns a waitable with the bytes in ``.buffer``.
+        transport: ``recv(bucket, buffer)`` returns a waitable with the bucket's bytes in ``.buffer``
+            (every sender's part at its ``start``).
         config: bucket size, buffers, checksum, verify.
     """
 
@@ -73,10 +74,10 @@ class WeightReceiver:
         self.plan = plan
         self.transport = transport
         self.config = config
-        self.buckets: list[BucketSpec] = layout_buckets(plan, config.bucket_bytes)
-        largest = max(b.buffer_bytes for b in self.buckets)
-        # A colocated transport hands over the sender's own buffers.
+        # A colocated transport hands over the sender's own buffers, packed from whole tensors.
         needs_buffers = getattr(transport, "needs_buffers", True)
+        self.buckets: list[BucketSpec] = layout_buckets(plan, config.bucket_bytes, sharded=needs_buffers)
+        largest = max(b.buffer_bytes for b in self.buckets)
         self.buffers = [allocate(largest) for _ in range(config.num_buffers)] if needs_buffers else [None]
         self.version = 0
         self.last_sync_s = 0.0
@@ -97,9 +98,8 @@ class WeightReceiver:
             last = i + 1 == len(self.buckets)
             if prefetch and not last:
                 pending = self.transport.recv(self.buckets[i + 1], buffers[(i + 1) % len(buffers)])
-            sent_version = int(current.buffer[bucket.payload_bytes : bucket.buffer_bytes].view(torch.int64)[1])
             if incoming is None:
-                incoming = sent_version
+                incoming = sent_version(bucket, current.buffer)
                 if incoming <= self.version:
                     raise ChecksumMismatch(f"received weight version {incoming}, not newer than {self.version}")
             yield from unpack(bucket, current.buffer, self.config.checksum, version=incoming)

@@ -1,4 +1,4 @@
-"""Trainer side: gather shards into HF tensors, pack them into buckets, hand the buckets on."""
+"""Trainer side: each rank packs the slices it holds into its parts of the buckets and sends them."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_gkd.models import export_hf_weights
-from megatron_gkd.weight_sync.buckets import BucketSpec, allocate, layout_buckets, pack_stream
+from megatron_gkd.models import export_hf_shards, export_hf_weights
+from megatron_gkd.weight_sync.buckets import BucketSpec, PartSpec, allocate, layout_buckets, pack_stream
 from megatron_gkd.weight_sync.config import WeightSyncConfig
 from megatron_gkd.weight_sync.plan import WeightSyncPlan
 
@@ -18,19 +18,21 @@ logger = logging.getLogger(__name__)
 
 
 class WeightSender:
-    """Packs this rank's share of the plan into buckets, once per sync.
+    """Packs this rank's share of the plan into bucket parts, once per sync.
 
-    Every trainer rank calls :meth:`sync` (or iterates :meth:`packed`) each time: the exporter's TP
-    and expert-TP gathers are collectives even on ranks that own nothing.
+    Distributed layout: every rank of the first data-parallel replica sends the tensor-parallel slices
+    it holds (its parts of the buckets); there are no gathers, so ranks proceed independently and a
+    rank that holds nothing returns at once. Colocated layout (``owns_all``): the gathering exporter
+    leaves every tensor on every rank (collectives: every trainer rank must iterate it), and this rank
+    packs whole buckets for the in-process receiver.
 
     Args:
         plan: the plan of the whole trainer (:func:`~megatron_gkd.weight_sync.plan.build_plan`).
-        transport: a transport instance (``send(bucket, buffer)`` returns a waitable), or ``None``
+        transport: a transport instance (``send(part, buffer)`` returns a waitable), or ``None``
             for a colocated sender whose buckets are read by :meth:`packed`.
         config: bucket size, buffers, checksum.
         rank: this trainer rank (default: the default group's rank).
-        owns_all: colocated layout: this rank packs every tensor of the plan (the exporter's
-            all-gathers leave every tensor on every rank when PP = EP = 1).
+        owns_all: colocated layout (pipeline and expert parallel size 1).
     """
 
     def __init__(self, plan: WeightSyncPlan, transport, config: WeightSyncConfig, *, rank: int | None = None, owns_all: bool = False):
@@ -39,28 +41,34 @@ class WeightSender:
         self.config = config
         self.rank = (dist.get_rank() if dist.is_initialized() else 0) if rank is None else rank
         self.owns_all = owns_all
-        self.buckets = [b for b in layout_buckets(plan, config.bucket_bytes) if owns_all or b.owner == self.rank]
-        largest = max((b.buffer_bytes for b in self.buckets), default=0)
-        self.buffers = [allocate(largest) for _ in range(config.num_buffers)] if largest else []
+        buckets = layout_buckets(plan, config.bucket_bytes, sharded=not owns_all)
+        self.work: list[tuple[BucketSpec, PartSpec]] = [
+            (bucket, part) for bucket in buckets for part in bucket.parts if owns_all or part.owner == self.rank
+        ]
+        sizes = [bucket.buffer_bytes if owns_all else part.buffer_bytes for bucket, part in self.work]
+        self.buffers = [allocate(max(sizes)) for _ in range(config.num_buffers)] if sizes else []
         self.last_sync_s = 0.0
 
-    def _named_tensors(self, chunks):
-        # A colocated rank needs every tensor; a disaggregated owner only the ones it sends.
-        return export_hf_weights(chunks, owner_only=not self.owns_all)
+    def _slices(self, chunks) -> Iterator[tuple[str, int, torch.Tensor]]:
+        if self.owns_all:
+            return ((name, 0, tensor) for name, tensor in export_hf_weights(chunks, owner_only=False))
+        return export_hf_shards(chunks)
 
-    def packed(self, chunks, version: int, before_reuse=lambda slot: None) -> Iterator[tuple[BucketSpec, torch.Tensor]]:
-        """``(bucket, buffer)`` for each of this rank's buckets; a buffer is rewritten after
-        ``num_buffers`` more buckets (call ``before_reuse`` to wait on it)."""
-        if not self.buckets:
-            for _ in self._named_tensors(chunks):
-                pass
+    def packed(self, chunks, version: int, before_reuse=lambda slot: None) -> Iterator[tuple[BucketSpec, PartSpec | None, torch.Tensor]]:
+        """``(bucket, part, buffer)`` for each of this rank's parts (colocated: each bucket, with
+        ``part=None``); a buffer is rewritten after ``num_buffers`` more (``before_reuse`` waits)."""
+        if not self.work:
+            if self.owns_all:
+                for _ in self._slices(chunks):
+                    pass
             return
-        named = self._named_tensors(chunks)
-        for bucket, slot in pack_stream(named, self.buckets, self.buffers, version, self.config.checksum, before_reuse):
-            yield bucket, self.buffers[slot]
+        stream = pack_stream(self._slices(chunks), self.work, self.buffers, version, self.config.checksum, before_reuse,
+                             whole_buckets=self.owns_all)
+        for bucket, part, slot in stream:
+            yield bucket, part, self.buffers[slot]
 
     def sync(self, chunks, version: int) -> None:
-        """Sends every bucket this rank owns over the transport (collective with the receivers)."""
+        """Sends every part this rank holds over the transport (collective with the receivers)."""
         start = time.perf_counter()
         in_flight: dict[int, object] = {}
 
@@ -69,14 +77,14 @@ class WeightSender:
                 in_flight.pop(slot).wait()
 
         slot_of = {id(buffer): slot for slot, buffer in enumerate(self.buffers)}
-        for bucket, buffer in self.packed(chunks, version, before_reuse):
-            in_flight[slot_of[id(buffer)]] = self.transport.send(bucket, buffer)
+        for _, part, buffer in self.packed(chunks, version, before_reuse):
+            in_flight[slot_of[id(buffer)]] = self.transport.send(part, buffer)
         for work in in_flight.values():
             work.wait()
         if self.config.verify:
             self.share_student_logprobs(chunks)
         self.last_sync_s = time.perf_counter() - start
-        logger.debug("rank %d sent %d buckets (version %d) in %.3f s", self.rank, len(self.buckets), version, self.last_sync_s)
+        logger.debug("rank %d sent %d bucket parts (version %d) in %.3f s", self.rank, len(self.work), version, self.last_sync_s)
 
     def share_student_logprobs(self, chunks) -> torch.Tensor | None:
         """``verify``: the student's log-probs on the verify prompts, broadcast to the receivers."""

@@ -3,9 +3,10 @@
 ``distributed``
     A dedicated process group between the trainer ranks and the rollout ranks, built from its own
     TCP store (the trainer's torchrun world and the rollout processes need not share a default
-    group). Each owner rank gets a group with just the rollout ranks, so a bucket is one broadcast
-    from its owner and ranks that own nothing take no part. Operations are asynchronous: a sender
-    packs bucket i+1 while bucket i is on the wire, a receiver posts bucket i+1 before unpacking i.
+    group). Each sending rank gets a group with just the rollout ranks, so a bucket part is one
+    broadcast from its sender, the parts of a bucket travel at once, and ranks that send nothing take
+    no part. Operations are asynchronous: a sender packs its part of bucket i+1 while bucket i is on
+    the wire, a receiver posts bucket i+1 before unpacking i.
 ``colocated``
     The sender and the receiver are in one process: the receiver unpacks straight from the sender's
     bucket buffer; nothing is broadcast.
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gkd import platform
-from megatron_gkd.weight_sync.buckets import BucketSpec
+from megatron_gkd.weight_sync.buckets import BucketSpec, PartSpec
 
 logger = logging.getLogger(__name__)
 
@@ -53,12 +54,16 @@ class _Done:
 
 
 class _Pending:
-    def __init__(self, work, buffer: torch.Tensor):
-        self.work = work
+    """Asynchronous operations on one buffer (the parts of a bucket)."""
+
+    def __init__(self, works, buffer: torch.Tensor):
+        self.works = works
         self.buffer = buffer
 
     def wait(self) -> bool:
-        return self.work.wait()
+        for work in self.works:
+            work.wait()
+        return True
 
 
 def _new_group(store, rank: int, size: int, backend: str, timeout: datetime.timedelta):
@@ -101,7 +106,7 @@ class TorchDistributedTransport:
         return self.rank in self.rollout_ranks
 
     def connect(self, owners: list[int]) -> None:
-        """Builds one group per owner (the owner and the rollout ranks); every member calls it."""
+        """Builds one group per sending rank (it and the rollout ranks); every member calls it."""
         for owner in owners:
             members = [owner, *self.rollout_ranks]
             if self.rank in members:
@@ -129,11 +134,14 @@ class TorchDistributedTransport:
     def barrier(self) -> None:
         self.world.broadcast(torch.zeros(1), 0).wait()
 
-    def send(self, bucket: BucketSpec, buffer: torch.Tensor):
-        return _Pending(self._owner_groups[bucket.owner].broadcast(buffer[: bucket.buffer_bytes], 0), buffer)
+    def send(self, part: PartSpec, buffer: torch.Tensor):
+        """Broadcasts this rank's ``part`` (packed at the start of ``buffer``) to the rollout ranks."""
+        return _Pending([self._owner_groups[part.owner].broadcast(buffer[: part.buffer_bytes], 0)], buffer)
 
     def recv(self, bucket: BucketSpec, buffer: torch.Tensor):
-        return _Pending(self._owner_groups[bucket.owner].broadcast(buffer[: bucket.buffer_bytes], 0), buffer)
+        """Posts every part of ``bucket`` at once, each into its region of ``buffer``."""
+        works = [self._owner_groups[part.owner].broadcast(part.region(buffer), 0) for part in bucket.parts]
+        return _Pending(works, buffer)
 
     def close(self) -> None:
         self._owner_groups.clear()
@@ -150,13 +158,14 @@ class ColocatedTransport:
     def __init__(self):
         self._stream: Iterator[tuple[BucketSpec, torch.Tensor]] | None = None
 
-    def bind(self, stream: Iterator[tuple[BucketSpec, torch.Tensor]]) -> None:
+    def bind(self, stream: Iterator[tuple[BucketSpec, PartSpec | None, torch.Tensor]]) -> None:
+        """``stream``: the colocated sender's :meth:`~megatron_gkd.weight_sync.WeightSender.packed`."""
         self._stream = stream
 
     def recv(self, bucket: BucketSpec, buffer: torch.Tensor | None = None):
         assert self._stream is not None, "bind the sender's stream first"
-        sent, sent_buffer = next(self._stream)
-        assert (sent.owner, sent.index) == (bucket.owner, bucket.index), (sent.index, bucket.index)
+        sent, _, sent_buffer = next(self._stream)
+        assert sent.index == bucket.index, (sent.index, bucket.index)
         return _Done(sent_buffer)
 
     def close(self) -> None:

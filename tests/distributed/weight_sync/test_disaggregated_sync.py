@@ -3,7 +3,8 @@
 The rollout rank records what vLLM's reload would be given (a stand-in; the e2e tests use vLLM): after
 training steps and a sync, it holds exactly the tensors ``save_hf`` writes, bit for bit, and they
 differ from the checkpoint the student started from. Small buckets force many buckets and tensors
-larger than a bucket. Layouts: TP=2, PP=2, and a Qwen3-MoE with EP=2.
+larger than a bucket. Layouts: TP=2, PP=2, a Qwen3-MoE with EP=2, and DP=2
+(only the first replica sends).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def synced(tmp_path_factory):
         dict(layout="tp2", path=llama, port=free_port(), steps=2),
         dict(layout="pp2", path=llama, port=free_port(), steps=2),
         dict(layout="ep2", path=moe, port=free_port(), steps=2),
+        dict(layout="dp2", path=llama, port=free_port(), steps=2),
     ]
     # 48 KiB buckets: the 128 KiB embedding travels alone, the norms share buckets.
     config = WeightSyncConfig(bucket_size_mb=48 / 1024)
@@ -42,7 +44,7 @@ def synced(tmp_path_factory):
     return runs, results
 
 
-@pytest.mark.parametrize("index, layout", [(0, "tp2"), (1, "pp2"), (2, "ep2")])
+@pytest.mark.parametrize("index, layout", [(0, "tp2"), (1, "pp2"), (2, "ep2"), (3, "dp2")])
 def test_rollout_receives_exactly_the_trained_weights(synced, index, layout):
     runs, (trainer0, trainer1, rollout) = synced
     sent, other, received = trainer0[index], trainer1[index], rollout[index]
@@ -71,6 +73,10 @@ def test_plan_records_owner_stage_tp_dim_experts_and_transform(synced):
     assert tp2["model.layers.0.mlp.up_proj.weight"].fusion == {"type": "Concat", "num_parts": 2, "dim": 0}
     assert tp2["model.norm.weight"].tp_dim is None
     assert {e.owner for e in plans["tp2"].entries} == {0, 1}  # the exporter spreads owners over TP ranks
+    # Each TP rank sends its own slices; a replicated tensor comes from its owner alone.
+    assert q.shards == (0, 1) and q.shard_shape == (64, 128)
+    norm = tp2["model.norm.weight"]
+    assert norm.shards == (norm.owner,)
     pp2 = {e.name: e for e in plans["pp2"].entries}
     assert (pp2["model.layers.0.mlp.down_proj.weight"].pp_rank, pp2["model.layers.0.mlp.down_proj.weight"].owner) == (0, 0)
     assert (pp2["model.layers.3.mlp.down_proj.weight"].pp_rank, pp2["model.layers.3.mlp.down_proj.weight"].owner) == (1, 1)
@@ -78,4 +84,8 @@ def test_plan_records_owner_stage_tp_dim_experts_and_transform(synced):
     experts = [e for e in plans["ep2"].entries if e.expert is not None]
     assert sorted({e.expert for e in experts}) == [0, 1, 2, 3]
     assert all(e.owner == e.expert // 2 for e in experts)
+    assert all(e.shards == (e.owner,) for e in experts)
+    assert all(len(e.shards) == 1 for e in plans["pp2"].entries)
+    # Data parallel: the first replica sends everything, the second nothing.
+    assert plans["dp2"].senders == [0]
     assert all(json.loads(r["plan"]) for r in trainer0)

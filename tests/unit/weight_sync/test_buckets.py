@@ -13,18 +13,23 @@ from megatron_gkd.weight_sync.buckets import allocate, pack, pack_stream, unpack
 MB = 2**20
 
 
-def _entry(name, shape, dtype="float32", owner=0, position=0, pp_rank=0):
-    return TensorSpec(name=name, shape=tuple(shape), dtype=dtype, pp_rank=pp_rank, vpp_chunk=0, tp_dim=0, tp_size=2,
-                      expert=None, megatron="m." + name, part=0, fusion={"type": "Identity"}, position=position, owner=owner)
+def _entry(name, shape, dtype="float32", owner=0, position=0, pp_rank=0, tp_dim=0, shards=(0, 1)):
+    return TensorSpec(name=name, shape=tuple(shape), dtype=dtype, pp_rank=pp_rank, vpp_chunk=0, tp_dim=tp_dim,
+                      tp_size=2 if tp_dim is not None else 1, expert=None, megatron="m." + name, part=0,
+                      fusion={"type": "Identity"}, position=position, owner=owner, shards=tuple(shards))
 
 
 def _plan():
-    # Two owners interleaved, mixed dtypes, one tensor larger than a bucket.
-    entries, position = [], 0
+    # Slices of two TP ranks along dim 0 and dim 1, replicated tensors owned by one rank, mixed dtypes,
+    # one tensor larger than a bucket.
+    entries = []
     for i in range(12):
-        shape = (1024, 300) if i == 5 else (64, 17 + i)
-        entries.append(_entry(f"t{i}", shape, "bfloat16" if i % 3 == 0 else "float32", owner=i % 2, position=position))
-        position += 1
+        shape = (1024, 300) if i == 5 else (64, 18 + 2 * i)
+        dtype = "bfloat16" if i % 3 == 0 else "float32"
+        if i % 4 == 3:
+            entries.append(_entry(f"t{i}", shape, dtype, owner=i % 2, position=i, tp_dim=None, shards=(i % 2,)))
+        else:
+            entries.append(_entry(f"t{i}", shape, dtype, owner=i % 2, position=i, tp_dim=i % 2))
     return WeightSyncPlan(entries=tuple(entries), trainer_world_size=2)
 
 
@@ -33,80 +38,112 @@ def _tensors(plan, seed=0):
     return {e.name: torch.randn(e.shape, generator=generator).to(e.torch_dtype) for e in plan.entries}
 
 
-def test_layout_covers_plan_once_respects_size_and_orders_by_readiness():
+def _slices(plan, tensors, rank=None):
+    """``(name, shard, slice)`` as each rank's shard exporter yields them (all ranks, or ``rank``'s)."""
+    out = []
+    for entry in plan.entries:
+        pieces = tensors[entry.name].chunk(entry.num_shards, dim=entry.tp_dim or 0)
+        out.extend((entry.name, shard, pieces[shard]) for shard, holder in enumerate(entry.shards) if rank in (None, holder))
+    return out
+
+
+def _pack_bucket(bucket, plan, tensors, version, checksum):
+    buffer = allocate(bucket.buffer_bytes)
+    pending = {(name, shard): piece for name, shard, piece in _slices(plan, tensors)}
+    for part in bucket.parts:
+        pack(bucket, part, pending, part.region(buffer), version, checksum)
+    return buffer
+
+
+def test_layout_covers_plan_once_with_one_part_per_slice_holder():
     plan = _plan()
     bucket_bytes = 16 * 1024
     buckets = layout_buckets(plan, bucket_bytes)
-    names = [e.name for b in buckets for e in b.entries]
-    assert sorted(names) == sorted(e.name for e in plan.entries)
+    assert [e.name for b in buckets for e in b.entries] == [e.name for e in plan.entries]  # plan order
+    assert [b.index for b in buckets] == list(range(len(buckets)))
     for bucket in buckets:
-        assert len({e.owner for e in bucket.entries}) == 1
         assert bucket.payload_bytes <= bucket_bytes or len(bucket.entries) == 1
+        assert [p.owner for p in bucket.parts] == sorted({r for e in bucket.entries for r in e.shards})
+        held = sorted((bucket.entries[i].name, shard, part.owner) for part in bucket.parts for i, shard in part.slices)
+        assert held == sorted((e.name, s, r) for e in bucket.entries for s, r in enumerate(e.shards))
+        end = 0
+        for part in bucket.parts:  # parts side by side, aligned, not overlapping
+            assert part.start >= end and part.start % 16 == 0 and all(o % 16 == 0 for o in part.offsets)
+            end = part.start + part.buffer_bytes
+        assert bucket.buffer_bytes == end
     big = next(b for b in buckets if any(e.name == "t5" for e in b.entries))
     assert len(big.entries) == 1 and big.payload_bytes > bucket_bytes
-    ready = [b.ready_position for b in buckets]
-    assert ready == sorted(ready)
-    # Within an owner, plan order is kept.
-    for owner in (0, 1):
-        own = [e.position for b in buckets if b.owner == owner for e in b.entries]
-        assert own == sorted(own)
+    # Each rank sends only its share: a split tensor's bytes are divided between its holders.
+    for bucket in buckets:
+        for part in bucket.parts:
+            shares = [bucket.entries[i].num_bytes // bucket.entries[i].num_shards for i, _ in part.slices]
+            assert part.payload_bytes == sum((n + 15) // 16 * 16 for n in shares)
+    unsharded = layout_buckets(plan, bucket_bytes, sharded=False)
+    assert all(len(p.slices) == len({i for i, _ in p.slices}) for b in unsharded for p in b.parts)
 
 
-def test_pack_unpack_round_trip_returns_copies():
+def test_pack_unpack_round_trip_assembles_slices_into_new_tensors():
     plan = _plan()
     tensors = _tensors(plan)
-    (bucket, *_) = [b for b in layout_buckets(plan, MB) if b.owner == 0]
-    buffer = allocate(bucket.buffer_bytes)
-    pack(bucket, tensors, buffer, version=3, checksum="sum")
+    bucket = layout_buckets(plan, MB)[0]
+    buffer = _pack_bucket(bucket, plan, tensors, version=3, checksum="sum")
     out = dict(unpack(bucket, buffer, "sum", version=3))
     buffer.fill_(7)  # the buffer is reused for the next bucket
-    assert sorted(out) == sorted(e.name for e in bucket.entries)
+    assert list(out) == [e.name for e in bucket.entries]
     for name, tensor in out.items():
         assert tensor.dtype == tensors[name].dtype and torch.equal(tensor, tensors[name]), name
 
 
 @pytest.mark.parametrize("checksum", ["sum", "crc32"])
-def test_corrupted_bucket_or_stale_version_is_refused(checksum):
+def test_corrupted_part_or_stale_version_is_refused(checksum):
     plan = _plan()
     tensors = _tensors(plan)
     bucket = layout_buckets(plan, MB)[0]
-    buffer = allocate(bucket.buffer_bytes)
-    pack(bucket, tensors, buffer, version=1, checksum=checksum)
+    buffer = _pack_bucket(bucket, plan, tensors, version=1, checksum=checksum)
     with pytest.raises(ChecksumMismatch, match="version"):
         list(unpack(bucket, buffer, checksum, version=2))
-    buffer[5] += 1
-    with pytest.raises(ChecksumMismatch, match="checksum"):
+    second = bucket.parts[1]
+    buffer[second.start + 5] += 1
+    with pytest.raises(ChecksumMismatch, match=f"rank {second.owner}.*checksum"):
         list(unpack(bucket, buffer, checksum, version=1))
 
 
-def test_pack_stream_waits_before_reusing_a_buffer_and_detects_missing_tensors():
+def test_pack_stream_packs_one_ranks_parts_waits_before_reuse_and_detects_missing_slices():
     plan = _plan()
     tensors = _tensors(plan)
-    mine = [b for b in layout_buckets(plan, 4096) if b.owner == 1]
-    buffers = [allocate(max(b.buffer_bytes for b in mine)) for _ in range(2)]
+    mine = [(b, b.part_of(1)) for b in layout_buckets(plan, 4096) if b.part_of(1) is not None]
+    buffers = [allocate(max(p.buffer_bytes for _, p in mine)) for _ in range(2)]
     reused = []
-    stream = [(e.name, tensors[e.name]) for e in plan.entries if e.owner == 1]
+    stream = _slices(plan, tensors, rank=1)
     seen = []
-    for bucket, slot in pack_stream(stream, mine, buffers, 1, "sum", reused.append):
-        seen.extend(name for name, _ in unpack(bucket, buffers[slot], "sum", 1))
-    assert seen == [name for name, _ in stream]
+    for bucket, part, slot in pack_stream(stream, mine, buffers, 1, "sum", reused.append):
+        assert part.owner == 1
+        region = buffers[slot][: part.buffer_bytes]
+        for (i, shard), offset in zip(part.slices, part.offsets):
+            entry = bucket.entries[i]
+            got = region[offset:].view(entry.torch_dtype)[: torch.Size(bucket.slice_shape(entry)).numel()]
+            seen.append((entry.name, shard, got.view(bucket.slice_shape(entry)).clone()))
+    assert [(n, s) for n, s, _ in seen] == [(n, s) for n, s, _ in stream]
+    assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(seen, stream))
     assert reused == [i % 2 for i in range(len(mine))]
     with pytest.raises(RuntimeError, match="ended before"):
         list(pack_stream(stream[:-1], mine, buffers, 1, "sum", lambda slot: None))
 
 
 def test_receiver_streams_every_tensor_through_the_colocated_transport():
-    plan = dataclasses.replace(_plan(), entries=tuple(dataclasses.replace(e, owner=0) for e in _plan().entries))
+    plan = _plan()
     tensors = _tensors(plan, seed=1)
     config = WeightSyncConfig(transport="colocated", bucket_size_mb=8 * 1024 / MB)
-    buckets = layout_buckets(plan, config.bucket_bytes)
+    buckets = layout_buckets(plan, config.bucket_bytes, sharded=False)
+    work = [(b, p) for b in buckets for p in b.parts]
     buffers = [allocate(max(b.buffer_bytes for b in buckets)) for _ in range(2)]
-    stream = ((b, buffers[slot]) for b, slot in pack_stream([(e.name, tensors[e.name]) for e in plan.entries], buckets, buffers, 1, "sum", lambda s: None))
+    whole = [(e.name, 0, tensors[e.name]) for e in plan.entries]
+    stream = ((b, p, buffers[slot]) for b, p, slot in pack_stream(whole, work, buffers, 1, "sum", lambda s: None, whole_buckets=True))
     transport = ColocatedTransport()
     transport.bind(stream)
     receiver = WeightReceiver(plan, transport, config)
     received = list(receiver.receive())
-    assert [n for n, _ in received] == [e.name for b in buckets for e in b.entries]
+    assert [n for n, _ in received] == [e.name for e in plan.entries]
     for name, tensor in received:  # copies survive the sender's buffer reuse
         assert torch.equal(tensor, tensors[name]), name
 
@@ -115,7 +152,7 @@ def test_plan_json_round_trip_and_digest():
     plan = _plan()
     again = WeightSyncPlan.from_json(plan.to_json())
     assert again == plan and again.digest == plan.digest
-    changed = dataclasses.replace(plan, entries=(dataclasses.replace(plan.entries[0], shape=(64, 18)),) + plan.entries[1:])
+    changed = dataclasses.replace(plan, entries=(dataclasses.replace(plan.entries[0], shape=(64, 20)),) + plan.entries[1:])
     assert changed.digest != plan.digest
     assert "pickle" not in plan.to_json()
 
