@@ -50,7 +50,7 @@ fixes of ``mla.py``) and ``config_class`` (``MLATransformerConfig``).
 """
 
 from megatron_gkd.models.builder import HFModelInfo, build_model, transformer_config, unwrap
-from megatron_gkd.models.export import export_hf_shards, export_hf_weights, save_hf
+from megatron_gkd.models.export import export_hf_shards, export_hf_weights, save_hf, shard_sources
 from megatron_gkd.models.hf_config import read_hf_config
 from megatron_gkd.models.loading import SafetensorsCheckpoint, load_hf
 from megatron_gkd.models.mapping import (
@@ -84,6 +84,7 @@ __all__ = [
     "WeightRule",
     "build_model",
     "export_hf_shards",
+    "shard_sources",
     "export_hf_weights",
     "get_architecture",
     "global_name",

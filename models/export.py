@@ -10,6 +10,7 @@ config and the tokenizer files.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_gkd.models.builder import unwrap
 from megatron_gkd.models.loading import INDEX_FILE
-from megatron_gkd.models.mapping import mapped_tensors, shard_coordinates
+from megatron_gkd.models.mapping import WeightRule, mapped_tensors, shard_coordinates
 from megatron_gkd.parallel import gather_tp
 
 logger = logging.getLogger(__name__)
@@ -98,23 +99,53 @@ def export_hf_weights(modules, *, owner_only: bool = True) -> Iterator[tuple[str
                     yield hf_name, value
 
 
-def export_hf_shards(modules) -> Iterator[tuple[str, int, torch.Tensor]]:
-    """``(hf_name, shard, slice)`` for this rank's slice of every HF tensor it holds; no communication.
+@dataclasses.dataclass(frozen=True)
+class ShardSource:
+    """Where :func:`export_hf_shards` finds some of this rank's slices: ``getattr(module, attr)``,
+    cut by ``rule.to_hf``; ``pieces`` are ``(index in to_hf's output, hf_name, shard)``."""
 
-    The full tensor is the concatenation of slices ``0..size-1`` along the rule's TP dimension (what
-    :func:`export_hf_weights` all-gathers); a tensor that is not split is yielded whole, as shard 0,
-    by its owner only (:func:`holds_shard`). Slices may be views of the parameters.
-    """
+    module: torch.nn.Module
+    attr: str
+    rule: WeightRule
+    pieces: tuple[tuple[int, str, int], ...]
+
+
+def shard_sources(modules) -> list[ShardSource]:
+    """The walk of :func:`export_hf_shards`, done once (name matching costs more than the slicing)."""
+    sources = []
     for chunk in modules:
         model = unwrap(chunk)
+        holders: dict[int, tuple[torch.nn.Module, str]] = {}
+        for module in model.modules():
+            for attr, tensor in [*module._parameters.items(), *module._buffers.items()]:
+                if tensor is not None:
+                    holders.setdefault(id(tensor), (module, attr))
         for _, tensor, rule, fields in mapped_tensors(model, model.hf_model_info.rules):
             if not rule.export:
                 continue
             _, rank, size = shard_coordinates(rule)
-            slices = rule.to_hf(tensor.detach())
-            for hf_name, piece, dim in zip(rule.hf_names(fields), slices, rule.tp_dims):
-                if holds_shard(hf_name, rule.is_expert, dim, rank, size):
-                    yield hf_name, (rank if dim is not None and size > 1 else 0), piece
+            pieces = tuple(
+                (k, hf_name, rank if dim is not None and size > 1 else 0)
+                for k, (hf_name, dim) in enumerate(zip(rule.hf_names(fields), rule.tp_dims))
+                if holds_shard(hf_name, rule.is_expert, dim, rank, size)
+            )
+            if pieces:
+                sources.append(ShardSource(*holders[id(tensor)], rule, pieces))
+    return sources
+
+
+def export_hf_shards(modules=None, *, sources: list[ShardSource] | None = None) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """``(hf_name, shard, slice)`` for this rank's slice of every HF tensor it holds; no communication.
+
+    The full tensor is the concatenation of slices ``0..size-1`` along the rule's TP dimension (what
+    :func:`export_hf_weights` all-gathers); a tensor that is not split is yielded whole, as shard 0,
+    by its owner only (:func:`holds_shard`). Slices may be views of the parameters. Pass ``sources``
+    (:func:`shard_sources` of the same modules) to skip the walk; they read the current tensors.
+    """
+    for source in shard_sources(modules) if sources is None else sources:
+        slices = source.rule.to_hf(getattr(source.module, source.attr).detach())
+        for k, hf_name, shard in source.pieces:
+            yield hf_name, shard, slices[k]
 
 
 def save_hf(

@@ -63,6 +63,11 @@ class BucketSpec:
     entries: tuple[TensorSpec, ...]
     parts: tuple[PartSpec, ...]
     sharded: bool = True
+    tensor_offsets: tuple[int, ...] = ()
+    """Direct transfer: where each whole tensor lies in the bucket's arena."""
+    scratch_offsets: tuple[int | None, ...] = ()
+    """Direct transfer: where the slices of a tensor split along a dimension other than 0 arrive
+    (side by side, in a scratch buffer: they are concatenated into the arena); ``None`` for others."""
 
     @property
     def buffer_bytes(self) -> int:
@@ -72,6 +77,44 @@ class BucketSpec:
     @property
     def payload_bytes(self) -> int:
         return sum(entry.num_bytes for entry in self.entries)
+
+    @property
+    def arena_bytes(self) -> int:
+        """Direct transfer: the arena holds the whole tensors, then a trailer per part."""
+        return self.trailer_offset + TRAILER_BYTES * len(self.parts)
+
+    @property
+    def trailer_offset(self) -> int:
+        return self.tensor_offsets[-1] + _aligned(self.entries[-1].num_bytes)
+
+    @property
+    def scratch_bytes(self) -> int:
+        ends = [offset + _aligned(entry.num_bytes) for offset, entry in zip(self.scratch_offsets, self.entries) if offset is not None]
+        return max(ends, default=0)
+
+    def direct_slice(self, arena: torch.Tensor, scratch: torch.Tensor | None, entry_index: int, shard: int) -> torch.Tensor:
+        """Direct transfer: where slice ``shard`` of entry ``entry_index`` arrives, shaped.
+
+        The slices of a tensor that is not split or is split along dimension 0 arrive side by side in
+        its place in the arena, which is then the tensor in HF layout; the others arrive in
+        ``scratch`` (see :func:`unpack_arena`).
+        """
+        entry = self.entries[entry_index]
+        num_bytes = _slice_bytes(entry, self.sharded)
+        if self.scratch_offsets[entry_index] is None:
+            buffer, start = arena, self.tensor_offsets[entry_index]
+        else:
+            buffer, start = scratch, self.scratch_offsets[entry_index]
+        start += shard * num_bytes
+        return buffer[start : start + num_bytes].view(entry.torch_dtype).view(self.slice_shape(entry))
+
+    def arena_tensor(self, arena: torch.Tensor, entry_index: int) -> torch.Tensor:
+        entry, start = self.entries[entry_index], self.tensor_offsets[entry_index]
+        return arena[start : start + entry.num_bytes].view(entry.torch_dtype).view(entry.shape)
+
+    def arena_trailer(self, arena: torch.Tensor, part_index: int) -> torch.Tensor:
+        start = self.trailer_offset + TRAILER_BYTES * part_index
+        return arena[start : start + TRAILER_BYTES].view(torch.int64)
 
     def part_of(self, owner: int) -> PartSpec | None:
         return next((part for part in self.parts if part.owner == owner), None)
@@ -102,7 +145,16 @@ def _make_bucket(index: int, entries: list[TensorSpec], sharded: bool) -> Bucket
         part = PartSpec(owner, tuple(by_owner[owner]), tuple(offsets), offset, start)
         parts.append(part)
         start += _aligned(part.buffer_bytes)
-    return BucketSpec(index, tuple(entries), tuple(parts), sharded)
+    tensor_offsets, scratch_offsets, offset, scratch = [], [], 0, 0
+    for entry in entries:
+        tensor_offsets.append(offset)
+        offset += _aligned(entry.num_bytes)
+        if sharded and entry.num_shards > 1 and entry.tp_dim != 0:
+            scratch_offsets.append(scratch)
+            scratch += _aligned(entry.num_bytes)
+        else:
+            scratch_offsets.append(None)
+    return BucketSpec(index, tuple(entries), tuple(parts), sharded, tuple(tensor_offsets), tuple(scratch_offsets))
 
 
 def layout_buckets(plan: WeightSyncPlan, bucket_bytes: int, *, sharded: bool = True) -> list[BucketSpec]:
@@ -133,22 +185,48 @@ def layout_buckets(plan: WeightSyncPlan, bucket_bytes: int, *, sharded: bool = T
 
 # --- checksums (registry by name) ------------------------------------------------------------------
 
-def _sum_checksum(payload: torch.Tensor) -> int:
+def _wrap64(value: int) -> int:
+    return (value + 2**63) % 2**64 - 2**63
+
+
+def _sum_checksum(payload: torch.Tensor, start: int = 0) -> int:
     # A position-blind but cheap check: catches truncated, shifted or garbage buffers; "crc32" also
     # catches reordering. Summed as int64 words (wrapping): summing int32 words into int64 made torch
     # cast every element and cost 20x more (0.74 s vs 0.03 s for 176 MiB here).
-    return int(payload.view(torch.int64).sum())
+    # Words from the payload's first byte wherever it lies: a misaligned payload is copied first.
+    if payload.data_ptr() % 8:
+        payload = payload.clone()
+    words = payload.numel() // 8 * 8
+    total = int(payload[:words].view(torch.int64).sum()) if words else 0
+    if words < payload.numel():
+        total += int(payload[words:].sum())
+    return _wrap64(start + total)
 
 
-def _crc32_checksum(payload: torch.Tensor) -> int:
-    return zlib.crc32(memoryview(payload.numpy()))
+def _crc32_checksum(payload: torch.Tensor, start: int = 0) -> int:
+    return zlib.crc32(memoryview(payload.cpu().numpy()), start)
 
 
-def _no_checksum(payload: torch.Tensor) -> int:
+def _no_checksum(payload: torch.Tensor, start: int = 0) -> int:
     return 0
 
 
-CHECKSUMS: dict[str, Callable[[torch.Tensor], int]] = {"sum": _sum_checksum, "crc32": _crc32_checksum, "none": _no_checksum}
+CHECKSUMS: dict[str, Callable[..., int]] = {"sum": _sum_checksum, "crc32": _crc32_checksum, "none": _no_checksum}
+"""``name -> f(payload, start=0)``: the checksum of a 1-D uint8 tensor, continuing from ``start``
+(so a part's checksum can be folded over its slices where they lie)."""
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, as a 1-D uint8 view."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def fold_checksum(checksum: str, tensors: Iterable[torch.Tensor]) -> int:
+    """The checksum of the concatenated bytes of contiguous ``tensors``."""
+    value = 0
+    for tensor in tensors:
+        value = CHECKSUMS[checksum](as_bytes(tensor), value)
+    return value
 
 
 class ChecksumMismatch(RuntimeError):
@@ -160,16 +238,16 @@ def allocate(num_bytes: int, device=None) -> torch.Tensor:
 
 
 def pack(bucket: BucketSpec, part: PartSpec, tensors: dict[tuple[str, int], torch.Tensor], region: torch.Tensor, version: int, checksum: str) -> None:
-    """Copies ``part``'s slices (``tensors[(name, shard)]``) into ``region`` and writes the trailer."""
+    """Copies ``part``'s slices (``tensors[(name, shard)]``, shapes checked by :func:`complete_parts`)
+    into ``region`` and writes the trailer."""
     for (i, shard), offset in zip(part.slices, part.offsets):
         entry = bucket.entries[i]
         shape = bucket.slice_shape(entry)
         tensor = tensors[entry.name, shard]
-        assert tuple(tensor.shape) == shape, (entry.name, shard, tuple(tensor.shape), shape)
         num_bytes = _slice_bytes(entry, bucket.sharded)
         region[offset : offset + num_bytes].view(entry.torch_dtype).view(shape).copy_(tensor)
     trailer = region[part.payload_bytes : part.buffer_bytes].view(torch.int64)
-    trailer[0] = CHECKSUMS[checksum](region[: part.payload_bytes].cpu())
+    trailer[0] = CHECKSUMS[checksum](region[: part.payload_bytes])
     trailer[1] = version
 
 
@@ -190,7 +268,7 @@ def unpack(bucket: BucketSpec, buffer: torch.Tensor, checksum: str, version: int
     for part in bucket.parts:
         region = part.region(buffer)
         sent_sum, sent = region[part.payload_bytes :].view(torch.int64).tolist()
-        got = CHECKSUMS[checksum](region[: part.payload_bytes].cpu())
+        got = CHECKSUMS[checksum](region[: part.payload_bytes])
         if got != sent_sum:
             first = bucket.entries[part.slices[0][0]].name
             raise ChecksumMismatch(
@@ -211,6 +289,101 @@ def unpack(bucket: BucketSpec, buffer: torch.Tensor, checksum: str, version: int
             yield entry.name, torch.cat([views[i, shard] for shard in range(count)], dim=entry.tp_dim)
 
 
+@dataclasses.dataclass
+class ArenaViews:
+    """Direct transfer: the views of one bucket's arena and scratch, made once and used every sync.
+
+    ``parts[p]`` are the slices of part ``p`` where they arrive, in part order, ``trailers[p]`` its
+    ``[checksum, version]``; ``tensors`` the whole tensors in the arena; ``concat`` the
+    ``(tensor, slices, dim)`` to concatenate from scratch.
+    """
+
+    parts: list[list[torch.Tensor]]
+    trailers: list[torch.Tensor]
+    tensors: list[torch.Tensor]
+    concat: list[tuple[torch.Tensor, list[torch.Tensor], int]]
+
+
+def arena_views(bucket: BucketSpec, arena: torch.Tensor, scratch: torch.Tensor | None) -> ArenaViews:
+    tensors = [bucket.arena_tensor(arena, i) for i in range(len(bucket.entries))]
+    concat = [
+        (tensors[i], [bucket.direct_slice(arena, scratch, i, shard) for shard in range(entry.num_shards)], entry.tp_dim)
+        for i, entry in enumerate(bucket.entries)
+        if bucket.scratch_offsets[i] is not None
+    ]
+    return ArenaViews(
+        parts=[[bucket.direct_slice(arena, scratch, i, shard) for i, shard in part.slices] for part in bucket.parts],
+        trailers=[bucket.arena_trailer(arena, p) for p in range(len(bucket.parts))],
+        tensors=tensors,
+        concat=concat,
+    )
+
+
+def unpack_arena(bucket: BucketSpec, views: ArenaViews, checksum: str, version: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Direct transfer: verifies every part's trailer and yields ``(name, full tensor)`` in bucket
+    order, each a view of the arena: in place already for a tensor that is not split or is split along
+    dimension 0, else its slices concatenated from scratch into its place. The arena must not be
+    rewritten while the views are used; scratch may be reused once this generator has finished.
+
+    Raises:
+        ChecksumMismatch: wrong checksum, or a version other than ``version``.
+    """
+    for part, slices, trailer in zip(bucket.parts, views.parts, views.trailers):
+        sent_sum, sent = trailer.tolist()
+        got = fold_checksum(checksum, slices)
+        if got != sent_sum:
+            first = bucket.entries[part.slices[0][0]].name
+            raise ChecksumMismatch(
+                f"bucket {bucket.index}, part of rank {part.owner} ({len(part.slices)} slices, first {first}): "
+                f"checksum {got} != sent {sent_sum}"
+            )
+        if version is not None and sent != version:
+            raise ChecksumMismatch(f"bucket {bucket.index}, part of rank {part.owner} carries version {sent}, expected {version}")
+    for tensor, slices, dim in views.concat:
+        torch.cat(slices, dim=dim, out=tensor)
+    for entry, tensor in zip(bucket.entries, views.tensors):
+        yield entry.name, tensor
+
+
+def complete_parts(
+    slices: Iterable[tuple[str, int, torch.Tensor]],
+    work: list[tuple[BucketSpec, PartSpec]],
+    *,
+    whole_buckets: bool = False,
+) -> Iterator[tuple[BucketSpec, list[PartSpec], dict[tuple[str, int], torch.Tensor]]]:
+    """Follows the exporter's ``(name, shard, tensor)`` stream through this rank's parts (exchange
+    order): yields ``(bucket, parts, slices)`` as soon as every slice of ``parts`` has arrived, then
+    forgets those slices. With ``whole_buckets``, the parts of a bucket are yielded together.
+
+    Raises:
+        RuntimeError: the stream ended before every part was complete, or carried unplanned slices.
+    """
+    pending: dict[tuple[str, int], torch.Tensor] = {}
+    groups = _group_by_bucket(work) if whole_buckets else [(bucket, [part]) for bucket, part in work]
+    remaining = iter(groups)
+    current = next(remaining, None)
+
+    def keys(bucket, parts):
+        return [bucket.slice_key(i, shard) for part in parts for i, shard in part.slices]
+
+    for name, shard, tensor in slices:
+        pending[name, shard] = tensor
+        while current is not None and all(key in pending for key in keys(*current)):
+            bucket, parts = current
+            ready = {key: pending.pop(key) for key in keys(bucket, parts)}
+            for (i, shard_index) in (s for part in parts for s in part.slices):
+                got, shape = tuple(ready[bucket.slice_key(i, shard_index)].shape), bucket.slice_shape(bucket.entries[i])
+                assert got == shape, (bucket.entries[i].name, shard_index, got, shape)
+            yield bucket, parts, ready
+            current = next(remaining, None)
+    if current is not None or pending:
+        missing = [] if current is None else [key for key in keys(*current) if key not in pending]
+        raise RuntimeError(
+            f"exporter stream ended before bucket {current and current[0].index} was complete (missing {missing[:5]}); "
+            f"unplanned slices {sorted(pending)[:5]}"
+        )
+
+
 def pack_stream(
     slices: Iterable[tuple[str, int, torch.Tensor]],
     work: list[tuple[BucketSpec, PartSpec]],
@@ -229,35 +402,13 @@ def pack_stream(
     bucket and each bucket is yielded once, as ``(bucket, None, slot)``, with its parts at their
     ``start``.
     """
-    pending: dict[tuple[str, int], torch.Tensor] = {}
-    groups = _group_by_bucket(work) if whole_buckets else [(bucket, [part]) for bucket, part in work]
-    remaining = iter(groups)
-    current = next(remaining, None)
-    count = 0
-
-    def complete(bucket, parts):
-        return all(bucket.slice_key(i, shard) in pending for part in parts for i, shard in part.slices)
-
-    for name, shard, tensor in slices:
-        pending[name, shard] = tensor
-        while current is not None and complete(*current):
-            bucket, parts = current
-            slot = count % len(buffers)
-            before_reuse(slot)
-            for part in parts:
-                region = part.region(buffers[slot]) if whole_buckets else buffers[slot][: part.buffer_bytes]
-                pack(bucket, part, pending, region, version, checksum)
-                for i, shard_index in part.slices:
-                    del pending[bucket.slice_key(i, shard_index)]
-            yield bucket, (None if whole_buckets else parts[0]), slot
-            count += 1
-            current = next(remaining, None)
-    if current is not None or pending:
-        missing = [] if current is None else [current[0].slice_key(i, s) for p in current[1] for i, s in p.slices if current[0].slice_key(i, s) not in pending]
-        raise RuntimeError(
-            f"exporter stream ended before bucket {current and current[0].index} was complete (missing {missing[:5]}); "
-            f"unplanned slices {sorted(pending)[:5]}"
-        )
+    for count, (bucket, parts, ready) in enumerate(complete_parts(slices, work, whole_buckets=whole_buckets)):
+        slot = count % len(buffers)
+        before_reuse(slot)
+        for part in parts:
+            region = part.region(buffers[slot]) if whole_buckets else buffers[slot][: part.buffer_bytes]
+            pack(bucket, part, ready, region, version, checksum)
+        yield bucket, (None if whole_buckets else parts[0]), slot
 
 
 def _group_by_bucket(work: list[tuple[BucketSpec, PartSpec]]) -> list[tuple[BucketSpec, list[PartSpec]]]:

@@ -85,7 +85,7 @@ class TensorSpec:
         numel = 1
         for size in self.shape:
             numel *= size
-        return numel * torch.empty((), dtype=self.torch_dtype).element_size()
+        return numel * self.torch_dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)

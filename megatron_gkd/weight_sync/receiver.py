@@ -8,7 +8,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from megatron_gkd.weight_sync.buckets import BucketSpec, ChecksumMismatch, allocate, layout_buckets, sent_version, unpack
+from megatron_gkd.weight_sync.buckets import BucketSpec, ChecksumMismatch, allocate, layout_buckets, arena_views, sent_version, unpack, unpack_arena
 from megatron_gkd.weight_sync.config import WeightSyncConfig
 from megatron_gkd.weight_sync.plan import WeightSyncPlan
 from megatron_gkd.weight_sync.verify import check_prompt_logprobs, vllm_prompt_logprobs
@@ -77,17 +77,35 @@ class WeightReceiver:
         # A colocated transport hands over the sender's own buffers, packed from whole tensors.
         needs_buffers = getattr(transport, "needs_buffers", True)
         self.buckets: list[BucketSpec] = layout_buckets(plan, config.bucket_bytes, sharded=needs_buffers)
-        largest = max(b.buffer_bytes for b in self.buckets)
-        self.buffers = [allocate(largest) for _ in range(config.num_buffers)] if needs_buffers else [None]
+        self.transfer = config.resolved_transfer(transport)
+        if self.transfer == "direct":
+            # One arena region per bucket, allocated once: never rewritten while vLLM reads it.
+            starts = [0]
+            for bucket in self.buckets:
+                starts.append(starts[-1] + (bucket.arena_bytes + 15) // 16 * 16)
+            arena = allocate(starts[-1])
+            self.buffers = [arena[start : start + bucket.arena_bytes] for start, bucket in zip(starts, self.buckets)]
+            # Slices to concatenate arrive in scratch buffers, one per bucket in flight plus the one unpacked.
+            largest = max(bucket.scratch_bytes for bucket in self.buckets)
+            scratch = [allocate(largest) if largest else None for _ in range(max(config.num_buffers, 1) + 1)]
+            self._views = [arena_views(bucket, self.buffers[i], scratch[i % len(scratch)]) for i, bucket in enumerate(self.buckets)]
+        else:
+            largest = max(b.buffer_bytes for b in self.buckets)
+            self.buffers = [allocate(largest) for _ in range(config.num_buffers)] if needs_buffers else [None]
         self.version = 0
         self.last_sync_s = 0.0
 
     def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(hf_name, tensor)`` copies of every plan tensor, bucket by bucket.
+        """``(hf_name, tensor)`` for every plan tensor, bucket by bucket.
 
-        With two or more buffers, bucket i+1 is posted before bucket i is unpacked (and loaded by the
-        consumer of this iterator), so the wire and the copies overlap.
+        Packed: new tensors copied out of the bucket buffers; with two or more buffers, bucket i+1 is
+        posted before bucket i is unpacked (and loaded by the consumer of this iterator), so the wire
+        and the copies overlap. Direct: views of the receive arena (valid until the next sync), and
+        ``num_buffers`` buckets posted ahead.
         """
+        if self.transfer == "direct":
+            yield from self._receive_direct()
+            return
         incoming = None
         buffers = self.buffers
         prefetch = len(buffers) > 1
@@ -105,6 +123,29 @@ class WeightReceiver:
             yield from unpack(bucket, current.buffer, self.config.checksum, version=incoming)
             if not prefetch and not last:
                 pending = self.transport.recv(self.buckets[i + 1], buffers[0])
+        self._incoming = incoming
+
+    def _receive_direct(self) -> Iterator[tuple[str, torch.Tensor]]:
+        def post(index: int) -> list:
+            views = self._views[index]
+            return [self.transport.post(part.owner, [*slices, trailer])
+                    for part, slices, trailer in zip(self.buckets[index].parts, views.parts, views.trailers)]
+
+        ahead = max(self.config.num_buffers, 1)
+        posted = [post(index) for index in range(min(ahead, len(self.buckets)))]
+        incoming = None
+        for index, bucket in enumerate(self.buckets):
+            for work in posted[index]:
+                work.wait()
+            posted[index] = None
+            if index + ahead < len(self.buckets):
+                posted.append(post(index + ahead))
+            views = self._views[index]
+            if incoming is None:
+                incoming = int(views.trailers[0][1])
+                if incoming <= self.version:
+                    raise ChecksumMismatch(f"received weight version {incoming}, not newer than {self.version}")
+            yield from unpack_arena(bucket, views, self.config.checksum, version=incoming)
         self._incoming = incoming
 
     def sync(self, llm, expected_logprobs: torch.Tensor | None = None, *, verify: bool | None = None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Iterator
@@ -9,8 +10,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_gkd.models import export_hf_shards, export_hf_weights
-from megatron_gkd.weight_sync.buckets import BucketSpec, PartSpec, allocate, layout_buckets, pack_stream
+from megatron_gkd.models import export_hf_shards, export_hf_weights, shard_sources
+from megatron_gkd.weight_sync.buckets import BucketSpec, PartSpec, allocate, complete_parts, fold_checksum, layout_buckets, pack_stream
 from megatron_gkd.weight_sync.config import WeightSyncConfig
 from megatron_gkd.weight_sync.plan import WeightSyncPlan
 
@@ -45,14 +46,23 @@ class WeightSender:
         self.work: list[tuple[BucketSpec, PartSpec]] = [
             (bucket, part) for bucket in buckets for part in bucket.parts if owns_all or part.owner == self.rank
         ]
+        self.transfer = "packed" if owns_all else config.resolved_transfer(transport)
         sizes = [bucket.buffer_bytes if owns_all else part.buffer_bytes for bucket, part in self.work]
-        self.buffers = [allocate(max(sizes)) for _ in range(config.num_buffers)] if sizes else []
+        packs = sizes and self.transfer == "packed"
+        self.buffers = [allocate(max(sizes)) for _ in range(config.num_buffers)] if packs else []
         self.last_sync_s = 0.0
+        self._sources: tuple[tuple[int, ...], list] | None = None
+
+    def _shards(self, chunks):
+        key = tuple(id(chunk) for chunk in chunks)
+        if self._sources is None or self._sources[0] != key:
+            self._sources = (key, shard_sources(chunks))
+        return export_hf_shards(sources=self._sources[1])
 
     def _slices(self, chunks) -> Iterator[tuple[str, int, torch.Tensor]]:
         if self.owns_all:
             return ((name, 0, tensor) for name, tensor in export_hf_weights(chunks, owner_only=False))
-        return export_hf_shards(chunks)
+        return self._shards(chunks)
 
     def packed(self, chunks, version: int, before_reuse=lambda slot: None) -> Iterator[tuple[BucketSpec, PartSpec | None, torch.Tensor]]:
         """``(bucket, part, buffer)`` for each of this rank's parts (colocated: each bucket, with
@@ -70,6 +80,31 @@ class WeightSender:
     def sync(self, chunks, version: int) -> None:
         """Sends every part this rank holds over the transport (collective with the receivers)."""
         start = time.perf_counter()
+        if self.transfer == "direct":
+            self._send_direct(chunks, version)
+        else:
+            self._send_packed(chunks, version)
+        if self.config.verify:
+            self.share_student_logprobs(chunks)
+        self.last_sync_s = time.perf_counter() - start
+        logger.debug("rank %d sent %d bucket parts (version %d, %s) in %.3f s", self.rank, len(self.work), version,
+                     self.transfer, self.last_sync_s)
+
+    def _send_direct(self, chunks, version: int) -> None:
+        """Each slice broadcast from where it lies (a copy only for a strided slice), then the part's
+        trailer; at most ``num_buffers`` buckets in flight, and all done before returning, so the
+        parameters may change afterwards."""
+        in_flight: collections.deque = collections.deque()
+        for bucket, (part,), ready in complete_parts(self._shards(chunks), self.work):
+            tensors = [ready[bucket.slice_key(i, shard)].contiguous() for i, shard in part.slices]
+            trailer = torch.tensor([fold_checksum(self.config.checksum, tensors), version], dtype=torch.int64, device=tensors[0].device)
+            if len(in_flight) >= self.config.num_buffers:
+                in_flight.popleft().wait()
+            in_flight.append(self.transport.post(part.owner, [*tensors, trailer]))
+        for work in in_flight:
+            work.wait()
+
+    def _send_packed(self, chunks, version: int) -> None:
         in_flight: dict[int, object] = {}
 
         def before_reuse(slot: int) -> None:
@@ -81,10 +116,6 @@ class WeightSender:
             in_flight[slot_of[id(buffer)]] = self.transport.send(part, buffer)
         for work in in_flight.values():
             work.wait()
-        if self.config.verify:
-            self.share_student_logprobs(chunks)
-        self.last_sync_s = time.perf_counter() - start
-        logger.debug("rank %d sent %d bucket parts (version %d) in %.3f s", self.rank, len(self.work), version, self.last_sync_s)
 
     def share_student_logprobs(self, chunks) -> torch.Tensor | None:
         """``verify``: the student's log-probs on the verify prompts, broadcast to the receivers."""

@@ -138,6 +138,12 @@ class TorchDistributedTransport:
         """Broadcasts this rank's ``part`` (packed at the start of ``buffer``) to the rollout ranks."""
         return _Pending([self._owner_groups[part.owner].broadcast(buffer[: part.buffer_bytes], 0)], buffer)
 
+    def post(self, owner: int, tensors: list[torch.Tensor], buffer: torch.Tensor | None = None):
+        """Direct transfer: broadcasts ``tensors`` (contiguous) from ``owner`` to the rollout ranks, in
+        order (the receivers post tensors of the same sizes in the same order)."""
+        group = self._owner_groups[owner]
+        return _Pending([group.broadcast(tensor, 0) for tensor in tensors], buffer)
+
     def recv(self, bucket: BucketSpec, buffer: torch.Tensor):
         """Posts every part of ``bucket`` at once, each into its region of ``buffer``."""
         works = [self._owner_groups[part.owner].broadcast(part.region(buffer), 0) for part in bucket.parts]

@@ -24,9 +24,9 @@ pytestmark = pytest.mark.distributed
 PROMPTS = [[3, 17, 42, 9, 100, 5], [7, 7, 250, 1]]
 
 
-@pytest.fixture(scope="module")
-def synced(tmp_path_factory):
-    root = tmp_path_factory.mktemp("wsync")
+@pytest.fixture(scope="module", params=["direct", "packed"])
+def synced(tmp_path_factory, request):
+    root = tmp_path_factory.mktemp(f"wsync-{request.param}")
     llama = make_tiny_checkpoint("LlamaForCausalLM", root / "llama", seed=3)
     moe = make_tiny_checkpoint("Qwen3MoeForCausalLM", root / "moe", seed=4)
     runs = [
@@ -36,7 +36,7 @@ def synced(tmp_path_factory):
         dict(layout="dp2", path=llama, port=free_port(), steps=2),
     ]
     # 48 KiB buckets: the 128 KiB embedding travels alone, the norms share buckets.
-    config = WeightSyncConfig(bucket_size_mb=48 / 1024)
+    config = WeightSyncConfig(bucket_size_mb=48 / 1024, transfer=request.param)
     results = run_distributed(
         disaggregated, 3, args=(runs, free_port(), 2, 1, config, PROMPTS, str(root)),
         kwargs=dict(use_vllm=False), init_process_group=False, timeout=600,

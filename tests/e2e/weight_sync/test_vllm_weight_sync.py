@@ -6,11 +6,13 @@ within 1e-4 (fp32); each test first checks that vLLM's outputs *changed* from be
 sync that loads nothing fails. The sync runs with ``verify=True`` (the receiver's own check).
 
 Layouts: disaggregated (2 trainer ranks + 1 rollout rank with a TP=1 engine) for training TP=2 then
-PP=2 on one engine, and Qwen3-MoE with EP=2; colocated training TP=2 with a TP=2 engine on the same
+PP=2 on one engine (direct transfer, the default over gloo), and Qwen3-MoE with EP=2 (packed transfer); colocated training TP=2 with a TP=2 engine on the same
 ranks (``external_launcher``), synced without any broadcast.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -65,9 +67,9 @@ def _check(before, after, student_logits, saved):
     assert [c[0] for c in continuation] == [int(logits[-1].argmax()) for logits in student_logits]
 
 
-def _disaggregated(tmp_path, runs):
+def _disaggregated(tmp_path, runs, config=CONFIG):
     return run_distributed(
-        disaggregated, 3, args=(runs, free_port(), 2, 1, CONFIG, PROMPTS, str(tmp_path)),
+        disaggregated, 3, args=(runs, free_port(), 2, 1, config, PROMPTS, str(tmp_path)),
         kwargs=dict(num_tokens=NUM_TOKENS), init_process_group=False, timeout=900, env=VLLM_ENV,
     )
 
@@ -90,7 +92,8 @@ def test_dense_tp2_then_pp2_into_a_tp1_engine(tmp_path):
 def test_moe_ep2_into_a_tp1_engine(tmp_path):
     moe = make_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path / "moe", seed=6)
     runs = [dict(layout="ep2", path=moe, port=free_port(), steps=2, engine=moe)]
-    trainer0, trainer1, rollout = _disaggregated(tmp_path, runs)
+    # The packed transfer (the default on accelerators) into real vLLM; the dense test runs direct.
+    trainer0, trainer1, rollout = _disaggregated(tmp_path, runs, dataclasses.replace(CONFIG, transfer="packed"))
     _check(rollout[0]["before"], rollout[0]["after"], trainer0[0]["logits"], trainer0[0]["saved"])
 
 

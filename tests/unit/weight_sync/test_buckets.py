@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_gkd.weight_sync import ChecksumMismatch, ColocatedTransport, TensorSpec, WeightReceiver, WeightSyncConfig, WeightSyncPlan, layout_buckets
-from megatron_gkd.weight_sync.buckets import allocate, pack, pack_stream, unpack
+from megatron_gkd.weight_sync.buckets import allocate, arena_views, as_bytes, fold_checksum, pack, pack_stream, unpack, unpack_arena
 
 MB = 2**20
 
@@ -148,6 +148,52 @@ def test_receiver_streams_every_tensor_through_the_colocated_transport():
         assert torch.equal(tensor, tensors[name]), name
 
 
+def _fill_arena(bucket, plan, tensors, version, checksum):
+    """What the direct transfer's broadcasts leave in a bucket's arena."""
+    arena, scratch = allocate(bucket.arena_bytes), allocate(bucket.scratch_bytes)
+    pending = {(name, shard): piece for name, shard, piece in _slices(plan, tensors)}
+    for p, part in enumerate(bucket.parts):
+        sent = [pending[bucket.slice_key(i, shard)].contiguous() for i, shard in part.slices]
+        for (i, shard), tensor in zip(part.slices, sent):
+            bucket.direct_slice(arena, scratch, i, shard).copy_(tensor)
+        bucket.arena_trailer(arena, p).copy_(torch.tensor([fold_checksum(checksum, sent), version]))
+    return arena, scratch
+
+
+@pytest.mark.parametrize("checksum", ["sum", "crc32"])
+def test_direct_arena_holds_every_tensor_in_hf_layout_and_refuses_corruption(checksum):
+    plan = _plan()
+    tensors = _tensors(plan)
+    for bucket in layout_buckets(plan, 16 * 1024):
+        arena, scratch = _fill_arena(bucket, plan, tensors, version=4, checksum=checksum)
+        for i, (entry, (name, tensor)) in enumerate(zip(bucket.entries, unpack_arena(bucket, arena_views(bucket, arena, scratch), checksum, version=4))):
+            assert name == entry.name and torch.equal(tensor, tensors[name]), name
+            # Every tensor is a view of the arena; only slices along dim 1 went through scratch.
+            assert tensor.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr(), name
+            assert (bucket.scratch_offsets[i] is None) == (entry.num_shards == 1 or entry.tp_dim == 0), name
+        scratch.fill_(3)  # reused for a later bucket: the tensors live in the arena
+        assert all(torch.equal(bucket.arena_tensor(arena, i), tensors[e.name]) for i, e in enumerate(bucket.entries))
+    bucket = layout_buckets(plan, MB)[0]
+    arena, scratch = _fill_arena(bucket, plan, tensors, version=4, checksum=checksum)
+    with pytest.raises(ChecksumMismatch, match="version 4, expected 5"):
+        list(unpack_arena(bucket, arena_views(bucket, arena, scratch), checksum, version=5))
+    i, shard = bucket.parts[1].slices[0]
+    as_bytes(bucket.direct_slice(arena, scratch, i, shard))[3] += 1
+    with pytest.raises(ChecksumMismatch, match=f"rank {bucket.parts[1].owner}.*checksum"):
+        list(unpack_arena(bucket, arena_views(bucket, arena, scratch), checksum, version=4))
+
+
+def test_checksums_fold_over_pieces_and_do_not_depend_on_alignment():
+    data = torch.randint(0, 256, (1003,), dtype=torch.uint8)  # not a multiple of 8 bytes
+    for checksum in ("sum", "crc32"):
+        whole = fold_checksum(checksum, [data])
+        assert fold_checksum(checksum, [data[:24], data[24:608], data[608:]]) == whole
+        assert fold_checksum(checksum, [data[:24], data[25:]]) != whole
+        # The receiver may hold a piece at an odd address of its arena, the sender in its own storage.
+        piece = data[3:900]
+        assert fold_checksum(checksum, [piece]) == fold_checksum(checksum, [piece.clone()])
+
+
 def test_plan_json_round_trip_and_digest():
     plan = _plan()
     again = WeightSyncPlan.from_json(plan.to_json())
@@ -160,11 +206,21 @@ def test_plan_json_round_trip_and_digest():
 @pytest.mark.parametrize(
     "kwargs, key",
     [({"transport": "carrier-pigeon"}, "transport"), ({"bucket_size_mb": 0}, "bucket_size_mb"),
-     ({"checksum": "md5"}, "checksum"), ({"num_buffers": 0}, "num_buffers"), ({"verify": True, "verify_prompts": ()}, "verify_prompts")],
+     ({"checksum": "md5"}, "checksum"), ({"transfer": "zero-copy"}, "transfer"), ({"num_buffers": 0}, "num_buffers"), ({"verify": True, "verify_prompts": ()}, "verify_prompts")],
 )
 def test_config_errors_name_the_key(kwargs, key):
     with pytest.raises(ValueError, match=key):
         WeightSyncConfig(**kwargs)
+
+
+def test_auto_transfer_is_direct_over_host_memory_and_packed_elsewhere():
+    import types
+
+    config = WeightSyncConfig()
+    assert config.resolved_transfer(types.SimpleNamespace(backend="gloo")) == "direct"
+    assert config.resolved_transfer(types.SimpleNamespace(backend="nccl")) == "packed"
+    assert config.resolved_transfer(ColocatedTransport()) == "packed"  # the engine's rank packs whole tensors
+    assert WeightSyncConfig(transfer="packed").resolved_transfer(types.SimpleNamespace(backend="gloo")) == "packed"
 
 
 def test_verify_fails_loudly_beyond_tolerance():
