@@ -126,7 +126,7 @@ def _rollout(path, sync_port, modes, repeats):
 
     resident = [(e.name, torch.randn(e.shape, dtype=e.torch_dtype) * 0.02) for e in plan.entries]
     single = torch.empty(plan.num_bytes, dtype=torch.uint8)
-    floors = []
+    floors, memory = [], {}
     for mode, config in modes:
         receiver = WeightReceiver(plan, transport, config) if config is not None else None
         best = float("inf")
@@ -161,10 +161,12 @@ def _rollout(path, sync_port, modes, repeats):
                 receiver.sync(llm)
             best = min(best, time.perf_counter() - start)
         if receiver is not None:
-            receiver.buffers = []
+            memory[mode] = receiver.buffer_bytes
+            receiver = None  # frees its buffers before the next mode allocates
         times[mode] = best
     times["floor"] = min(floors + [times["floor"]])
     times["floor samples"] = sorted(floors)
+    times["memory"] = memory
     transport.close()
     return times
 
@@ -212,11 +214,12 @@ def main() -> None:
     floors = times["floor samples"]
     print(f"checksum {args.checksum}; floor: best {times['floor']:.3f} s, median {floors[len(floors) // 2]:.3f} s over "
           f"{len(floors)} samples taken before every run\n")
-    print("| mode | time (s) | GiB/s | x floor | x floor+reload |")
-    print("|---|---|---|---|---|")
+    print("| mode | time (s) | GiB/s | x floor | x floor+reload | receiver buffers (MiB) |")
+    print("|---|---|---|---|---|---|")
     for mode, _ in modes:
+        kept = times["memory"].get(mode)
         print(f"| {mode} | {times[mode]:.3f} | {gib / times[mode]:.2f} | {times[mode] / times['floor']:.2f} "
-              f"| {times[mode] / times['floor+reload']:.2f} |")
+              f"| {times[mode] / times['floor+reload']:.2f} | {'' if kept is None else f'{kept / 2**20:.0f}'} |")
 
 
 if __name__ == "__main__":

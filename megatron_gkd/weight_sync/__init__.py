@@ -15,6 +15,10 @@ Rollout side (each rollout rank)::
     receiver = WeightReceiver(plan, transport, config)
     receiver.sync(llm)                                         # -> new weight version
 
+Every TP rank of the first data-parallel replica sends its own slices (no all-gather);
+``WeightSyncConfig.transfer`` chooses ``packed`` bucket buffers or ``direct`` broadcasts into a
+receive arena (see :class:`~megatron_gkd.weight_sync.config.WeightSyncConfig`).
+
 Colocated (the trainer rank holds the engine): :func:`colocated_sync`, no broadcast.
 """
 

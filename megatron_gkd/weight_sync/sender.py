@@ -92,17 +92,20 @@ class WeightSender:
 
     def _send_direct(self, chunks, version: int) -> None:
         """Each slice broadcast from where it lies (a copy only for a strided slice), then the part's
-        trailer; at most ``num_buffers`` buckets in flight, and all done before returning, so the
-        parameters may change afterwards."""
+        trailer, summed while the slices are on the wire; at most ``num_buffers`` buckets in flight,
+        and all done before returning, so the parameters may change afterwards."""
         in_flight: collections.deque = collections.deque()
         for bucket, (part,), ready in complete_parts(self._shards(chunks), self.work):
             tensors = [ready[bucket.slice_key(i, shard)].contiguous() for i, shard in part.slices]
-            trailer = torch.tensor([fold_checksum(self.config.checksum, tensors), version], dtype=torch.int64, device=tensors[0].device)
             if len(in_flight) >= self.config.num_buffers:
-                in_flight.popleft().wait()
-            in_flight.append(self.transport.post(part.owner, [*tensors, trailer]))
-        for work in in_flight:
-            work.wait()
+                for work in in_flight.popleft():
+                    work.wait()
+            slices = self.transport.post(part.owner, tensors)
+            trailer = torch.tensor([fold_checksum(self.config.checksum, tensors), version], dtype=torch.int64, device=tensors[0].device)
+            in_flight.append((slices, self.transport.post(part.owner, [trailer])))
+        for works in in_flight:
+            for work in works:
+                work.wait()
 
     def _send_packed(self, chunks, version: int) -> None:
         in_flight: dict[int, object] = {}
