@@ -257,6 +257,17 @@ def sent_version(bucket: BucketSpec, buffer: torch.Tensor) -> int:
     return int(part.region(buffer)[part.payload_bytes :].view(torch.int64)[1])
 
 
+def _check_part(bucket: BucketSpec, part: PartSpec, got: int, sent_sum: int, sent: int, version: int | None) -> None:
+    if got != sent_sum:
+        first = bucket.entries[part.slices[0][0]].name
+        raise ChecksumMismatch(
+            f"bucket {bucket.index}, part of rank {part.owner} ({len(part.slices)} slices, first {first}): "
+            f"checksum {got} != sent {sent_sum}"
+        )
+    if version is not None and sent != version:
+        raise ChecksumMismatch(f"bucket {bucket.index}, part of rank {part.owner} carries version {sent}, expected {version}")
+
+
 def unpack(bucket: BucketSpec, buffer: torch.Tensor, checksum: str, version: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Verifies every part's trailer and yields ``(name, full tensor)`` in bucket order: new tensors
     (the slices concatenated along ``tp_dim``, or a copy), never views into ``buffer``.
@@ -268,15 +279,7 @@ def unpack(bucket: BucketSpec, buffer: torch.Tensor, checksum: str, version: int
     for part in bucket.parts:
         region = part.region(buffer)
         sent_sum, sent = region[part.payload_bytes :].view(torch.int64).tolist()
-        got = CHECKSUMS[checksum](region[: part.payload_bytes])
-        if got != sent_sum:
-            first = bucket.entries[part.slices[0][0]].name
-            raise ChecksumMismatch(
-                f"bucket {bucket.index}, part of rank {part.owner} ({len(part.slices)} slices, first {first}): "
-                f"checksum {got} != sent {sent_sum}"
-            )
-        if version is not None and sent != version:
-            raise ChecksumMismatch(f"bucket {bucket.index}, part of rank {part.owner} carries version {sent}, expected {version}")
+        _check_part(bucket, part, CHECKSUMS[checksum](region[: part.payload_bytes]), sent_sum, sent, version)
         for (i, shard), offset in zip(part.slices, part.offsets):
             entry = bucket.entries[i]
             num_bytes = _slice_bytes(entry, bucket.sharded)
@@ -330,15 +333,7 @@ def unpack_arena(bucket: BucketSpec, views: ArenaViews, checksum: str, version: 
     """
     for part, slices, trailer in zip(bucket.parts, views.parts, views.trailers):
         sent_sum, sent = trailer.tolist()
-        got = fold_checksum(checksum, slices)
-        if got != sent_sum:
-            first = bucket.entries[part.slices[0][0]].name
-            raise ChecksumMismatch(
-                f"bucket {bucket.index}, part of rank {part.owner} ({len(part.slices)} slices, first {first}): "
-                f"checksum {got} != sent {sent_sum}"
-            )
-        if version is not None and sent != version:
-            raise ChecksumMismatch(f"bucket {bucket.index}, part of rank {part.owner} carries version {sent}, expected {version}")
+        _check_part(bucket, part, fold_checksum(checksum, slices), sent_sum, sent, version)
     for tensor, slices, dim in views.concat:
         torch.cat(slices, dim=dim, out=tensor)
     for entry, tensor in zip(bucket.entries, views.tensors):

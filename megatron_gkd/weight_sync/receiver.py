@@ -122,13 +122,16 @@ class WeightReceiver:
             if prefetch and not last:
                 pending = self.transport.recv(self.buckets[i + 1], buffers[(i + 1) % len(buffers)])
             if incoming is None:
-                incoming = sent_version(bucket, current.buffer)
-                if incoming <= self.version:
-                    raise ChecksumMismatch(f"received weight version {incoming}, not newer than {self.version}")
+                incoming = self._newer(sent_version(bucket, current.buffer))
             yield from unpack(bucket, current.buffer, self.config.checksum, version=incoming)
             if not prefetch and not last:
                 pending = self.transport.recv(self.buckets[i + 1], buffers[0])
         self._incoming = incoming
+
+    def _newer(self, incoming: int) -> int:
+        if incoming <= self.version:
+            raise ChecksumMismatch(f"received weight version {incoming}, not newer than {self.version}")
+        return incoming
 
     def _receive_direct(self) -> Iterator[tuple[str, torch.Tensor]]:
         def post(index: int) -> list:
@@ -147,9 +150,7 @@ class WeightReceiver:
                 posted.append(post(index + ahead))
             views = self._views[index]
             if incoming is None:
-                incoming = int(views.trailers[0][1])
-                if incoming <= self.version:
-                    raise ChecksumMismatch(f"received weight version {incoming}, not newer than {self.version}")
+                incoming = self._newer(int(views.trailers[0][1]))
             yield from unpack_arena(bucket, views, self.config.checksum, version=incoming)
         self._incoming = incoming
 
