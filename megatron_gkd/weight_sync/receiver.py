@@ -78,22 +78,23 @@ class WeightReceiver:
         needs_buffers = getattr(transport, "needs_buffers", True)
         self.buckets: list[BucketSpec] = layout_buckets(plan, config.bucket_bytes, sharded=needs_buffers)
         self.transfer = config.resolved_transfer(transport)
+        device = getattr(transport, "device", None)
         if self.transfer == "direct":
             # One arena region per bucket, allocated once: never rewritten while vLLM reads it.
             starts = [0]
             for bucket in self.buckets:
                 starts.append(starts[-1] + (bucket.arena_bytes + 15) // 16 * 16)
-            arena = allocate(starts[-1])
+            arena = allocate(starts[-1], device)
             self.buffers = [arena[start : start + bucket.arena_bytes] for start, bucket in zip(starts, self.buckets)]
             # Slices to concatenate arrive in scratch buffers, one per bucket in flight plus the one unpacked.
             largest = max(bucket.scratch_bytes for bucket in self.buckets)
             slots = min(max(config.num_buffers, 1) + 1, len(self.buckets))
-            scratch = [allocate(largest) if largest else None for _ in range(slots)]
+            scratch = [allocate(largest, device) if largest else None for _ in range(slots)]
             self._views = [arena_views(bucket, self.buffers[i], scratch[i % len(scratch)]) for i, bucket in enumerate(self.buckets)]
             self.buffer_bytes = arena.numel() + sum(buffer.numel() for buffer in scratch if buffer is not None)
         else:
             largest = max(b.buffer_bytes for b in self.buckets)
-            self.buffers = [allocate(largest) for _ in range(config.num_buffers)] if needs_buffers else [None]
+            self.buffers = [allocate(largest, device) for _ in range(config.num_buffers)] if needs_buffers else [None]
             self.buffer_bytes = sum(buffer.numel() for buffer in self.buffers if buffer is not None)
         """Host or device memory this receiver keeps between syncs."""
         logger.info("weight receiver: %d buckets, %s transfer, %.1f MiB of buffers", len(self.buckets), self.transfer, self.buffer_bytes / 2**20)

@@ -10,6 +10,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_gkd import platform
 from megatron_gkd.models import export_hf_shards, export_hf_weights, shard_sources
 from megatron_gkd.weight_sync.buckets import BucketSpec, PartSpec, allocate, complete_parts, fold_checksum, layout_buckets, pack_stream
 from megatron_gkd.weight_sync.config import WeightSyncConfig
@@ -49,7 +50,8 @@ class WeightSender:
         self.transfer = "packed" if owns_all else config.resolved_transfer(transport)
         sizes = [bucket.buffer_bytes if owns_all else part.buffer_bytes for bucket, part in self.work]
         packs = sizes and self.transfer == "packed"
-        self.buffers = [allocate(max(sizes)) for _ in range(config.num_buffers)] if packs else []
+        device = getattr(transport, "device", None) or platform.device()
+        self.buffers = [allocate(max(sizes), device) for _ in range(config.num_buffers)] if packs else []
         self.last_sync_s = 0.0
         self._sources: tuple[tuple[int, ...], list] | None = None
 

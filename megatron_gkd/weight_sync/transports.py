@@ -66,13 +66,31 @@ class _Pending:
         return True
 
 
-def _new_group(store, rank: int, size: int, backend: str, timeout: datetime.timedelta):
-    if backend != "gloo":
-        raise ValueError(
-            f"the distributed weight-sync transport builds its group with ProcessGroupGloo; backend "
-            f"{backend!r} is not wired in yet (add its constructor in weight_sync.transports._new_group)"
-        )
+def _gloo(store, rank, size, timeout):
     return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _nccl(store, rank, size, timeout):
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+def _hccl(store, rank, size, timeout):
+    # torch_npu adds ProcessGroupHCCL to torch.distributed when it is imported (platform "npu").
+    return dist.ProcessGroupHCCL(store, rank, size, timeout)
+
+
+GROUP_BUILDERS = {"gloo": _gloo, "nccl": _nccl, "hccl": _hccl}
+"""Backend name -> ``f(store, rank, size, timeout)``: a process group on its own store, outside the
+default group (the trainer's torchrun world and the rollout processes need not share one)."""
+
+
+def _new_group(store, rank: int, size: int, backend: str, timeout: datetime.timedelta):
+    if backend not in GROUP_BUILDERS:
+        raise ValueError(f"weight-sync backend {backend!r} is not supported; choose one of {sorted(GROUP_BUILDERS)} "
+                         f"(or add its constructor to weight_sync.transports.GROUP_BUILDERS)")
+    return GROUP_BUILDERS[backend](store, rank, size, timeout)
 
 
 @register_transport("distributed")
@@ -83,7 +101,8 @@ class TorchDistributedTransport:
         address, port: the TCP store of this group (sync rank 0, the first trainer rank, hosts it).
         rank: this process's rank in the group.
         num_trainer_ranks: T; num_rollout_ranks: R.
-        backend: default: the platform's (gloo on the host).
+        backend: of the bucket groups (the data); default: the platform's (gloo on the host, nccl on
+            CUDA, hccl on Ascend). The handshake, barriers and verify log-probs always travel over gloo.
         timeout_s: for the store and every operation.
     """
 
@@ -95,10 +114,12 @@ class TorchDistributedTransport:
         self.num_trainer_ranks = num_trainer_ranks
         self.rollout_ranks = list(range(num_trainer_ranks, num_trainer_ranks + num_rollout_ranks))
         self.backend = backend or platform.dist_backend()
+        self.device = torch.device("cpu") if self.backend == "gloo" else platform.device()
+        """Where bucket buffers and the receive arena live."""
         self.timeout = datetime.timedelta(seconds=timeout_s)
         size = num_trainer_ranks + num_rollout_ranks
         self._store = dist.TCPStore(address, port, size, is_master=rank == 0, timeout=self.timeout)
-        self.world = _new_group(dist.PrefixStore("weight_sync/all", self._store), rank, size, self.backend, self.timeout)
+        self.world = _new_group(dist.PrefixStore("weight_sync/all", self._store), rank, size, "gloo", self.timeout)
         self._owner_groups: dict[int, object] = {}
 
     @property

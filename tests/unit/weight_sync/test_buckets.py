@@ -232,3 +232,33 @@ def test_verify_fails_loudly_beyond_tolerance():
         check_prompt_logprobs(expected + torch.tensor([0.0, 2e-4, 0.0], dtype=torch.float64), expected, 1e-4, version=3)
     with pytest.raises(WeightSyncMismatch):
         check_prompt_logprobs(torch.full((3,), float("nan"), dtype=torch.float64), expected, 1e-4, version=3)
+
+
+def test_bucket_groups_use_the_platform_backend_and_control_stays_on_gloo(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from megatron_gkd.testing.distributed import free_port
+    from megatron_gkd.weight_sync import TorchDistributedTransport
+    from megatron_gkd.weight_sync import transports
+
+    built = []
+
+    class FakeNCCL:
+        class Options:
+            _timeout = None
+
+        def __init__(self, store, rank, size, options):
+            built.append((rank, size, options._timeout))
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    monkeypatch.setattr(transports.platform, "device", lambda: torch.device("cpu"))  # no GPU here
+    transport = TorchDistributedTransport(address="127.0.0.1", port=free_port(), rank=0, num_trainer_ranks=1,
+                                          num_rollout_ranks=0, backend="nccl", timeout_s=30)
+    assert isinstance(transport.world, dist.ProcessGroupGloo)  # handshake, barriers, verify log-probs
+    transport.connect([0])
+    assert isinstance(transport.group_of(0), FakeNCCL) and built == [(0, 1, datetime.timedelta(seconds=30))]
+    transport.close()
+    with pytest.raises(ValueError, match="'mpi' is not supported.*gloo.*hccl.*nccl"):
+        transports._new_group(None, 0, 1, "mpi", datetime.timedelta(seconds=1))
