@@ -154,6 +154,44 @@ def dist_backend() -> str:
     return current().dist_backend
 
 
+def _gloo_group(store, rank, size, timeout):
+    import torch.distributed as dist
+
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _nccl_group(store, rank, size, timeout):
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+def _hccl_group(store, rank, size, timeout):
+    import torch.distributed as dist
+
+    # torch_npu adds ProcessGroupHCCL to torch.distributed when it is imported (platform "npu").
+    return dist.ProcessGroupHCCL(store, rank, size, timeout)
+
+
+PROCESS_GROUP_BUILDERS = {"gloo": _gloo_group, "nccl": _nccl_group, "hccl": _hccl_group}
+"""Backend name -> ``f(store, rank, size, timeout)``."""
+
+
+def new_process_group(backend: str, store, rank: int, size: int, timeout):
+    """A process group on its own ``store``, outside the default group (for example between a
+    trainer's torchrun world and rollout processes that are not part of it).
+
+    Raises:
+        ValueError: ``backend`` has no builder in :data:`PROCESS_GROUP_BUILDERS`.
+    """
+    if backend not in PROCESS_GROUP_BUILDERS:
+        raise ValueError(f"process-group backend {backend!r} is not supported; choose one of "
+                         f"{sorted(PROCESS_GROUP_BUILDERS)} (or add its builder to platform.PROCESS_GROUP_BUILDERS)")
+    return PROCESS_GROUP_BUILDERS[backend](store, rank, size, timeout)
+
+
 def set_local_device(local_rank: int) -> None:
     """Binds this process to its local accelerator (no-op on the host)."""
     platform = current()

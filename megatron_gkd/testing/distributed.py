@@ -18,6 +18,7 @@ import importlib
 import os
 import pickle
 import queue as queue_lib
+import random
 import socket
 import time
 import traceback
@@ -31,8 +32,38 @@ class DistributedFailure(RuntimeError):
     """A rank raised; the message holds that rank's traceback."""
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            return int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on loopback that is free right now."""
+    """A TCP port on loopback that is free right now, below the ephemeral range.
+
+    A port the kernel hands out for ``bind(0)`` is in the ephemeral range, which is also where outgoing
+    connections take their source ports: between choosing it and listening on it, a connection (gloo
+    opens many) can take it, and the listener fails with EADDRINUSE. Ports below the range are only
+    taken by listeners, and this process never hands out the same port twice.
+    """
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 20000), low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -80,7 +80,8 @@ def _transport(port: int, rank: int, num_trainers: int, num_rollout: int):
 
 
 def trainer_rank(runs, trainer_port: int, num_trainers: int, num_rollout: int, config, prompts, out_root: str):
-    """For each run (dict: ``layout``, ``path`` to load, sync ``port``, ``steps``): load, train, sync, save.
+    """For each run (dict: ``layout``, ``path`` to load, sync ``port``, ``steps``, optional ``syncs``
+    (default 1): that many rounds of train then sync, versions 1, 2, ...): load, train, sync, save.
 
     Returns per run: plan digest, the student's prompt logits ``[b][s, v]`` (last stage) and the
     ``save_hf`` directory.
@@ -103,8 +104,9 @@ def trainer_rank(runs, trainer_port: int, num_trainers: int, num_rollout: int, c
         transport = _transport(port, rank, num_trainers, num_rollout)
         connect_trainer(plan, transport)
         sender = WeightSender(plan, transport, config)
-        train(chunks, optimizer, num_steps, chunks[0].module.hf_model_info.hf_config["vocab_size"])
-        sender.sync(chunks, version=1)
+        for version in range(1, run.get("syncs", 1) + 1):
+            train(chunks, optimizer, num_steps, chunks[0].module.hf_model_info.hf_config["vocab_size"], seed=version - 1)
+            sender.sync(chunks, version=version)
         logits = [megatron_logits(chunks, torch.tensor([p])) for p in prompts]
         out = os.path.join(out_root, f"{layout}-saved")
         save_hf(chunks, out)
@@ -154,7 +156,8 @@ def rollout_rank(runs, num_trainers: int, num_rollout: int, config, prompts, num
         else:
             llm, before = RecordingLLM(), None
         receiver = WeightReceiver(plan, transport, config)
-        version = receiver.sync(llm)
+        for _ in range(run.get("syncs", 1)):
+            version = receiver.sync(llm)
         after = _greedy_and_logprobs(llm, prompts, num_tokens) if use_vllm else None
         results.append(dict(layout=layout, digest=plan.digest, version=version, before=before, after=after,
                             weights=None if use_vllm else llm.weights, num_buckets=len(receiver.buckets)))

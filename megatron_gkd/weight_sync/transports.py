@@ -66,33 +66,6 @@ class _Pending:
         return True
 
 
-def _gloo(store, rank, size, timeout):
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
-
-
-def _nccl(store, rank, size, timeout):
-    options = dist.ProcessGroupNCCL.Options()
-    options._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, size, options)
-
-
-def _hccl(store, rank, size, timeout):
-    # torch_npu adds ProcessGroupHCCL to torch.distributed when it is imported (platform "npu").
-    return dist.ProcessGroupHCCL(store, rank, size, timeout)
-
-
-GROUP_BUILDERS = {"gloo": _gloo, "nccl": _nccl, "hccl": _hccl}
-"""Backend name -> ``f(store, rank, size, timeout)``: a process group on its own store, outside the
-default group (the trainer's torchrun world and the rollout processes need not share one)."""
-
-
-def _new_group(store, rank: int, size: int, backend: str, timeout: datetime.timedelta):
-    if backend not in GROUP_BUILDERS:
-        raise ValueError(f"weight-sync backend {backend!r} is not supported; choose one of {sorted(GROUP_BUILDERS)} "
-                         f"(or add its constructor to weight_sync.transports.GROUP_BUILDERS)")
-    return GROUP_BUILDERS[backend](store, rank, size, timeout)
-
-
 @register_transport("distributed")
 class TorchDistributedTransport:
     """A dedicated group: trainer ranks ``0..T-1`` (their trainer rank), rollout ranks ``T..T+R-1``.
@@ -119,7 +92,7 @@ class TorchDistributedTransport:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         size = num_trainer_ranks + num_rollout_ranks
         self._store = dist.TCPStore(address, port, size, is_master=rank == 0, timeout=self.timeout)
-        self.world = _new_group(dist.PrefixStore("weight_sync/all", self._store), rank, size, "gloo", self.timeout)
+        self.world = platform.new_process_group("gloo", dist.PrefixStore("weight_sync/all", self._store), rank, size, self.timeout)
         self._owner_groups: dict[int, object] = {}
 
     @property
@@ -132,7 +105,7 @@ class TorchDistributedTransport:
             members = [owner, *self.rollout_ranks]
             if self.rank in members:
                 store = dist.PrefixStore(f"weight_sync/owner{owner}", self._store)
-                self._owner_groups[owner] = _new_group(store, members.index(self.rank), len(members), self.backend, self.timeout)
+                self._owner_groups[owner] = platform.new_process_group(self.backend, store, members.index(self.rank), len(members), self.timeout)
 
     def share_text(self, text: str | None, src: int = 0) -> str:
         """``text`` of rank ``src`` on every rank of the group (the plan handshake)."""

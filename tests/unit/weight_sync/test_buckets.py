@@ -218,7 +218,7 @@ def test_auto_transfer_is_direct_over_host_memory_and_packed_elsewhere():
 
     config = WeightSyncConfig()
     assert config.resolved_transfer(types.SimpleNamespace(backend="gloo")) == "direct"
-    assert config.resolved_transfer(types.SimpleNamespace(backend="nccl")) == "packed"
+    assert config.resolved_transfer(types.SimpleNamespace(backend="hccl")) == "packed"
     assert config.resolved_transfer(ColocatedTransport()) == "packed"  # the engine's rank packs whole tensors
     assert WeightSyncConfig(transfer="packed").resolved_transfer(types.SimpleNamespace(backend="gloo")) == "packed"
 
@@ -234,31 +234,19 @@ def test_verify_fails_loudly_beyond_tolerance():
         check_prompt_logprobs(torch.full((3,), float("nan"), dtype=torch.float64), expected, 1e-4, version=3)
 
 
-def test_bucket_groups_use_the_platform_backend_and_control_stays_on_gloo(monkeypatch):
-    import datetime
-
+def test_bucket_groups_use_the_transport_backend_and_control_stays_on_gloo(monkeypatch):
     import torch.distributed as dist
 
+    from megatron_gkd import platform
     from megatron_gkd.testing.distributed import free_port
     from megatron_gkd.weight_sync import TorchDistributedTransport
-    from megatron_gkd.weight_sync import transports
 
     built = []
-
-    class FakeNCCL:
-        class Options:
-            _timeout = None
-
-        def __init__(self, store, rank, size, options):
-            built.append((rank, size, options._timeout))
-
-    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
-    monkeypatch.setattr(transports.platform, "device", lambda: torch.device("cpu"))  # no GPU here
+    monkeypatch.setitem(platform.PROCESS_GROUP_BUILDERS, "accel", lambda store, rank, size, timeout: built.append((rank, size)) or "group")
+    monkeypatch.setattr(platform, "device", lambda: torch.device("cpu"))  # where an accelerator's buffers would go
     transport = TorchDistributedTransport(address="127.0.0.1", port=free_port(), rank=0, num_trainer_ranks=1,
-                                          num_rollout_ranks=0, backend="nccl", timeout_s=30)
+                                          num_rollout_ranks=0, backend="accel", timeout_s=30)
     assert isinstance(transport.world, dist.ProcessGroupGloo)  # handshake, barriers, verify log-probs
     transport.connect([0])
-    assert isinstance(transport.group_of(0), FakeNCCL) and built == [(0, 1, datetime.timedelta(seconds=30))]
+    assert transport.group_of(0) == "group" and built == [(0, 1)]
     transport.close()
-    with pytest.raises(ValueError, match="'mpi' is not supported.*gloo.*hccl.*nccl"):
-        transports._new_group(None, 0, 1, "mpi", datetime.timedelta(seconds=1))
