@@ -3,9 +3,10 @@
 A random ~92M-parameter Llama (24 layers, 219 HF tensors, fp32) is loaded with ``load_hf`` on two
 trainer ranks; a third process holds a vLLM engine of the same model. The clock runs on the rollout
 rank from a barrier of the weight-sync group to the end of vLLM's in-place reload (or, for the
-transport-only rows, to the last tensor copied out)::
+transport-only rows, to the last HF tensor ready on the receiver)::
 
-    python benchmarks/weight_sync.py [--bucket-size-mb 512 64 16] [--repeats 3] [--workdir DIR]
+    python benchmarks/weight_sync.py [--bucket-size-mb 512 64 16] [--repeats 3] [--checksum sum]
+                                     [--modes PREFIX ...] [--workdir DIR]
 
 End-to-end modes (into vLLM):
   floor+reload     one broadcast of the plan's bytes, already in one buffer, then vLLM's reload of
@@ -19,11 +20,12 @@ End-to-end modes (into vLLM):
                    per-part checksum; 2 buckets in flight
   bucketed, packed the protocol, ``transfer="packed"`` (the default on accelerators): every TP rank
                    packs its slices into its part of each bucket; the receiver copies them out
-Transport-only modes (no vLLM; the receiver drops each tensor once it is copied out):
+Transport-only modes (no vLLM; the receiver drops each tensor once it is ready):
   floor            one broadcast of the plan's bytes in a single buffer
   floor, 2 senders each trainer rank broadcasts half of the bytes in a single buffer, at once
   bucketed, ..., no load  the protocol up to the HF tensors on the receiver
-  reload_only      vLLM's in-place reload of tensors already in memory (what loading alone costs)
+Loading alone:
+  reload_only      vLLM's in-place reload of tensors already in memory
 
 Prints a Markdown table (best of ``--repeats``). Timings are host timings on a shared machine; a floor
 sample is taken before every run, and ratios are to the best of them.

@@ -96,7 +96,7 @@ class WeightReceiver:
             largest = max(b.buffer_bytes for b in self.buckets)
             self.buffers = [allocate(largest, device) for _ in range(config.num_buffers)] if needs_buffers else [None]
             self.buffer_bytes = sum(buffer.numel() for buffer in self.buffers if buffer is not None)
-        """Host or device memory this receiver keeps between syncs."""
+        # self.buffer_bytes: the host or device memory this receiver keeps between syncs.
         logger.info("weight receiver: %d buckets, %s transfer, %.1f MiB of buffers", len(self.buckets), self.transfer, self.buffer_bytes / 2**20)
         self.version = 0
         self.last_sync_s = 0.0
