@@ -86,7 +86,9 @@ class WeightReceiver:
                 starts.append(starts[-1] + (bucket.arena_bytes + 15) // 16 * 16)
             arena = allocate(starts[-1], device)
             self.buffers = [arena[start : start + bucket.arena_bytes] for start, bucket in zip(starts, self.buckets)]
-            # Slices to concatenate arrive in scratch buffers, one per bucket in flight plus the one unpacked.
+            # Slices to concatenate arrive in scratch buffers, one per bucket in flight plus the one
+            # unpacked: _receive_direct must never post more than num_buffers buckets ahead (posting
+            # every bucket at once overwrote a scratch buffer still being received; the checksum caught it).
             largest = max(bucket.scratch_bytes for bucket in self.buckets)
             slots = min(max(config.num_buffers, 1) + 1, len(self.buckets))
             scratch = [allocate(largest, device) if largest else None for _ in range(slots)]
