@@ -18,7 +18,11 @@ import subprocess
 import sys
 import tempfile
 
+from megatron_gkd.testing.hf_models import TINY_CONFIGS
+
+# The tested tiny config (routing, YaRN, MTP off) at MLA dims vLLM's CPU kernel accepts.
 BASE = dict(
+    TINY_CONFIGS["DeepseekV3ForCausalLM"],
     vocab_size=256,
     hidden_size=128,
     intermediate_size=192,
@@ -26,34 +30,15 @@ BASE = dict(
     num_hidden_layers=3,
     num_attention_heads=4,
     num_key_value_heads=4,
-    n_shared_experts=1,
-    n_routed_experts=8,
-    num_experts_per_tok=4,
-    n_group=4,
-    topk_group=2,
-    routed_scaling_factor=2.5,
-    first_k_dense_replace=1,
-    norm_topk_prob=True,
     q_lora_rank=64,
     kv_lora_rank=512,
     qk_nope_head_dim=64,
     qk_rope_head_dim=64,
     v_head_dim=64,
     max_position_embeddings=1024,
-    topk_method="noaux_tc",
-    num_nextn_predict_layers=0,
     bos_token_id=0,
     eos_token_id=1,
-    rope_parameters=dict(
-        rope_type="yarn",
-        rope_theta=10000.0,
-        factor=4.0,
-        original_max_position_embeddings=256,
-        beta_fast=32,
-        beta_slow=1,
-        mscale=1.0,
-        mscale_all_dim=1.0,
-    ),
+    rope_parameters=dict(TINY_CONFIGS["DeepseekV3ForCausalLM"]["rope_parameters"], original_max_position_embeddings=256),
 )
 DEFAULT_ROPE = dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0))
 NO_GROUPS = dict(n_group=1, topk_group=1)

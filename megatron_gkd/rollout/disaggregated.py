@@ -69,18 +69,8 @@ class RolloutClient(RolloutEngine):
 
     def __init__(self, group, server_rank: int, trainer_rank: int, max_model_len: int):
         self._group, self._server_rank, self._trainer_rank = group, server_rank, trainer_rank
-        self._max_model_len = max_model_len
-        self._weight_version = 0
+        super().__init__(max_model_len)  # weight_version: that of the last batch received
         self._closed = False
-
-    @property
-    def weight_version(self) -> int:
-        """Version of the last batch received (the server's engine holds the weights)."""
-        return self._weight_version
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutBatch:
         _broadcast(([list(map(int, p)) for p in prompts], sampling), self._trainer_rank, self._group)

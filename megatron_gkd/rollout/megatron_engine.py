@@ -43,17 +43,9 @@ class MegatronEngine(RolloutEngine):
                              "chunk); use rollout engine 'vllm' for pipelined students")
         self._model = chunks[0]
         self._tp_group = tp_group if tp_group is not None else mpu.get_tensor_model_parallel_group()
-        self._max_model_len, self._eos, self._vocab_size = max_model_len, eos_token_id, vocab_size
+        super().__init__(max_model_len)
+        self._eos, self._vocab_size = eos_token_id, vocab_size
         self._pad_token_id = pad_token_id
-        self._weight_version = 0
-
-    @property
-    def weight_version(self) -> int:
-        return self._weight_version
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
 
     def set_weight_version(self, version: int) -> None:
         """Records that the student's weights (which this engine samples with) are now ``version``."""

@@ -15,17 +15,25 @@ _ENGINES: dict[str, Callable[..., "RolloutEngine"]] = {}
 
 
 class RolloutEngine(abc.ABC):
-    """Samples responses with the student's current weights."""
+    """Samples responses with the student's current weights.
+
+    Subclasses call ``super().__init__(max_model_len, weight_version)`` and bump ``_weight_version``
+    whenever new weights are in use.
+    """
+
+    def __init__(self, max_model_len: int, weight_version: int = 0):
+        self._max_model_len = max_model_len
+        self._weight_version = weight_version
 
     @property
-    @abc.abstractmethod
     def weight_version(self) -> int:
         """Version of the weights in use (bumped by every weight load)."""
+        return self._weight_version
 
     @property
-    @abc.abstractmethod
     def max_model_len(self) -> int:
         """Longest prompt + response the engine accepts."""
+        return self._max_model_len
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutBatch:

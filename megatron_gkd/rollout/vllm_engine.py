@@ -83,22 +83,13 @@ class VLLMEngine(RolloutEngine):
         else:
             # One process: keep the engine core in it (no child process to leak or to kill).
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        self._max_model_len = max_model_len
-        self._weight_version = weight_version
+        super().__init__(max_model_len, weight_version)
         self.llm = vllm.LLM(model=model, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                             max_model_len=max_model_len, max_logprobs=max_logprobs,
                             gpu_memory_utilization=gpu_memory_utilization, seed=seed,
                             enforce_eager=enforce_eager, logprobs_mode="raw_logprobs",
                             **parallel_kwargs, **engine_kwargs)
         self._pad_token_id = pad_token_id
-
-    @property
-    def weight_version(self) -> int:
-        return self._weight_version
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutBatch:
         check_prompt_lengths(prompts, sampling, self._max_model_len)
