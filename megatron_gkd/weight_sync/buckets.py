@@ -355,24 +355,23 @@ def complete_parts(
     """
     pending: dict[tuple[str, int], torch.Tensor] = {}
     groups = _group_by_bucket(work) if whole_buckets else [(bucket, [part]) for bucket, part in work]
-    remaining = iter(groups)
+    # Each group with the slice keys it waits for, listed once (not on every arriving slice).
+    remaining = iter([(bucket, parts, [bucket.slice_key(i, shard) for part in parts for i, shard in part.slices])
+                      for bucket, parts in groups])
     current = next(remaining, None)
-
-    def keys(bucket, parts):
-        return [bucket.slice_key(i, shard) for part in parts for i, shard in part.slices]
 
     for name, shard, tensor in slices:
         pending[name, shard] = tensor
-        while current is not None and all(key in pending for key in keys(*current)):
-            bucket, parts = current
-            ready = {key: pending.pop(key) for key in keys(bucket, parts)}
-            for (i, shard_index) in (s for part in parts for s in part.slices):
-                got, shape = tuple(ready[bucket.slice_key(i, shard_index)].shape), bucket.slice_shape(bucket.entries[i])
+        while current is not None and all(key in pending for key in current[2]):
+            bucket, parts, keys = current
+            ready = {key: pending.pop(key) for key in keys}
+            for (i, shard_index), key in zip((s for part in parts for s in part.slices), keys):
+                got, shape = tuple(ready[key].shape), bucket.slice_shape(bucket.entries[i])
                 assert got == shape, (bucket.entries[i].name, shard_index, got, shape)
             yield bucket, parts, ready
             current = next(remaining, None)
     if current is not None or pending:
-        missing = [] if current is None else [key for key in keys(*current) if key not in pending]
+        missing = [] if current is None else [key for key in current[2] if key not in pending]
         raise RuntimeError(
             f"exporter stream ended before bucket {current and current[0].index} was complete (missing {missing[:5]}); "
             f"unplanned slices {sorted(pending)[:5]}"
