@@ -11,13 +11,13 @@ timed calls; tokens/s counts generated response tokens (samples may stop early a
 """
 
 import argparse
-import logging
 import os
 import tempfile
 import time
 
 import numpy as np
 
+from megatron_gkd.log_setup import setup_logging
 from megatron_gkd.rollout import SamplingConfig
 from megatron_gkd.testing.distributed import run_distributed
 from megatron_gkd.testing.rollout import EOS_TOKEN_ID, make_rollout_checkpoint
@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each engine")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    setup_logging("WARNING")
     os.environ["ROLLOUT_BENCH_THREADS"] = str(args.threads)
 
     vocab_size, max_model_len = 256, 256

@@ -91,6 +91,38 @@ def _check_divisible(hf_config: dict, fields: dict, state) -> None:
         )
 
 
+def _mark_tensor_parallel_weights(model: torch.nn.Module) -> int:
+    """Sets the tensor-parallel marks of split weights, which Megatron-Core 0.16.1 sets only inside the
+    initialisation that ``perform_initialization=False`` skips (loading weights from HF skips it).
+
+    Without them Megatron takes a split weight for a replica on every TP rank but the first: its
+    gradient-norm (and clipping) counts rank 0's shard alone. Marks are those the initialisation would
+    set: column-parallel and vocabulary-parallel weights split along dim 0 (a gated MLP's fused
+    ``[gate; up]`` with stride 2), row-parallel along dim 1. Returns the number of weights marked.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    marked = 0
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        gated = name.endswith("linear_fc1") and getattr(getattr(module, "config", None), "gated_linear_unit", False)
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter) and not getattr(weight, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=2 if gated else 1)
+            marked += 1
+    return marked
+
+
 DEFAULT_SEED = 1234
 
 
@@ -165,6 +197,8 @@ def build_model(
             **model_kwargs,
         )
         model.hf_model_info = info
+        if not config.perform_initialization:
+            _mark_tensor_parallel_weights(model)
         chunks.append(model)
     logger.info(
         "built %s: %d chunk(s), transformer engine %s, %s",

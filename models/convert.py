@@ -23,6 +23,8 @@ import shutil
 
 import torch
 
+from megatron_gkd.log_setup import setup_logging
+
 logger = logging.getLogger(__name__)
 
 HF_SUBDIR = "hf"
@@ -100,7 +102,7 @@ def mcore_to_hf(mcore_path: str, out: str, dtype: torch.dtype) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging("INFO")
     from megatron_gkd import platform
 
     platform.setup()

@@ -9,7 +9,6 @@ The dict is used as is (no ``transformers`` import): checkpoints on disk carry t
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import torch
@@ -23,12 +22,10 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     Raises:
         FileNotFoundError: there is no ``config.json``.
     """
-    path = os.fspath(path)
-    file = path if path.endswith(".json") else os.path.join(path, "config.json")
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"no HF config at {file}; pass a Hugging Face checkpoint directory")
-    with open(file) as handle:
-        return json.load(handle)
+    # One reader for both: the planner's has no torch import, so dry runs can use it on a laptop.
+    from megatron_gkd.planning.model import read_config
+
+    return read_config(path)
 
 
 def architecture_name(hf_config: dict) -> str:

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Callable
 
 from megatron_gkd.models.hf_config import architecture_name
+from megatron_gkd.registry import Registry
 
 
 def default_layer_spec(config, *, use_transformer_engine: bool, vp_stage: int | None, pp_rank: int | None):
@@ -50,19 +51,16 @@ class ArchitectureSpec:
     config_class: Callable | None = None
 
 
-_REGISTRY: dict[str, ArchitectureSpec] = {}
+ARCHITECTURES: Registry[ArchitectureSpec] = Registry("HF architecture", config_key="architectures[0]")
 
 
 def register_architecture(spec: ArchitectureSpec) -> ArchitectureSpec:
     """Adds ``spec`` to the registry; a second registration of the same name is a programming error."""
-    if spec.name in _REGISTRY:
-        raise ValueError(f"architecture {spec.name!r} is already registered")
-    _REGISTRY[spec.name] = spec
-    return spec
+    return ARCHITECTURES.register(spec.name, spec)
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_REGISTRY)
+    return ARCHITECTURES.names()
 
 
 def get_architecture(hf_config_or_name: dict | str) -> ArchitectureSpec:
@@ -72,8 +70,4 @@ def get_architecture(hf_config_or_name: dict | str) -> ArchitectureSpec:
         ValueError: the architecture is not supported; the message lists the supported ones.
     """
     name = hf_config_or_name if isinstance(hf_config_or_name, str) else architecture_name(hf_config_or_name)
-    if name not in _REGISTRY:
-        raise ValueError(
-            f"unsupported HF architecture {name!r}; supported: {', '.join(supported_architectures())}"
-        )
-    return _REGISTRY[name]
+    return ARCHITECTURES.get(name)

@@ -20,11 +20,12 @@ Adding a loss::
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 from typing import Any, Callable
 
 import torch
+
+from megatron_gkd.registry import Registry, closest
 
 logger = logging.getLogger(__name__)
 _warned_inert: set[tuple[str, str]] = set()
@@ -89,10 +90,8 @@ class Divergence:
         valid = [field.name for field in dataclasses.fields(self.options_cls)]
         for key in options:
             if key not in valid:
-                close = difflib.get_close_matches(key, valid, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ValueError(
-                    f"loss_type={self.name!r} has no option {key!r}{hint} "
+                    f"loss_type={self.name!r} has no option {key!r}{closest(key, valid)} "
                     f"(its options: {', '.join(valid) or 'none'})"
                 )
         built = self.options_cls(**options)
@@ -105,7 +104,7 @@ class Divergence:
         return built
 
 
-_REGISTRY: dict[str, Divergence] = {}
+DIVERGENCES: Registry[Divergence] = Registry("divergence", config_key="loss_type")
 
 
 def register_divergence(name: str, *, options: type) -> Callable[[DivergenceFn], DivergenceFn]:
@@ -117,9 +116,7 @@ def register_divergence(name: str, *, options: type) -> Callable[[DivergenceFn],
     """
 
     def decorate(fn: DivergenceFn) -> DivergenceFn:
-        if name in _REGISTRY:
-            raise ValueError(f"divergence {name!r} is registered twice")
-        _REGISTRY[name] = Divergence(name, fn, options)
+        DIVERGENCES.register(name, Divergence(name, fn, options))
         return fn
 
     return decorate
@@ -131,13 +128,9 @@ def get_divergence(name: str) -> Divergence:
     Raises:
         ValueError: no divergence has that name (the message lists the registered ones).
     """
-    if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown loss_type {name!r}{hint} (registered: {', '.join(sorted(_REGISTRY))})")
-    return _REGISTRY[name]
+    return DIVERGENCES.get(name)
 
 
 def registered_divergences() -> list[str]:
     """Names of all registered divergences, sorted."""
-    return sorted(_REGISTRY)
+    return DIVERGENCES.names()

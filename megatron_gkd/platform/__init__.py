@@ -179,13 +179,25 @@ PROCESS_GROUP_BUILDERS = {"gloo": _gloo_group, "nccl": _nccl_group, "hccl": _hcc
 """Backend name -> ``f(store, rank, size, timeout)``."""
 
 
-def new_process_group(backend: str, store, rank: int, size: int, timeout):
+def new_process_group(backend: str, store, rank: int, size: int, timeout, *, bind_address: str | None = None):
     """A process group on its own ``store``, outside the default group (for example between a
     trainer's torchrun world and rollout processes that are not part of it).
+
+    Args:
+        bind_address: gloo only: the local address its sockets listen on (default: gloo's choice, the
+            address the host name resolves to). NCCL and HCCL pick their interface from their own
+            environment (``NCCL_SOCKET_IFNAME``, ``HCCL_SOCKET_IFNAME``).
 
     Raises:
         ValueError: ``backend`` has no builder in :data:`PROCESS_GROUP_BUILDERS`.
     """
+    if backend == "gloo" and bind_address is not None:
+        import torch.distributed as dist
+
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_address)]
+        return dist.ProcessGroupGloo(store, rank, size, options)
     if backend not in PROCESS_GROUP_BUILDERS:
         raise ValueError(f"process-group backend {backend!r} is not supported; choose one of "
                          f"{sorted(PROCESS_GROUP_BUILDERS)} (or add its builder to platform.PROCESS_GROUP_BUILDERS)")

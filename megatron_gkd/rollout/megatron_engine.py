@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from megatron_gkd.rollout.registry import RolloutEngine, register_engine
+from megatron_gkd.rollout.registry import RolloutEngine
 from megatron_gkd.rollout.types import RolloutBatch, SamplingConfig, check_prompt_lengths
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,8 @@ class MegatronEngine(RolloutEngine):
         pad_token_id: padding id in the returned batch.
     """
 
+    shares_student_weights = True
+
     def __init__(self, chunks, *, max_model_len: int, eos_token_id: int | None = None,
                  vocab_size: int | None = None, tp_group=None, pad_token_id: int = 0):
         from megatron.core import parallel_state as mpu
@@ -47,9 +49,17 @@ class MegatronEngine(RolloutEngine):
         self._eos, self._vocab_size = eos_token_id, vocab_size
         self._pad_token_id = pad_token_id
 
-    def set_weight_version(self, version: int) -> None:
-        """Records that the student's weights (which this engine samples with) are now ``version``."""
+    def load_weights(self, named_tensors, version: int) -> None:
+        """The engine samples with the student's own parameters, which already hold the new weights:
+        the stream is consumed (a receiver checks its buckets as they pass) and the version recorded."""
+        for _ in named_tensors:
+            pass
         self._weight_version = int(version)
+
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        from megatron_gkd.weight_sync.verify import student_prompt_logprobs
+
+        return student_prompt_logprobs([self._model], prompts)
 
     @torch.no_grad()
     def _next_logits(self, sequences: list[list[int]]) -> torch.Tensor:
@@ -125,9 +135,3 @@ def _sample(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Gen
         scaled = scaled.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
-
-
-@register_engine("megatron")
-def build_megatron_engine(**kwargs) -> RolloutEngine:
-    """The reference engine; see :class:`MegatronEngine` for the arguments."""
-    return MegatronEngine(**kwargs)

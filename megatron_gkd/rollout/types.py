@@ -16,6 +16,7 @@ import dataclasses
 import logging
 from typing import Sequence
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -203,3 +204,61 @@ def check_prompt_lengths(prompts: Sequence[Sequence[int]], sampling: SamplingCon
             f"{too_long[:5]}): prompt + max_tokens={sampling.max_tokens} must fit max_model_len="
             f"{max_model_len}. Filter or shorten prompts in the dataset, lower sampling.max_tokens or "
             "raise max_model_len; prompts are never cut.")
+
+
+_TENSOR_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_ids", "rollout_logprobs",
+                  "topk_ids")
+_DTYPES = {"int64": torch.int64, "bool": torch.bool, "float32": torch.float32}
+
+
+def _encode_tensor(tensor: torch.Tensor | None):
+    if tensor is None:
+        return None
+    array = tensor.detach().cpu().contiguous().numpy()
+    return {"dtype": str(array.dtype), "shape": list(array.shape), "data": array.tobytes()}
+
+
+def _decode_tensor(value) -> torch.Tensor | None:
+    if value is None:
+        return None
+    if value["dtype"] not in _DTYPES:
+        raise ValueError(f"rollout message carries a tensor of dtype {value['dtype']!r}")
+    array = np.frombuffer(value["data"], dtype=np.dtype(value["dtype"])).reshape(value["shape"])
+    return torch.from_numpy(array.copy())
+
+
+def encode_batch(batch: RolloutBatch) -> dict:
+    """A msgpack-ready dict of ``batch`` (plain types and bytes: no pickle between processes)."""
+    fields = {name: _encode_tensor(getattr(batch, name)) for name in _TENSOR_FIELDS}
+    return {**fields, "weight_version": batch.weight_version, "finish_reasons": list(batch.finish_reasons),
+            "pad_token_id": batch.pad_token_id}
+
+
+def decode_batch(value: dict) -> RolloutBatch:
+    """Inverse of :func:`encode_batch` (the batch's own checks run on the result)."""
+    fields = {name: _decode_tensor(value[name]) for name in _TENSOR_FIELDS}
+    return RolloutBatch(**fields, weight_version=int(value["weight_version"]),
+                        finish_reasons=[str(r) for r in value["finish_reasons"]], pad_token_id=int(value["pad_token_id"]))
+
+
+def concat_batches(batches: Sequence[RolloutBatch]) -> RolloutBatch:
+    """One batch of ``batches`` in order (group ids renumbered after those before); the weight version
+    must agree."""
+    versions = {batch.weight_version for batch in batches}
+    if len(versions) != 1:
+        raise ValueError(f"cannot join rollout batches of different weight versions {sorted(versions)}")
+    prompts, responses, logprobs, groups, reasons, topk = [], [], [], [], [], []
+    offset = 0
+    for batch in batches:
+        for i in range(batch.num_samples):
+            prompts.append(batch.prompt(i))
+            responses.append(batch.response(i))
+            logprobs.append(batch.logprobs(i).tolist())
+            groups.append(int(batch.group_ids[i]) + offset)
+            reasons.append(batch.finish_reasons[i])
+            if batch.topk_ids is not None:
+                topk.append(batch.topk(i).tolist())
+        offset += int(batch.group_ids.max()) + 1 if batch.num_samples else 0
+    has_topk = batches[0].topk_ids is not None
+    return RolloutBatch.from_samples(prompts, responses, logprobs, groups, reasons, versions.pop(),
+                                     topk=topk if has_topk else None, pad_token_id=batches[0].pad_token_id)

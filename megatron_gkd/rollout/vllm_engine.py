@@ -9,7 +9,8 @@ Layouts (DESIGN.md):
     world is split into ``world_size / tensor_parallel_size`` vLLM data-parallel replicas. Without a
     distributed world (one process) the engine runs in-process with vLLM's single-worker executor.
 ``disaggregated``
-    Dedicated ranks serve the engine; see :mod:`megatron_gkd.rollout.disaggregated`.
+    Dedicated ranks serve the engine (built here with ``join_world=False``); see
+    :mod:`megatron_gkd.rollout.disaggregated`.
 
 Weights change only through :meth:`VLLMEngine.load_weights`, which hands HF-named tensors to the
 weight-sync receiver (vLLM's in-place reload) and sets the weight version recorded in every batch.
@@ -17,18 +18,17 @@ weight-sync receiver (vLLM's in-place reload) and sets the weight version record
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Iterable, Sequence
 
 import torch
 
-from megatron_gkd.rollout.registry import RolloutEngine, register_engine
+from megatron_gkd.rollout.registry import RolloutEngine
 from megatron_gkd.rollout.types import RolloutBatch, SamplingConfig, check_prompt_lengths
 
 logger = logging.getLogger(__name__)
-
-LAYOUTS = ("colocated", "disaggregated")
 
 
 def _import_vllm():
@@ -84,6 +84,7 @@ class VLLMEngine(RolloutEngine):
             # One process: keep the engine core in it (no child process to leak or to kill).
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         super().__init__(max_model_len, weight_version)
+        self._joined_world = distributed
         self.llm = vllm.LLM(model=model, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                             max_model_len=max_model_len, max_logprobs=max_logprobs,
                             gpu_memory_utilization=gpu_memory_utilization, seed=seed,
@@ -119,10 +120,51 @@ class VLLMEngine(RolloutEngine):
         self._weight_version = int(version)
         logger.info("vLLM rollout engine now holds weight version %d", version)
 
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        from megatron_gkd.weight_sync.verify import vllm_prompt_logprobs
+
+        return vllm_prompt_logprobs(self.llm, prompts)
+
     def close(self) -> None:
-        """Stops the engine (and its engine-core process, if it has one)."""
-        self.llm.llm_engine.engine_core.shutdown()
-        del self.llm
+        """Stops the engine: its engine-core process if it has one, else its in-process executor and
+        vLLM's process groups (idempotent).
+
+        Close it before destroying the job's own process groups: vLLM tears its groups down when the
+        engine is closed, or at interpreter exit if it never was, and at exit after the job's
+        ``destroy_process_group()`` that teardown raised ``ValueError: Invalid process group
+        specified``. In the colocated layout the job's world, which vLLM joined, is left intact
+        (vLLM's own teardown would destroy the default group).
+        """
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        if self._joined_world:
+            with _default_process_group_kept():
+                llm.llm_engine.engine_core.shutdown()
+        else:
+            llm.llm_engine.engine_core.shutdown()
+
+
+@contextlib.contextmanager
+def _default_process_group_kept():
+    """vLLM 0.32's engine teardown (``cleanup_dist_env_and_memory``) ends with
+    ``destroy_distributed_environment``, which destroys vLLM's world group *and* torch's default group:
+    under ``external_launcher`` the latter is the job's. This keeps it (vLLM's own groups still go)."""
+    from vllm.distributed import parallel_state
+
+    destroy = parallel_state.destroy_distributed_environment
+
+    def destroy_vllm_world_only():
+        if parallel_state._WORLD:
+            parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
+        parallel_state._NODE_COUNT = None
+
+    parallel_state.destroy_distributed_environment = destroy_vllm_world_only
+    try:
+        yield
+    finally:
+        parallel_state.destroy_distributed_environment = destroy
 
 
 class _Samples:
@@ -155,20 +197,3 @@ class _Samples:
     def columns(self) -> dict:
         return dict(prompts=self.prompts, responses=self.responses, logprobs=self.logprobs,
                     group_ids=self.groups, finish_reasons=self.reasons, topk=self.topk or None)
-
-
-@register_engine("vllm")
-def build_vllm_engine(*, layout: str = "colocated", **kwargs) -> RolloutEngine:
-    """The ``vllm`` engine in ``layout`` (``colocated`` or ``disaggregated``).
-
-    ``disaggregated`` takes ``group`` (a ``torch.distributed`` group holding the trainer ranks and
-    the serving rank) and ``server_rank`` (global rank that serves); see
-    :func:`megatron_gkd.rollout.disaggregated.build_disaggregated`.
-    """
-    if layout == "colocated":
-        return VLLMEngine(**kwargs)
-    if layout == "disaggregated":
-        from megatron_gkd.rollout.disaggregated import build_disaggregated
-
-        return build_disaggregated(**kwargs)
-    raise ValueError(f"rollout.layout={layout!r} is unknown; choose one of {LAYOUTS}")

@@ -18,8 +18,6 @@ import importlib
 import os
 import pickle
 import queue as queue_lib
-import random
-import socket
 import time
 import traceback
 from typing import Any, Callable, Sequence
@@ -27,46 +25,11 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.multiprocessing as mp
 
+from megatron_gkd.child_process import free_port  # noqa: F401 - tests take ports from here
+
 
 class DistributedFailure(RuntimeError):
     """A rank raised; the message holds that rank's traceback."""
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
-            return int(handle.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A TCP port on loopback that is free right now, below the ephemeral range.
-
-    A port the kernel hands out for ``bind(0)`` is in the ephemeral range, which is also where outgoing
-    connections take their source ports: between choosing it and listening on it, a connection (gloo
-    opens many) can take it, and the listener fails with EADDRINUSE. Ports below the range are only
-    taken by listeners, and this process never hands out the same port twice.
-    """
-    low = _ephemeral_low()
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 20000), low)
-        if port in _HANDED_OUT:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _resolve(module_name: str, qualname: str) -> Callable:
@@ -118,7 +81,10 @@ def _child(
     except BaseException:  # noqa: BLE001 - the traceback goes to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
-        if torch.distributed.is_initialized():
+        # Only the group made here: one that the function's own code made (vLLM makes one in a process
+        # without a world) is its owner's to destroy, and destroying it under vLLM made vLLM's
+        # teardown at exit raise "Invalid process group specified".
+        if init_process_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 

@@ -157,44 +157,10 @@ def hf_logits(path: str | os.PathLike, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def megatron_logits(chunks, tokens: torch.Tensor) -> torch.Tensor | None:
-    """Full-vocabulary logits ``[b, s, v]`` on the last pipeline stage, ``None`` elsewhere.
+    """Full-vocabulary logits ``[b, s, v]`` on the last pipeline stage (:func:`megatron_gkd.parallel.forward_logits`)."""
+    from megatron_gkd.parallel import forward_logits
 
-    Every rank of the model runs it (pipeline p2p, TP / EP collectives). One micro-batch per sequence.
-    """
-    from megatron.core import parallel_state as mpu
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from megatron_gkd.parallel import gather_tp
-
-    batch, seq = tokens.shape
-    position_ids = torch.arange(seq).unsqueeze(0)
-
-    def keep_logits(output):
-        return output.sum() * 0.0, {"logits": output.detach().clone()}
-
-    def forward_step(data_iterator, model):
-        sample = next(data_iterator)
-        return model(sample, position_ids, attention_mask=None), keep_logits
-
-    microbatches = [tokens[i : i + 1] for i in range(batch)]
-    data = [iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches)
-    for chunk in chunks:
-        chunk.eval()
-    with torch.no_grad():
-        outputs = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=data,
-            model=chunks if len(chunks) > 1 else chunks[0],
-            num_microbatches=batch,
-            seq_length=seq,
-            micro_batch_size=1,
-            forward_only=True,
-        )
-    if not mpu.is_pipeline_last_stage(ignore_virtual=True):
-        return None
-    # [1, s, v/tp] per micro-batch
-    local = torch.cat([entry["logits"] for entry in outputs], dim=0)
-    return gather_tp(local, -1, mpu.get_tensor_model_parallel_group())
+    return forward_logits(chunks, tokens)
 
 
 def read_safetensors_dir(path: str | os.PathLike) -> dict[str, torch.Tensor]:

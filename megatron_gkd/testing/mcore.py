@@ -1,6 +1,6 @@
 """A tiny Megatron-Core GPT trained with Megatron's own schedules and optimizer.
 
-This is the smoke job of ``launch/smoke_mcore.py`` and the workload of the parallel-layout tests: it
+The workload of the parallel-layout and checkpoint tests: it
 builds one ``GPTModel`` per virtual-pipeline chunk (local layer spec, or the MoE spec), wraps them in
 Megatron's ``DistributedDataParallel``, and steps them with ``get_forward_backward_func`` and
 ``get_megatron_optimizer`` (gradient clipping on). Call :func:`megatron_gkd.parallel.initialize` first.
@@ -88,23 +88,20 @@ def transformer_config(spec: TinyGPTSpec, state: ParallelState):
 def build_model_chunks(spec: TinyGPTSpec, state: ParallelState) -> list[torch.nn.Module]:
     """One DDP-wrapped ``GPTModel`` per virtual-pipeline chunk of this rank."""
     from megatron.core import parallel_state as mpu
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_gkd.parallel import seed
+    from megatron_gkd.trainer.optim import wrap_for_training
 
     seed(spec.seed)
     config = transformer_config(spec, state)
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_moe_experts, moe_grouped_gemm=False)
     vpp = state.config.virtual_pipeline_model_parallel_size or 1
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=spec.use_distributed_optimizer
-    )
     chunks = []
     for vp_stage in range(vpp):
         stage = vp_stage if vpp > 1 else None
-        model = GPTModel(
+        chunks.append(GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
             vocab_size=spec.vocab_size,
@@ -114,50 +111,34 @@ def build_model_chunks(spec: TinyGPTSpec, state: ParallelState) -> list[torch.nn
             position_embedding_type="rope",
             share_embeddings_and_output_weights=False,
             vp_stage=stage,
-        )
-        chunks.append(
-            DistributedDataParallel(
-                config=config, ddp_config=ddp_config, module=model, disable_bucketing=vp_stage > 0
-            )
-        )
-    return chunks
+        ))
+    return wrap_for_training(chunks, optimizer_config(spec))
+
+
+def optimizer_config(spec: TinyGPTSpec):
+    """The library's optimizer section for ``spec``: Adam, clipping, warm-up from ``lr / 10``, cosine
+    decay to ``lr / 10``."""
+    from megatron_gkd.trainer.optim import OptimizerConfig
+
+    return OptimizerConfig(
+        lr=spec.lr, min_lr=spec.lr / 10, lr_warmup_init=spec.lr / 10, lr_warmup_steps=spec.lr_warmup_steps,
+        lr_decay_steps=spec.lr_decay_steps, lr_decay_style="cosine", clip_grad=spec.clip_grad,
+        use_distributed_optimizer=spec.use_distributed_optimizer,
+    )
 
 
 def build_optimizer(spec: TinyGPTSpec, chunks: list[torch.nn.Module]):
     """Megatron's optimizer (Adam, fp32 main parameters, gradient clipping at ``spec.clip_grad``)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron_gkd.trainer.optim import build_optimizer as build
 
-    config = OptimizerConfig(
-        optimizer="adam",
-        lr=spec.lr,
-        min_lr=spec.lr / 10,  # read from the param groups by build_scheduler's decay
-        weight_decay=0.0,
-        clip_grad=spec.clip_grad,
-        bf16=spec.bf16,
-        fp16=False,
-        params_dtype=spec.params_dtype,
-        use_distributed_optimizer=spec.use_distributed_optimizer,
-    )
-    return get_megatron_optimizer(config, chunks)
+    return build(optimizer_config(spec), chunks, dtype=spec.params_dtype)
 
 
 def build_scheduler(spec: TinyGPTSpec, optimizer):
     """Megatron's ``OptimizerParamScheduler``: linear warm-up, then cosine decay (see ``spec``)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron_gkd.trainer.optim import build_lr_scheduler
 
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=spec.lr / 10,
-        max_lr=spec.lr,
-        min_lr=spec.lr / 10,
-        lr_warmup_steps=spec.lr_warmup_steps,
-        lr_decay_steps=spec.lr_decay_steps,
-        lr_decay_style="cosine",
-        start_wd=0.0,
-        end_wd=0.0,
-        wd_incr_steps=spec.lr_decay_steps,
-        wd_incr_style="constant",
-    )
+    return build_lr_scheduler(optimizer_config(spec), optimizer, num_steps=spec.lr_decay_steps)
 
 
 class SyntheticData:
@@ -222,23 +203,15 @@ def train_step(
     With a ``scheduler`` (:func:`build_scheduler`), it advances by one step after the update.
     """
     from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_gkd.parallel import run_schedule
 
     for chunk in chunks:
         chunk.config.finalize_model_grads_func = finalize_model_grads
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    forward_backward = get_forward_backward_func()
-    data = [iter(microbatches) for _ in chunks] if len(chunks) > 1 else iter(microbatches)
-    losses = forward_backward(
-        forward_step_func=_forward_step,
-        data_iterator=data,
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=len(microbatches),
-        seq_length=spec.seq_length,
-        micro_batch_size=spec.micro_batch_size,
-        forward_only=False,
-    )
+    losses = run_schedule(chunks, _forward_step, microbatches, seq_length=spec.seq_length,
+                          micro_batch_size=spec.micro_batch_size, forward_only=False)
     update_successful, grad_norm, _ = optimizer.step()
     if not update_successful:
         raise RuntimeError("optimizer step was skipped (non-finite gradients)")

@@ -46,3 +46,55 @@ class AnonPeak:
     @property
     def increase(self) -> int:
         return self.peak - self.baseline
+
+
+class LiveTensorPeak:
+    """Peak of the bytes held by live CPU tensors inside labelled regions, from the torch profiler.
+
+    With ``profile_memory=True`` the profiler records every allocation and free of torch's CPU
+    allocator (size and time, on any thread the profiler follows). Summing them in time order gives
+    the live tensor bytes at each moment since :meth:`__enter__`; :meth:`peak` is the largest value
+    reached inside regions marked with :meth:`region`. This is the host analogue of
+    the accelerator allocator's ``max_memory_allocated``: what a plan predicts, free of the C allocator's caching and
+    of Python objects, which the process's RSS would include. It reads the profiler's event tree
+    (``kineto_results.experimental_event_tree``), a semi-private torch API (checked on torch 2.13).
+    """
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._profile.__exit__(*exc)
+
+    @staticmethod
+    def region(name: str):
+        """``with meter.region("step"): ...`` marks where :meth:`peak` looks."""
+        from torch.profiler import record_function
+
+        return record_function(name)
+
+    def peak(self, region: str) -> int:
+        """The largest live tensor bytes (counted from entry) reached inside any ``region`` range."""
+        from torch._C._profiler import _EventType
+
+        allocations, ranges = [], []
+        stack = list(self._profile.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            event = stack.pop()
+            stack.extend(event.children)
+            if event.tag == _EventType.Allocation:
+                allocations.append((event.start_time_ns, event.extra_fields.alloc_size))
+            elif event.name == region:
+                ranges.append((event.start_time_ns, event.end_time_ns))
+        if not ranges:
+            raise ValueError(f"no profiled region named {region!r}")
+        live, best = 0, None
+        for time_ns, size in sorted(allocations):
+            live += size
+            if any(start <= time_ns <= end for start, end in ranges):
+                best = live if best is None else max(best, live)
+        return best if best is not None else 0

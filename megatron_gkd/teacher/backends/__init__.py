@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import time
 from typing import Any
 
-from megatron_gkd.teacher.registry import LazyRegistry
+from megatron_gkd.registry import Registry
 from megatron_gkd.teacher.types import ScoreBatch, TeacherOutput
 
 
@@ -26,6 +27,8 @@ class BackendInfo:
         max_top_k: the largest k the backend serves.
         supports_requested_ids: whether TCAD's per-row requested ids can be scored.
         supports_temperature: whether temperatures other than 1.0 can be applied.
+        max_sequence_length: the longest prompt + response the model takes (its context), or None
+            when unknown; workers refuse longer sequences before computing.
     """
 
     name: str
@@ -35,6 +38,7 @@ class BackendInfo:
     max_top_k: int
     supports_requested_ids: bool
     supports_temperature: bool
+    max_sequence_length: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -64,21 +68,45 @@ class TeacherBackend(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} runs in one process; it has no followers")
 
 
-_BACKENDS = LazyRegistry("teacher backend", {
-    "hf": "megatron_gkd.teacher.backends.hf:HFBackend",
-    "vllm": "megatron_gkd.teacher.backends.vllm:VLLMBackend",
-    "megatron": "megatron_gkd.teacher.backends.megatron:MegatronBackend",
-})
+class DelayedBackend(TeacherBackend):
+    """Another backend made slower by ``delay_s`` per request: the latency knob of benchmarks that
+    study a slow teacher (``teacher_server.py --delay-s``, ``teacher.serve.delay_s``)."""
+
+    def __init__(self, backend: TeacherBackend, delay_s: float):
+        self._backend, self._delay_s = backend, delay_s
+
+    def info(self) -> BackendInfo:
+        return self._backend.info()
+
+    def score(self, batch: ScoreBatch) -> list[TeacherOutput]:
+        time.sleep(self._delay_s)
+        return self._backend.score(batch)
+
+    def close(self) -> None:
+        self._backend.close()
+
+    @property
+    def is_leader(self) -> bool:
+        return self._backend.is_leader
+
+    def follow(self) -> None:
+        self._backend.follow()
+
+
+BACKENDS: Registry[type[TeacherBackend]] = Registry("teacher backend", config_key="--backend")
+BACKENDS.register("hf", "megatron_gkd.teacher.backends.hf:HFBackend")
+BACKENDS.register("vllm", "megatron_gkd.teacher.backends.vllm:VLLMBackend")
+BACKENDS.register("megatron", "megatron_gkd.teacher.backends.megatron:MegatronBackend")
 
 
 def register_backend(name: str, target: str) -> None:
     """Registers ``"module:Class"`` under ``name`` (plugins: ``--backend-module`` imports them)."""
-    _BACKENDS.register(name, target)
+    BACKENDS.register(name, target)
 
 
 def backend_names() -> list[str]:
     """Registered names."""
-    return _BACKENDS.names()
+    return BACKENDS.names()
 
 
 def build_backend(name: str, **kwargs: Any) -> TeacherBackend:
@@ -87,4 +115,4 @@ def build_backend(name: str, **kwargs: Any) -> TeacherBackend:
     Raises:
         ValueError: unknown name (the message lists the registered ones).
     """
-    return _BACKENDS.build(name, **kwargs)
+    return BACKENDS.build(name, **kwargs)

@@ -11,9 +11,10 @@ import abc
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 from typing import Any
 
-from megatron_gkd.teacher.registry import LazyRegistry
+from megatron_gkd.registry import Registry
 from megatron_gkd.teacher.types import ScoreBatch, TeacherOutput
 from megatron_gkd.teacher.vocab import VocabAlignment, check_vocab, restrict_to_vocab
 
@@ -69,6 +70,18 @@ class TeacherClient(abc.ABC):
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_inflight,
                                                            thread_name_prefix="teacher-client")
         self._alignment: VocabAlignment | None = None
+        self._retries = 0
+        self._retries_lock = threading.Lock()
+
+    @property
+    def num_retries(self) -> int:
+        """Attempts that failed and were retried, over this client's life (the trainer logs it)."""
+        return self._retries
+
+    def _retried(self) -> None:
+        """Subclasses call it when an attempt failed and another follows."""
+        with self._retries_lock:
+            self._retries += 1
 
     @abc.abstractmethod
     def _score(self, batch: ScoreBatch) -> list[TeacherOutput]:
@@ -120,21 +133,20 @@ class TeacherClient(abc.ABC):
         self.close()
 
 
-_CLIENTS = LazyRegistry("teacher client", {
-    "zmq": "megatron_gkd.teacher.clients.zmq_client:ZmqTeacherClient",
-    "openai": "megatron_gkd.teacher.clients.openai_client:OpenAITeacherClient",
-    "local": "megatron_gkd.teacher.clients.local:LocalTeacherClient",
-})
+CLIENTS: Registry[type[TeacherClient]] = Registry("teacher client", config_key="teacher.client")
+CLIENTS.register("zmq", "megatron_gkd.teacher.clients.zmq_client:ZmqTeacherClient")
+CLIENTS.register("openai", "megatron_gkd.teacher.clients.openai_client:OpenAITeacherClient")
+CLIENTS.register("local", "megatron_gkd.teacher.clients.local:LocalTeacherClient")
 
 
 def register_client(name: str, target: str) -> None:
     """Registers ``"module:Class"`` under ``name`` (plugins add clients this way)."""
-    _CLIENTS.register(name, target)
+    CLIENTS.register(name, target)
 
 
 def client_names() -> list[str]:
     """Registered names."""
-    return _CLIENTS.names()
+    return CLIENTS.names()
 
 
 def build_client(name: str, **kwargs: Any) -> TeacherClient:
@@ -143,4 +155,4 @@ def build_client(name: str, **kwargs: Any) -> TeacherClient:
     Raises:
         ValueError: unknown name (the message lists the registered ones).
     """
-    return _CLIENTS.build(name, **kwargs)
+    return CLIENTS.build(name, **kwargs)

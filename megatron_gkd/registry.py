@@ -1,0 +1,103 @@
+"""One registry helper for every "chosen by a config string" variant in the project.
+
+Divergences, rollout engines, teacher backends and clients, model architectures, schedulers and eval
+scorers are all :class:`Registry` instances. An entry is either the object itself or a lazy
+``"module:attribute"`` target, imported only when that name is chosen, so heavy optional dependencies
+(vLLM, Megatron-Core) load only for the implementation in use::
+
+    ENGINES = Registry("rollout engine", config_key="rollout.engine")
+    ENGINES.register("vllm", "megatron_gkd.rollout.vllm_engine:VLLMEngine")   # lazy
+
+    @ENGINES.register("megatron")                                           # decorator
+    class MegatronEngine: ...
+
+    engine = ENGINES.build("vllm", model=path)       # ValueError naming the closest name if unknown
+
+Registering a name twice is an error (a plugin must choose a new name): nothing is overwritten silently.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import Any, Callable, Generic, Iterator, TypeVar
+
+T = TypeVar("T")
+
+
+def closest(name: str, choices: list[str]) -> str:
+    """``"; did you mean 'x'?"`` for the closest of ``choices`` to ``name``, or ``""``."""
+    match = difflib.get_close_matches(name, choices, n=1)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
+
+class Registry(Generic[T]):
+    """Names mapped to objects or to lazy ``"module:attribute"`` targets.
+
+    Args:
+        kind: what the entries are, for messages (e.g. ``"rollout engine"``).
+        config_key: the config key that selects an entry (e.g. ``"rollout.engine"``), for messages.
+    """
+
+    def __init__(self, kind: str, config_key: str | None = None):
+        self.kind = kind
+        self.config_key = config_key
+        self._entries: dict[str, T | str] = {}
+
+    def register(self, name: str, target: T | str | None = None) -> Any:
+        """Registers ``target`` (an object, or ``"module:attribute"``) under ``name``.
+
+        Without ``target`` it returns a decorator that registers the decorated object.
+
+        Raises:
+            ValueError: ``name`` is already registered, or a lazy target is not ``module:attribute``.
+        """
+        if target is None:
+            def decorate(obj: T) -> T:
+                self.register(name, obj)
+                return obj
+
+            return decorate
+        if name in self._entries:
+            raise ValueError(f"{self.kind} {name!r} is already registered; register it under another name")
+        if isinstance(target, str) and target.count(":") != 1:
+            raise ValueError(f"lazy {self.kind} target {target!r} must look like 'package.module:attribute'")
+        self._entries[name] = target
+        return target
+
+    def names(self) -> list[str]:
+        """Registered names, sorted."""
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def unknown(self, name: object) -> ValueError:
+        """The error for an unknown ``name``: the key, the closest name and every registered one."""
+        where = f"{self.config_key}={name!r}" if self.config_key else repr(name)
+        registered = ", ".join(repr(n) for n in self.names()) or "none"
+        return ValueError(f"unknown {self.kind} {where}{closest(str(name), self.names())} (registered: {registered})")
+
+    def get(self, name: str) -> T:
+        """The object registered as ``name``, importing a lazy target on first use.
+
+        Raises:
+            ValueError: ``name`` is not registered.
+            ImportError: a lazy target's module does not import (its message says what is missing).
+        """
+        if name not in self._entries:
+            raise self.unknown(name)
+        target = self._entries[name]
+        if isinstance(target, str):
+            module_name, attribute = target.split(":")
+            target = getattr(importlib.import_module(module_name), attribute)
+            self._entries[name] = target
+        return target
+
+    def build(self, name: str, /, **kwargs: Any) -> Any:
+        """Calls the entry registered as ``name`` (a class or factory) with ``kwargs``."""
+        factory: Callable[..., Any] = self.get(name)  # type: ignore[assignment]
+        return factory(**kwargs)
