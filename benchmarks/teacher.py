@@ -11,13 +11,13 @@ float32 log-probs, float32 token log-probs ``[B, S]``, as a trainer-side tensor 
 """
 
 import argparse
-import logging
 import os
 import tempfile
 import time
 
 import numpy as np
 
+from megatron_gkd.log_setup import setup_logging
 from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, build_client, codec, wire
 from megatron_gkd.teacher.backends import build_backend
 from megatron_gkd.teacher.server import Proxy, Worker
@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--num-batches", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=4096)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    setup_logging("WARNING")
 
     model_dir = build_tiny_teacher(tempfile.mkdtemp(prefix="teacher_bench_"), vocab_size=args.vocab_size)
     kwargs = {"max_top_k": max(args.top_k)}
@@ -69,7 +69,7 @@ def main() -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
     backend = build_backend(args.backend, model=str(model_dir), **kwargs)
-    proxy = Proxy("tcp://127.0.0.1:0", "inproc://teacher-bench").start()
+    proxy = Proxy("tcp://127.0.0.1:0").start()  # workers on a private IPC socket
     worker = Worker(proxy.backend_address, backend).start()
     client = build_client("zmq", address=proxy.frontend_address, retry=RetryPolicy(attempt_timeout_s=600))
     rng = np.random.default_rng(0)

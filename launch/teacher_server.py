@@ -19,10 +19,12 @@ import logging
 import signal
 import threading
 
+from megatron_gkd.child_process import exit_with_parent
+from megatron_gkd.log_setup import setup_logging
 from megatron_gkd.teacher import wire
-from megatron_gkd.teacher.backends import backend_names, build_backend
+from megatron_gkd.teacher.backends import DelayedBackend, backend_names, build_backend
 from megatron_gkd.teacher.clients.zmq_client import load_secret
-from megatron_gkd.teacher.server import Proxy, Worker
+from megatron_gkd.teacher.server import Proxy, Worker, WorkLimits
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--insecure", action="store_true",
                         help="allow non-loopback addresses without a secret (logs a warning)")
     parser.add_argument("--max-message-mb", type=int, default=512)
+    parser.add_argument("--exit-with-parent", action="store_true",
+                        help="stop when the process that started this one dies, even by SIGKILL (Linux)")
+    parser.add_argument("--delay-s", type=float, default=0.0,
+                        help="latency added to every request (benchmarks of a slow teacher; default 0)")
+    parser.add_argument("--max-request-tokens", type=int, default=WorkLimits().max_request_tokens,
+                        help="tokens of all sequences of one request a worker accepts")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging("INFO")
     secret = load_secret(args.secret_file)
     limits = wire.Limits(max_message_bytes=args.max_message_mb * 2**20)
     for module in args.backend_module:
@@ -74,6 +82,8 @@ def main(argv: list[str] | None = None) -> None:
             if not args.model:
                 raise ValueError("--model is required for the serve and worker roles")
             backend = build_backend(args.backend, model=args.model, **_backend_kwargs(args.backend_arg))
+            if args.delay_s > 0:
+                backend = DelayedBackend(backend, args.delay_s)
             if not backend.is_leader:
                 # An extra rank of a multi-process backend (megatron under torchrun): it runs its share
                 # of every forward that rank 0 receives, and opens no socket.
@@ -83,12 +93,15 @@ def main(argv: list[str] | None = None) -> None:
         # SIGTERM that torchrun forwards.
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: stop.set())
+        if args.exit_with_parent:
+            exit_with_parent()
         if args.role in ("serve", "proxy"):
-            workers = "inproc://teacher-workers" if args.role == "serve" else args.workers
+            workers = None if args.role == "serve" else args.workers  # serve: a private IPC socket
             proxy = Proxy(args.frontend, workers, secret, args.insecure, limits).start()
         if backend is not None:
             connect = proxy.backend_address if proxy else args.connect
-            worker = Worker(connect, backend, secret, args.insecure, limits).start()
+            worker = Worker(connect, backend, secret, args.insecure, limits,
+                            WorkLimits(max_request_tokens=args.max_request_tokens)).start()
         # Scripts and tests read this line; it also tells the ports picked for ":0" addresses.
         if proxy is not None:
             print(f"READY frontend={proxy.frontend_address} workers={proxy.backend_address}", flush=True)

@@ -15,6 +15,9 @@ from megatron_gkd.teacher.types import (ErrorCode, ScoreBatch, SequenceRequest, 
 
 MAX_SEQUENCES = 65536
 MAX_TOP_K = 65536
+# The dtypes a SCORE request declares for its tensors (docs/teacher_protocol.md); others are refused.
+_REQUEST_DTYPES = {"token_ids": "int32", "lengths": "int64", "response_starts": "int64",
+                   "requested_ids": "int32"}
 
 
 def _ids_to_wire(ids: np.ndarray) -> np.ndarray:
@@ -46,20 +49,25 @@ def decode_request(message: wire.Message) -> ScoreBatch:
     if set(meta) != {"top_k", "temperature"}:
         raise _bad(f"score meta keys {sorted(map(str, meta))} != ['temperature', 'top_k']")
     top_k, temperature = meta["top_k"], meta["temperature"]
-    if not (isinstance(top_k, int) and 1 <= top_k <= MAX_TOP_K):
+    # type() rather than isinstance: True is an int to Python, and would score k=1.
+    if not (type(top_k) is int and 1 <= top_k <= MAX_TOP_K):
         raise _bad(f"top_k={top_k!r} must be an int in [1, {MAX_TOP_K}]")
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
+    if type(temperature) not in (int, float):
         raise _bad(f"temperature={temperature!r} must be a number")
     required = {"token_ids", "lengths", "response_starts"}
     if not required <= set(tensors) <= required | {"requested_ids"}:
         raise _bad(f"score tensors {sorted(tensors)} must be {sorted(required)} [+ requested_ids]")
+    for key, array in tensors.items():
+        if array.dtype != wire.DTYPES[_REQUEST_DTYPES[key]]:
+            raise _bad(f"{key} must be {_REQUEST_DTYPES[key]}, got {array.dtype}")
     token_ids, lengths, starts = tensors["token_ids"], tensors["lengths"], tensors["response_starts"]
     requested = tensors.get("requested_ids")
     if token_ids.ndim != 1 or lengths.ndim != 1 or starts.shape != lengths.shape:
         raise _bad("token_ids must be [N], lengths and response_starts [B]")
     if not 1 <= len(lengths) <= MAX_SEQUENCES:
         raise _bad(f"a request holds 1..{MAX_SEQUENCES} sequences, got {len(lengths)}")
-    if lengths.min() < 2 or int(lengths.sum()) != len(token_ids):
+    # Bounding every length by N first keeps the int64 sum below 2**16 * 2**31: it cannot wrap.
+    if lengths.min() < 2 or lengths.max() > len(token_ids) or int(lengths.sum()) != len(token_ids):
         raise _bad("lengths must be >= 2 and sum to len(token_ids)")
     if (starts < 1).any() or (starts >= lengths).any():
         raise _bad("every response_start must satisfy 1 <= response_start < length")
@@ -69,12 +77,12 @@ def decode_request(message: wire.Message) -> ScoreBatch:
     if token_ids.min() < 0 or (requested is not None and requested.size and requested.min() < 0):
         raise _bad("token ids must be >= 0")
     sequences, token_offset, row_offset = [], 0, 0
-    for length, start, rows in zip(lengths.tolist(), starts.tolist(), num_rows.tolist()):
-        sequences.append(SequenceRequest(
-            token_ids=token_ids[token_offset:token_offset + length], response_start=start,
-            requested_ids=None if requested is None else requested[row_offset:row_offset + rows]))
-        token_offset, row_offset = token_offset + length, row_offset + rows
-    try:
+    try:  # a ValueError here is the request's fault: it must not pass for a backend failure
+        for length, start, rows in zip(lengths.tolist(), starts.tolist(), num_rows.tolist()):
+            sequences.append(SequenceRequest(
+                token_ids=token_ids[token_offset:token_offset + length], response_start=start,
+                requested_ids=None if requested is None else requested[row_offset:row_offset + rows]))
+            token_offset, row_offset = token_offset + length, row_offset + rows
         return ScoreBatch(sequences=sequences, top_k=top_k, temperature=temperature)
     except ValueError as error:
         raise _bad(str(error)) from None
@@ -122,6 +130,6 @@ def decode_result(message: wire.Message, batch: ScoreBatch) -> list[TeacherOutpu
             token_logprobs=tensors["token_logprobs"][part].copy(),
             requested_logprobs=None if requested is None else requested[part].copy())
         outputs.append(output.validate(rows, batch.top_k, batch.num_requested,
-                                       name=f"sequence {index} of {name}"))
+                                       name=f"sequence {index} of {name}", sequence=sequence))
         offset += rows
     return outputs

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
-from megatron_gkd.teacher.clients import RetryPolicy, TeacherClient, build_client, client_names
+from megatron_gkd.teacher.clients import CLIENTS, RetryPolicy, TeacherClient, build_client
 from megatron_gkd.teacher.clients.zmq_client import load_secret
 
 logger = logging.getLogger(__name__)
@@ -16,13 +17,39 @@ _CLIENT_OPTIONS = {"address": "zmq", "secret_file": "zmq", "insecure": "zmq", "b
                    "checkpoint": "local", "offload": "local"}
 
 
+NO_TEACHER = "none"
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TeacherServeConfig:
+    """A teacher service the run starts itself on loopback (``launch/teacher_server.py serve``), waits
+    for, and stops at exit (also on errors and signals). For one machine; across nodes start the
+    service yourself and give ``teacher.address``."""
+
+    model: str | None = None
+    """HF checkpoint of the teacher; setting it makes the run start the service (client ``zmq``)."""
+    backend: str = "hf"
+    """Teacher backend of the service: ``hf``, ``vllm`` or ``megatron``."""
+    backend_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Backend options (``--backend-arg key=value``), e.g. ``{max_top_k: 256}``."""
+    delay_s: float = 0.0
+    """Artificial latency added to every request (benchmarks: a slow teacher)."""
+    startup_timeout_s: float = 600.0
+    """How long to wait for the service to answer before failing."""
+
+    def __post_init__(self):
+        if self.delay_s < 0 or self.startup_timeout_s <= 0:
+            raise ValueError("teacher.serve.delay_s must be >= 0 and teacher.serve.startup_timeout_s > 0")
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class TeacherConfig:
     """How the trainer reaches its teacher.
 
     Attributes:
-        client: ``zmq`` (the teacher service), ``openai`` (an OpenAI-compatible server) or ``local``
-            (a Megatron-Core teacher colocated on the training ranks, in the trainer's layout).
+        client: ``zmq`` (the teacher service), ``openai`` (an OpenAI-compatible server), ``local``
+            (a Megatron-Core teacher colocated on the training ranks, in the trainer's layout) or
+            ``none`` (no teacher: the ``sft`` mode).
         top_k: k, the number of teacher log-probs per response token.
         temperature: teacher temperature (``vllm``/``openai`` serve 1.0 only).
         address: zmq: the proxy's frontend, e.g. ``tcp://teacher-host:5555``.
@@ -39,9 +66,10 @@ class TeacherConfig:
             partial teacher data.
         max_attempts: attempts per batch.
         max_inflight: batches in flight at once (``score_async``).
+        serve: a teacher service this run starts itself (:class:`TeacherServeConfig`).
     """
 
-    client: str = "zmq"
+    client: str = NO_TEACHER
     top_k: int = 64
     temperature: float = 1.0
     address: str | None = None
@@ -57,16 +85,25 @@ class TeacherConfig:
     deadline_s: float = 300.0
     max_attempts: int = 5
     max_inflight: int = 2
+    serve: TeacherServeConfig = dataclasses.field(default_factory=TeacherServeConfig)
 
     def __post_init__(self):
-        if self.client not in client_names():
-            raise ValueError(f"teacher.client={self.client!r} is unknown; use one of {client_names()}")
+        if self.client != NO_TEACHER and self.client not in CLIENTS:
+            raise CLIENTS.unknown(self.client)
         if self.top_k < 1:
             raise ValueError(f"teacher.top_k={self.top_k} must be >= 1")
         if self.temperature <= 0:
             raise ValueError(f"teacher.temperature={self.temperature} must be > 0")
-        if self.client == "zmq" and not self.address:
-            raise ValueError("teacher.address is required for client 'zmq' (e.g. tcp://host:5555)")
+        if self.serve.model is not None:
+            if self.client != "zmq":
+                raise ValueError(f"teacher.serve.model starts a teacher service, which the 'zmq' client talks to; "
+                                 f"set teacher.client=zmq (it is {self.client!r}) or drop teacher.serve.model")
+            if self.address:
+                raise ValueError("teacher.address and teacher.serve.model are both set: give the address of a "
+                                 "running service, or a model for the run to serve itself, not both")
+        elif self.client == "zmq" and not self.address:
+            raise ValueError("teacher.address is required for client 'zmq' (e.g. tcp://host:5555), or set "
+                             "teacher.serve.model=DIR to have the run start a teacher service on loopback")
         if self.client == "openai" and not self.base_url:
             raise ValueError("teacher.base_url is required for client 'openai' (e.g. http://host:8000)")
         if self.client == "local" and not self.checkpoint:
@@ -76,13 +113,21 @@ class TeacherConfig:
                 logger.warning("teacher.%s has no effect with client %r (only %r reads it)", option,
                                self.client, owner)
 
+    @property
+    def enabled(self) -> bool:
+        """Whether the run has a teacher."""
+        return self.client != NO_TEACHER
+
     def retry(self) -> RetryPolicy:
         return RetryPolicy(attempt_timeout_s=self.attempt_timeout_s, deadline_s=self.deadline_s,
                            max_attempts=self.max_attempts)
 
 
 def build_client_from_config(config: TeacherConfig) -> TeacherClient:
-    """The client ``config`` describes, connected and ready to score."""
+    """The client ``config`` describes, connected and ready to score (``teacher.address`` set; a
+    trainer that serves the teacher itself fills it in)."""
+    if not config.enabled:
+        raise ValueError("teacher.client=none: this run has no teacher")
     if config.client == "zmq":
         return build_client("zmq", address=config.address, secret=load_secret(config.secret_file),
                             insecure=config.insecure, retry=config.retry(),

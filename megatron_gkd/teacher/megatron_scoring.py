@@ -141,13 +141,12 @@ class MegatronScorer:
         return self._broadcast(rows, batch)
 
     def _forward(self, batch: ScoreBatch) -> list[dict[str, torch.Tensor]]:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron_gkd.parallel import run_schedule
 
         # Pipeline stages exchange fixed-shape activations, so there every micro-batch has the batch's
         # longest length; a single stage runs each sequence at its own length. Right padding is
         # invisible to the real positions under causal attention.
         longest = max(len(s.token_ids) for s in batch.sequences)
-        sequences = iter(batch.sequences)
         rows: list[dict[str, torch.Tensor]] = []
 
         def forward_step(data_iterator, model):
@@ -165,13 +164,8 @@ class MegatronScorer:
 
             return output, collect
 
-        # Each chunk's forward pulls the same sequence in turn, so one iterator per chunk.
-        data = [iter(batch.sequences) for _ in self.chunks] if len(self.chunks) > 1 else sequences
-        get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data,
-            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
-            num_microbatches=len(batch.sequences), seq_length=longest, micro_batch_size=1,
-            forward_only=True)
+        run_schedule(self.chunks, forward_step, batch.sequences, seq_length=longest, micro_batch_size=1,
+                     forward_only=True)
         return rows
 
     def _broadcast(self, rows: list[dict[str, torch.Tensor]], batch: ScoreBatch) -> list[TeacherOutput]:

@@ -1,144 +1,105 @@
-"""The teacher service: a ROUTER/DEALER proxy in front of any number of scoring workers.
+"""The teacher service: a proxy (proxy.py) in front of any number of scoring workers.
 
-Clients (DEALER) connect to the proxy's frontend (ROUTER); workers (DEALER) connect to its backend
-(DEALER), possibly from other hosts, and the proxy hands requests to connected workers in turn. A
-worker answers every message it can attribute with a result or a typed error, and drops what it
-cannot (no routing envelope). ``launch/teacher_server.py`` is the command line.
+Clients (DEALER) connect to the proxy's frontend; workers (DEALER) connect to its backend, possibly
+from other hosts, register by answering the proxy's challenge, and then get one request at a time.
+A worker checks every request again, bounds the work it asks for before computing anything, and
+answers with a result or a typed error. ``launch/teacher_server.py`` is the command line.
 """
 
 from __future__ import annotations
 
-import ipaddress
+import dataclasses
 import logging
+import socket
 import threading
-from urllib.parse import urlsplit
 
 import zmq
 
 from megatron_gkd.teacher import codec, wire
-from megatron_gkd.teacher.backends import TeacherBackend
-from megatron_gkd.teacher.types import ErrorCode, TeacherError
+from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
+from megatron_gkd.teacher.proxy import Proxy  # noqa: F401 - re-exported
+from megatron_gkd.teacher.security import RefusalLog, check_exposure, is_loopback  # noqa: F401 - re-exported
+from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, TeacherError
 
 logger = logging.getLogger(__name__)
 
-POLL_MS = 100  # how often loops look at their stop flag
+POLL_MS = 100  # how often the loop looks at its stop flag
+_RESULT_OVERHEAD = 4096  # bytes of a result besides its rows: MAC, msgpack header, num_rows slack
 
 
-def is_loopback(address: str) -> bool:
-    """True for ``ipc://``/``inproc://`` and TCP addresses on 127.0.0.0/8, ::1 or localhost."""
-    scheme = address.split("://", 1)[0]
-    if scheme in ("ipc", "inproc"):
-        return True
-    host = urlsplit(address).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # "*", interface names and host names may reach other machines
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class WorkLimits:
+    """Bounds on the work one request may ask of a worker, checked before any compute.
 
+    The sequence length (the model's context), k (``max_top_k``) and the reply size (the wire's
+    ``max_message_bytes``) are bounded too; those limits come from the backend and the wire.
 
-def check_exposure(address: str, secret: bytes | None, insecure: bool) -> None:
-    """Refuses a non-loopback address without a shared secret unless ``insecure`` is set.
-
-    Raises:
-        ValueError: ``address`` leaves this host and neither a secret nor ``insecure`` is given.
-    """
-    if is_loopback(address) or secret:
-        return
-    if not insecure:
-        raise ValueError(
-            f"{address} is reachable from other hosts; give a shared secret (--secret-file or "
-            "MEGATRON_GKD_TEACHER_SECRET) so every message is HMAC-signed, or pass --insecure"
-        )
-    logger.warning("teacher service on %s WITHOUT authentication (--insecure): anyone who can reach "
-                   "it can use the teacher", address)
-
-
-def _bind(socket: zmq.Socket, address: str) -> str:
-    socket.bind(address)
-    return socket.getsockopt_string(zmq.LAST_ENDPOINT)
-
-
-class Proxy:
-    """Forwards frames between clients (frontend ROUTER) and workers (backend DEALER) in a thread.
-
-    It never parses payloads; workers verify and answer. ``MAXMSGSIZE`` makes ZMQ drop the
-    connection of a peer that sends a frame over the size limit before it is buffered.
-
-    Args:
-        frontend: address clients connect to (``tcp://127.0.0.1:0`` picks a free port).
-        backend: address workers connect to.
-        secret: shared secret; required for non-loopback addresses unless ``insecure``.
-        insecure: allow non-loopback addresses without a secret (logs a warning).
-        limits: size limits of received messages.
+    Attributes:
+        max_request_tokens: tokens (prompt + response) of all sequences of one request.
     """
 
-    def __init__(self, frontend: str, backend: str, secret: bytes | None = None,
-                 insecure: bool = False, limits: wire.Limits = wire.Limits()):
-        for address in (frontend, backend):
-            check_exposure(address, secret, insecure)
-        self._context = zmq.Context.instance()
-        self._frontend = self._context.socket(zmq.ROUTER)
-        self._backend = self._context.socket(zmq.DEALER)
-        for socket in (self._frontend, self._backend):
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
-        self.frontend_address = _bind(self._frontend, frontend)
-        self.backend_address = _bind(self._backend, backend)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="teacher-proxy", daemon=True)
+    max_request_tokens: int = 2**21
 
-    def start(self) -> "Proxy":
-        self._thread.start()
-        logger.info("teacher proxy: clients -> %s, workers -> %s", self.frontend_address,
-                    self.backend_address)
-        return self
+    def __post_init__(self):
+        if self.max_request_tokens < 2:
+            raise ValueError(f"WorkLimits.max_request_tokens={self.max_request_tokens} must be >= 2")
 
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._frontend, zmq.POLLIN)
-        poller.register(self._backend, zmq.POLLIN)
-        while not self._stop.is_set():
-            for socket, _ in poller.poll(POLL_MS):
-                other = self._backend if socket is self._frontend else self._frontend
-                frames = socket.recv_multipart(copy=True)
-                try:
-                    # A DEALER without connected workers would block; the request is dropped instead
-                    # and the client retries after its attempt timeout.
-                    other.send_multipart(frames, flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    logger.warning("no teacher worker connected; dropped a request")
-        self._frontend.close()
-        self._backend.close()
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
+def result_bytes(batch: ScoreBatch) -> int:
+    """Upper bound of the size of the RESULT message answering ``batch``."""
+    rows = sum(s.num_response_tokens for s in batch.sequences)
+    per_row = 8 * batch.top_k + 4 * (1 + (batch.num_requested or 0))  # int32 id + float32 per entry
+    return rows * per_row + 8 * len(batch.sequences) + _RESULT_OVERHEAD
+
+
+def check_work(batch: ScoreBatch, info: BackendInfo, work: WorkLimits, limits: wire.Limits) -> None:
+    """Refuses, with a typed TeacherError, a request whose work or answer would pass a bound."""
+    if batch.top_k > info.max_top_k:
+        raise TeacherError(ErrorCode.UNSUPPORTED, f"top_k={batch.top_k} exceeds this teacher's max "
+                           f"{info.max_top_k}")
+    longest = max(len(s.token_ids) for s in batch.sequences)
+    if info.max_sequence_length is not None and longest > info.max_sequence_length:
+        raise TeacherError(ErrorCode.BAD_REQUEST, f"a sequence of {longest} tokens is longer than the "
+                           f"teacher's context of {info.max_sequence_length} tokens")
+    tokens = sum(len(s.token_ids) for s in batch.sequences)
+    if tokens > work.max_request_tokens:
+        raise TeacherError(ErrorCode.TOO_LARGE, f"the request holds {tokens} tokens, over this worker's "
+                           f"max_request_tokens={work.max_request_tokens}; send smaller batches")
+    size = result_bytes(batch)
+    if size > limits.max_message_bytes:
+        raise TeacherError(ErrorCode.TOO_LARGE, f"the result would have {size} bytes, over the limit "
+                           f"of {limits.max_message_bytes}; send smaller batches")
 
 
 class Worker:
-    """Connects to a proxy's backend and answers requests with ``backend``.
+    """Connects to a proxy's backend, registers, and answers requests with ``backend``.
 
     Args:
         connect: the proxy's backend address.
         backend: the scoring backend.
-        secret: shared secret (must match the clients').
+        secret: shared secret (must match the proxy's and the clients').
         insecure: allow a non-loopback address without a secret.
-        limits: size limits of received messages.
+        limits: size limits of messages.
+        work: bounds on the work of one request.
     """
 
     def __init__(self, connect: str, backend: TeacherBackend, secret: bytes | None = None,
-                 insecure: bool = False, limits: wire.Limits = wire.Limits()):
+                 insecure: bool = False, limits: wire.Limits = wire.Limits(),
+                 work: WorkLimits = WorkLimits()):
         check_exposure(connect, secret, insecure)
-        self._backend, self._secret, self._limits = backend, secret, limits
+        self._backend, self._secret, self._limits, self._work = backend, secret, limits, work
+        self._name = f"{socket.gethostname()}:{id(self):x}"
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, limits.max_message_bytes)
         self._socket.connect(connect)
+        self._refusals = RefusalLog(logger, "messages")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.num_answered = 0
+        if backend.info().max_sequence_length is None:
+            logger.warning("the %s backend does not report its context length; sequence lengths are "
+                           "bounded by max_request_tokens only", backend.info().name)
 
     def serve_forever(self) -> None:
         """Answers messages until :meth:`close` (or the process ends)."""
@@ -159,41 +120,53 @@ class Worker:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        self._refusals.flush()
 
     def _handle(self, frames: list[bytes]) -> None:
-        # The proxy's ROUTER prepends the client's identity; the client's DEALER sends an empty
-        # delimiter first. Without that delimiter no reply can be routed, so the message is dropped.
-        if b"" not in frames[:4]:
-            logger.warning("dropped a message without routing envelope (%d frames)", len(frames))
+        # The proxy sends [route, empty, message]; the reply goes back under the same route.
+        if len(frames) < 3 or frames[1] != b"":
+            self._refusals.refused("a message without routing envelope (%d frames)", len(frames))
             return
-        split = frames.index(b"") + 1
-        envelope, body = frames[:split], frames[split:]
+        envelope, body = frames[:2], frames[2:]
         try:
-            reply = self._answer(body)
+            message = wire.decode(body, self._limits, self._secret,
+                                  expect=(wire.SCORE, wire.INFO, wire.CHALLENGE))
+        except wire.WireError as error:
+            kind = wire.peek_type(body)
+            if kind in (wire.CHALLENGE, wire.ERROR):  # the proxy's own messages: never answered
+                self._refusals.refused("the proxy's %s (%s); do proxy and worker share the secret?",
+                                       kind, wire.peek_meta(body).get("message", error.detail))
+                return
+            self._refusals.refused("client message (%s)", error)
+            self._send(envelope, wire.refusal_frames(error, body, self._secret))
+            return
+        if message.type == wire.CHALLENGE:
+            self._send(envelope, wire.encode(wire.REGISTER, "register", {
+                "nonce": message.meta.get("nonce"), "name": self._name}, secret=self._secret))
+            return
+        try:
+            reply = self._answer(message)
         except TeacherError as error:
-            # Errors for unauthenticated messages are sent unsigned: a client without the secret
-            # can still learn why it was refused, and they carry no data.
-            signed = error.code != ErrorCode.BAD_SIGNATURE
-            logger.info("refused a message: %s", error)
-            reply = wire.error_frames(wire.peek_request_id(body) or "unknown", error.code,
-                                      error.detail, self._secret if signed else None)
+            self._refusals.refused("request %s (%s)", message.request_id, error)
+            reply = wire.error_frames(message.request_id, error.code, error.detail, self._secret)
         except Exception as error:  # noqa: BLE001 - a backend bug must not kill the worker
             logger.exception("teacher backend failed")
-            reply = wire.error_frames(wire.peek_request_id(body) or "unknown",
-                                      ErrorCode.BACKEND_FAILED, f"{type(error).__name__}: {error}",
-                                      self._secret)
+            reply = wire.error_frames(message.request_id, ErrorCode.BACKEND_FAILED,
+                                      f"{type(error).__name__}: {error}", self._secret)
         size = sum(len(frame) for frame in reply)
         if size > self._limits.max_message_bytes:
-            # Sent anyway, ZMQ's MAXMSGSIZE at the proxy would cut this worker off.
-            reply = wire.error_frames(wire.peek_request_id(body) or "unknown", ErrorCode.TOO_LARGE,
+            # Sent anyway, the proxy would cut this worker off.
+            reply = wire.error_frames(message.request_id, ErrorCode.TOO_LARGE,
                                       f"the result has {size} bytes, over the limit of "
                                       f"{self._limits.max_message_bytes}; send smaller batches",
                                       self._secret)
-        self._socket.send_multipart(envelope + reply, copy=False)
+        self._send(envelope, reply)
         self.num_answered += 1
 
-    def _answer(self, body: list[bytes]) -> list[bytes]:
-        message = wire.decode(body, self._limits, self._secret, expect=(wire.SCORE, wire.INFO))
+    def _send(self, envelope: list[bytes], frames: list[bytes]) -> None:
+        self._socket.send_multipart(envelope + frames, copy=False)
+
+    def _answer(self, message: wire.Message) -> list[bytes]:
         if message.type == wire.INFO:
             return wire.encode(wire.INFO_RESULT, message.request_id, self._backend.info().to_dict(),
                                secret=self._secret)
@@ -205,8 +178,9 @@ class Worker:
         if batch.temperature != 1.0 and not info.supports_temperature:
             raise TeacherError(ErrorCode.UNSUPPORTED, f"the {info.name} backend scores at "
                                f"temperature 1.0 only, got {batch.temperature}")
+        check_work(batch, info, self._work, self._limits)
         outputs = self._backend.score(batch)
         for index, (output, sequence) in enumerate(zip(outputs, batch.sequences, strict=True)):
             output.validate(sequence.num_response_tokens, batch.top_k, batch.num_requested,
-                            name=f"sequence {index} of request {message.request_id}")
+                            name=f"sequence {index} of request {message.request_id}", sequence=sequence)
         return codec.encode_result(message.request_id, outputs, self._secret)

@@ -140,7 +140,7 @@ class TeacherOutput:
     requested_logprobs: np.ndarray | None = None
 
     def validate(self, num_tokens: int, top_k: int, num_requested: int | None = None,
-                 name: str = "sequence") -> "TeacherOutput":
+                 name: str = "sequence", sequence: SequenceRequest | None = None) -> "TeacherOutput":
         """Checks the contract and returns self; raises :class:`TeacherOutputError` naming ``name``.
 
         Args:
@@ -148,6 +148,8 @@ class TeacherOutput:
             top_k: expected k.
             num_requested: expected m, or None when no requested ids were sent.
             name: how errors name this sequence (e.g. ``"sequence 3 of request 17"``).
+            sequence: the request these rows answer; when given, the log-prob of each response
+                token (and of each requested id) must equal the top-k entry of the same id.
         """
         def fail(what: str):
             raise TeacherOutputError(f"{name}: {what}")
@@ -192,4 +194,47 @@ class TeacherOutput:
         if top_k > 1 and (np.diff(np.sort(real, axis=1), axis=1) == 0).any():
             fail(f"topk_ids repeats an id in row "
                  f"{int(np.argwhere((np.diff(np.sort(real, axis=1), axis=1) == 0).any(axis=1))[0][0])}")
+        if num_tokens:
+            # The top-k is part of one distribution: its probabilities cannot sum past 1 (raw logits
+            # or a wrong temperature would). float32 rounding over k entries stays far below this.
+            top = lp[:, :1]  # the row's maximum (sorted, finite: checked above)
+            # numpy sums rows pairwise: float32 rounding stays ~1e-6 here, far below the tolerance,
+            # at a fifth of the cost of np.logaddexp.reduce.
+            lse = top[:, 0] + np.log(np.exp(lp - top).sum(axis=1))
+            if (lse > NORMALISATION_TOLERANCE).any():
+                row = int(np.argmax(lse))
+                fail(f"topk_logprobs row {row} is not normalised: its probabilities sum to "
+                     f"{float(np.exp(lse[row])):.4f} > 1")
+        if sequence is not None:
+            _check_agreement(fail, real, lp, sequence.response_ids[:, None],
+                             self.token_logprobs[:, None], "token_logprobs")
+            if num_requested:
+                _check_agreement(fail, real, lp, sequence.requested_ids, self.requested_logprobs,
+                                 "requested_logprobs")
         return self
+
+
+NORMALISATION_TOLERANCE = 1e-3  # nats: logsumexp of a row's top-k log-probs may exceed 0 by this much
+AGREEMENT_TOLERANCE = 1e-4  # nats: the same id's log-prob reported twice in one row
+
+
+def _check_agreement(fail, topk_ids: np.ndarray, topk_logprobs: np.ndarray, ids: np.ndarray,
+                     logprobs: np.ndarray, key: str) -> None:
+    """``logprobs[t, j]`` (of id ``ids[t, j]``) must equal the top-k entry of the same id in row t.
+
+    An id outside the top-k must not be more likely than the k-th entry of a full row.
+    """
+    match = topk_ids[:, None, :] == ids[:, :, None]  # [T, m, k]; padding slots never match
+    found = match.any(axis=2)
+    listed = np.take_along_axis(topk_logprobs, match.argmax(axis=2), axis=1)  # [T, m]
+    wrong = found & ~(np.abs(listed - logprobs) <= AGREEMENT_TOLERANCE)
+    if wrong.any():
+        row, column = (int(i) for i in np.argwhere(wrong)[0])
+        fail(f"{key} row {row} gives id {int(ids[row, column])} log-prob {float(logprobs[row, column])}, "
+             f"but its top-k entry says {float(listed[row, column])}")
+    floor = np.where(np.isneginf(topk_logprobs[:, -1]), np.inf, topk_logprobs[:, -1])[:, None]
+    above = ~found & (logprobs > floor + AGREEMENT_TOLERANCE)
+    if above.any():
+        row, column = (int(i) for i in np.argwhere(above)[0])
+        fail(f"{key} row {row} gives id {int(ids[row, column])} log-prob {float(logprobs[row, column])}, "
+             f"above the k-th top-k entry {float(floor[row, 0])}, yet the id is not in the top-k")

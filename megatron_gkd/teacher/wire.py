@@ -29,16 +29,26 @@ from megatron_gkd.teacher.types import ErrorCode, TeacherError
 PROTOCOL_VERSION = 1
 MAC_BYTES = 32
 
-# Message types. A client sends SCORE or INFO; a worker answers RESULT, INFO_RESULT or ERROR.
+# Message types. A client sends SCORE or INFO; a worker answers RESULT, INFO_RESULT or ERROR. On a
+# new worker connection the proxy sends a CHALLENGE (a fresh nonce) and the worker answers REGISTER
+# (the nonce, signed): only then does it get requests.
 SCORE, RESULT, INFO, INFO_RESULT, ERROR = "score", "result", "info", "info_result", "error"
-MESSAGE_TYPES = (SCORE, RESULT, INFO, INFO_RESULT, ERROR)
+CHALLENGE, REGISTER = "challenge", "register"
+MESSAGE_TYPES = (SCORE, RESULT, INFO, INFO_RESULT, ERROR, CHALLENGE, REGISTER)
+UNAUTHENTICATED_ID = "unauthenticated"  # the id of every refusal sent to an unauthenticated sender
 
 # Little-endian only, so the bytes mean the same on every host.
 DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8"), "float32": np.dtype("<f4")}
 
 
 class WireError(TeacherError):
-    """A received message violates the protocol; ``code`` says how."""
+    """A received message violates the protocol; ``code`` says how.
+
+    ``authenticated`` is True when the message's MAC was verified before the violation was found:
+    only such a sender may get a signed refusal that names its request id.
+    """
+
+    authenticated = False
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -106,6 +116,18 @@ def error_frames(request_id: str, code: ErrorCode, message: str, secret: bytes |
                   secret=secret)
 
 
+def refusal_frames(error: WireError, body: list[bytes], secret: bytes | None) -> list[bytes]:
+    """The error reply to a message refused with ``error``.
+
+    An authenticated sender gets a signed refusal naming its request. Anyone else gets an unsigned
+    one under a fixed id: signing it would hand a stranger a validly signed message with content
+    of its choosing (its request id) to replay at a real client.
+    """
+    if error.authenticated:
+        return error_frames(peek_request_id(body) or "unknown", error.code, error.detail, secret)
+    return error_frames(UNAUTHENTICATED_ID, error.code, error.detail, None)
+
+
 def verify(frames: list[bytes], secret: bytes | None) -> None:
     """Checks the MAC frame; raises WireError(BAD_SIGNATURE) on a missing or wrong one."""
     if not frames:
@@ -124,15 +146,32 @@ def _require(condition: bool, code: ErrorCode, message: str) -> None:
         raise WireError(code, message)
 
 
+def _peek(frames: list[bytes], key: str):
+    """Best-effort header field of a (possibly malformed, unverified) message; never raises."""
+    try:
+        header = msgpack.unpackb(frames[1], raw=False, max_str_len=2048, max_bin_len=0,
+                                 max_array_len=64, max_map_len=64, max_ext_len=0)
+        return header.get(key) if isinstance(header, dict) else None
+    except Exception:  # noqa: BLE001 - any garbage just has no such field
+        return None
+
+
 def peek_request_id(frames: list[bytes]) -> str:
     """Best-effort request id of a (possibly malformed) message, for error replies; never raises."""
-    try:
-        header = msgpack.unpackb(frames[1], raw=False, max_str_len=256, max_bin_len=0,
-                                 max_array_len=64, max_map_len=64, max_ext_len=0)
-        request_id = header.get("id") if isinstance(header, dict) else None
-        return request_id if isinstance(request_id, str) and len(request_id) <= 64 else ""
-    except Exception:  # noqa: BLE001 - any garbage just has no id
-        return ""
+    request_id = _peek(frames, "id")
+    return request_id if isinstance(request_id, str) and len(request_id) <= 64 else ""
+
+
+def peek_type(frames: list[bytes]) -> str:
+    """Best-effort message type of a (possibly malformed) message, for logs; never raises."""
+    kind = _peek(frames, "type")
+    return kind if kind in MESSAGE_TYPES else ""
+
+
+def peek_meta(frames: list[bytes]) -> dict:
+    """Best-effort meta map of a (possibly malformed, unverified) message, for logs; never raises."""
+    meta = _peek(frames, "meta")
+    return meta if isinstance(meta, dict) else {}
 
 
 def decode(frames: list[bytes], limits: Limits, secret: bytes | None = None,
@@ -144,6 +183,14 @@ def decode(frames: list[bytes], limits: Limits, secret: bytes | None = None,
     _require(2 <= len(frames) <= limits.max_tensors + 2, ErrorCode.BAD_FRAME,
              f"message has {len(frames)} frames, expected 2..{limits.max_tensors + 2}")
     verify(frames, secret)
+    try:
+        return _decode_verified(frames, limits, expect)
+    except WireError as error:
+        error.authenticated = True
+        raise
+
+
+def _decode_verified(frames: list[bytes], limits: Limits, expect: tuple[str, ...]) -> Message:
     raw_header = frames[1]
     _require(len(raw_header) <= limits.max_header_bytes, ErrorCode.TOO_LARGE,
              f"header has {len(raw_header)} bytes, limit {limits.max_header_bytes}")

@@ -40,7 +40,8 @@ class HFBackend(TeacherBackend):
         self._info = BackendInfo(
             name="hf", vocab_size=self._vocab_size, tokenizer_size=self._tokenizer_size,
             tokenizer_digest=tokenizer_digest(tokenizer), max_top_k=min(max_top_k, self._tokenizer_size),
-            supports_requested_ids=True, supports_temperature=True)
+            supports_requested_ids=True, supports_temperature=True,
+            max_sequence_length=getattr(self._model.config, "max_position_embeddings", None))
         if self._vocab_size != self._tokenizer_size:
             logger.info("hf teacher: %d output rows, %d tokenizer ids; rows past the tokenizer are "
                         "ignored", self._vocab_size, self._tokenizer_size)
@@ -54,6 +55,10 @@ class HFBackend(TeacherBackend):
             raise TeacherError(ErrorCode.UNSUPPORTED,
                                f"top_k={batch.top_k} exceeds this teacher's max {self._info.max_top_k}")
         for sequence in batch.sequences:
+            # One sequence is one forward pass at least: its [L, V] logits are what the bound is for.
+            if len(sequence.token_ids) > self._max_batch_tokens:
+                raise TeacherError(ErrorCode.TOO_LARGE, f"a sequence of {len(sequence.token_ids)} tokens "
+                                   f"exceeds this backend's max_batch_tokens={self._max_batch_tokens}")
             self._check_ids(sequence.token_ids, "token id")
             if sequence.requested_ids is not None:
                 self._check_ids(sequence.requested_ids, "requested id")

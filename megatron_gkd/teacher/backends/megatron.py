@@ -68,7 +68,8 @@ class MegatronBackend(TeacherBackend):
         self._info = BackendInfo(
             name="megatron", vocab_size=vocab.vocab_size, tokenizer_size=vocab.tokenizer_size,
             tokenizer_digest=vocab.tokenizer_digest, max_top_k=min(max_top_k, vocab.tokenizer_size),
-            supports_requested_ids=True, supports_temperature=True)
+            supports_requested_ids=True, supports_temperature=True,
+            max_sequence_length=getattr(chunks[0], "max_sequence_length", None))
 
     @property
     def is_leader(self) -> bool:

@@ -63,7 +63,8 @@ class VLLMBackend(TeacherBackend):
         self._info = BackendInfo(
             name="vllm", vocab_size=model_config.get_vocab_size(), tokenizer_size=len(tokenizer),
             tokenizer_digest=tokenizer_digest(tokenizer), max_top_k=max_top_k,
-            supports_requested_ids=False, supports_temperature=False)
+            supports_requested_ids=False, supports_temperature=False,
+            max_sequence_length=model_config.max_model_len)
 
     def info(self) -> BackendInfo:
         return self._info

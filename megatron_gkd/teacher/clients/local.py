@@ -106,7 +106,7 @@ class LocalTeacherClient(TeacherClient):
             self._offload.to_host()
         for index, (output, sequence) in enumerate(zip(outputs, batch.sequences, strict=True)):
             output.validate(sequence.num_response_tokens, batch.top_k, batch.num_requested,
-                            name=f"sequence {index} (local teacher)")
+                            name=f"sequence {index} (local teacher)", sequence=sequence)
         return outputs
 
     def score_async(self, batch: ScoreBatch) -> concurrent.futures.Future:

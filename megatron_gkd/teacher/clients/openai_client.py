@@ -11,24 +11,27 @@ scored token; vLLM writes ``-inf`` as ``-9999.0``, which is turned back into ``-
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import re
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 
 from megatron_gkd.teacher.clients import RetryPolicy, TeacherClient, TeacherInfo
-from megatron_gkd.teacher.types import (ErrorCode, ScoreBatch, TeacherError, TeacherOutput,
-                                        TeacherOutputError)
+from megatron_gkd.teacher.clients.http_call import (DeadlineExceeded, HttpEndpoint, Response,
+                                                    ResponseTooLarge)
+from megatron_gkd.teacher.types import (ErrorCode, ScoreBatch, SequenceRequest, TeacherError,
+                                        TeacherOutput, TeacherOutputError)
 from megatron_gkd.teacher.vocab import tokenizer_digest
 
 logger = logging.getLogger(__name__)
 
 _NEG_INF_SENTINEL = -9999.0  # vLLM's JSON stand-in for -inf
 _MAX_ALLOWED = re.compile(r"max allowed: (-?\d+)")
+_TOKEN_KEY = re.compile(r"token_id:(\d{1,18})")  # 18 digits always fit in int64
+_RETRIED = (OSError, http.client.HTTPException, json.JSONDecodeError)
 
 
 class OpenAITeacherClient(TeacherClient):
@@ -39,44 +42,61 @@ class OpenAITeacherClient(TeacherClient):
         model: model name the server serves (default: the first of ``/v1/models``).
         teacher_tokenizer: path or name of the teacher's HF tokenizer, for the vocabulary check
             (the API does not report one).
-        retry: timeouts, deadline and backoff for each HTTP call.
+        retry: timeouts, deadline and backoff for each HTTP call; ``attempt_timeout_s`` bounds an
+            attempt as a whole (connect, send, status line, headers and body).
         wait_ready_s: how long start-up waits for ``/health``.
-        api_key: sent as ``Authorization: Bearer ...`` when the server wants one.
+        api_key: sent as ``Authorization: Bearer ...`` when the server wants one; only ever to
+            ``base_url`` (redirects are refused, not followed).
         max_inflight: concurrent :meth:`score_async` batches.
+        max_response_bytes: longest answer body read (JSON of the echoed log-probs).
     """
 
     def __init__(self, base_url: str, model: str | None = None, teacher_tokenizer: str | None = None,
                  retry: RetryPolicy | None = None, wait_ready_s: float = 60.0, api_key: str | None = None,
-                 max_inflight: int = 2):
+                 max_inflight: int = 2, max_response_bytes: int = 2**31):
         super().__init__(max_inflight=max_inflight)
         self.base_url = base_url.rstrip("/")
-        self._headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json"}
         if api_key:
-            self._headers["Authorization"] = f"Bearer {api_key}"
+            headers["Authorization"] = f"Bearer {api_key}"
+        self._http = HttpEndpoint(self.base_url, headers, max_response_bytes)
         self._retry = retry or RetryPolicy()
         self._teacher_tokenizer = teacher_tokenizer
         self._wait_healthy(wait_ready_s)
-        self.model = model or self._get("/v1/models")["data"][0]["id"]
+        models = self._get("/v1/models")
+        try:
+            self.model = model or models["data"][0]["id"]
+        except (KeyError, IndexError, TypeError):
+            raise TeacherError(ErrorCode.BAD_OUTPUT, f"{self.base_url}/v1/models answered "
+                               f"{str(models)[:200]!r}, not a model list; pass model=...") from None
         self.max_logprobs = self._discover_max_logprobs()
 
     # ---- HTTP -------------------------------------------------------------------------------
-    def _request(self, path: str, payload: dict | None, timeout_s: float) -> dict:
+    def _call(self, path: str, payload: dict | None, timeout_s: float) -> Response:
+        """One attempt; a redirect is an error (the API key must not follow it elsewhere)."""
         data = None if payload is None else json.dumps(payload).encode()
-        request = urllib.request.Request(self.base_url + path, data=data, headers=self._headers)
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.loads(response.read())
+        response = self._http.request("GET" if data is None else "POST", path, data, timeout_s)
+        if 300 <= response.status < 400:
+            raise TeacherError(ErrorCode.BAD_REQUEST, f"{self.base_url}{path} answered a redirect "
+                               f"({response.status}) to {response.location!r}; redirects are not followed "
+                               "(the API key would go along): set base_url to the final address")
+        return response
 
     def _get(self, path: str) -> dict:
-        return self._request(path, None, self._retry.attempt_timeout_s)
+        try:
+            response = self._call(path, None, self._retry.attempt_timeout_s)
+            return json.loads(response.body)
+        except (*_RETRIED, ResponseTooLarge) as error:
+            raise TeacherError(ErrorCode.UNAVAILABLE, f"GET {self.base_url}{path} failed: "
+                               f"{type(error).__name__}: {error}") from None
 
     def _wait_healthy(self, wait_s: float) -> None:
         end = time.monotonic() + wait_s
         while True:
             try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
+                if self._call("/health", None, min(5.0, max(0.1, end - time.monotonic()))).status == 200:
+                    return
+            except (OSError, http.client.HTTPException):
                 pass
             if time.monotonic() > end:
                 raise TeacherError(ErrorCode.UNAVAILABLE, f"{self.base_url}/health did not answer 200 "
@@ -93,15 +113,22 @@ class OpenAITeacherClient(TeacherClient):
             if remaining <= 0:
                 break
             try:
-                return self._request("/v1/completions", payload, min(policy.attempt_timeout_s, remaining))
-            except urllib.error.HTTPError as error:
-                body = error.read().decode(errors="replace")[:2000]
-                if 400 <= error.code < 500:
-                    raise TeacherError(ErrorCode.BAD_REQUEST, f"server said {error.code}: {body}") from None
-                last = f"HTTP {error.code}: {body}"
-            except (urllib.error.URLError, OSError, json.JSONDecodeError) as error:
+                response = self._call("/v1/completions", payload, min(policy.attempt_timeout_s, remaining))
+                body = response.body.decode(errors="replace")
+                if 400 <= response.status < 500:
+                    raise TeacherError(ErrorCode.BAD_REQUEST, f"server said {response.status}: {body[:2000]}")
+                if response.status == 200:
+                    return json.loads(response.body)
+                last = f"HTTP {response.status}: {body[:2000]}"
+            except ResponseTooLarge as error:
+                raise TeacherError(ErrorCode.TOO_LARGE, f"{error}; score smaller batches or raise "
+                                   "max_response_bytes") from None
+            except DeadlineExceeded as error:
+                last = str(error)
+            except _RETRIED as error:
                 last = f"{type(error).__name__}: {error}"
             logger.warning("openai teacher attempt %d/%d failed: %s", attempt, policy.max_attempts, last)
+            self._retried()
             time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
             pause = min(pause * 2, policy.backoff_max_s)
         raise TeacherError(ErrorCode.UNAVAILABLE, f"teacher at {self.base_url} gave no answer within "
@@ -148,41 +175,82 @@ class OpenAITeacherClient(TeacherClient):
                                f"max_logprobs={self.max_logprobs}; restart it with --max-logprobs "
                                f"{batch.top_k} or more")
         prompts = [s.token_ids.tolist() for s in batch.sequences]
-        response = self._post(self._payload(prompts, batch.top_k))
-        choices = sorted(response.get("choices", []), key=lambda c: c.get("index", 0))
-        if len(choices) != len(prompts):
-            raise TeacherOutputError(f"server returned {len(choices)} choices for {len(prompts)} prompts")
+        choices = _choices(self._post(self._payload(prompts, batch.top_k)), len(prompts))
         return [_parse_choice(choice, sequence, batch.top_k, f"sequence {i}").validate(
-                    sequence.num_response_tokens, batch.top_k, None, name=f"sequence {i}")
+                    sequence.num_response_tokens, batch.top_k, None, name=f"sequence {i}", sequence=sequence)
                 for i, (choice, sequence) in enumerate(zip(choices, batch.sequences))]
 
 
-def _as_logprob(value: float) -> float:
-    return -np.inf if value <= _NEG_INF_SENTINEL else value
+def _choices(response, count: int) -> list[dict]:
+    """``response["choices"]`` ordered by index; raises TeacherOutputError unless exactly 0..count-1."""
+    choices = response.get("choices") if isinstance(response, dict) else None
+    if not isinstance(choices, list) or len(choices) != count:
+        raise TeacherOutputError(f"server returned {len(choices) if isinstance(choices, list) else 'no'} "
+                                 f"choices for {count} prompts")
+    by_index = {}
+    for choice in choices:
+        index = choice.get("index") if isinstance(choice, dict) else None
+        if type(index) is not int or not 0 <= index < count or index in by_index:
+            raise TeacherOutputError(f"choice indices must be 0..{count - 1}, each once; got "
+                                     f"{str(choice)[:100]!r}")
+        by_index[index] = choice
+    return [by_index[i] for i in range(count)]
 
 
-def _parse_choice(choice: dict, sequence, top_k: int, name: str) -> TeacherOutput:
+def _as_logprob(value, name: str) -> float:
+    if type(value) not in (int, float):  # bool, None, strings and lists are not log-probs
+        raise TeacherOutputError(f"{name}: log-prob {value!r} is not a number")
+    return -np.inf if value <= _NEG_INF_SENTINEL else float(value)
+
+
+def _echoed(choice: dict, sequence: SequenceRequest, name: str) -> list:
+    """``top_logprobs`` of one choice after checking the echo is exactly the prompt that was sent.
+
+    A server that adds a token (a BOS) or changes one would shift every row by a position; the
+    rows would still look plausible, so the echoed tokens themselves are compared.
+    """
+    logprobs = choice.get("logprobs")
+    top = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
+    tokens = logprobs.get("tokens") if isinstance(logprobs, dict) else None
+    length = len(sequence.token_ids)
+    if not isinstance(top, list) or not isinstance(tokens, list) or len(top) != len(tokens):
+        raise TeacherOutputError(f"{name}: the answer lacks the echoed logprobs.tokens and "
+                                 "top_logprobs of equal length; start the request with echo=true")
+    if not length <= len(tokens) <= length + 1:  # the prompt, then at most max_tokens=1 generated
+        raise TeacherOutputError(f"{name}: the server echoed {len(tokens)} positions for a prompt of "
+                                 f"{length} tokens")
+    sent = [f"token_id:{token}" for token in sequence.token_ids.tolist()]
+    if tokens[:length] != sent:
+        position = next(p for p, (a, b) in enumerate(zip(tokens, sent)) if a != b)
+        raise TeacherOutputError(f"{name}: the echoed prompt differs from the tokens sent at position "
+                                 f"{position} ({tokens[position]!r} != {sent[position]!r}); the server "
+                                 "must score the ids as given (no added BOS, no re-tokenisation)")
+    return top
+
+
+def _parse_row(entries, position: int, name: str) -> dict[int, float]:
+    if not isinstance(entries, dict) or not entries:
+        raise TeacherOutputError(f"{name}: position {position} has no log-probs ({str(entries)[:80]!r})")
+    parsed = {}
+    for key, value in entries.items():
+        match = _TOKEN_KEY.fullmatch(key) if isinstance(key, str) else None
+        if match is None:
+            raise TeacherOutputError(f"{name}: position {position} key {str(key)[:40]!r} is not "
+                                     "'token_id:N'; start the request with return_tokens_as_token_ids")
+        parsed[int(match.group(1))] = _as_logprob(value, f"{name} position {position}")
+    return parsed
+
+
+def _parse_choice(choice: dict, sequence: SequenceRequest, top_k: int, name: str) -> TeacherOutput:
     """TeacherOutput of one echoed prompt; raises TeacherOutputError naming ``name`` when malformed."""
-    top = (choice.get("logprobs") or {}).get("top_logprobs")
-    length, start = len(sequence.token_ids), sequence.response_start
-    if not isinstance(top, list) or len(top) < length:
-        raise TeacherOutputError(f"{name}: echoed top_logprobs has "
-                                 f"{len(top) if isinstance(top, list) else 'no'} positions, need {length}")
-    rows = sequence.num_response_tokens
+    top = _echoed(choice, sequence, name)
+    start, rows = sequence.response_start, sequence.num_response_tokens
     topk_ids = np.zeros((rows, top_k), dtype=np.int64)
     topk_logprobs = np.full((rows, top_k), -np.inf, dtype=np.float32)
     token_logprobs = np.zeros(rows, dtype=np.float32)
     for t in range(rows):
         position, token = start + t, int(sequence.token_ids[start + t])
-        entries = top[position]
-        if not entries:
-            raise TeacherOutputError(f"{name}: row {t} (position {position}) has no log-probs")
-        parsed = {}
-        for key, value in entries.items():
-            if not key.startswith("token_id:"):
-                raise TeacherOutputError(f"{name}: row {t} key {key!r} is not 'token_id:N'; start the "
-                                         "request with return_tokens_as_token_ids")
-            parsed[int(key[len("token_id:"):])] = _as_logprob(float(value))
+        parsed = _parse_row(top[position], position, f"{name} row {t}")
         if token not in parsed:
             raise TeacherOutputError(f"{name}: row {t} lacks the log-prob of its own token {token}")
         token_logprobs[t] = parsed[token]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 import uuid
 
@@ -18,25 +17,13 @@ import zmq
 
 from megatron_gkd.teacher import codec, wire
 from megatron_gkd.teacher.clients import RetryPolicy, TeacherClient, TeacherInfo
-from megatron_gkd.teacher.server import check_exposure
+from megatron_gkd.teacher.security import SECRET_ENV, check_exposure, load_secret  # noqa: F401 - re-exported
 from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, TeacherError, TeacherOutput
 
 logger = logging.getLogger(__name__)
 
-SECRET_ENV = "MEGATRON_GKD_TEACHER_SECRET"
-RETRYABLE = (ErrorCode.BACKEND_FAILED,)  # everything else would fail the same way again
-
-
-def load_secret(secret_file: str | None = None) -> bytes | None:
-    """The shared secret from ``secret_file`` or the MEGATRON_GKD_TEACHER_SECRET variable, else None."""
-    if secret_file:
-        with open(secret_file, "rb") as handle:
-            secret = handle.read().strip()
-        if not secret:
-            raise ValueError(f"secret file {secret_file} is empty")
-        return secret
-    value = os.environ.get(SECRET_ENV, "")
-    return value.encode() if value else None
+# Everything else would fail the same way again. UNAVAILABLE from the proxy means busy.
+RETRYABLE = (ErrorCode.BACKEND_FAILED, ErrorCode.UNAVAILABLE)
 
 
 class ZmqTeacherClient(TeacherClient):
@@ -82,6 +69,10 @@ class ZmqTeacherClient(TeacherClient):
                 "score smaller batches or raise the limit on both sides (--max-message-mb)")
         request_id = uuid.uuid4().hex
         frames = codec.encode_request(request_id, batch, self._secret)
+        request_bytes = sum(len(frame) for frame in frames)
+        if request_bytes > self._limits.max_message_bytes:
+            raise ValueError(f"this batch takes {request_bytes} bytes on the wire, over the message "
+                             f"limit of {self._limits.max_message_bytes}; score smaller batches")
         message = self._call(request_id, frames, expect=wire.RESULT)
         return codec.decode_result(message, batch)
 
@@ -89,6 +80,7 @@ class ZmqTeacherClient(TeacherClient):
         policy = self._retry
         deadline = time.monotonic() + policy.deadline_s
         pause = policy.backoff_s
+        untrusted: _Untrusted | None = None
         for attempt in range(1, policy.max_attempts + 1):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -98,6 +90,11 @@ class ZmqTeacherClient(TeacherClient):
                 logger.warning("teacher request %s: no answer within %.1f s (attempt %d/%d); "
                                "retrying on a fresh socket", request_id, policy.attempt_timeout_s,
                                attempt, policy.max_attempts)
+            elif isinstance(message, _Untrusted):
+                untrusted = message
+                logger.warning("teacher request %s: dropped a reply that failed authentication (%s; "
+                               "attempt %d/%d); retrying", request_id, message.reason, attempt,
+                               policy.max_attempts)
             elif message.type == wire.ERROR:
                 code = ErrorCode(message.meta.get("code", ErrorCode.BACKEND_FAILED.value))
                 error = TeacherError(code, f"teacher refused request {request_id}: "
@@ -109,16 +106,25 @@ class ZmqTeacherClient(TeacherClient):
                 raise TeacherError(ErrorCode.BAD_OUTPUT, f"expected {expect}, got {message.type}")
             else:
                 return message
+            self._retried()
             time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
             pause = min(pause * 2, policy.backoff_max_s)
+        if untrusted is not None and untrusted.code == ErrorCode.BAD_SIGNATURE:
+            # Unsigned, so possibly forged, and never acted on before the attempts ran out; but the
+            # likely cause is this client's own secret, which is what the user must check.
+            raise TeacherError(ErrorCode.BAD_SIGNATURE, f"the teacher refused this client's signature "
+                               f"({untrusted.reason}); check that the client and the teacher share the "
+                               "same secret")
         raise TeacherError(
             ErrorCode.UNAVAILABLE,
             f"teacher at {self.address} gave no usable answer to request {request_id} within "
             f"{policy.deadline_s:.0f} s ({policy.max_attempts} attempts of up to "
-            f"{policy.attempt_timeout_s:.0f} s); is the teacher server running with workers connected?")
+            f"{policy.attempt_timeout_s:.0f} s); is the teacher server running with workers connected?"
+            + (f" The last reply failed authentication: {untrusted.reason}" if untrusted else ""))
 
-    def _attempt(self, request_id: str, frames: list[bytes], timeout_s: float) -> wire.Message | None:
-        """One send/receive on a fresh socket; None on timeout."""
+    def _attempt(self, request_id: str, frames: list[bytes],
+                 timeout_s: float) -> wire.Message | _Untrusted | None:
+        """One send/receive on a fresh socket; None on timeout, _Untrusted for an unauthentic reply."""
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, self._limits.max_message_bytes)
@@ -129,15 +135,14 @@ class ZmqTeacherClient(TeacherClient):
             while (left_ms := int((end - time.monotonic()) * 1000)) > 0:
                 if not socket.poll(left_ms, zmq.POLLIN):
                     break
-                reply = socket.recv_multipart(copy=True)
-                message = self._decode_reply(reply)
-                if message is not None and message.request_id == request_id:
+                message = self._decode_reply(socket.recv_multipart(copy=True))
+                if isinstance(message, _Untrusted) or (message is not None and message.request_id == request_id):
                     return message
             return None
         finally:
             socket.close()
 
-    def _decode_reply(self, reply: list[bytes]) -> wire.Message | None:
+    def _decode_reply(self, reply: list[bytes]) -> wire.Message | _Untrusted | None:
         if not reply or reply[0] != b"":
             logger.warning("dropped a teacher reply without delimiter")
             return None
@@ -146,13 +151,20 @@ class ZmqTeacherClient(TeacherClient):
             return wire.decode(body, self._limits, self._secret,
                                expect=(wire.RESULT, wire.INFO_RESULT, wire.ERROR))
         except wire.WireError as error:
-            if error.code == ErrorCode.BAD_SIGNATURE:
-                # Refusals of our signature come unsigned (the worker cannot sign for a stranger).
-                try:
-                    refusal = wire.decode(body, self._limits, None, expect=(wire.ERROR,))
-                except wire.WireError:
-                    refusal = None
-                if refusal is not None and refusal.meta.get("code") == ErrorCode.BAD_SIGNATURE.value:
-                    raise TeacherError(ErrorCode.BAD_SIGNATURE, "the teacher refused this client's "
-                                       f"signature: {refusal.meta.get('message')}") from None
-            raise TeacherError(error.code, f"malformed reply from the teacher: {error.detail}") from None
+            if error.authenticated:  # signed by the teacher, yet broken: a bug there, not noise
+                raise TeacherError(error.code, f"malformed reply from the teacher: {error.detail}") from None
+            # Never trusted: it may come from anyone who can reach this socket's peer. An unsigned
+            # refusal is how the teacher tells a client whose signature it cannot verify, though.
+            meta = wire.peek_meta(body)
+            code = meta.get("code") if wire.peek_type(body) == wire.ERROR else None
+            detail = f"unsigned refusal {code!r}: {meta.get('message')!r}" if code else error.detail
+            return _Untrusted(reason=str(detail)[:300],
+                              code=ErrorCode(code) if code in {c.value for c in ErrorCode} else None)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class _Untrusted:
+    """A reply that failed authentication: a reason for the logs, and the refusal code it claims."""
+
+    reason: str
+    code: ErrorCode | None

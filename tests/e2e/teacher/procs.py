@@ -57,3 +57,11 @@ def stop(process: subprocess.Popen, kill: bool = False) -> None:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def write_secret(directory: pathlib.Path) -> tuple[pathlib.Path, bytes]:
+    """(file, secret): a random shared secret in ``directory``, readable by its owner only."""
+    secret, path = os.urandom(32).hex().encode(), directory / "secret"
+    path.write_bytes(secret)
+    path.chmod(0o600)  # servers refuse a secret others may read
+    return path, secret

@@ -1,59 +1,20 @@
-"""1,000 malformed messages against a live worker: typed errors or drops, never a crash or an unpickle."""
+"""1,000 malformed messages against a live proxy and worker: typed refusals, never a crash or an unpickle."""
 
 import os
 import pathlib
 import pickle
 
-import msgpack
 import numpy as np
 import pytest
 import zmq
 
 from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, build_client, codec, wire
+from megatron_gkd.teacher.proxy import MAX_UNSIGNED_REFUSALS
 from megatron_gkd.teacher.types import ErrorCode
+from tests.unit.teacher import malformed
 from tests.unit.teacher.conftest import LIMITS, SECRET
 
 NUM_MALFORMED = 1000
-
-
-class _CreatesFile:
-    """Unpickling this object calls ``open(path, "w")``: proof of an unpickle is the file's existence."""
-
-    def __init__(self, path):
-        self.path = str(path)
-
-    def __reduce__(self):
-        return (open, (self.path, "w"))
-
-
-def _sign(body):
-    return [wire._mac(SECRET, body), *body]
-
-
-def _malformed(index: int, rng: np.random.Generator, payload: bytes, good: list[bytes]):
-    """(frames, expects_reply) of malformed message number ``index``; cycles through the kinds."""
-    header = msgpack.unpackb(good[1])
-    kind = index % 9
-    if kind == 0:  # random bytes
-        return [rng.bytes(int(rng.integers(0, 200))) for _ in range(int(rng.integers(1, 5)))], True
-    if kind == 1:  # wrong protocol version, correctly signed
-        return _sign([msgpack.packb(dict(header, v=int(rng.integers(2, 99)))), *good[2:]]), True
-    if kind == 2:  # truncated buffer, correctly signed
-        cut = int(rng.integers(1, len(good[2])))
-        return _sign([good[1], good[2][:cut], *good[3:]]), True
-    if kind == 3:  # pickle payload as header, signed and unsigned
-        return (_sign([payload, *good[2:]]) if index % 2 else [b"", payload, *good[2:]]), True
-    if kind == 4:  # pickle payload as a tensor buffer declared as bytes of a valid dtype
-        return _sign([good[1], payload, *good[3:]]), True
-    if kind == 5:  # wrong HMAC
-        return [rng.bytes(32), *good[1:]], True
-    if kind == 6:  # valid msgpack, broken schema
-        bad = dict(header, tensors=[dict(t, shape=[-1]) for t in header["tensors"]])
-        return _sign([msgpack.packb(bad), *good[2:]]), True
-    if kind == 7:  # a header claiming a huge tensor
-        bad = dict(header, tensors=[dict(t, shape=[2**39], nbytes=2**42) for t in header["tensors"]])
-        return _sign([msgpack.packb(bad), *good[2:]]), True
-    return None, False  # kind 8: oversize, sent on its own connection (ZMQ drops that peer)
 
 
 def _drain(socket, replies):
@@ -64,9 +25,9 @@ def _drain(socket, replies):
 def test_malformed_frames_are_refused_and_nothing_is_unpickled(service, tmp_path):
     proxy, worker = service
     marker = tmp_path / "unpickled"
-    payload = pickle.dumps(_CreatesFile(marker))
+    payload = malformed.pickle_payload(marker)
     armed = tmp_path / "armed"
-    pickle.loads(pickle.dumps(_CreatesFile(armed)))  # the payload kind really does create its file
+    pickle.loads(malformed.pickle_payload(armed))  # the payload kind really does create its file
     assert armed.exists()
 
     rng = np.random.default_rng(0)
@@ -78,12 +39,16 @@ def test_malformed_frames_are_refused_and_nothing_is_unpickled(service, tmp_path
     fuzz.connect(proxy.frontend_address)
     client = build_client("zmq", address=proxy.frontend_address, secret=SECRET,
                           retry=RetryPolicy(attempt_timeout_s=20, deadline_s=40))
-    expected_replies, replies, oversize = 0, [], 0
+    signed_sent = unsigned_sent = oversize = 0
+    replies, expected = [], {}
     answered_before = worker.num_answered
     try:
         reference = client.score(good_batch)[0]
         for index in range(NUM_MALFORMED):
-            frames, expects_reply = _malformed(index, rng, payload, good)
+            message = malformed.basic(index, rng, payload, good, SECRET)
+            frames, signed = message.frames, message.signed
+            if message.request_id is not None:
+                expected[message.request_id] = message.code
             if frames is None:
                 oversize += 1
                 big = context.socket(zmq.DEALER)
@@ -93,7 +58,8 @@ def test_malformed_frames_are_refused_and_nothing_is_unpickled(service, tmp_path
                 big.close()
             else:
                 fuzz.send_multipart([b"", *frames])
-                expected_replies += expects_reply
+                signed_sent += signed
+                unsigned_sent += not signed
             if index % 100 == 99:  # the server keeps serving correct requests in between
                 output = client.score(good_batch)[0]
                 np.testing.assert_array_equal(output.topk_ids, reference.topk_ids)
@@ -104,22 +70,33 @@ def test_malformed_frames_are_refused_and_nothing_is_unpickled(service, tmp_path
         client.close()
         fuzz.close()
 
-    assert len(replies) == expected_replies  # every attributable malformed message got an answer
-    codes = set()
+    codes, num_signed, num_unsigned = set(), 0, 0
     for reply in replies:
         assert reply[0] == b""
         try:
             message = wire.decode(reply[1:], LIMITS, SECRET, expect=(wire.ERROR,))
-        except wire.WireError as error:  # refusals of bad signatures come unsigned
+            num_signed += 1
+            if message.request_id in expected:  # its header survived: the refusal names it
+                assert ErrorCode(message.meta["code"]) == expected.pop(message.request_id)
+            else:
+                assert message.request_id == "unknown"  # a signed message whose header is garbage
+        except wire.WireError as error:  # refusals of unauthenticated messages come unsigned
             assert error.code == ErrorCode.BAD_SIGNATURE
             message = wire.decode(reply[1:], LIMITS, None, expect=(wire.ERROR,))
+            assert message.request_id == wire.UNAUTHENTICATED_ID
+            num_unsigned += 1
         codes.add(ErrorCode(message.meta["code"]))
+    # Every signed malformed message got a signed typed refusal; strangers got a few unsigned ones.
+    assert num_signed == signed_sent
+    assert not expected, f"no named refusal for {sorted(expected)[:5]}"
+    assert num_unsigned == min(unsigned_sent, MAX_UNSIGNED_REFUSALS)
     assert {ErrorCode.BAD_FRAME, ErrorCode.BAD_VERSION, ErrorCode.BAD_SIGNATURE} <= codes
     assert codes <= {ErrorCode.BAD_FRAME, ErrorCode.BAD_VERSION, ErrorCode.BAD_SIGNATURE,
                      ErrorCode.TOO_LARGE, ErrorCode.BAD_REQUEST}
     assert oversize > 100
-    # Oversize frames never reach the worker (ZMQ's MAXMSGSIZE drops the connection at the proxy).
-    assert worker.num_answered - answered_before == expected_replies + NUM_MALFORMED // 100 + 1
+    # Nothing malformed reaches the worker: the proxy refuses it (oversize messages before they
+    # are even read). The worker answered the valid requests only.
+    assert worker.num_answered - answered_before == NUM_MALFORMED // 100 + 1
     assert not marker.exists(), "a received payload was unpickled"
 
 

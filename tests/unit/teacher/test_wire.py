@@ -15,7 +15,7 @@ from megatron_gkd.teacher.types import (ErrorCode, ScoreBatch, SequenceRequest, 
                                         TeacherOutputError)
 from megatron_gkd.teacher.vocab import check_vocab, restrict_to_vocab, tokenizer_digest
 
-SECRET = b"shared-secret"
+SECRET = b"shared-secret-of-32-bytes-length"
 LIMITS = wire.Limits(max_message_bytes=2**20)
 
 
@@ -27,15 +27,20 @@ def _batch(requested: bool = False) -> ScoreBatch:
     return ScoreBatch(sequences=sequences, top_k=4, temperature=0.7)
 
 
-def _output(rows: int, k: int, requested: int | None = None) -> TeacherOutput:
+def _output(rows: int, k: int, requested: int | None = None, sequence: SequenceRequest | None = None
+            ) -> TeacherOutput:
+    """A consistent output: the log-probs of the response tokens and requested ids of ``sequence``
+    (default: id 0, and ids 0..m-1, on every row) come from the same distribution as the top-k."""
     rng = np.random.default_rng(rows)
-    logits = rng.normal(size=(rows, 50))
+    logits = rng.normal(size=(rows, 100))
     logprobs = (logits - np.log(np.exp(logits).sum(1, keepdims=True))).astype(np.float32)
     ids = np.argsort(-logprobs, axis=1)[:, :k]
+    response = np.zeros(rows, dtype=np.int64) if sequence is None else sequence.response_ids
+    wanted = np.arange(requested or 0)[None].repeat(rows, 0) if sequence is None else sequence.requested_ids
     return TeacherOutput(topk_ids=ids.astype(np.int64),
                          topk_logprobs=np.take_along_axis(logprobs, ids, 1),
-                         token_logprobs=logprobs[:, 0].copy(),
-                         requested_logprobs=None if requested is None else logprobs[:, :requested].copy())
+                         token_logprobs=logprobs[np.arange(rows), response].copy(),
+                         requested_logprobs=None if requested is None else np.take_along_axis(logprobs, wanted, 1))
 
 
 @pytest.mark.parametrize("secret", [None, SECRET])
@@ -50,7 +55,8 @@ def test_request_and_result_roundtrip(secret, requested):
         assert a.response_start == b.response_start
         if requested:
             np.testing.assert_array_equal(a.requested_ids, b.requested_ids)
-    outputs = [_output(s.num_response_tokens, 4, 3 if requested else None) for s in batch.sequences]
+    outputs = [_output(s.num_response_tokens, 4, 3 if requested else None, s)
+               for s in batch.sequences]
     result = wire.decode(codec.encode_result("r1", outputs, secret), LIMITS, secret)
     for got, want in zip(codec.decode_result(result, batch), outputs, strict=True):
         for field in dataclasses.fields(TeacherOutput):
@@ -217,3 +223,71 @@ def test_teacher_config_validates_and_warns_on_inert_options(caplog):
     with build_client_from_config(TeacherConfig(client="zmq", address="tcp://127.0.0.1:5555",
                                                 deadline_s=7)) as client:
         assert client.address == "tcp://127.0.0.1:5555" and client._retry.deadline_s == 7
+
+
+def test_validate_refuses_unnormalised_top_k():
+    good = _output(5, 4)
+    good.validate(5, 4)
+    # Four entries of log(0.5) each are all <= 0, sorted and distinct, but sum to probability 2.
+    halves = np.full((5, 4), np.log(0.5), np.float32)
+    with pytest.raises(TeacherOutputError, match="sequence 2.*normalised"):
+        dataclasses.replace(good, topk_logprobs=halves).validate(5, 4, name="sequence 2")
+
+
+def test_token_logprobs_must_agree_with_the_top_k_entry_of_the_same_id():
+    batch = ScoreBatch(sequences=[SequenceRequest(token_ids=np.arange(8), response_start=3)], top_k=4)
+    rows = batch.sequences[0].num_response_tokens
+    output = _output(rows, 4)
+    # Each row's own response token is placed in the top-k with a different log-prob than it reports.
+    ids = output.topk_ids.copy()
+    ids[:, 1] = batch.sequences[0].response_ids
+    ids[:, 2:] = np.where(ids[:, 2:] == ids[:, 1:2], 99, ids[:, 2:])
+    bad = dataclasses.replace(output, topk_ids=ids,
+                              token_logprobs=(output.topk_logprobs[:, 1] - 1.0).astype(np.float32))
+    message = wire.decode(codec.encode_result("r", [bad], None), LIMITS)
+    with pytest.raises(TeacherOutputError, match="token_logprobs.*row 0"):
+        codec.decode_result(message, batch)
+    agreeing = dataclasses.replace(bad, token_logprobs=bad.topk_logprobs[:, 1].copy())
+    codec.decode_result(wire.decode(codec.encode_result("r", [agreeing], None), LIMITS), batch)
+
+
+def _score_message(lengths, starts, token_ids, meta=None):
+    tensors = {"token_ids": token_ids, "lengths": lengths, "response_starts": starts}
+    return wire.decode(wire.encode(wire.SCORE, "r", meta or {"top_k": 4, "temperature": 1.0}, tensors),
+                       LIMITS)
+
+
+@pytest.mark.parametrize("case", ["wrapping_lengths", "float_lengths", "nan_lengths", "bool_top_k",
+                                  "int64_token_ids"])
+def test_score_fields_that_used_to_reach_the_backend_are_bad_requests(case):
+    tokens = np.arange(10, dtype=np.int32)
+    lengths, starts, meta = np.array([4, 6], np.int64), np.array([1, 2], np.int64), None
+    if case == "wrapping_lengths":  # the int64 sum wraps around to len(token_ids)
+        lengths = np.array([2**62, 2**62, 2**62, 2**62 + 10], np.int64)
+        starts = np.ones(4, np.int64)
+    elif case == "float_lengths":
+        lengths = np.array([4.0, 6.0], np.float32)
+    elif case == "nan_lengths":
+        lengths = np.array([np.nan, 10.0], np.float32)
+    elif case == "bool_top_k":
+        meta = {"top_k": True, "temperature": 1.0}
+    else:
+        tokens = tokens.astype(np.int64)
+    with pytest.raises(wire.WireError) as info:
+        codec.decode_request(_score_message(lengths, starts, tokens, meta))
+    assert info.value.code == ErrorCode.BAD_REQUEST
+
+
+def test_weak_or_exposed_secrets_are_refused_before_a_non_loopback_bind(tmp_path):
+    from megatron_gkd.teacher.clients.zmq_client import load_secret
+
+    with pytest.raises(ValueError, match="at least 16 random bytes"):
+        check_exposure("tcp://0.0.0.0:5555", b"short-secret", False)
+    check_exposure("tcp://127.0.0.1:5555", b"short-secret", False)  # loopback needs no secret at all
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(b"a-secret-of-at-least-16-bytes\n")
+    secret_file.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        load_secret(str(secret_file))
+    secret_file.chmod(0o600)
+    assert load_secret(str(secret_file)) == b"a-secret-of-at-least-16-bytes"

@@ -1,0 +1,365 @@
+"""The teacher proxy: clients on one side, authenticated workers on the other, bounded memory.
+
+Both sides are ZMQ_STREAM sockets whose bytes :class:`~megatron_gkd.teacher.zmtp.FrameReader`
+parses as they arrive (see zmtp.py for why not ROUTER): a message over the frame or byte bounds is
+refused at the frame header that crosses them and its connection closed, so no more of it is read.
+Client messages are then verified (HMAC) and checked (wire header) here, and only authenticated,
+well-formed requests are queued for a worker. Unauthenticated senders get at most
+:data:`MAX_UNSIGNED_REFUSALS` unsigned refusals per connection; every refusal is logged rate-limited.
+
+A new worker connection gets a CHALLENGE (a fresh nonce) and receives requests only after it answers
+REGISTER with that nonce, signed with the shared secret: a peer that can reach the worker address
+but lacks the secret never sees a request, and a recorded registration is useless on another
+connection. Each registered worker holds one request at a time; requests wait in a bounded queue.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hmac
+import logging
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+
+import zmq
+
+from megatron_gkd.teacher import wire, zmtp
+from megatron_gkd.teacher.security import RefusalLog, check_exposure
+from megatron_gkd.teacher.types import ErrorCode
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 100  # how often the loop looks at its stop flag and timeouts
+MAX_UNSIGNED_REFUSALS = 16  # per connection: enough for a misconfigured client to learn why
+_REGISTRATION_BYTES = 4096  # bound on what an unregistered worker connection may send at once
+_CHUNKS_PER_TURN = 512  # chunks read from one side before the other side gets a turn
+_CLOSED_MEMORY = 4096  # identities closed here, remembered to ignore their late notifications
+_ROUTE = b"proxy"  # envelope of the proxy's own messages to a worker
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Request:
+    client: bytes  # identity of the client's connection
+    request_id: str
+    body: list  # [mac, header, *buffers]
+    nbytes: int
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Connection:
+    identity: bytes
+    reader: zmtp.FrameReader
+    opened: float
+    ready_sent: bool = False
+    refusals: int = 0
+    nonce: str = ""  # worker side: the challenge this connection must answer
+    registered: bool = False
+    busy: _Request | None = None
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Side:
+    name: str
+    socket: zmq.Socket
+    connections: dict = dataclasses.field(default_factory=dict)
+
+
+def _stream_socket(context: zmq.Context, address: str) -> tuple[zmq.Socket, str]:
+    socket = context.socket(zmq.STREAM)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RCVHWM, 256)  # chunks of <= 8 KiB queued per connection inside libzmq
+    # Unlimited, so a reply split over several STREAM messages is never cut midway by a full queue.
+    # Only authenticated clients get more than a few small refusals.
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.bind(address)
+    return socket, socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+class Proxy:
+    """Forwards authenticated requests from clients to registered workers, in a thread.
+
+    Args:
+        frontend: address clients connect to (``tcp://127.0.0.1:0`` picks a free port).
+        backend: address workers connect to; default: an IPC socket in a fresh directory only this
+            user can enter.
+        secret: shared secret; required for non-loopback addresses unless ``insecure``.
+        insecure: allow non-loopback addresses without a secret (logs a warning).
+        limits: size limits of messages.
+        max_pending_bytes: bytes held for clients' unfinished messages and queued requests
+            together (default: twice ``limits.max_message_bytes``); a connection whose bytes would
+            pass it is closed, a request that would pass it is refused as ``unavailable``.
+        max_queued_requests: requests waiting for a worker.
+        max_connections: open connections per side.
+        handshake_timeout_s: time a new connection has to complete the ZMTP handshake.
+        registration_timeout_s: time a new worker connection has to register.
+    """
+
+    def __init__(self, frontend: str, backend: str | None = None, secret: bytes | None = None,
+                 insecure: bool = False, limits: wire.Limits = wire.Limits(), *,
+                 max_pending_bytes: int | None = None, max_queued_requests: int = 1024,
+                 max_connections: int = 4096, handshake_timeout_s: float = 10.0,
+                 registration_timeout_s: float = 30.0):
+        self._private_dir = None
+        if backend is None:
+            self._private_dir = tempfile.mkdtemp(prefix="megatron-gkd-teacher-")  # mode 0700
+            backend = f"ipc://{self._private_dir}/workers"
+        for address in (frontend, backend):
+            check_exposure(address, secret, insecure)
+        self._secret, self._limits = secret, limits
+        self._max_pending = max_pending_bytes or 2 * limits.max_message_bytes
+        self._max_queued, self._max_connections = max_queued_requests, max_connections
+        self._handshake_s, self._registration_s = handshake_timeout_s, registration_timeout_s
+        context = zmq.Context.instance()
+        front, self.frontend_address = _stream_socket(context, frontend)
+        back, self.backend_address = _stream_socket(context, backend)
+        self._front, self._back = _Side(name="client", socket=front), _Side(name="worker", socket=back)
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._idle: collections.deque[bytes] = collections.deque()
+        self._partial_bytes = self._queued_bytes = 0
+        self._closed: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._scratch = bytearray(1 << 16)  # libzmq hands STREAM data over in chunks of <= 8 KiB
+        self._refusals = RefusalLog(logger, "messages")
+        self._no_worker_warned = -float("inf")  # when the last "no worker" warning was logged
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="teacher-proxy", daemon=True)
+
+    def start(self) -> "Proxy":
+        self._thread.start()
+        logger.info("teacher proxy: clients -> %s, workers -> %s", self.frontend_address,
+                    self.backend_address)
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        for side in (self._front, self._back):
+            side.socket.close()
+        self._refusals.flush()
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for side in (self._front, self._back):
+            poller.register(side.socket, zmq.POLLIN)
+        next_sweep = time.monotonic()
+        while not self._stop.is_set():
+            ready = dict(poller.poll(POLL_MS))
+            for side in (self._front, self._back):
+                if side.socket in ready:
+                    self._pump(side)
+            if time.monotonic() >= next_sweep:
+                self._sweep()
+                next_sweep = time.monotonic() + POLL_MS / 1000
+
+    def _pump(self, side: _Side) -> None:
+        view = memoryview(self._scratch)
+        for _ in range(_CHUNKS_PER_TURN):
+            try:
+                identity = side.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            size = side.socket.recv_into(self._scratch)
+            connection = side.connections.get(identity)
+            if size == 0:  # libzmq's notification of a new or a lost connection
+                if connection is not None:
+                    self._forget(side, connection, "the peer disconnected")
+                elif self._closed.pop(identity, False) is False:
+                    self._accept(side, identity)
+            elif connection is not None:
+                if size > len(self._scratch):
+                    self._close(side, connection, f"a chunk of {size} bytes")
+                    continue
+                try:
+                    self._receive(side, connection, view[:size])
+                except Exception:  # noqa: BLE001 - one connection's bug must not stop the proxy
+                    logger.exception("teacher proxy: failed on a %s connection; closing it", side.name)
+                    self._close(side, connection, "internal error")
+
+    def _accept(self, side: _Side, identity: bytes) -> None:
+        if len(side.connections) >= self._max_connections:
+            self._refusals.refused("%s connection: %d are open already", side.name, self._max_connections)
+            self._send_close(side, identity)
+            return
+        if side is self._front:
+            reader = zmtp.FrameReader(self._limits.max_tensors + 3, self._limits.max_message_bytes)
+        else:
+            reader = zmtp.FrameReader(4, _REGISTRATION_BYTES)
+        side.connections[identity] = _Connection(identity=identity, reader=reader, opened=time.monotonic())
+        self._send(side, identity, [], raw=zmtp.SERVER_GREETING)
+
+    def _receive(self, side: _Side, connection: _Connection, data: memoryview) -> None:
+        before = connection.reader.pending_bytes
+        try:
+            messages = connection.reader.feed(data)
+        except zmtp.ZmtpError as error:
+            self._close(side, connection, str(error))
+            return
+        if side is self._front:
+            self._partial_bytes += connection.reader.pending_bytes - before
+        if connection.reader.greeted and not connection.ready_sent:
+            connection.ready_sent = True
+            self._send(side, connection.identity, [], raw=zmtp.ready_command(b"ROUTER"))
+            if side is self._back:
+                connection.nonce = secrets.token_hex(16)
+                self._send(side, connection.identity, [_ROUTE, b"", *wire.encode(
+                    wire.CHALLENGE, "challenge", {"nonce": connection.nonce}, secret=self._secret)])
+        for frames in messages:
+            if connection.identity not in side.connections:
+                return
+            if side is self._front:
+                self._from_client(connection, frames)
+            else:
+                self._from_worker(connection, frames)
+        if side is self._front and self._partial_bytes + self._queued_bytes > self._max_pending:
+            self._close(side, connection, f"the proxy holds {self._max_pending} bytes of unfinished "
+                                          "and queued messages already")
+
+    def _sweep(self) -> None:
+        """Closes connections that did not finish their handshake or registration in time."""
+        now = time.monotonic()
+        for side in (self._front, self._back):
+            for connection in list(side.connections.values()):
+                age = now - connection.opened
+                if not connection.reader.ready and age > self._handshake_s:
+                    self._close(side, connection, f"no ZMTP handshake within {self._handshake_s:.0f} s")
+                elif side is self._back and not connection.registered and age > self._registration_s:
+                    self._close(side, connection, f"no registration within {self._registration_s:.0f} s")
+
+    # ---- clients --------------------------------------------------------------------------------
+    def _from_client(self, connection: _Connection, frames: list) -> None:
+        if frames[0]:
+            self._refuse(connection, wire.WireError(ErrorCode.BAD_FRAME, "the first frame must be the "
+                                                    "empty delimiter a DEALER sends"), frames)
+            return
+        body = frames[1:]
+        try:
+            message = wire.decode(body, self._limits, self._secret, expect=(wire.SCORE, wire.INFO))
+        except wire.WireError as error:
+            self._refuse(connection, error, body)
+            return
+        nbytes = sum(len(frame) for frame in body)
+        if (len(self._queue) >= self._max_queued
+                or self._partial_bytes + self._queued_bytes + nbytes > self._max_pending):
+            self._send(self._front, connection.identity, [b"", *wire.error_frames(
+                message.request_id, ErrorCode.UNAVAILABLE, f"the teacher is busy ({len(self._queue)} "
+                "requests queued); retry later", self._secret)])
+            return
+        self._queue.append(_Request(client=connection.identity, request_id=message.request_id, body=body,
+                                    nbytes=nbytes))
+        self._queued_bytes += nbytes
+        self._dispatch()
+
+    def _refuse(self, connection: _Connection, error: wire.WireError, body: list) -> None:
+        self._refusals.refused("client message (%s)", error)
+        if not error.authenticated:
+            if connection.refusals >= MAX_UNSIGNED_REFUSALS:
+                return  # a stranger has been told enough times; the rest is dropped unanswered
+            connection.refusals += 1
+        self._send(self._front, connection.identity, [b"", *wire.refusal_frames(error, body, self._secret)])
+
+    def _dispatch(self) -> None:
+        while self._queue and self._idle:
+            worker = self._back.connections.get(self._idle.popleft())
+            if worker is None or worker.busy is not None:
+                continue
+            request = self._queue.popleft()
+            self._queued_bytes -= request.nbytes
+            if request.client not in self._front.connections:  # the client gave up on it
+                self._idle.appendleft(worker.identity)
+                continue
+            worker.busy = request
+            self._send(self._back, worker.identity, [request.client, b"", *request.body])
+        if (self._queue and time.monotonic() - self._no_worker_warned > 60
+                and not any(c.registered for c in self._back.connections.values())):
+            self._no_worker_warned = time.monotonic()
+            logger.warning("%d teacher requests wait and no worker is registered at %s", len(self._queue),
+                           self.backend_address)
+
+    # ---- workers --------------------------------------------------------------------------------
+    def _from_worker(self, connection: _Connection, frames: list) -> None:
+        if not connection.registered:
+            self._register(connection, frames)
+            return
+        request = connection.busy
+        if len(frames) < 3 or frames[1] or request is None or frames[0] != request.client:
+            self._refusals.refused("a message from a worker that answers no request it holds")
+            return
+        connection.busy = None
+        self._send(self._front, request.client, [b"", *frames[2:]])
+        self._idle.append(connection.identity)
+        self._dispatch()
+
+    def _register(self, connection: _Connection, frames: list) -> None:
+        try:
+            if len(frames) < 3 or frames[1]:
+                raise wire.WireError(ErrorCode.BAD_FRAME, "expected [route, empty, register message]")
+            message = wire.decode(frames[2:], self._limits, self._secret, expect=(wire.REGISTER,))
+            nonce = message.meta.get("nonce")
+            if not (isinstance(nonce, str) and hmac.compare_digest(nonce.encode(), connection.nonce.encode())):
+                raise wire.WireError(ErrorCode.BAD_SIGNATURE, "the registration answers another challenge")
+        except wire.WireError as error:
+            self._refusals.refused("worker registration (%s)", error)
+            connection.refusals += 1
+            self._send(self._back, connection.identity, [_ROUTE, b"", *wire.error_frames(
+                wire.UNAUTHENTICATED_ID, error.code, f"registration refused: {error.detail}", None)])
+            if connection.refusals >= 3:
+                self._close(self._back, connection, "three refused registrations")
+            return
+        connection.registered = True
+        connection.reader.max_frames = self._limits.max_tensors + 4  # route + delimiter + message
+        connection.reader.max_bytes = self._limits.max_message_bytes + 256
+        logger.info("teacher worker registered (%s, %d registered)", message.meta.get("name", "?"),
+                    sum(c.registered for c in self._back.connections.values()))
+        self._idle.append(connection.identity)
+        self._dispatch()
+
+    # ---- connections ----------------------------------------------------------------------------
+    def _send(self, side: _Side, identity: bytes, frames: list, raw: bytes | None = None) -> bool:
+        """Sends one message (or ``raw`` protocol bytes); False when the peer is gone.
+
+        Never blocks: with no send limit (SNDHWM 0) only a connection that is closing refuses
+        bytes, and a blocking send to it would wait forever.
+        """
+        try:
+            for buffer in ([raw] if raw is not None else zmtp.encode(frames)):
+                side.socket.send(identity, zmq.SNDMORE | zmq.NOBLOCK)
+                side.socket.send(buffer, zmq.NOBLOCK, copy=len(buffer) < 1 << 16)
+            return True
+        except zmq.ZMQError:  # EAGAIN or EHOSTUNREACH: the connection is closing or closed
+            return False
+
+    def _send_close(self, side: _Side, identity: bytes) -> None:
+        self._closed[identity] = None
+        while len(self._closed) > _CLOSED_MEMORY:
+            self._closed.popitem(last=False)
+        self._send(side, identity, [], raw=b"")  # an empty STREAM message closes the connection
+
+    def _close(self, side: _Side, connection: _Connection, reason: str) -> None:
+        self._refusals.refused("%s connection closed: %s", side.name, reason)
+        if self._forget(side, connection, reason):
+            self._send_close(side, connection.identity)
+
+    def _forget(self, side: _Side, connection: _Connection, reason: str) -> bool:
+        """Drops the state of a connection (closed by either end); False if it was gone already."""
+        if side.connections.pop(connection.identity, None) is None:
+            return False
+        if side is self._front:
+            self._partial_bytes -= connection.reader.pending_bytes
+            kept = [r for r in self._queue if r.client != connection.identity]
+            self._queued_bytes -= sum(r.nbytes for r in self._queue) - sum(r.nbytes for r in kept)
+            self._queue = collections.deque(kept)
+        elif connection.busy is not None:
+            # Signed, so the client trusts it and retries at once rather than after its timeout.
+            logger.warning("a teacher worker left while scoring request %s (%s)",
+                           connection.busy.request_id, reason)
+            self._send(self._front, connection.busy.client, [b"", *wire.error_frames(
+                connection.busy.request_id, ErrorCode.BACKEND_FAILED, "the worker scoring this "
+                "request disconnected", self._secret)])
+        return True

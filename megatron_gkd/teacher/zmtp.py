@@ -1,0 +1,188 @@
+"""The server side of ZMTP 3.0 (NULL mechanism), read from a ZMQ_STREAM socket as bytes arrive.
+
+Why not a ROUTER socket: libzmq delivers a multipart message only once all its frames have arrived,
+and ``MAXMSGSIZE`` bounds one frame, not a message, so a peer can make a ROUTER buffer any number of
+frames just under the limit before the application sees the first one (a 168 MiB message against an
+8 MiB limit grew a server by 574 MiB). A ZMQ_STREAM socket hands over the raw bytes in chunks of at
+most 8 KiB instead; :class:`FrameReader` parses them and enforces the frame count and byte bounds
+per message while the bytes come in, so an oversized message is refused at the frame header that
+crosses a bound, before its body is read.
+
+Peers are ordinary libzmq DEALER sockets (the ``zmq`` client and the workers); they see a ROUTER.
+Spec: ZMTP 3.0 (rfc.zeromq.org/spec/23) with the NULL security mechanism (spec/24 READY command).
+"""
+
+from __future__ import annotations
+
+import struct
+
+MORE, LONG, COMMAND = 0x01, 0x02, 0x04
+GREETING_BYTES = 64
+MAX_COMMAND_BYTES = 4096  # a READY with a socket type and an identity is ~50 bytes
+_COALESCE_BYTES = 1 << 16  # frames below this are copied into one buffer for sending
+_EMPTY = b""
+
+
+def _greeting(as_server: bool) -> bytes:
+    # signature (0xFF, 8 bytes padding, 0x7F), version 3.0, mechanism, as-server, filler.
+    return b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + bytes([as_server]) + bytes(31)
+
+
+SERVER_GREETING = _greeting(True)
+
+
+class ZmtpError(Exception):
+    """The peer broke the protocol or a bound; the connection must be closed."""
+
+
+def _frame_header(flags: int, size: int) -> bytes:
+    if size < 256:
+        return bytes([flags, size])
+    return bytes([flags | LONG]) + struct.pack(">Q", size)
+
+
+def ready_command(socket_type: bytes) -> bytes:
+    """The NULL mechanism's READY command announcing ``socket_type`` (e.g. ``b"ROUTER"``)."""
+    name, key = b"READY", b"Socket-Type"
+    body = bytes([len(name)]) + name + bytes([len(key)]) + key + struct.pack(">I", len(socket_type)) + socket_type
+    return _frame_header(COMMAND, len(body)) + body
+
+
+def encode(frames: list) -> list:
+    """The bytes of one message, as a few buffers: small frames coalesced, large bodies as they are."""
+    buffers, current = [], bytearray()
+    for index, frame in enumerate(frames):
+        size = len(frame)
+        current += _frame_header(MORE if index < len(frames) - 1 else 0, size)
+        if size < _COALESCE_BYTES:
+            current += frame
+        else:
+            buffers += [bytes(current), frame]
+            current = bytearray()
+    if current:
+        buffers.append(bytes(current))
+    return buffers
+
+
+def _parse_ready(body: memoryview, expect_socket_type: bytes) -> None:
+    """Checks a READY command; the peer must announce ``expect_socket_type``."""
+    data = bytes(body)
+    name_size = data[0] if data else 0
+    if data[1:1 + name_size] != b"READY":
+        raise ZmtpError(f"expected the READY command, got {data[1:1 + name_size][:20]!r}")
+    position, properties = 1 + name_size, {}
+    while position < len(data):
+        key_size = data[position]
+        key = data[position + 1:position + 1 + key_size]
+        position += 1 + key_size
+        if position + 4 > len(data):
+            raise ZmtpError("truncated READY property")
+        (value_size,) = struct.unpack_from(">I", data, position)
+        value = data[position + 4:position + 4 + value_size]
+        if len(value) != value_size:
+            raise ZmtpError("truncated READY property")
+        properties[key.lower()] = value
+        position += 4 + value_size
+    if properties.get(b"socket-type") != expect_socket_type:
+        raise ZmtpError(f"peer socket type {properties.get(b'socket-type')!r}, expected {expect_socket_type!r}")
+
+
+class FrameReader:
+    """Parses one connection's bytes into messages, within bounds checked at every frame header.
+
+    Args:
+        max_frames: frames per message.
+        max_bytes: bytes per message (all frames).
+        peer_socket_type: the socket type the peer must announce.
+    """
+
+    _GREETING, _FLAGS, _SIZE, _BODY = range(4)
+
+    def __init__(self, max_frames: int, max_bytes: int, peer_socket_type: bytes = b"DEALER"):
+        self.max_frames, self.max_bytes = max_frames, max_bytes
+        self._peer_socket_type = peer_socket_type
+        self._state, self._need = self._GREETING, GREETING_BYTES
+        self._head = bytearray()
+        self._flags = 0
+        self._body: bytearray | None = None
+        self._filled = 0
+        self._frames: list = []
+        self._message_bytes = 0
+        self.greeted = False  # the peer's greeting was valid: our READY may go out
+        self.ready = False  # the peer's READY arrived: messages may follow
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes held for the message in progress (its frames so far, the current one as declared)."""
+        return self._message_bytes
+
+    def feed(self, data) -> list[list]:
+        """Consumes ``data`` (bytes-like); returns the messages it completed (lists of frames).
+
+        Raises:
+            ZmtpError: a protocol violation or a bound crossed; nothing more may be fed.
+        """
+        view, position, messages = memoryview(data), 0, []
+        while position < len(view):
+            if self._state == self._BODY:
+                take = min(len(self._body) - self._filled, len(view) - position)
+                self._body[self._filled:self._filled + take] = view[position:position + take]
+                self._filled += take
+                position += take
+                if self._filled == len(self._body):
+                    self._end_frame(self._body, messages)
+                continue
+            take = min(self._need - len(self._head), len(view) - position)
+            self._head += view[position:position + take]
+            position += take
+            if len(self._head) == self._need:
+                head, self._head = bytes(self._head), bytearray()
+                self._on_head(head, messages)
+        return messages
+
+    def _on_head(self, head: bytes, messages: list) -> None:
+        if self._state == self._GREETING:
+            if head[0] != 0xFF or head[9] != 0x7F or head[10] < 3:
+                raise ZmtpError("not a ZMTP 3 greeting")
+            if head[12:32] != b"NULL".ljust(20, b"\0"):
+                raise ZmtpError(f"security mechanism {head[12:32].rstrip(bytes(1))!r}, only NULL is spoken")
+            self.greeted = True
+            self._state, self._need = self._FLAGS, 1
+        elif self._state == self._FLAGS:
+            self._flags = head[0]
+            if self._flags & ~(MORE | LONG | COMMAND):
+                raise ZmtpError(f"reserved frame flags {self._flags:#x}")
+            self._state, self._need = self._SIZE, 8 if self._flags & LONG else 1
+        else:
+            size = struct.unpack(">Q", head)[0] if len(head) == 8 else head[0]
+            self._start_frame(size, messages)
+
+    def _start_frame(self, size: int, messages: list) -> None:
+        if self._flags & COMMAND:
+            if self.ready or self._flags & MORE or size > MAX_COMMAND_BYTES:
+                raise ZmtpError("unexpected command frame")
+        else:
+            if not self.ready:
+                raise ZmtpError("a message before the READY command")
+            if len(self._frames) + 1 > self.max_frames:
+                raise ZmtpError(f"more than {self.max_frames} frames in one message")
+            if self._message_bytes + size > self.max_bytes:
+                raise ZmtpError(f"a message of more than {self.max_bytes} bytes (frame {len(self._frames)} "
+                                f"declares {size})")
+            self._message_bytes += size
+        if size == 0:
+            self._end_frame(_EMPTY, messages)
+        else:
+            # Allocated at its declared size, which the bounds above have just admitted.
+            self._body, self._filled, self._state = bytearray(size), 0, self._BODY
+
+    def _end_frame(self, body, messages: list) -> None:
+        self._state, self._need, self._body = self._FLAGS, 1, None
+        if self._flags & COMMAND:
+            _parse_ready(memoryview(body), self._peer_socket_type)
+            self.ready = True
+            return
+        self._frames.append(body)
+        if not self._flags & MORE:
+            messages.append(self._frames)
+            self._frames, self._message_bytes = [], 0

@@ -1,0 +1,67 @@
+"""The proxy's ZMTP reader: messages out of any chunking, bounds enforced at the frame header."""
+
+import struct
+
+import pytest
+
+from megatron_gkd.teacher import zmtp
+
+CLIENT_GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 1]) + b"NULL".ljust(20, b"\0") + bytes(32)
+
+
+def _ready(socket_type: bytes = b"DEALER") -> bytes:
+    body = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type
+    body += b"\x08Identity" + struct.pack(">I", 0)
+    return bytes([zmtp.COMMAND, len(body)]) + body
+
+
+def _stream(*messages) -> bytes:
+    return CLIENT_GREETING + _ready() + b"".join(b"".join(zmtp.encode(list(m))) for m in messages)
+
+
+def _feed(reader, data: bytes, chunk: int):
+    out = []
+    for start in range(0, len(data), chunk):
+        out += reader.feed(data[start:start + chunk])
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 8192])
+def test_messages_survive_any_chunking(chunk):
+    messages = [[b"", b"mac", b"header"], [b"", b"x" * 300, b"y" * 70000, b""], [b"single"]]
+    reader = zmtp.FrameReader(max_frames=8, max_bytes=2**20)
+    got = _feed(reader, _stream(*messages), chunk)
+    assert [[bytes(f) for f in m] for m in got] == messages
+    assert reader.greeted and reader.ready and reader.pending_bytes == 0
+
+
+def test_too_many_frames_are_refused_at_the_header_that_crosses_the_bound():
+    reader = zmtp.FrameReader(max_frames=4, max_bytes=2**20)
+    reader.feed(CLIENT_GREETING + _ready())
+    frames = b"".join(bytes([zmtp.MORE, 1]) + b"a" for _ in range(4))
+    reader.feed(frames)
+    with pytest.raises(zmtp.ZmtpError, match="more than 4 frames"):
+        reader.feed(bytes([zmtp.MORE, 1]))  # the fifth frame's header alone
+
+
+def test_an_oversized_frame_is_refused_before_its_body_arrives():
+    reader = zmtp.FrameReader(max_frames=8, max_bytes=1000)
+    reader.feed(CLIENT_GREETING + _ready() + bytes([zmtp.MORE, 200]) + b"a" * 200)
+    assert reader.pending_bytes == 200
+    with pytest.raises(zmtp.ZmtpError, match="more than 1000 bytes"):
+        reader.feed(bytes([zmtp.LONG]) + struct.pack(">Q", 2**62))  # declares 4 EiB, sends none
+
+
+@pytest.mark.parametrize("data, match", [
+    (b"GET / HTTP/1.1\r\n" + bytes(48), "greeting"),
+    (CLIENT_GREETING[:12] + b"CURVE".ljust(20, b"\0") + bytes(32), "mechanism"),
+    (CLIENT_GREETING + _ready(b"ROUTER"), "socket type"),
+    (CLIENT_GREETING + bytes([0, 1]) + b"a", "before the READY"),
+    (CLIENT_GREETING + _ready() + _ready(), "unexpected command"),
+    (CLIENT_GREETING + _ready() + bytes([0x80, 1]) + b"a", "reserved"),
+    (CLIENT_GREETING + bytes([zmtp.COMMAND | zmtp.LONG]) + struct.pack(">Q", 10**6), "unexpected command"),
+])
+def test_protocol_violations_end_the_connection(data, match):
+    reader = zmtp.FrameReader(max_frames=8, max_bytes=2**20)
+    with pytest.raises(zmtp.ZmtpError, match=match):
+        reader.feed(data)
