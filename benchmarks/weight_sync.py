@@ -97,13 +97,15 @@ def _trainer(path, trainer_port, sync_port, modes, repeats):
 def _rollout(path, sync_port, modes, repeats):
     import torch
 
-    from megatron_gkd.testing.weight_sync import make_llm
+    from megatron_gkd.rollout import RolloutEngine
+    from megatron_gkd.testing.weight_sync import make_engine
     from megatron_gkd.weight_sync import TorchDistributedTransport, WeightReceiver, connect_rollout, reload_vllm_weights
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_PORT="29517")
     transport = TorchDistributedTransport(address="127.0.0.1", port=sync_port, rank=2, num_trainer_ranks=2, num_rollout_ranks=1)
     plan = connect_rollout(transport)
-    llm = make_llm(path)
+    engine = make_engine(path)
+    llm = engine.llm
     times = {}
 
     def per_tensor():
@@ -126,6 +128,18 @@ def _rollout(path, sync_port, modes, repeats):
             yield entry.name, buffer[offset : offset + entry.num_bytes].view(entry.torch_dtype).view(entry.shape)
             offset += entry.num_bytes
 
+    class Sink(RolloutEngine):
+        """Drops each tensor once it is ready (the transport-only rows)."""
+
+        def generate(self, prompts, sampling):
+            raise NotImplementedError
+
+        def load_weights(self, named_tensors, version):
+            for _ in named_tensors:
+                pass
+            self._weight_version = version
+
+    sink = Sink(max_model_len=1)
     resident = [(e.name, torch.randn(e.shape, dtype=e.torch_dtype) * 0.02) for e in plan.entries]
     single = torch.empty(plan.num_bytes, dtype=torch.uint8)
     floors, memory = [], {}
@@ -156,11 +170,9 @@ def _rollout(path, sync_port, modes, repeats):
             elif mode == "reload_only":
                 reload_vllm_weights(llm, iter(resident))
             elif mode.endswith("no load"):
-                receiver.version = 0
-                for _ in receiver.receive():
-                    pass
+                receiver.sync(sink)
             else:
-                receiver.sync(llm)
+                receiver.sync(engine)
             best = min(best, time.perf_counter() - start)
         if receiver is not None:
             memory[mode] = receiver.buffer_bytes
@@ -170,6 +182,7 @@ def _rollout(path, sync_port, modes, repeats):
     times["floor samples"] = sorted(floors)
     times["memory"] = memory
     transport.close()
+    engine.close()
     return times
 
 

@@ -13,6 +13,8 @@ import types
 
 import torch
 
+from megatron_gkd.rollout import RolloutEngine
+
 # Layout name -> parallel.initialize sizes (2 trainer ranks each).
 LAYOUTS = {
     "tp2": dict(tensor_model_parallel_size=2),
@@ -23,41 +25,38 @@ LAYOUTS = {
 SEQ_LENGTH = 16
 
 
-class RecordingLLM:
-    """Stands in for ``vllm.LLM``: ``collective_rpc`` runs on one fake worker whose ``reload_weights``
-    records what it is given (a copy check: the buffers are overwritten after the sync)."""
+class RecordingEngine(RolloutEngine):
+    """Stands in for a vLLM rollout engine: records the tensors it is given (copies: the receiver's
+    buffers are overwritten after the sync); each response it generates is one token, its weight
+    version, so a test sees which weights sampled a batch."""
 
-    def __init__(self):
+    def __init__(self, max_model_len: int = 64):
+        super().__init__(max_model_len=max_model_len)
         self.weights: dict[str, torch.Tensor] = {}
-        self.model_runner = self
 
-    def collective_rpc(self, fn):
-        return [fn(self)]
+    def generate(self, prompts, sampling):
+        from megatron_gkd.rollout import RolloutBatch, check_prompt_lengths
 
-    def get_model(self) -> torch.nn.Module:
-        return torch.nn.Module()
+        check_prompt_lengths(prompts, sampling, self.max_model_len)
+        rows = [(list(prompt), i) for i, prompt in enumerate(prompts) for _ in range(sampling.n)]
+        return RolloutBatch.from_samples(
+            prompts=[p for p, _ in rows], responses=[[self.weight_version]] * len(rows), logprobs=[[0.0]] * len(rows),
+            group_ids=[g for _, g in rows], finish_reasons=["length"] * len(rows), weight_version=self.weight_version)
 
-    def reload_weights(self, weights_iterator):
-        for name, tensor in weights_iterator:
-            self.weights[name] = tensor
+    def load_weights(self, named_tensors, version: int) -> None:
+        for name, tensor in named_tensors:
+            self.weights[name] = tensor.clone()
+        self._weight_version = version
 
 
 def wrap_for_training(chunks):
     """DDP-wrap ``load_hf`` chunks and build Megatron's Adam optimizer over them."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron_gkd.trainer.optim import OptimizerConfig, build_optimizer
+    from megatron_gkd.trainer.optim import wrap_for_training as wrap
 
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False)
-    wrapped = [
-        DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
-        for i, chunk in enumerate(chunks)
-    ]
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.0, clip_grad=1.0, bf16=False, fp16=False,
-                        params_dtype=torch.float32, use_distributed_optimizer=False),
-        wrapped,
-    )
-    return wrapped, optimizer
+    config = OptimizerConfig(lr=3e-3, clip_grad=1.0)
+    wrapped = wrap(chunks, config)
+    return wrapped, build_optimizer(config, wrapped)
 
 
 def train(chunks, optimizer, num_steps: int, vocab_size: int, seed: int = 0) -> None:
@@ -71,6 +70,30 @@ def train(chunks, optimizer, num_steps: int, vocab_size: int, seed: int = 0) -> 
         for chunk in chunks:
             chunk.train()
         train_step(spec, chunks, optimizer, microbatches)
+
+
+def tp2_trainer(path: str, trainer_port: int, transport_for, config):
+    """A trainer rank of the TP=2 tests (run by ``run_distributed(..., init_process_group=False)``):
+    joins the 2-rank trainer world, loads ``path`` for training with Adam, sends the plan over
+    ``transport_for(rank)``.
+
+    Returns:
+        ``(chunks, optimizer, transport, sender)``.
+    """
+    import torch.distributed as dist
+
+    from megatron_gkd import parallel
+    from megatron_gkd.models import load_hf
+    from megatron_gkd.weight_sync import WeightSender, build_plan, connect_trainer
+
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{trainer_port}", rank=rank, world_size=2)
+    parallel.initialize(**LAYOUTS["tp2"])
+    chunks, optimizer = wrap_for_training(load_hf(path))
+    plan = build_plan(chunks)
+    transport = transport_for(rank)
+    connect_trainer(plan, transport)
+    return chunks, optimizer, transport, WeightSender(plan, transport, config)
 
 
 def _transport(port: int, rank: int, num_trainers: int, num_rollout: int):
@@ -116,23 +139,21 @@ def trainer_rank(runs, trainer_port: int, num_trainers: int, num_rollout: int, c
     return results
 
 
-def _greedy_and_logprobs(llm, prompts, num_tokens: int):
+def _greedy_and_logprobs(engine, prompts, num_tokens: int):
     from vllm import SamplingParams
 
-    from megatron_gkd.weight_sync import vllm_prompt_logprobs
-
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs], vllm_prompt_logprobs(llm, prompts)
+    outputs = engine.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs], engine.prompt_logprobs(prompts)
 
 
-def make_llm(path: str):
-    """A small in-process vLLM engine (fp32, eager, little KV cache)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM
+def make_engine(path: str, **kwargs):
+    """A small vLLM rollout engine (fp32, eager, little KV cache); in-process unless ``kwargs`` join a world."""
+    from megatron_gkd.rollout import build_engine
 
-    return LLM(model=path, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4,
-               gpu_memory_utilization=0.02, seed=0)
+    kwargs = {"join_world": False, **kwargs}
+    return build_engine("vllm", model=path, dtype="float32", skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4,
+                        gpu_memory_utilization=0.02, seed=0, **kwargs)
 
 
 def rollout_rank(runs, num_trainers: int, num_rollout: int, config, prompts, num_tokens: int, use_vllm: bool):
@@ -150,18 +171,20 @@ def rollout_rank(runs, num_trainers: int, num_rollout: int, config, prompts, num
         if use_vllm:
             # One engine per process (vLLM keeps process-wide state): runs share the architecture.
             if not engines:
-                engines["llm"] = make_llm(run["engine"])
-            llm = engines["llm"]
-            before = _greedy_and_logprobs(llm, prompts, num_tokens)
+                engines["vllm"] = make_engine(run["engine"])
+            engine = engines["vllm"]
+            before = _greedy_and_logprobs(engine, prompts, num_tokens)
         else:
-            llm, before = RecordingLLM(), None
+            engine, before = RecordingEngine(), None
         receiver = WeightReceiver(plan, transport, config)
         for _ in range(run.get("syncs", 1)):
-            version = receiver.sync(llm)
-        after = _greedy_and_logprobs(llm, prompts, num_tokens) if use_vllm else None
+            version = receiver.sync(engine)
+        after = _greedy_and_logprobs(engine, prompts, num_tokens) if use_vllm else None
         results.append(dict(layout=layout, digest=plan.digest, version=version, before=before, after=after,
-                            weights=None if use_vllm else llm.weights, num_buckets=len(receiver.buckets)))
+                            weights=None if use_vllm else engine.weights, num_buckets=len(receiver.buckets)))
         transport.close()
+    for engine in engines.values():
+        engine.close()
     return results
 
 
@@ -180,19 +203,19 @@ def colocated_rank(path: str, steps: int, config, prompts, out_root: str, num_to
     from megatron_gkd.weight_sync import build_plan, colocated_sync
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM
-
-    llm = LLM(model=path, dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4, seed=0,
-              gpu_memory_utilization=0.02, tensor_parallel_size=2, distributed_executor_backend="external_launcher")
-    before = _greedy_and_logprobs(llm, prompts, num_tokens)
+    engine = make_engine(path, join_world=True, tensor_parallel_size=2)
+    before = _greedy_and_logprobs(engine, prompts, num_tokens)
     parallel.initialize(tensor_model_parallel_size=2)
     chunks, optimizer = wrap_for_training(load_hf(path))
     plan = build_plan(chunks)
     train(chunks, optimizer, steps, chunks[0].module.hf_model_info.hf_config["vocab_size"])
-    receiver = colocated_sync(chunks, llm, plan, config, version=1)
-    after = _greedy_and_logprobs(llm, prompts, num_tokens)
+    receiver = colocated_sync(chunks, engine, plan, config, version=1)
+    after = _greedy_and_logprobs(engine, prompts, num_tokens)
     logits = [megatron_logits(chunks, torch.tensor([p]))[0] for p in prompts]
     out = os.path.join(out_root, "colocated-saved")
     save_hf(chunks, out)
+    engine.close()  # before the job's groups go; the job's world must outlive it
+    world = torch.tensor([1])
+    torch.distributed.all_reduce(world)
     parallel.destroy()
-    return dict(before=before, after=after, logits=logits, saved=out, version=receiver.version)
+    return dict(before=before, after=after, logits=logits, saved=out, version=receiver.version, world_after_close=int(world))

@@ -25,6 +25,7 @@ Typical use (after :func:`megatron_gkd.parallel.initialize`)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -48,9 +49,9 @@ _RNG_KEY = "rng_state"
 # in the model's (TP/PP-sharded, DP-replicated) shapes, so it reshards across TP, PP and DP alike; the
 # default of megatron-core 0.16.1 ("fully_sharded_model_space") is deprecated and fails to save there
 # ("ShardedTensor.flattened_range is not supported"). Without prefixes per chained optimizer, a
-# checkpoint does not depend on how the parameters were split into optimizer groups. Only Megatron's
-# regular optimizer is tested here: a *fresh* distributed optimizer cannot be loaded into on a build
-# without Apex/TE (its state_dict() asserts a common Adam "step", which init_state_fn does not create).
+# checkpoint does not depend on how the parameters were split into optimizer groups. A *fresh*
+# distributed optimizer on a build without Apex/TE needs its torch Adam state allocated before loading
+# (see _allocate_torch_adam_state).
 _OPTIMIZER_METADATA = {
     "distrib_optim_sharding_type": "fully_reshardable",
     "chained_optim_avoid_prefix": True,
@@ -166,10 +167,89 @@ def _sharded_state_dict(model_chunks, optimizer, parallel_state, *, is_loading: 
     return state
 
 
+def _torch_adam_distributed_optimizers(optimizer) -> list:
+    """The DistributedOptimizers in ``optimizer`` that step a torch Adam (no Apex/TE on this build)."""
+    return [
+        sub for sub in getattr(optimizer, "chained_optimizers", [optimizer])
+        if hasattr(sub, "gbuf_ranges") and isinstance(getattr(sub, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW))
+    ]
+
+
+def _allocate_torch_adam_state(optimizer) -> None:
+    """Gives a fresh distributed optimizer's torch Adam the state a first step would create.
+
+    Without Apex/TE, megatron-core 0.16.1's ``DistributedOptimizer.state_dict()`` reads the Adam
+    ``step`` from the inner torch optimizer's per-parameter state and asserts there is exactly one
+    value. A fresh optimizer has no state yet (torch Adam creates it in its first ``step()``) and the
+    loading path calls ``state_dict()`` before anything is loaded, so it failed with a bare
+    ``AssertionError``. Zeros and ``step = 0`` are what torch Adam itself creates (a 0-d float32 host
+    tensor); the load overwrites every value.
+    """
+    for sub in _torch_adam_distributed_optimizers(optimizer):
+        for group in sub.optimizer.param_groups:
+            for param in group["params"]:
+                if not sub.optimizer.state[param]:
+                    sub.optimizer.state[param] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(param),
+                        "exp_avg_sq": torch.zeros_like(param),
+                    }
+
+
+@contextlib.contextmanager
+def _torch_adam_step_kept(optimizer):
+    """Works around two faults of megatron-core 0.16.1's distributed optimizer over torch Adam.
+
+    1. ``load_parameter_state_from_fully_reshardable`` leaves the per-parameter ``step`` out of the
+       tensors it hands to ``_set_main_param_and_optimizer_states``, which copies every key of the
+       destination state and so fails with ``KeyError: 'step'``. The step itself arrives through the
+       param groups (``load_state_dict`` sets it), so the wrapper passes the destination's own value.
+    2. ``load_state_dict`` gives every parameter the *same* step tensor, which torch Adam increments
+       in place once per parameter per step (wrong bias correction from the second step on): each
+       parameter gets its own copy afterwards.
+    """
+    optimizers = _torch_adam_distributed_optimizers(optimizer)
+    for sub in optimizers:
+        def set_states(model_param, tensors, sub=sub, original=sub._set_main_param_and_optimizer_states):
+            group_index, group_order = sub.model_param_group_index_map[model_param]
+            state = sub.optimizer.state[sub.optimizer.param_groups[group_index]["params"][group_order]]
+            if "step" in state and "step" not in tensors:
+                tensors = {**tensors, "step": state["step"]}
+            return original(model_param, tensors)
+
+        sub._set_main_param_and_optimizer_states = set_states
+    try:
+        yield
+    finally:
+        for sub in optimizers:
+            del sub._set_main_param_and_optimizer_states  # the class's method again
+            for state in sub.optimizer.state.values():
+                if "step" in state:
+                    state["step"] = state["step"].clone()
+
+
 def _broadcast(value):
     holder = [value]
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
+
+
+def _on_rank0(action, errors: tuple[type[Exception], ...] = (OSError,)):
+    """``action()`` on rank 0, its result on every rank; an error raised there is raised everywhere
+    (as the same type with rank 0's message), so no rank waits on one that failed."""
+    result, failure = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = action()
+        except errors as error:
+            failure = error
+    result, message = _broadcast((result, None if failure is None else (type(failure).__name__, str(failure))))
+    if failure is not None:
+        raise failure
+    if message is not None:
+        kind = next((error for error in errors if error.__name__ == message[0]), RuntimeError)
+        raise kind(f"on rank 0: {message[1]}")
+    return result
 
 
 def _check_same_on_all_ranks(data_state: dict) -> None:
@@ -197,6 +277,7 @@ def save_checkpoint(
     data_state: dict,
     parallel_state: ParallelState,
     keep_last_n: int | None = None,
+    content_hashes: bool = False,
 ) -> Path:
     """Saves a checkpoint of ``step`` under the root ``directory`` (collective: every rank calls it).
 
@@ -212,6 +293,12 @@ def save_checkpoint(
         parallel_state: from :func:`megatron_gkd.parallel.initialize`.
         keep_last_n: after the save, delete all but the newest ``keep_last_n`` complete checkpoints
             (``None`` keeps all).
+        content_hashes: record a blake3 hash of every file in the completion marker (rank 0 reads
+            the whole checkpoint once more); resuming then checks them.
+
+    Before writing, rank 0 finishes or rolls back a commit a crash interrupted, and moves checkpoints
+    newer than ``step`` (a branch this run abandoned by resuming from an older step) into
+    ``<directory>/abandoned/``, logged.
 
     Returns:
         The checkpoint directory ``<directory>/iter_XXXXXXX``.
@@ -225,13 +312,15 @@ def save_checkpoint(
         raise ValueError(f"keep_last_n must be >= 1 (or None to keep every checkpoint), got {keep_last_n}")
     _check_same_on_all_ranks(data_state)
     root = Path(directory)
-    rank = dist.get_rank()
-    temp_dir = None
-    if rank == 0:
+
+    def make_temp_dir() -> str:
         root.mkdir(parents=True, exist_ok=True)
+        checkpoint_dirs.prepare_save(root, step)
         temp_dir = root / checkpoint_dirs.temp_name(step, secrets.token_hex(4))
         temp_dir.mkdir()
-    temp_dir = Path(_broadcast(None if temp_dir is None else str(temp_dir)))
+        return str(temp_dir)
+
+    temp_dir = Path(_on_rank0(make_temp_dir))
 
     state = _sharded_state_dict(model_chunks, optimizer, parallel_state, is_loading=False, rng=rng)
     state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
@@ -246,21 +335,14 @@ def save_checkpoint(
     dist_checkpointing.save(state, str(temp_dir), sharded_strategy=_save_strategy())
 
     final = root / checkpoint_dirs.iter_name(step)
-    failure = None
-    if rank == 0:
-        try:
-            checkpoint_dirs.commit(temp_dir, root, step)
-            logger.info("saved checkpoint %s", final)
-            if keep_last_n is not None:
-                checkpoint_dirs.prune(root, keep_last_n, keep=final)
-        except OSError as error:
-            failure = error
-    # Rank 0 tells the others how the commit went, so that no rank waits on a failed one.
-    message = _broadcast(None if failure is None else f"{type(failure).__name__}: {failure}")
-    if failure is not None:
-        raise failure
-    if message is not None:
-        raise RuntimeError(f"rank 0 failed to commit checkpoint {final}: {message}")
+
+    def commit() -> None:
+        checkpoint_dirs.commit(temp_dir, root, step, content_hashes=content_hashes)
+        logger.info("saved checkpoint %s", final)
+        if keep_last_n is not None:
+            checkpoint_dirs.prune(root, keep_last_n, keep=final)
+
+    _on_rank0(commit)
     return final
 
 
@@ -272,6 +354,8 @@ def load_checkpoint(
     scheduler,
     parallel_state: ParallelState,
     step: int | None = None,
+    verify_hashes: bool | None = None,
+    retire_newer: bool = True,
 ) -> tuple[int, dict] | None:
     """Loads the newest complete checkpoint under ``root`` into the current layout (collective).
 
@@ -284,6 +368,14 @@ def load_checkpoint(
         model_chunks, optimizer, scheduler, parallel_state: as for :func:`save_checkpoint`; they are
             loaded in place (``optimizer`` and ``scheduler`` may be ``None`` to load the model only).
         step: load exactly this step instead of the newest.
+        verify_hashes: check the chosen checkpoint's files against the blake3 hashes of its marker
+            (``None``: when it has them; ``True``: refuse one without them; ``False``: sizes only).
+        retire_newer: after loading, move checkpoints newer than the loaded one into
+            ``<root>/abandoned/`` and point ``latest`` at the loaded one: the run continues from here,
+            so those belong to an abandoned branch (``False`` for read-only uses such as evaluation).
+
+    Checkpoint files are unpickled by torch's loader: ``root`` must be storage that only the job's
+    owner can write (a warning names paths that other users can write).
 
     Returns:
         ``(step, data_state)``, or ``None`` when ``root`` holds no complete checkpoint.
@@ -293,16 +385,8 @@ def load_checkpoint(
     """
     from megatron.core import dist_checkpointing
 
-    found = None
-    error = None
-    if dist.get_rank() == 0:
-        try:
-            found = checkpoint_dirs.find_checkpoint(root, step)
-        except FileNotFoundError as exc:
-            error = str(exc)
-    found, error = _broadcast((found, error))
-    if error is not None:
-        raise FileNotFoundError(error)
+    found = _on_rank0(lambda: checkpoint_dirs.find_checkpoint(root, step, verify_hashes=verify_hashes),
+                      errors=(FileNotFoundError, OSError))
     if found is None:
         logger.info("no complete checkpoint under %s; starting from scratch", root)
         return None
@@ -329,20 +413,33 @@ def load_checkpoint(
             why,
         )
 
+    if optimizer is not None:
+        _allocate_torch_adam_state(optimizer)
     state = _sharded_state_dict(model_chunks, optimizer, parallel_state, is_loading=True, rng=restore_rng)
     loaded = dist_checkpointing.load(state, str(found.path))
 
     for chunk, key in zip(model_chunks, _model_keys(len(model_chunks))):
         _unwrap(chunk).load_state_dict(loaded[key], strict=True)
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with _torch_adam_step_kept(optimizer):
+            optimizer.load_state_dict(loaded["optimizer"])
     if scheduler is not None:
         if common.get("scheduler") is None:
             raise ValueError(f"{found.path} holds no scheduler state; pass scheduler=None to skip it")
         scheduler.load_state_dict(common["scheduler"])
     if restore_rng:
         _set_rng_state(loaded[_RNG_KEY])
+    if retire_newer:
+        _on_rank0(lambda: _continue_from(found))
     if dist.get_rank() == 0:
         logger.info("resumed from %s (step %d)", found.path, meta["step"])
     return meta["step"], common["data_state"]
+
+
+def _continue_from(found: checkpoint_dirs.Found) -> None:
+    """The run continues from ``found``: newer checkpoints are an abandoned branch, ``latest`` names it."""
+    root = found.path.parent
+    checkpoint_dirs.retire_newer(root, found.step)
+    if checkpoint_dirs.read_latest(root) != found.path.name:
+        checkpoint_dirs.write_latest(root, found.path.name)
 

@@ -13,23 +13,28 @@ Rollout side (each rollout rank)::
 
     plan = connect_rollout(transport)                          # the plan arrives once
     receiver = WeightReceiver(plan, transport, config)
-    receiver.sync(llm)                                         # -> new weight version
+    receiver.sync(engine)                                      # a RolloutEngine -> new weight version
 
 Every TP rank of the first data-parallel replica sends its own slices (no all-gather);
 ``WeightSyncConfig.transfer`` chooses ``packed`` bucket buffers or ``direct`` broadcasts into a
 receive arena (see :class:`~megatron_gkd.weight_sync.config.WeightSyncConfig`).
 
 Colocated (the trainer rank holds the engine): :func:`colocated_sync`, no broadcast.
+
+Failures fail closed: a sync that does not complete leaves the rollout engines refusing to generate
+(``engine.stale``) until one does, and raises :class:`WeightSyncError` on every rank (trainers may
+retry). Once begun, each operation of a sync must finish within the transport's ``timeout_s``.
 """
 
 from __future__ import annotations
 
 from megatron_gkd.weight_sync.buckets import BucketSpec, ChecksumMismatch, PartSpec, layout_buckets
 from megatron_gkd.weight_sync.config import WeightSyncConfig
+from megatron_gkd.weight_sync.errors import WeightSyncError, WeightSyncTransportError
 from megatron_gkd.weight_sync.plan import TensorSpec, WeightSyncPlan, build_plan
 from megatron_gkd.weight_sync.receiver import WeightReceiver, reload_vllm_weights
 from megatron_gkd.weight_sync.sender import WeightSender
-from megatron_gkd.weight_sync.transports import TRANSPORTS, ColocatedTransport, TorchDistributedTransport, get_transport, register_transport
+from megatron_gkd.weight_sync.transports import TRANSPORTS, ColocatedTransport, SignedStore, TorchDistributedTransport, get_transport, register_transport
 from megatron_gkd.weight_sync.verify import WeightSyncMismatch, check_prompt_logprobs, student_prompt_logprobs, vllm_prompt_logprobs
 
 
@@ -46,8 +51,8 @@ def connect_rollout(transport) -> WeightSyncPlan:
     return plan
 
 
-def colocated_sync(chunks, llm, plan: WeightSyncPlan, config: WeightSyncConfig, version: int, *, receiver=None):
-    """One sync where the trainer rank holds the engine (or ``llm=None`` on ranks without one).
+def colocated_sync(chunks, engine, plan: WeightSyncPlan, config: WeightSyncConfig, version: int, *, receiver=None):
+    """One sync where the trainer rank holds the rollout engine (or ``engine=None`` on ranks without one).
 
     Every trainer rank calls it (the exporter's gathers are collectives). Needs every tensor on the
     engine's rank after the TP gathers: pipeline and expert parallel size 1.
@@ -64,15 +69,26 @@ def colocated_sync(chunks, llm, plan: WeightSyncPlan, config: WeightSyncConfig, 
         )
     sender = WeightSender(plan, None, config, owns_all=True)
     stream = sender.packed(chunks, version)
-    if llm is not None:
+    if engine is not None:
         transport = ColocatedTransport()
-        transport.bind(stream)
+        transport.bind(stream, version)
         receiver = receiver or WeightReceiver(plan, transport, config)
         receiver.transport = transport
-        receiver.sync(llm, verify=False)
+        try:
+            receiver.sync(engine, verify=False, expect_version=version)
+        except WeightSyncError:
+            # The engine is stale; the stream was drained (the exporter's gathers are collectives),
+            # and the verify forward below is one too, so the other ranks are not left waiting.
+            if config.verify:
+                sender.share_student_logprobs(chunks)
+            raise
         # After the stream: the student's forward is a TP collective like the exporter's gathers.
         if config.verify:
-            receiver.verify(llm, sender.share_student_logprobs(chunks))
+            try:
+                receiver.verify(engine, sender.share_student_logprobs(chunks))
+            except WeightSyncError as error:
+                engine.mark_stale(str(error))
+                raise
         return receiver
     for _ in stream:
         pass
@@ -88,10 +104,13 @@ __all__ = [
     "ColocatedTransport",
     "TRANSPORTS",
     "TensorSpec",
+    "SignedStore",
     "TorchDistributedTransport",
     "WeightReceiver",
     "WeightSender",
     "WeightSyncConfig",
+    "WeightSyncError",
+    "WeightSyncTransportError",
     "WeightSyncMismatch",
     "WeightSyncPlan",
     "build_plan",

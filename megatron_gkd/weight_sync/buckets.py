@@ -11,17 +11,19 @@ tensors, grouped into parts by their owner.
 
 A part is ``[payload | checksum int64 | version int64]``; parts start at 16-byte aligned offsets of
 the bucket buffer and slices at 16-byte aligned offsets of their part, so every dtype can be viewed
-in place.
+in place. The checksum of a part is chosen by ``weight_sync.checksum`` (:mod:`megatron_gkd.weight_sync.checksums`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import zlib
+import struct
 from typing import Callable, Iterable, Iterator
 
 import torch
 
+from megatron_gkd.weight_sync.checksums import CHECKSUMS, as_bytes, fold_checksum  # noqa: F401 - re-exported
+from megatron_gkd.weight_sync.errors import ChecksumMismatch
 from megatron_gkd.weight_sync.plan import TensorSpec, WeightSyncPlan
 
 ALIGN = 16
@@ -183,61 +185,17 @@ def layout_buckets(plan: WeightSyncPlan, bucket_bytes: int, *, sharded: bool = T
     return buckets
 
 
-# --- checksums (registry by name) ------------------------------------------------------------------
-
-def _wrap64(value: int) -> int:
-    return (value + 2**63) % 2**64 - 2**63
-
-
-def _sum_checksum(payload: torch.Tensor, start: int = 0) -> int:
-    # A position-blind but cheap check: catches truncated, shifted or garbage buffers; "crc32" also
-    # catches reordering. Summed as int64 words (wrapping): summing int32 words into int64 made torch
-    # cast every element and cost 20x more (0.74 s vs 0.03 s for 176 MiB here).
-    # Words from the payload's first byte wherever it lies: a misaligned payload is copied first.
-    if payload.data_ptr() % 8:
-        payload = payload.clone()
-    words = payload.numel() // 8 * 8
-    total = int(payload[:words].view(torch.int64).sum()) if words else 0
-    if words < payload.numel():
-        total += int(payload[words:].sum())
-    return _wrap64(start + total)
-
-
-def _crc32_checksum(payload: torch.Tensor, start: int = 0) -> int:
-    return zlib.crc32(memoryview(payload.cpu().numpy()), start)
-
-
-def _no_checksum(payload: torch.Tensor, start: int = 0) -> int:
-    return 0
-
-
-CHECKSUMS: dict[str, Callable[..., int]] = {"sum": _sum_checksum, "crc32": _crc32_checksum, "none": _no_checksum}
-"""``name -> f(payload, start=0)``: the checksum of a 1-D uint8 tensor, continuing from ``start``
-(so a part's checksum can be folded over its slices where they lie)."""
-
-
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes, as a 1-D uint8 view."""
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-def fold_checksum(checksum: str, tensors: Iterable[torch.Tensor]) -> int:
-    """The checksum of the concatenated bytes of contiguous ``tensors``."""
-    value = 0
-    for tensor in tensors:
-        value = CHECKSUMS[checksum](as_bytes(tensor), value)
-    return value
-
-
-class ChecksumMismatch(RuntimeError):
-    """A received bucket does not carry the bytes that were sent."""
+def part_context(bucket: BucketSpec, part: PartSpec, version: int) -> bytes:
+    """The labels a keyed checksum binds to a part's bytes: no part can pass as another's or as another version."""
+    return struct.pack("<qqq", version, bucket.index, part.owner)
 
 
 def allocate(num_bytes: int, device=None) -> torch.Tensor:
     return torch.empty(num_bytes, dtype=torch.uint8, device=device)
 
 
-def pack(bucket: BucketSpec, part: PartSpec, tensors: dict[tuple[str, int], torch.Tensor], region: torch.Tensor, version: int, checksum: str) -> None:
+def pack(bucket: BucketSpec, part: PartSpec, tensors: dict[tuple[str, int], torch.Tensor], region: torch.Tensor, version: int,
+         checksum: str, *, key: bytes | None = None) -> None:
     """Copies ``part``'s slices (``tensors[(name, shard)]``, shapes checked by :func:`complete_parts`)
     into ``region`` and writes the trailer."""
     for (i, shard), offset in zip(part.slices, part.offsets):
@@ -247,7 +205,7 @@ def pack(bucket: BucketSpec, part: PartSpec, tensors: dict[tuple[str, int], torc
         num_bytes = _slice_bytes(entry, bucket.sharded)
         region[offset : offset + num_bytes].view(entry.torch_dtype).view(shape).copy_(tensor)
     trailer = region[part.payload_bytes : part.buffer_bytes].view(torch.int64)
-    trailer[0] = CHECKSUMS[checksum](region[: part.payload_bytes])
+    trailer[0] = fold_checksum(checksum, [region[: part.payload_bytes]], key=key, context=part_context(bucket, part, version))
     trailer[1] = version
 
 
@@ -268,7 +226,8 @@ def _check_part(bucket: BucketSpec, part: PartSpec, got: int, sent_sum: int, sen
         raise ChecksumMismatch(f"bucket {bucket.index}, part of rank {part.owner} carries version {sent}, expected {version}")
 
 
-def unpack(bucket: BucketSpec, buffer: torch.Tensor, checksum: str, version: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def unpack(bucket: BucketSpec, buffer: torch.Tensor, checksum: str, version: int | None = None, *,
+           key: bytes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Verifies every part's trailer and yields ``(name, full tensor)`` in bucket order: new tensors
     (the slices concatenated along ``tp_dim``, or a copy), never views into ``buffer``.
 
@@ -279,7 +238,8 @@ def unpack(bucket: BucketSpec, buffer: torch.Tensor, checksum: str, version: int
     for part in bucket.parts:
         region = part.region(buffer)
         sent_sum, sent = region[part.payload_bytes :].view(torch.int64).tolist()
-        _check_part(bucket, part, CHECKSUMS[checksum](region[: part.payload_bytes]), sent_sum, sent, version)
+        got = fold_checksum(checksum, [region[: part.payload_bytes]], key=key, context=part_context(bucket, part, sent))
+        _check_part(bucket, part, got, sent_sum, sent, version)
         for (i, shard), offset in zip(part.slices, part.offsets):
             entry = bucket.entries[i]
             num_bytes = _slice_bytes(entry, bucket.sharded)
@@ -322,7 +282,8 @@ def arena_views(bucket: BucketSpec, arena: torch.Tensor, scratch: torch.Tensor |
     )
 
 
-def unpack_arena(bucket: BucketSpec, views: ArenaViews, checksum: str, version: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def unpack_arena(bucket: BucketSpec, views: ArenaViews, checksum: str, version: int | None = None, *,
+                 key: bytes | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Direct transfer: verifies every part's trailer and yields ``(name, full tensor)`` in bucket
     order, each a view of the arena: in place already for a tensor that is not split or is split along
     dimension 0, else its slices concatenated from scratch into its place. The arena must not be
@@ -333,7 +294,8 @@ def unpack_arena(bucket: BucketSpec, views: ArenaViews, checksum: str, version: 
     """
     for part, slices, trailer in zip(bucket.parts, views.parts, views.trailers):
         sent_sum, sent = trailer.tolist()
-        _check_part(bucket, part, fold_checksum(checksum, slices), sent_sum, sent, version)
+        got = fold_checksum(checksum, slices, key=key, context=part_context(bucket, part, sent))
+        _check_part(bucket, part, got, sent_sum, sent, version)
     for tensor, slices, dim in views.concat:
         torch.cat(slices, dim=dim, out=tensor)
     for entry, tensor in zip(bucket.entries, views.tensors):
@@ -387,6 +349,7 @@ def pack_stream(
     before_reuse: Callable[[int], None],
     *,
     whole_buckets: bool = False,
+    key: bytes | None = None,
 ) -> Iterator[tuple[BucketSpec, PartSpec | None, int]]:
     """Packs this rank's parts (exchange order) from the exporter's ``(name, shard, tensor)`` stream.
 
@@ -401,7 +364,7 @@ def pack_stream(
         before_reuse(slot)
         for part in parts:
             region = part.region(buffers[slot]) if whole_buckets else buffers[slot][: part.buffer_bytes]
-            pack(bucket, part, ready, region, version, checksum)
+            pack(bucket, part, ready, region, version, checksum, key=key)
         yield bucket, (None if whole_buckets else parts[0]), slot
 
 

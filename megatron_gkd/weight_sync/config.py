@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
-from megatron_gkd.weight_sync.buckets import CHECKSUMS
+from megatron_gkd.weight_sync.checksums import CHECKSUMS
+
+logger = logging.getLogger(__name__)
 
 
 TRANSFERS = ("auto", "packed", "direct")
@@ -28,7 +31,9 @@ class WeightSyncConfig:
     ``auto`` (``direct`` over host memory (gloo), where copies cost more than operations, else
     ``packed``)."""
     checksum: str = "sum"
-    """Per-bucket checksum: ``sum`` (cheap), ``crc32`` (order-sensitive, slower) or ``none``."""
+    """Per-part checksum: ``sum`` (cheap: truncated, shifted or garbage buffers), ``crc32`` (also
+    reordering), ``blake3`` (cryptographic; keyed with the transport's secret it authenticates each
+    part, its version and sender) or ``none`` (see :mod:`megatron_gkd.weight_sync.checksums`)."""
     verify: bool = False
     """After every sync, compare vLLM's prompt log-probs on ``verify_prompts`` with the student's."""
     verify_prompts: tuple[tuple[int, ...], ...] = ((1, 5, 9, 14, 3, 7, 2, 11),)
@@ -38,7 +43,7 @@ class WeightSyncConfig:
         from megatron_gkd.weight_sync.transports import TRANSPORTS
 
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"weight_sync.transport={self.transport!r}; choose one of {sorted(TRANSPORTS)}")
+            raise TRANSPORTS.unknown(self.transport)
         if self.bucket_size_mb <= 0:
             raise ValueError(f"weight_sync.bucket_size_mb must be positive, got {self.bucket_size_mb}")
         if self.num_buffers < 1:
@@ -61,3 +66,16 @@ class WeightSyncConfig:
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_size_mb * 2**20)
+
+
+def warn_if_unauthenticated(config: WeightSyncConfig, key: bytes | None) -> None:
+    """With the run's secret, only ``blake3`` authenticates what arrives; say so once per process."""
+    global _warned
+    if key is not None and config.checksum != "blake3" and not _warned:
+        _warned = True
+        logger.warning("weight_sync.checksum=%r does not authenticate buckets although the transport has a "
+                       "secret: a forger on the network could alter weights unnoticed; use checksum='blake3'",
+                       config.checksum)
+
+
+_warned = False

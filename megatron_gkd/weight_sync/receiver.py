@@ -1,4 +1,12 @@
-"""Rollout side: receive buckets, copy the tensors out, load them into vLLM in place."""
+"""Rollout side: receive buckets, copy the tensors out, load them into vLLM in place.
+
+Fail closed: the engine is marked stale while it loads (see
+:class:`~megatron_gkd.rollout.registry.RolloutEngine`), so a sync that fails part-way (a corrupted
+bucket, a sender that died or hangs past the transport's ``timeout_s``, a reload error) leaves it
+refusing to generate until a sync succeeds. After a failure that left the transport usable, the rest
+of the buckets are still received (and dropped), so the senders finish and the next sync starts in
+step; every rank learns the outcome (``transport.agree``).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +16,11 @@ from typing import Iterable, Iterator
 
 import torch
 
-from megatron_gkd.weight_sync.buckets import BucketSpec, ChecksumMismatch, allocate, layout_buckets, arena_views, sent_version, unpack, unpack_arena
-from megatron_gkd.weight_sync.config import WeightSyncConfig
+from megatron_gkd.weight_sync.buckets import BucketSpec, allocate, arena_views, layout_buckets, sent_version, unpack, unpack_arena
+from megatron_gkd.weight_sync.config import WeightSyncConfig, warn_if_unauthenticated
+from megatron_gkd.weight_sync.errors import ChecksumMismatch, WeightSyncError, WeightSyncTransportError
 from megatron_gkd.weight_sync.plan import WeightSyncPlan
-from megatron_gkd.weight_sync.verify import check_prompt_logprobs, vllm_prompt_logprobs
+from megatron_gkd.weight_sync.verify import check_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -100,88 +109,162 @@ class WeightReceiver:
             self.buffer_bytes = sum(buffer.numel() for buffer in self.buffers if buffer is not None)
         # self.buffer_bytes: the host or device memory this receiver keeps between syncs.
         logger.info("weight receiver: %d buckets, %s transfer, %.1f MiB of buffers", len(self.buckets), self.transfer, self.buffer_bytes / 2**20)
+        self.key = getattr(transport, "bucket_key", None)
+        warn_if_unauthenticated(config, self.key)
         self.version = 0
         self.last_sync_s = 0.0
 
-    def receive(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(hf_name, tensor)`` for every plan tensor, bucket by bucket.
+    def receive(self, version: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` for every plan tensor, bucket by bucket (without the sync's framing).
 
         Packed: new tensors copied out of the bucket buffers; with two or more buffers, bucket i+1 is
         posted before bucket i is unpacked (and loaded by the consumer of this iterator), so the wire
         and the copies overlap. Direct: views of the receive arena (valid until the next sync), and
-        ``num_buffers`` buckets posted ahead.
+        ``num_buffers`` buckets posted ahead. ``version``: the one every part must carry (default:
+        that of the first bucket, which must be newer than the last received).
         """
-        if self.transfer == "direct":
-            yield from self._receive_direct()
-            return
-        incoming = None
-        buffers = self.buffers
-        prefetch = len(buffers) > 1
-        pending = self.transport.recv(self.buckets[0], buffers[0])
-        for i, bucket in enumerate(self.buckets):
-            pending.wait()
-            current = pending
-            last = i + 1 == len(self.buckets)
-            if prefetch and not last:
-                pending = self.transport.recv(self.buckets[i + 1], buffers[(i + 1) % len(buffers)])
-            if incoming is None:
-                incoming = self._newer(sent_version(bucket, current.buffer))
-            yield from unpack(bucket, current.buffer, self.config.checksum, version=incoming)
-            if not prefetch and not last:
-                pending = self.transport.recv(self.buckets[i + 1], buffers[0])
-        self._incoming = incoming
+        return _Reception(self, version).tensors()
 
-    def _newer(self, incoming: int) -> int:
-        if incoming <= self.version:
-            raise ChecksumMismatch(f"received weight version {incoming}, not newer than {self.version}")
-        return incoming
+    def sync(self, engine, expected_logprobs: torch.Tensor | None = None, *, verify: bool | None = None,
+             expect_version: int | None = None) -> int:
+        """Receives one full set of weights into ``engine`` (a rollout engine); returns the new version.
 
-    def _receive_direct(self) -> Iterator[tuple[str, torch.Tensor]]:
-        def post(index: int) -> list:
-            views = self._views[index]
-            return [self.transport.post(part.owner, [*slices, trailer])
-                    for part, slices, trailer in zip(self.buckets[index].parts, views.parts, views.trailers)]
-
-        ahead = max(self.config.num_buffers, 1)
-        posted = [post(index) for index in range(min(ahead, len(self.buckets)))]
-        incoming = None
-        for index, bucket in enumerate(self.buckets):
-            for work in posted[index]:
-                work.wait()
-            posted[index] = None
-            if index + ahead < len(self.buckets):
-                posted.append(post(index + ahead))
-            views = self._views[index]
-            if incoming is None:
-                incoming = self._newer(int(views.trailers[0][1]))
-            yield from unpack_arena(bucket, views, self.config.checksum, version=incoming)
-        self._incoming = incoming
-
-    def sync(self, llm, expected_logprobs: torch.Tensor | None = None, *, verify: bool | None = None) -> int:
-        """Receives one full set of weights into ``llm``; returns the new weight version.
-
-        With ``config.verify``, ``expected_logprobs`` (the student's, on ``config.verify_prompts``)
-        must be given or arrive over the transport (``share_tensor`` from the plan's logits rank).
+        The version comes from trainer rank 0 (``transport.begin``): it must be newer than the last,
+        equal ``expect_version`` when given, and every bucket part must carry it. The tensors stream
+        into ``engine.load_weights`` bucket by bucket. With ``config.verify``, ``expected_logprobs``
+        (the student's, on ``config.verify_prompts``) must be given or arrive over the transport
+        (``share_tensor`` from the plan's logits rank).
 
         Raises:
-            ChecksumMismatch: a bucket arrived corrupted or from another version.
-            WeightSyncMismatch: ``verify`` found vLLM computing something else than the student.
+            ChecksumMismatch: a bucket arrived corrupted, from an old version or not the expected one
+                (the engine is stale if anything was loaded; the other buckets were still received).
+            WeightSyncTransportError: the transport failed (e.g. a sender died or hung past
+                ``timeout_s``); the engine is stale and the transport unusable.
+            WeightSyncError: the engine failed to load the weights, or another rollout rank failed.
+            WeightSyncMismatch: ``verify`` found the engine computing something else than the student
+                (the engine is marked stale).
         """
         start = time.perf_counter()
-        reload_vllm_weights(llm, self.receive())
-        self.version = self._incoming
+        version = self.transport.begin(None)
+        if version is None:  # a transport without framing: every part must carry the expected version
+            version = expect_version
+        reception = _Reception(self, version)
+        failure = None
+        try:
+            if version is not None and version <= self.version:
+                raise ChecksumMismatch(f"received weight version {version}, not newer than {self.version}")
+            if expect_version is not None and version != expect_version:
+                raise ChecksumMismatch(f"received weight version {version}, expected {expect_version}")
+            engine.load_weights(reception.tensors(), version=version)
+            reception.drain()  # buckets an engine left unread (none for the engines here)
+        except WeightSyncTransportError as error:
+            logger.error("weight version %s did not arrive (%s); the engine refuses to generate until a sync "
+                         "succeeds", version, error)
+            raise WeightSyncTransportError(f"weight version {version} did not arrive: {error}") from error
+        except Exception as error:  # noqa: BLE001 - any failure fails this sync on every rank, below
+            failure = error
+            logger.error("weight version %s was not loaded (%s: %s); the engine refuses to generate until a "
+                         "sync succeeds", version, type(error).__name__, error)
+            reception.drain()
+        everyone = self.transport.agree(failure is None)
+        if failure is not None:
+            if isinstance(failure, WeightSyncError):
+                raise failure
+            raise WeightSyncError(f"weight version {version} was not loaded: {type(failure).__name__}: {failure}") from failure
+        self.version = reception.version
         self.last_sync_s = time.perf_counter() - start
+        if not everyone:
+            raise WeightSyncError(f"weight version {self.version} reached this rollout rank but not every other one; "
+                                  "the trainers will retry")
         logger.info("weights version %d loaded in %.3f s", self.version, self.last_sync_s)
         if self.config.verify if verify is None else verify:
             if expected_logprobs is None:
                 size = sum(len(p) - 1 for p in self.config.verify_prompts)
                 expected_logprobs = self.transport.share_tensor(torch.empty(size, dtype=torch.float64), self.plan.logits_rank)
-            self.verify(llm, expected_logprobs)
+            try:
+                self.verify(engine, expected_logprobs)
+            except WeightSyncError as error:
+                engine.mark_stale(str(error))
+                raise
         return self.version
 
-    def verify(self, llm, expected_logprobs: torch.Tensor) -> float:
-        """Raises :class:`~megatron_gkd.weight_sync.verify.WeightSyncMismatch` unless vLLM matches."""
-        got = vllm_prompt_logprobs(llm, self.config.verify_prompts)
+    def verify(self, engine, expected_logprobs: torch.Tensor) -> float:
+        """Raises :class:`~megatron_gkd.weight_sync.verify.WeightSyncMismatch` unless the engine matches."""
+        got = engine.prompt_logprobs(self.config.verify_prompts)
         error = check_prompt_logprobs(got, expected_logprobs, self.config.verify_tolerance, self.version)
         logger.info("verified version %d: max |log-prob error| %.2e", self.version, error)
         return error
+
+
+class _Reception:
+    """One sync's buckets, in exchange order; :meth:`drain` receives the rest after a failure.
+
+    ``posted`` holds the buckets whose receive is on the wire; ``next_post`` is the first one not
+    posted yet. Waiting goes through the transport's operations, which raise
+    :class:`WeightSyncTransportError` on a timeout or a broken connection.
+    """
+
+    def __init__(self, receiver: WeightReceiver, version: int | None):
+        self.receiver, self.version = receiver, version
+        self.buckets = receiver.buckets
+        self.posted: dict[int, object] = {}
+        self.next_post = 0
+
+    def _post(self, index: int) -> None:
+        transport = self.receiver.transport
+        if self.receiver.transfer == "direct":
+            views = self.receiver._views[index]
+            works = [transport.post(part.owner, [*slices, trailer])
+                     for part, slices, trailer in zip(self.buckets[index].parts, views.parts, views.trailers)]
+        else:
+            buffers = self.receiver.buffers
+            works = [transport.recv(self.buckets[index], buffers[index % len(buffers)])]
+        self.posted[index] = works
+        self.next_post = index + 1
+
+    def _wait(self, index: int) -> object:
+        works = self.posted.pop(index)
+        for work in works:
+            work.wait()
+        return works[-1]
+
+    def _first_version(self, index: int, done) -> int:
+        # Without the sync's framing (receive() alone) the version is that of the first bucket.
+        bucket = self.buckets[index]
+        if self.receiver.transfer == "direct":
+            incoming = int(self.receiver._views[index].trailers[0][1])
+        else:
+            incoming = sent_version(bucket, done.buffer)
+        if incoming <= self.receiver.version:
+            raise ChecksumMismatch(f"received weight version {incoming}, not newer than {self.receiver.version}")
+        return incoming
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        config, key = self.receiver.config, self.receiver.key
+        direct = self.receiver.transfer == "direct"
+        # Direct: num_buffers buckets in flight (their scratch must not be reused before they are
+        # unpacked). Packed: one ahead when there is a second buffer, so wire and copies overlap.
+        ahead = max(config.num_buffers, 1) if direct else min(len(self.receiver.buffers) - 1, 1)
+        for index in range(min(max(ahead, 1), len(self.buckets))):
+            self._post(index)
+        for index, bucket in enumerate(self.buckets):
+            if self.next_post == index:  # one buffer: reused once the previous bucket is unpacked
+                self._post(index)
+            done = self._wait(index)
+            while self.next_post < min(index + 1 + ahead, len(self.buckets)):
+                self._post(self.next_post)
+            if self.version is None:
+                self.version = self._first_version(index, done)
+            if direct:
+                yield from unpack_arena(bucket, self.receiver._views[index], config.checksum, version=self.version, key=key)
+            else:
+                yield from unpack(bucket, done.buffer, config.checksum, version=self.version, key=key)
+
+    def drain(self) -> None:
+        """Receives (and drops) every bucket not received yet, one at a time."""
+        for index in sorted(self.posted):
+            self._wait(index)
+        while self.next_post < len(self.buckets):
+            index = self.next_post
+            self._post(index)
+            self._wait(index)

@@ -12,8 +12,9 @@ import torch.distributed as dist
 
 from megatron_gkd import platform
 from megatron_gkd.models import export_hf_shards, export_hf_weights, shard_sources
-from megatron_gkd.weight_sync.buckets import BucketSpec, PartSpec, allocate, complete_parts, fold_checksum, layout_buckets, pack_stream
-from megatron_gkd.weight_sync.config import WeightSyncConfig
+from megatron_gkd.weight_sync.buckets import BucketSpec, PartSpec, allocate, complete_parts, fold_checksum, layout_buckets, pack_stream, part_context
+from megatron_gkd.weight_sync.config import WeightSyncConfig, warn_if_unauthenticated
+from megatron_gkd.weight_sync.errors import WeightSyncError
 from megatron_gkd.weight_sync.plan import WeightSyncPlan
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class WeightSender:
         packs = sizes and self.transfer == "packed"
         device = getattr(transport, "device", None) or platform.device()
         self.buffers = [allocate(max(sizes), device) for _ in range(config.num_buffers)] if packs else []
+        self.key = getattr(transport, "bucket_key", None)
+        warn_if_unauthenticated(config, self.key)
         self.last_sync_s = 0.0
         self._sources: tuple[tuple[int, ...], list] | None = None
 
@@ -75,17 +78,30 @@ class WeightSender:
                     pass
             return
         stream = pack_stream(self._slices(chunks), self.work, self.buffers, version, self.config.checksum, before_reuse,
-                             whole_buckets=self.owns_all)
+                             whole_buckets=self.owns_all, key=self.key)
         for bucket, part, slot in stream:
             yield bucket, part, self.buffers[slot]
 
     def sync(self, chunks, version: int) -> None:
-        """Sends every part this rank holds over the transport (collective with the receivers)."""
+        """Sends every part this rank holds over the transport (collective: every trainer rank and
+        every rollout rank of the transport take part, including ranks that send nothing).
+
+        Raises:
+            WeightSyncError: a rollout rank did not take ``version`` (its engine refuses to generate
+                until a sync succeeds; the sync may be retried), or, as
+                :class:`~megatron_gkd.weight_sync.errors.WeightSyncTransportError`, the transport
+                failed (a rank died or hung past ``timeout_s``; build a new transport).
+        """
         start = time.perf_counter()
+        self.transport.begin(version)
         if self.transfer == "direct":
             self._send_direct(chunks, version)
         else:
             self._send_packed(chunks, version)
+        if not self.transport.agree(True):
+            raise WeightSyncError(
+                f"weight version {version} did not reach every rollout rank: a rollout rank refused or failed to "
+                "load it (its log says why) and its engine refuses to generate until a sync succeeds; retry the sync")
         if self.config.verify:
             self.share_student_logprobs(chunks)
         self.last_sync_s = time.perf_counter() - start
@@ -103,7 +119,8 @@ class WeightSender:
                 for work in in_flight.popleft():
                     work.wait()
             slices = self.transport.post(part.owner, tensors)
-            trailer = torch.tensor([fold_checksum(self.config.checksum, tensors), version], dtype=torch.int64, device=tensors[0].device)
+            value = fold_checksum(self.config.checksum, tensors, key=self.key, context=part_context(bucket, part, version))
+            trailer = torch.tensor([value, version], dtype=torch.int64, device=tensors[0].device)
             in_flight.append((slices, self.transport.post(part.owner, [trailer])))
         for works in in_flight:
             for work in works:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from megatron_gkd.weight_sync.errors import WeightSyncError
 
-class WeightSyncMismatch(RuntimeError):
+
+class WeightSyncMismatch(WeightSyncError):
     """vLLM does not compute what the student computes after a sync."""
 
 
@@ -24,12 +26,12 @@ def vllm_prompt_logprobs(llm, prompts) -> torch.Tensor:
 
 def student_prompt_logprobs(chunks, prompts) -> torch.Tensor | None:
     """The same log-probs from the Megatron student (collective; the result on the last stage, else ``None``)."""
-    from megatron_gkd.testing.hf_models import megatron_logits
+    from megatron_gkd.parallel import forward_logits
 
     values = []
     for prompt in prompts:
         tokens = torch.tensor([list(prompt)])
-        logits = megatron_logits(chunks, tokens)  # [1, s, v] on the last stage
+        logits = forward_logits(chunks, tokens)  # [1, s, v] on the last stage
         if logits is None:
             continue
         logprobs = torch.log_softmax(logits[0, :-1].double(), dim=-1)

@@ -74,7 +74,13 @@ def _disaggregated(tmp_path, runs, config=CONFIG):
     )
 
 
-def test_dense_tp2_then_pp2_into_a_tp1_engine(tmp_path):
+def _assert_clean_exit(capfd) -> None:
+    """No rank printed a traceback, at exit included (vLLM's teardown used to raise there: issue 14)."""
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Invalid process group" not in err, err[-4000:]
+
+
+def test_dense_tp2_then_pp2_into_a_tp1_engine(tmp_path, capfd):
     llama = make_tiny_checkpoint("LlamaForCausalLM", tmp_path / "llama", seed=5)
     runs = [
         dict(layout="tp2", path=llama, port=free_port(), steps=2, engine=llama),
@@ -86,6 +92,7 @@ def test_dense_tp2_then_pp2_into_a_tp1_engine(tmp_path):
         logits = trainer0[index]["logits"] or trainer1[index]["logits"]
         assert rollout[index]["version"] == 1
         _check(rollout[index]["before"], rollout[index]["after"], logits, trainer0[index]["saved"])
+    _assert_clean_exit(capfd)
 
 
 @pytest.mark.slow
@@ -98,10 +105,12 @@ def test_moe_ep2_into_a_tp1_engine(tmp_path):
 
 
 @pytest.mark.slow
-def test_colocated_tp2_into_a_tp2_engine_without_broadcast(tmp_path):
+def test_colocated_tp2_into_a_tp2_engine_without_broadcast(tmp_path, capfd):
     llama = make_tiny_checkpoint("LlamaForCausalLM", tmp_path / "llama", seed=7)
     config = WeightSyncConfig(transport="colocated", bucket_size_mb=0.25, verify=True, verify_prompts=tuple(map(tuple, PROMPTS)))
     rank0, rank1 = run_distributed(colocated_rank, 2, args=(llama, 2, config, PROMPTS, str(tmp_path)), kwargs=dict(num_tokens=NUM_TOKENS), timeout=900, env=VLLM_ENV)
     assert rank0["version"] == rank1["version"] == 1
     assert rank0["after"][0] == rank1["after"][0]
     _check(rank0["before"], rank0["after"], rank0["logits"], rank0["saved"])
+    assert rank0["world_after_close"] == rank1["world_after_close"] == 2  # vLLM's teardown left the job's world
+    _assert_clean_exit(capfd)
