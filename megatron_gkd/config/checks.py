@@ -1,0 +1,171 @@
+"""Checks that span config sections: each failure names the keys involved and the fix.
+
+:func:`check_config` runs when a :class:`~megatron_gkd.config.GKDConfig` is built (no process or world
+needed); :func:`check_layout` adds what depends on the world size (``--dry-run`` and start-up).
+Options that have no effect on the chosen path are logged as warnings (``inert``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+# Teacher backends/clients that cannot score TCAD's per-row requested ids (vLLM: not on the CPU
+# runner; OpenAI-compatible servers: no such API).
+_NO_REQUESTED_IDS = {"vllm"}
+
+
+def needs_teacher(config) -> bool:
+    return config.trainer.mode in ("on_policy", "off_policy")
+
+
+def needs_rollout(config) -> bool:
+    """The rollout engine samples training batches (on-policy) or eval answers."""
+    return config.trainer.mode == "on_policy" or eval_enabled(config)
+
+
+def eval_enabled(config) -> bool:
+    evaluation = config.eval
+    return config.data.eval_path is not None and (evaluation.interval is not None or evaluation.at_start
+                                                  or evaluation.at_end)
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def check_config(config) -> None:
+    """Static cross-section checks (see the module docstring).
+
+    Raises:
+        ValueError: the first inconsistency found, naming its keys and the fix.
+    """
+    from megatron_gkd.rollout.registry import ENGINES
+    from megatron_gkd.trainer.eval import SCORERS
+    from megatron_gkd.trainer.schedulers import SCHEDULERS
+
+    trainer, teacher, rollout, loss, data = config.trainer, config.teacher, config.rollout, config.loss, config.data
+    if trainer.scheduler not in SCHEDULERS:
+        raise SCHEDULERS.unknown(trainer.scheduler)
+    if rollout.engine not in ENGINES:
+        raise ENGINES.unknown(rollout.engine)
+    if config.eval.scorer not in SCORERS:
+        raise SCORERS.unknown(config.eval.scorer)
+    if config.student.checkpoint is None:
+        _fail("student.checkpoint is required: the HF checkpoint directory of the student's initial weights")
+    if data.train_path is None:
+        _fail("data.train_path is required: a .jsonl or .parquet file of prompts")
+    if needs_teacher(config) and not teacher.enabled:
+        _fail(f"trainer.mode={trainer.mode} needs a teacher: set teacher.client=zmq with teacher.address=tcp://HOST:PORT, "
+              "or teacher.client=zmq with teacher.serve.model=DIR to start one on loopback, or use trainer.mode=sft")
+    if trainer.mode == "on_policy" and trainer.global_batch_size % rollout.n:
+        _fail(f"trainer.global_batch_size={trainer.global_batch_size} samples is not a multiple of rollout.n={rollout.n} "
+              f"samples per prompt; use a multiple of {rollout.n}")
+    if trainer.mode != "on_policy" and rollout.n != 1:
+        _fail(f"rollout.n={rollout.n} samples per prompt only applies to trainer.mode=on_policy ({trainer.mode} trains "
+              "on one dataset response per prompt); set rollout.n=1")
+    if loss.type == "tcad" and trainer.mode == "on_policy" and rollout.logprobs_k < 1:
+        _fail("loss.type=tcad interleaves the teacher's top-k with the student's: set rollout.logprobs_k=K (the "
+              "student's top-k ids returned by the rollout engine), e.g. rollout.logprobs_k=8")
+    if loss.type == "tcad" and trainer.mode != "on_policy":
+        _fail(f"loss.type=tcad needs the student's top-k ids of sampled responses, which only trainer.mode=on_policy "
+              f"has (it is {trainer.mode}); use another loss.type, e.g. forward_kl")
+    if loss.type == "tcad" and teacher.serve.model is not None and teacher.serve.backend in _NO_REQUESTED_IDS:
+        _fail(f"loss.type=tcad scores the teacher at the student's top-k ids, which teacher.serve.backend="
+              f"{teacher.serve.backend} cannot do; use teacher.serve.backend=hf or megatron")
+    if loss.type == "tcad" and teacher.client == "openai":
+        _fail("loss.type=tcad scores the teacher at the student's top-k ids, which an OpenAI-compatible server "
+              "cannot do; use teacher.client=zmq with an hf or megatron backend, or teacher.client=local")
+    if trainer.mode == "sft" and teacher.enabled and not eval_enabled(config):
+        logger.warning("teacher.* has no effect in trainer.mode=sft without eval (it is only used for eval's KL)")
+    if data.max_prompt_length + rollout.max_tokens > rollout.max_model_len and needs_rollout(config):
+        _fail(f"data.max_prompt_length={data.max_prompt_length} + rollout.max_tokens={rollout.max_tokens} exceeds "
+              f"rollout.max_model_len={rollout.max_model_len}; raise rollout.max_model_len or lower the other two")
+    if config.eval.interval is not None and data.eval_path is None:
+        _fail("eval.interval is set but data.eval_path is not: give held-out prompts (with answers) or set "
+              "eval.interval=null")
+    if trainer.max_tokens_per_microbatch is not None:
+        longest = data.max_prompt_length + (rollout.max_tokens if trainer.mode == "on_policy" else
+                                            data.max_response_length or 0)
+        if data.max_response_length is None and trainer.mode != "on_policy":
+            longest = 0  # unknown until the data is read; checked per batch
+        if longest > trainer.max_tokens_per_microbatch:
+            _fail(f"trainer.max_tokens_per_microbatch={trainer.max_tokens_per_microbatch} is smaller than the longest "
+                  f"possible sample ({longest} tokens: data.max_prompt_length + the response limit); raise it")
+    _check_weight_sync(config)
+    _check_inert(config)
+
+
+def _check_weight_sync(config) -> None:
+    rollout, sync, parallel = config.rollout, config.weight_sync, config.parallel
+    if not needs_rollout(config):
+        return
+    if rollout.engine == "megatron" and rollout.layout != "colocated":
+        _fail("rollout.engine=megatron samples with the student itself: it needs rollout.layout=colocated")
+    if rollout.engine == "megatron" and parallel.pipeline_model_parallel_size > 1:
+        _fail("rollout.engine=megatron needs parallel.pipeline_model_parallel_size=1; use rollout.engine=vllm")
+    if rollout.layout == "colocated" and rollout.engine == "vllm" and sync.transport != "colocated":
+        _fail(f"rollout.layout=colocated loads weights in-process: set weight_sync.transport=colocated (it is "
+              f"{sync.transport!r}), or rollout.layout=disaggregated to send them to a rollout server")
+    if rollout.layout == "disaggregated" and sync.transport != "distributed":
+        _fail("rollout.layout=disaggregated sends weights to the rollout server: set weight_sync.transport=distributed")
+    if sync.transport == "colocated" and (parallel.pipeline_model_parallel_size > 1
+                                          or parallel.expert_model_parallel_size > 1):
+        _fail("weight_sync.transport=colocated needs parallel.pipeline_model_parallel_size=1 and "
+              "expert_model_parallel_size=1 (each rank's vLLM shard needs every layer, but a rank holds only its "
+              "stage's and experts' weights); use rollout.layout=disaggregated with weight_sync.transport=distributed")
+
+
+def _check_inert(config) -> None:
+    loss, trainer, rollout = config.loss, config.trainer, config.rollout
+    if trainer.mode == "sft" and loss.type != "forward_kl":
+        logger.warning("loss.type=%s has no effect in trainer.mode=sft (cross-entropy on dataset responses)", loss.type)
+    if loss.type != "tcad" and (loss.support_k is not None or loss.support_mode != "interleave"):
+        logger.warning("loss.support_k / loss.support_mode have no effect with loss.type=%s (tcad only)", loss.type)
+    if not loss.fused and loss.chunk_size != 1024:
+        logger.warning("loss.chunk_size has no effect without loss.fused=true")
+    if trainer.max_tokens_per_microbatch is not None and trainer.micro_batch_size != 1:
+        logger.warning("trainer.micro_batch_size has no effect with trainer.max_tokens_per_microbatch (dynamic batching)")
+    if rollout.layout == "colocated" and trainer.scheduler != "sync":
+        logger.info("trainer.scheduler=%s with a colocated rollout overlaps teacher scoring with training; "
+                    "rollout itself runs on the training ranks between updates", trainer.scheduler)
+
+
+def check_layout(config, world_size: int) -> dict:
+    """Checks what depends on the world size and returns the batch plan.
+
+    Returns:
+        ``{"data_parallel_size", "samples_per_rank", "prompts_per_step", "prompts_per_rank",
+        "rollout_replicas"}``.
+
+    Raises:
+        ValueError: the layout does not fit ``world_size`` or the batch does not split (with the fix).
+    """
+    parallel, trainer, rollout = config.parallel, config.trainer, config.rollout
+    if parallel.context_parallel_size != 1:
+        _fail("parallel.context_parallel_size > 1 is not supported by the trainer yet; set it to 1")
+    dp = parallel.data_parallel_size(world_size)
+    n = rollout.n if trainer.mode == "on_policy" else 1
+    prompts = trainer.global_batch_size // n
+    if prompts % dp:
+        _fail(f"trainer.global_batch_size={trainer.global_batch_size} ({prompts} prompts x {n} samples) does not split "
+              f"over data-parallel size {dp} with each prompt's samples on one rank: use a multiple of {dp * n} samples")
+    per_rank = trainer.global_batch_size // dp
+    if trainer.max_tokens_per_microbatch is None and per_rank % trainer.micro_batch_size:
+        _fail(f"trainer.global_batch_size={trainer.global_batch_size} gives {per_rank} samples per data-parallel rank "
+              f"(dp={dp}), not a multiple of trainer.micro_batch_size={trainer.micro_batch_size}; use a global batch "
+              f"that is a multiple of dp x micro_batch_size = {dp * trainer.micro_batch_size}, or "
+              "trainer.max_tokens_per_microbatch")
+    replicas = 1
+    if needs_rollout(config) and rollout.layout == "colocated" and rollout.engine == "vllm":
+        if world_size % rollout.tensor_parallel_size:
+            _fail(f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} must divide the world size {world_size} "
+                  "in the colocated layout (every rank holds a vLLM shard)")
+        replicas = world_size // rollout.tensor_parallel_size
+        if prompts % replicas:
+            _fail(f"{prompts} prompts per step do not split over {replicas} colocated vLLM replicas (world "
+                  f"{world_size} / rollout.tensor_parallel_size {rollout.tensor_parallel_size}); use a multiple of "
+                  f"{replicas * n} samples in trainer.global_batch_size or a larger rollout.tensor_parallel_size")
+    return dict(data_parallel_size=dp, samples_per_rank=per_rank, prompts_per_step=prompts,
+                prompts_per_rank=prompts // dp, rollout_replicas=replicas)

@@ -1,0 +1,58 @@
+"""``--dry-run``: the validated config's rank and batch plan, computed without starting anything."""
+
+from __future__ import annotations
+
+from megatron_gkd.config.checks import check_layout, eval_enabled, needs_rollout, needs_teacher
+from megatron_gkd.config.schema import GKDConfig
+
+
+def rank_coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
+    """``(tp_rank, dp_rank, pp_rank)`` of ``rank`` in Megatron's default order (tp fastest, then dp, then pp)."""
+    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+
+def layout_plan(config: GKDConfig, world_size: int | None = None) -> str:
+    """A human-readable plan: layout, ranks and their roles, batch split, rollout and teacher.
+
+    Raises:
+        ValueError: the layout does not fit ``world_size`` or the batch does not split.
+    """
+    parallel, trainer, rollout = config.parallel, config.trainer, config.rollout
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    world_size = world_size or tp * pp
+    plan = check_layout(config, world_size)
+    dp = plan["data_parallel_size"]
+    lines = [
+        f"mode {trainer.mode}, scheduler {trainer.scheduler}, {trainer.num_steps} steps, output {trainer.output_dir}",
+        f"world {world_size} = tp {tp} x pp {pp} x dp {dp} (vpp {parallel.virtual_pipeline_model_parallel_size or 1}, "
+        f"ep {parallel.expert_model_parallel_size}, sequence parallel {parallel.sequence_parallel})",
+        f"batch: {trainer.global_batch_size} samples = {plan['prompts_per_step']} prompts x "
+        f"{rollout.n if trainer.mode == 'on_policy' else 1}; {plan['samples_per_rank']} samples per data-parallel rank, "
+        + (f"micro-batches of <= {trainer.max_tokens_per_microbatch} tokens" if trainer.max_tokens_per_microbatch
+           else f"{plan['samples_per_rank'] // trainer.micro_batch_size} micro-batches of {trainer.micro_batch_size}"),
+        f"loss: {config.loss.type if trainer.mode != 'sft' else 'cross_entropy'}"
+        + (" (fused)" if config.loss.fused else "")
+        + (f", confidence_alpha {config.loss.confidence_alpha}" if config.loss.confidence_alpha is not None else ""),
+    ]
+    if needs_rollout(config):
+        where = (f"colocated, vLLM TP {rollout.tensor_parallel_size} x {plan['rollout_replicas']} replica(s)"
+                 if rollout.engine == "vllm" and rollout.layout == "colocated" else f"{rollout.layout} {rollout.engine}")
+        lines.append(f"rollout: {where}, n {rollout.n}, max_tokens {rollout.max_tokens}, weight sync "
+                     f"{config.weight_sync.transport}")
+    if needs_teacher(config) or eval_enabled(config) and config.teacher.enabled:
+        teacher = config.teacher
+        where = (f"service started on loopback ({teacher.serve.backend} backend, {teacher.serve.model})"
+                 if teacher.serve.model else teacher.address or teacher.base_url or teacher.checkpoint)
+        lines.append(f"teacher: {teacher.client} client, {where}, top-k {teacher.top_k}")
+    lines.append("ranks (tp, dp, pp):")
+    for rank in range(world_size):
+        tp_rank, dp_rank, pp_rank = rank_coordinates(rank, tp, dp)
+        roles = []
+        if pp_rank == pp - 1:
+            roles.append("loss")
+            if tp_rank == 0 and needs_teacher(config) and config.teacher.client != "local":
+                roles.append("teacher requests")
+        if rank == 0:
+            roles.append("logging")
+        lines.append(f"  rank {rank}: tp {tp_rank} dp {dp_rank} pp {pp_rank}" + (f"  [{', '.join(roles)}]" if roles else ""))
+    return "\n".join(lines)

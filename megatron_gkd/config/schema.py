@@ -1,0 +1,259 @@
+"""The trainer's configuration tree: one typed dataclass per component, composed into :class:`GKDConfig`.
+
+Sections that existed before the trainer keep living next to what they configure and are composed
+here unchanged: ``parallel`` (:class:`~megatron_gkd.parallel.ParallelConfig`), ``teacher``
+(:class:`~megatron_gkd.teacher.config.TeacherConfig`), ``weight_sync``
+(:class:`~megatron_gkd.weight_sync.WeightSyncConfig`), ``data``
+(:class:`~megatron_gkd.data.DataConfig`), ``optim`` (:class:`~megatron_gkd.trainer.optim.OptimizerConfig`)
+and, inside ``rollout``, the sampling fields of :class:`~megatron_gkd.rollout.SamplingConfig`. Each
+section validates itself in ``__post_init__``; checks that span sections live in
+:mod:`megatron_gkd.config.checks`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megatron_gkd.data.config import DataConfig
+from megatron_gkd.parallel.state import ParallelConfig
+from megatron_gkd.rollout.types import SamplingConfig
+from megatron_gkd.teacher.config import TeacherConfig
+from megatron_gkd.trainer.optim import OptimizerConfig
+from megatron_gkd.weight_sync.config import WeightSyncConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+MODES = ("on_policy", "off_policy", "sft")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class StudentConfig:
+    """The student: where its weights come from and how it is built."""
+
+    checkpoint: str | None = None
+    """HF checkpoint directory of the student's initial weights (config, safetensors, tokenizer)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; default: ``checkpoint``."""
+    dtype: str = "float32"
+    """Parameter dtype: ``float32``, ``bfloat16`` or ``float16`` (fp32 main weights in the optimizer)."""
+    recompute: bool = False
+    """Recompute every layer's activations in the backward (full, uniform): less memory, ~1/3 more compute."""
+    use_transformer_engine: bool | None = None
+    """Transformer Engine layer specs; default: when TE imports (CUDA)."""
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"student.dtype={self.dtype!r}; choose one of {list(DTYPES)}")
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        return self.tokenizer or self.checkpoint
+
+
+@dataclasses.dataclass(kw_only=True)
+class RolloutConfig(SamplingConfig):
+    """The student's sampling (the fields of :class:`~megatron_gkd.rollout.SamplingConfig`: ``n``,
+    ``temperature``, ``top_p``, ``top_k``, ``max_tokens``, ``stop_token_ids``, ``seed``, ``logprobs_k``)
+    and the engine that does it. The tokenizer's EOS id always stops a response."""
+
+    engine: str = "vllm"
+    """Registered rollout engine: ``vllm`` or ``megatron`` (the student itself, slow, no vLLM)."""
+    layout: str = "colocated"
+    """``colocated`` (every trainer rank holds a vLLM shard) or ``disaggregated`` (a rollout server
+    process; rollout then overlaps training under the off-policy schedulers)."""
+    tensor_parallel_size: int = 1
+    """vLLM's tensor parallelism; colocated: it divides the world size (the rest are vLLM replicas)."""
+    max_model_len: int = 2048
+    """Longest prompt + response vLLM accepts."""
+    dtype: str | None = None
+    """vLLM's weight dtype; default: ``student.dtype``."""
+    gpu_memory_utilization: float = 0.3
+    """Fraction of device memory vLLM may use (of host memory on CPU: prefer ``kv_cache_memory_mb``)."""
+    kv_cache_memory_mb: int | None = None
+    """KV-cache size in MiB, overriding ``gpu_memory_utilization`` (what a CPU run should set)."""
+    engine_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Further ``vllm.LLM`` keyword arguments."""
+
+    def __post_init__(self):
+        SamplingConfig.__post_init__(self)
+        if self.layout not in ("colocated", "disaggregated"):
+            raise ValueError(f"rollout.layout={self.layout!r}; choose 'colocated' or 'disaggregated'")
+        if self.tensor_parallel_size < 1 or self.max_model_len < 2:
+            raise ValueError("rollout.tensor_parallel_size must be >= 1 and rollout.max_model_len >= 2")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"rollout.dtype={self.dtype!r}; choose one of {list(DTYPES)} or null")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must lie in (0, 1]")
+        if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb < 1:
+            raise ValueError(f"rollout.kv_cache_memory_mb={self.kv_cache_memory_mb} must be >= 1 (or null)")
+
+    def sampling(self, seed: int | None) -> SamplingConfig:
+        """The plain sampling settings, with ``seed`` (a batch's own seed)."""
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(SamplingConfig)}
+        return SamplingConfig(**{**fields, "seed": seed})
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class LossConfig:
+    """The distillation loss (``on_policy`` / ``off_policy`` modes; ``sft`` uses cross-entropy)."""
+
+    type: str = "forward_kl"
+    """Registered divergence: ``forward_kl``, ``reverse_kl``, ``jsd``, ``kl_rkl`` or ``tcad``."""
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The divergence's options: ``beta`` (jsd), ``rkl_ratio`` (kl_rkl), ``divergence`` / ``alpha`` /
+    ``coverage_coef`` (tcad)."""
+    temperature: float = 1.0
+    """Student distribution ``softmax(logits / temperature)``."""
+    confidence_alpha: float | None = None
+    """Teacher-confidence reweighting of each prompt's ``n`` responses (TCAD): weights
+    ``softmax(alpha * (c_i - mean c))`` within the group, ``c_i`` the teacher's mean log-prob of response
+    i. ``None``: every response token counts the same (token mean)."""
+    support_k: int | None = None
+    """tcad: width of the support-symmetric truncation of teacher and student top-k; default ``teacher.top_k``."""
+    support_mode: str = "interleave"
+    """tcad: ``interleave`` (truncated to ``support_k``) or ``union`` of both top-k lists."""
+    fused: bool = False
+    """Fused output layer + loss, chunked over tokens: the ``[s, b, V/tp]`` logits never exist."""
+    chunk_size: int = 1024
+    """Tokens per chunk of the fused path."""
+    diagnostics: bool = False
+    """Also measure the teacher/student top-k overlap (an extra vocab-parallel top-k; unfused only)."""
+
+    def __post_init__(self):
+        from megatron_gkd.losses import get_divergence
+
+        divergence = get_divergence(self.type)
+        try:
+            divergence.build_options(dict(self.options))
+        except ValueError as error:
+            raise ValueError(f"loss.options: {error}") from None
+        if not self.temperature > 0:
+            raise ValueError(f"loss.temperature={self.temperature} must be > 0")
+        if self.support_mode not in ("interleave", "union"):
+            raise ValueError(f"loss.support_mode={self.support_mode!r}; choose 'interleave' or 'union'")
+        if self.support_k is not None and self.support_k < 1:
+            raise ValueError(f"loss.support_k={self.support_k} must be >= 1 (or null for teacher.top_k)")
+        if self.chunk_size < 1:
+            raise ValueError(f"loss.chunk_size={self.chunk_size} must be >= 1")
+        if self.fused and self.diagnostics:
+            raise ValueError("loss.diagnostics needs the full logits, which loss.fused=true never builds; "
+                             "turn one of them off")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    """What one run does: the mode, the schedule, the batch and how it is cut into micro-batches."""
+
+    mode: str = "on_policy"
+    """``on_policy`` (the student samples, the teacher scores), ``off_policy`` (dataset responses scored
+    by the teacher: supervised KD) or ``sft`` (cross-entropy on dataset responses)."""
+    scheduler: str = "sync"
+    """``sync``, ``one_step_off`` or ``two_step_off``: batches sampled ahead of the update that trains them."""
+    num_steps: int = 10
+    """Optimizer steps of the run."""
+    global_batch_size: int = 8
+    """Samples per optimizer step (prompts x ``rollout.n`` in ``on_policy``)."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch, unless ``max_tokens_per_microbatch`` is set."""
+    max_tokens_per_microbatch: int | None = None
+    """Dynamic batching: micro-batches as full as this many (padded) tokens, samples kept whole."""
+    seed: int = 1234
+    """Seeds model init, sampling and everything random."""
+    deterministic: bool = False
+    """Deterministic kernels (``torch.use_deterministic_algorithms``): resumed runs match bit for bit."""
+    output_dir: str = "outputs/run"
+    """Run directory: ``config.yaml``, ``checkpoints/``, ``hf/``, ``tensorboard/``, ``metrics.jsonl``, the log."""
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"trainer.mode={self.mode!r}; choose one of {list(MODES)}")
+        for name in ("num_steps", "global_batch_size", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name}={getattr(self, name)} must be >= 1")
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 2:
+            raise ValueError(f"trainer.max_tokens_per_microbatch={self.max_tokens_per_microbatch} must be >= 2")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Checkpoints (Megatron dist checkpoints, resumable on another layout) and HF exports."""
+
+    save_interval: int | None = None
+    """Save every this many steps (also at the end and on SIGTERM/SIGUSR1); ``None``: end and signals."""
+    keep_last_n: int | None = 2
+    """Complete checkpoints kept; ``None`` keeps all."""
+    save_at_end: bool = True
+    hf_interval: int | None = None
+    """Export an HF checkpoint (``hf/step_N``) every this many steps; ``None``: at the end only."""
+    hf_at_end: bool = True
+    resume: str = "auto"
+    """``auto``: continue from ``<output_dir>/checkpoints`` when it holds a checkpoint; ``never``; or a
+    checkpoint root to start from (its model, optimizer, data position...)."""
+
+    def __post_init__(self):
+        for name in ("save_interval", "keep_last_n", "hf_interval"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"checkpoint.{name}={value} must be >= 1 (or null)")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class LoggingConfig:
+    """Where metrics go."""
+
+    level: str = "INFO"
+    tensorboard: bool = True
+    """TensorBoard event files under ``<output_dir>/tensorboard``."""
+    wandb: bool = False
+    """Also log to Weights & Biases (when ``wandb`` is installed)."""
+    wandb_project: str = "megatron-gkd"
+    wandb_name: str | None = None
+    progress_bar: bool = True
+    """A rank-0 progress bar with the phase breakdown (on a terminal; log lines otherwise)."""
+    all_ranks: bool = False
+    """Every rank logs at ``level`` (debugging); otherwise ranks > 0 log warnings only."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    """Held-out evaluation: greedy answers through the rollout engine, scored, and the KL to the teacher."""
+
+    interval: int | None = None
+    """Evaluate every this many steps; ``None``: only at the start and the end (see below)."""
+    at_start: bool = True
+    at_end: bool = True
+    max_tokens: int = 256
+    """Longest greedy answer."""
+    scorer: str = "exact_match"
+    """Registered answer scorer (needs ``data.answer_key`` in the eval data)."""
+    kl: bool = True
+    """Also measure the forward KL (teacher top-k) of the student to the teacher on its answers."""
+
+    def __post_init__(self):
+        if self.interval is not None and self.interval < 1:
+            raise ValueError(f"eval.interval={self.interval} must be >= 1 (or null)")
+        if self.max_tokens < 1:
+            raise ValueError(f"eval.max_tokens={self.max_tokens} must be >= 1")
+
+
+@dataclasses.dataclass(kw_only=True)
+class GKDConfig:
+    """The whole run. Load it with :func:`megatron_gkd.config.load_config` (YAML presets + overrides)."""
+
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    student: StudentConfig = dataclasses.field(default_factory=StudentConfig)
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    optim: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    weight_sync: WeightSyncConfig = dataclasses.field(default_factory=lambda: WeightSyncConfig(transport="colocated"))
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+    def __post_init__(self):
+        from megatron_gkd.config.checks import check_config
+
+        check_config(self)

@@ -1,0 +1,95 @@
+"""The config tree: presets load, overrides apply, bad configs fail naming the key and the fix."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from megatron_gkd.config import check_layout, load_config, to_yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+BASE = ROOT / "configs" / "cpu_tiny.yaml"
+
+# (overrides, world size for the layout check or None, what the message must say)
+BAD = [
+    (["parallel.tensor_model_paralel_size=2"], None, "did you mean 'parallel.tensor_model_parallel_size'"),
+    (["rollout.n=four"], None, "config key 'rollout.n'"),
+    (["trainer.schedular=sync"], None, "did you mean 'trainer.scheduler'"),
+    (["trainer.scheduler=one_step"], None, "did you mean 'one_step_off'"),
+    (["loss.type=tcda"], None, "did you mean 'tcad'"),
+    (["loss.options.betta=0.3", "loss.type=jsd"], None, "loss.options: loss_type='jsd' has no option 'betta'; did you mean 'beta'"),
+    (["rollout.n=3"], None, "not a multiple of rollout.n=3"),
+    (["loss.type=tcad"], None, "set rollout.logprobs_k=K"),
+    (["loss.type=tcad", "rollout.logprobs_k=4", "teacher.serve.backend=vllm"], None,
+     "teacher.serve.backend=vllm cannot do; use teacher.serve.backend=hf or megatron"),
+    (["loss.type=tcad", "trainer.mode=off_policy", "rollout.n=1"], None, "only trainer.mode=on_policy has"),
+    (["trainer.mode=off_policy"], None, "set rollout.n=1"),
+    (["teacher.client=none", "teacher.serve.model=null"], None, "needs a teacher"),
+    (["teacher.address=tcp://127.0.0.1:5555"], None, "not both"),
+    (["parallel.pipeline_model_parallel_size=2"], None,
+     "weight_sync.transport=colocated needs parallel.pipeline_model_parallel_size=1"),
+    (["rollout.layout=disaggregated"], None, "set weight_sync.transport=distributed"),
+    (["rollout.max_model_len=64"], None, "raise rollout.max_model_len"),
+    (["data.eval_path=null", "eval.interval=5"], None, "give held-out prompts"),
+    (["loss.fused=true", "loss.diagnostics=true"], None, "turn one of them off"),
+    (["optim.min_lr=1.0"], None, "optim.min_lr=1.0 must lie in [0, optim.lr"),
+    (["trainer.mode=distill"], None, "trainer.mode='distill'; choose one of"),
+    (["student.checkpoint=null"], None, "student.checkpoint is required"),
+    (["rollout.tensor_parallel_size=3"], 2, "rollout.tensor_parallel_size=3 must divide the world size 2"),
+    (["trainer.micro_batch_size=3"], 2, "multiple of dp x micro_batch_size"),
+    (["parallel.tensor_model_parallel_size=1", "trainer.global_batch_size=4", "rollout.n=4"], 2,
+     "does not split over data-parallel size 2"),
+    ([], 3, "world size 3 is not divisible by tensor_model_parallel_size"),
+]
+
+
+@pytest.mark.parametrize("overrides, world_size, message", BAD, ids=[case[2][:40] for case in BAD])
+def test_bad_config_names_the_key_and_the_fix(overrides, world_size, message):
+    with pytest.raises(ValueError) as error:
+        config = load_config(BASE, overrides)
+        check_layout(config, world_size)
+    assert message in str(error.value)
+
+
+def test_presets_load_and_overrides_win():
+    for preset in sorted((ROOT / "configs").glob("*.yaml")):
+        load_config(preset)
+    config = load_config(BASE, ["rollout.n=8", "loss.type=jsd", "loss.options.beta=0.3", "trainer.global_batch_size=32"])
+    assert config.rollout.n == 8 and config.loss.type == "jsd" and config.loss.options == {"beta": 0.3}
+    assert config.parallel.tensor_model_parallel_size == 2  # from the preset
+    assert check_layout(config, 4)["prompts_per_rank"] == 2
+
+
+def test_resolved_yaml_round_trips(tmp_path):
+    config = load_config(BASE, ["rollout.stop_token_ids=[5,7]", "teacher.serve.backend_args={max_top_k: 64}"])
+    saved = tmp_path / "config.yaml"
+    saved.write_text(to_yaml(config))
+    again = load_config(saved)
+    assert to_yaml(again) == to_yaml(config)
+    assert again.rollout.stop_token_ids == (5, 7) and again.teacher.serve.backend_args == {"max_top_k": 64}
+
+
+def test_base_presets_compose(tmp_path):
+    child = tmp_path / "child.yaml"
+    child.write_text(f"base: {BASE}\nrollout:\n  n: 2\n")
+    config = load_config(child)
+    assert config.rollout.n == 2 and config.rollout.max_tokens == 24
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("base: loop.yaml\n")
+    with pytest.raises(ValueError, match="includes itself"):
+        load_config(loop)
+
+
+def test_entry_point_exits_2_with_one_line_and_prints_plans():
+    def run(*args):
+        return subprocess.run([sys.executable, "launch/pretrain_gkd.py", "--config", str(BASE), *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+
+    bad = run("rollout.n=3")
+    assert bad.returncode == 2 and bad.stderr.startswith("config error:") and "rollout.n=3" in bad.stderr
+    plan = run("--dry-run", "--world-size", "4", "parallel.tensor_model_parallel_size=2", "rollout.tensor_parallel_size=2")
+    assert plan.returncode == 0, plan.stderr
+    assert "world 4 = tp 2 x pp 1 x dp 2" in plan.stdout and "rank 3: tp 1 dp 1 pp 0" in plan.stdout
+    printed = run("--print-config", "rollout.n=8")
+    assert printed.returncode == 0 and "'n': 8" in printed.stdout
