@@ -1,0 +1,104 @@
+"""The commands a job runs on its nodes: torchrun rendezvous, Ray's head and workers, the teacher service.
+
+Every command is a list of arguments (never a shell string), started through ``python -m`` of the
+interpreter that runs the launcher, so every node uses the same environment (a shared file system,
+as Slurm clusters have).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import shlex
+import sys
+
+from megatron_gkd.launcher.nodes import Allocation, Node
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+PRETRAIN_SCRIPT = REPO_ROOT / "launch" / "pretrain_gkd.py"
+TEACHER_SCRIPT = REPO_ROOT / "launch" / "teacher_server.py"
+
+
+@dataclasses.dataclass(kw_only=True)
+class Step:
+    """One command started on some nodes, one task per node (a Slurm job step).
+
+    Attributes:
+        name: what it is (``student``, ``teacher``, ``ray-head``...), also the step's job name.
+        nodes: where it runs.
+        command: the task's arguments.
+        env: variables added to the launcher's environment.
+        signal_target: whether preemption signals go to it (the trainer's steps).
+    """
+
+    name: str
+    nodes: tuple[Node, ...]
+    command: list[str]
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    signal_target: bool = False
+
+    def describe(self) -> str:
+        where = ",".join(node.name for node in self.nodes)
+        env = " ".join(f"{key}={shlex.quote(value)}" for key, value in sorted(self.env.items()))
+        return f"[{self.name}] on {where}: {env + ' ' if env else ''}{shlex.join(self.command)}"
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def python_script(script: pathlib.Path | str, *args: str) -> list[str]:
+    return [sys.executable, str(script), *args]
+
+
+def torchrun(allocation: Allocation, script: pathlib.Path | str, args: list[str], *, port: int,
+             rdzv_backend: str = "c10d", node_rank: int | None = None) -> list[str]:
+    """``torchrun`` for ``allocation``'s nodes, its rendezvous on the first node.
+
+    Args:
+        rdzv_backend: ``c10d`` (every node runs the same command; ranks are given out at the
+            rendezvous) or ``static`` (``node_rank`` fixes which node holds rank 0: services that must
+            listen on a known node use it).
+        node_rank: the node's index (``static`` only).
+    """
+    endpoint = f"{allocation.head.address}:{port}"
+    args_ = [f"--nnodes={allocation.num_nodes}", f"--nproc-per-node={allocation.nproc_per_node}"]
+    if rdzv_backend == "c10d":
+        run_id = allocation.job_id or "gkd"
+        args_ += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", "--max-restarts=0"]
+    elif rdzv_backend == "static":
+        if node_rank is None:
+            raise ValueError("a static rendezvous needs the node's rank")
+        args_ += [f"--node-rank={node_rank}", f"--master-addr={allocation.head.address}", f"--master-port={port}"]
+    else:
+        raise ValueError(f"unknown rendezvous backend {rdzv_backend!r}; use 'c10d' or 'static'")
+    return python_module("torch.distributed.run", *args_, str(script), *args)
+
+
+def trainer_args(config_path: str | None, overrides: list[str]) -> list[str]:
+    """``launch/pretrain_gkd.py``'s arguments: the config and the dotted overrides, unchanged."""
+    return ([f"--config={config_path}"] if config_path else []) + list(overrides)
+
+
+def backend_arg_flags(backend_args: dict) -> list[str]:
+    """``--backend-arg key=value`` pairs as ``teacher_server.py`` parses them (JSON values)."""
+    flags = []
+    for key, value in backend_args.items():
+        flags += ["--backend-arg", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+    return flags
+
+
+def teacher_serve_args(*, frontend: str, backend: str, model: str, backend_args: dict, secret_file: str) -> list[str]:
+    """``teacher_server.py serve``: a proxy and one worker, the backend in the same process (rank 0)."""
+    return ["serve", f"--frontend={frontend}", f"--backend={backend}", f"--model={model}",
+            *backend_arg_flags(backend_args), f"--secret-file={secret_file}"]
+
+
+def ray_start(*, head: Node, port: int, num_gpus: int, is_head: bool) -> list[str]:
+    """``ray start`` in the foreground (``--block``): the step lives as long as the Ray node."""
+    common = [f"--num-gpus={num_gpus}", "--block", "--disable-usage-stats"]
+    if is_head:
+        return python_module("ray.scripts.scripts", "start", "--head", f"--port={port}", "--include-dashboard=false",
+                             *common)
+    return python_module("ray.scripts.scripts", "start", f"--address={head.address}:{port}", *common)
