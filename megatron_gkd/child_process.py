@@ -1,0 +1,128 @@
+"""Services a run starts as child processes (the teacher service, the rollout server), and ports for them.
+
+A child leads its own process group (it may start processes of its own), writes to a log file (never
+an unread pipe), announces itself with a ``READY`` line, and stops when the process that started it
+dies, even by SIGKILL (:func:`exit_with_parent`, which the child calls). :meth:`ServiceProcess.stop`
+signals the whole group and waits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pathlib
+import random
+import re
+import signal
+import socket
+import subprocess
+import time
+
+logger = logging.getLogger(__name__)
+
+# A child is one process, not a member of its parent's torchrun world.
+_WORLD_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                    "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK")
+_handed_out: set[int] = set()
+
+
+def exit_with_parent() -> None:
+    """SIGTERM this process when its parent dies (Linux ``PR_SET_PDEATHSIG``); at once if it already has.
+
+    Call it from the child's main thread once its signal handlers are installed.
+    """
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that is free now, below the ephemeral range.
+
+    Ports from ``bind(0)`` come from the ephemeral range, where outgoing connections (gloo opens many)
+    take their source ports: between choosing one and listening on it, a connection can take it. Ports
+    below the range are taken only by listeners, and this process never hands out one twice.
+    """
+    try:
+        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 20000), low)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class ServiceProcess:
+    """A child service: started at once, :meth:`wait_ready` for its ``READY`` line, :meth:`stop`.
+
+    Args:
+        name: for messages (e.g. ``"teacher service"``).
+        args: the command.
+        log_path: where its output goes.
+        env: extra environment variables (secrets travel here, not on the command line).
+        ready: a regular expression matching its READY line; group 1, if any, is returned by :meth:`wait_ready`.
+    """
+
+    def __init__(self, name: str, args: list[str], log_path: str | os.PathLike, *, env: dict | None = None,
+                 ready: str = r"READY(.*)"):
+        self.name = name
+        self.log_path = pathlib.Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._ready = re.compile(ready)
+        environment = {key: value for key, value in os.environ.items() if key not in _WORLD_VARIABLES}
+        environment.update(env or {})
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=environment,
+                                            start_new_session=True)
+        logger.info("%s starting (pid %d); log: %s", name, self.process.pid, self.log_path)
+
+    def wait_ready(self, timeout_s: float) -> str:
+        """Waits for the READY line; returns its first group (or the whole line).
+
+        Raises:
+            RuntimeError: the child exited or was not ready within ``timeout_s`` (quoting its log).
+        """
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            match = self._ready.search(self.log_path.read_text(errors="replace"))
+            if match:
+                logger.info("%s ready", self.name)
+                return match.group(1) if match.groups() else match.group(0)
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.2)
+        tail = self.log_path.read_text(errors="replace")[-2000:]
+        state = (f"exited with code {self.process.returncode}" if self.process.poll() is not None
+                 else f"was not ready after {timeout_s:.0f} s")
+        self.stop()
+        raise RuntimeError(f"the {self.name} {state}; its log {self.log_path} ends with:\n{tail}")
+
+    def stop(self) -> None:
+        """Stops the child and everything it started (SIGTERM, then SIGKILL after 30 s)."""
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+            except ProcessLookupError:
+                pass
+        try:  # children that outlived the service
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -1,0 +1,1 @@
+"""Recipes: assets and presets the project builds itself (tiny models for CPU runs, the distillation demo)."""

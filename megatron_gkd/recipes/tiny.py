@@ -1,0 +1,105 @@
+"""Tiny assets the project builds itself (nothing can be downloaded here): a word-level tokenizer, a
+random Qwen3 teacher and a smaller random Qwen3 student sharing it, and JSONL prompt files.
+
+The README's run command builds them once into ``outputs/tiny_assets`` and distils the student from
+the teacher on them: a real run of every part of the trainer on 2 CPU cores in a few minutes (the
+distillation demo replaces the random teacher with a trained one)::
+
+    python -m megatron_gkd.recipes.tiny --out outputs/tiny_assets
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
+BOS_ID, EOS_ID = 1, 2
+
+
+def build_tokenizer(directory: str | pathlib.Path, vocab_size: int = 512):
+    """A word-level tokenizer ``<unk> <s> </s> w0 .. w{vocab_size-4}`` saved in HF format; returns it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = SPECIAL_TOKENS + [f"w{i}" for i in range(vocab_size - len(SPECIAL_TOKENS))]
+    core = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                        pad_token="<unk>")
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def build_checkpoint(directory: str | pathlib.Path, *, vocab_size: int = 512, hidden_size: int = 128,
+                     num_layers: int = 2, num_heads: int = 2, num_kv_heads: int = 2, intermediate_size: int = 256,
+                     seed: int = 0, init_std: float = 0.2) -> pathlib.Path:
+    """A random ``Qwen3ForCausalLM`` (head_dim 64: vLLM's CPU attention needs 32/64/128) in HF format.
+
+    A wide initialisation spreads the logits, so the distributions have structure to distil.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                         head_dim=64, max_position_embeddings=1024, initializer_range=init_std,
+                         tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+    model = Qwen3ForCausalLM(config).eval()
+    model.save_pretrained(directory)
+    return pathlib.Path(directory)
+
+
+def write_prompts(path: str | pathlib.Path, num_prompts: int, *, vocab_size: int = 512, seed: int = 0,
+                  min_words: int = 3, max_words: int = 12) -> pathlib.Path:
+    """JSONL prompts of random words, each with a reference response and an answer (the prompt's first
+    word; a random teacher will not know it, but the scorer and the SFT/off-policy modes have data)."""
+    rng = np.random.default_rng(seed)
+    words = vocab_size - len(SPECIAL_TOKENS)
+    path = pathlib.Path(path)
+    with path.open("w") as handle:
+        for _ in range(num_prompts):
+            prompt = [f"w{i}" for i in rng.integers(0, words, rng.integers(min_words, max_words + 1))]
+            response = [f"w{i}" for i in rng.integers(0, words, rng.integers(2, 8))]
+            handle.write(json.dumps({"prompt": " ".join(prompt), "response": " ".join(response),
+                                     "answer": prompt[0]}) + "\n")
+    return path
+
+
+def build_assets(out: str | pathlib.Path, *, vocab_size: int = 512, num_train: int = 256, num_eval: int = 32) -> pathlib.Path:
+    """``tokenizer``, ``teacher`` (4 layers, 256 wide), ``student`` (2 layers, 128 wide), ``train.jsonl``,
+    ``eval.jsonl`` under ``out`` (skipped when ``out/READY`` exists)."""
+    out = pathlib.Path(out)
+    if (out / "READY").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    for name, size in (("teacher", dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=512, seed=1)),
+                       ("student", dict(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256, seed=2))):
+        build_checkpoint(out / name, vocab_size=vocab_size, **size)
+        build_tokenizer(out / name, vocab_size)
+    write_prompts(out / "train.jsonl", num_train, vocab_size=vocab_size, seed=3)
+    write_prompts(out / "eval.jsonl", num_eval, vocab_size=vocab_size, seed=4)
+    (out / "READY").write_text("tiny assets: tokenizer, teacher, student, train.jsonl, eval.jsonl\n")
+    logger.info("tiny assets written to %s", out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="outputs/tiny_assets")
+    args = parser.parse_args(argv)
+    from megatron_gkd.log_setup import setup_logging
+
+    setup_logging("INFO")
+    build_assets(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""From sampled responses and teacher rows to Megatron micro-batches (pure tensor code, no collectives).
+
+Alignment (DESIGN.md "Data contracts"): a sample is ``prompt + response`` (``P + R`` tokens); the model
+reads its first ``P + R - 1`` tokens, and the logits at position ``p`` predict token ``p + 1``, so
+response token ``t`` (position ``P + t``) is predicted at position ``P + t - 1``: the loss mask covers
+positions ``P - 1 .. P + R - 2`` and the teacher row that predicts response token ``t`` sits at
+position ``P - 1 + t``.
+
+Normalisation: every loss token carries a coefficient fixed over the *whole global batch* before it is
+cut into micro-batches (``1 / N`` for the token mean; ``w_i / (R_i G)`` with TCAD's confidence weights
+``w_i``, which sum to 1 over each of the ``G`` prompt groups). A micro-batch contributes
+``sum(coefficient x loss)``, so the loss and gradients of a step do not depend on how it is split into
+micro-batches or data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from megatron_gkd.losses import tcad_sequence_weights, tcad_support
+from megatron_gkd.teacher import ScoreBatch, SequenceRequest, TeacherOutput
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sample:
+    """One response of a step.
+
+    Attributes:
+        tokens: ``[P + R]`` int64, prompt then response.
+        prompt_len: ``P``.
+        group: the prompt group (the ``n`` samples of one prompt share it).
+        prompt_index: the prompt's row in its dataset (what was trained, for logs and resume checks).
+        student_topk: ``[R, k]`` int64 student top-k ids per response position (TCAD), or None.
+    """
+
+    tokens: torch.Tensor
+    prompt_len: int
+    group: int
+    prompt_index: int
+    student_topk: torch.Tensor | None = None
+
+    @property
+    def response_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def input_len(self) -> int:
+        """Tokens the model reads (the last token predicts nothing)."""
+        return len(self.tokens) - 1
+
+
+@dataclasses.dataclass(slots=True)
+class TeacherRows:
+    """The teacher's rows of a list of samples, concatenated: row ``offsets[i] + t`` predicts response
+    token ``t`` of sample ``i``.
+
+    Attributes:
+        ids: ``[N, K]`` int64 ids scored by the loss (top-k, or TCAD's support); padding: id 0.
+        logprobs: ``[N, K]`` float32 teacher log-probs at ``ids``; padding: ``-inf``.
+        token_logprobs: ``[N]`` float32 teacher log-prob of each response token.
+    """
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    token_logprobs: torch.Tensor
+
+    def split(self, lengths: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(zip(self.ids.split(list(lengths)), self.logprobs.split(list(lengths))))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TCADSpec:
+    """TCAD's support: ``support_k`` ids interleaved (or the union) from teacher and student top-k."""
+
+    support_k: int
+    mode: str = "interleave"
+
+    @property
+    def width(self) -> int:
+        return self.support_k
+
+
+def sanitize_student_topk(topk: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Student top-k ids the teacher can score: ``(ids to request, valid mask)``.
+
+    Padding (-1) and ids past the real vocabulary (padded embedding rows) are not tokens: they are sent
+    as id 0 (the teacher rejects ids outside its vocabulary) and marked invalid, so TCAD's support skips them.
+    """
+    valid = (topk >= 0) & (topk < vocab_size)
+    return torch.where(valid, topk, torch.zeros_like(topk)), valid
+
+
+def score_batch(samples: Sequence[Sample], *, top_k: int, temperature: float, vocab_size: int,
+                request_student_topk: bool) -> ScoreBatch:
+    """The teacher request for ``samples`` (with the student's top-k ids when TCAD needs them scored)."""
+    sequences = []
+    for sample in samples:
+        requested = None
+        if request_student_topk:
+            assert sample.student_topk is not None, "TCAD needs the rollout's student top-k ids"
+            requested, _ = sanitize_student_topk(sample.student_topk, vocab_size)
+            requested = requested.numpy()
+        sequences.append(SequenceRequest(token_ids=sample.tokens.numpy(), response_start=sample.prompt_len,
+                                         requested_ids=requested))
+    return ScoreBatch(sequences=sequences, top_k=top_k, temperature=temperature)
+
+
+def _tcad_rows(output: TeacherOutput, student_topk: torch.Tensor, spec: TCADSpec, vocab_size: int):
+    """The support ``U`` of one response and the teacher's log-probs there (from its top-k or the
+    requested student ids; every id of ``U`` is one of the two)."""
+    teacher_ids = torch.from_numpy(output.topk_ids)
+    teacher_lp = torch.from_numpy(output.topk_logprobs)
+    teacher_ids = torch.where(torch.isneginf(teacher_lp), torch.full_like(teacher_ids, -1), teacher_ids)
+    student_ids, valid = sanitize_student_topk(student_topk, vocab_size)
+    student_ids = torch.where(valid, student_ids, torch.full_like(student_ids, -1))
+    support = tcad_support(teacher_ids, student_ids, None if spec.mode == "union" else spec.support_k, mode=spec.mode)
+    candidates = torch.cat([teacher_ids, student_ids], dim=1)  # [R, Kt + Ks]
+    candidate_lp = torch.cat([teacher_lp, torch.from_numpy(output.requested_logprobs)], dim=1)
+    match = (support[:, :, None] == candidates[:, None, :]) & (support[:, :, None] >= 0)  # [R, k, Kt + Ks]
+    logprobs = candidate_lp.gather(1, match.to(torch.uint8).argmax(-1))
+    present = support >= 0
+    return torch.where(present, support, torch.zeros_like(support)), torch.where(
+        present, logprobs, torch.full_like(logprobs, float("-inf")))
+
+
+def teacher_rows(outputs: Sequence[TeacherOutput], samples: Sequence[Sample], *, tcad: TCADSpec | None = None,
+                 vocab_size: int | None = None) -> TeacherRows:
+    """The rows the loss reads, concatenated over ``samples`` (TCAD: the support and its log-probs)."""
+    ids, logprobs, tokens = [], [], []
+    for output, sample in zip(outputs, samples, strict=True):
+        if tcad is None:
+            ids.append(torch.from_numpy(output.topk_ids))
+            logprobs.append(torch.from_numpy(output.topk_logprobs))
+        else:
+            support, support_lp = _tcad_rows(output, sample.student_topk, tcad, vocab_size)
+            ids.append(support)
+            logprobs.append(support_lp)
+        tokens.append(torch.from_numpy(output.token_logprobs))
+    return TeacherRows(torch.cat(ids), torch.cat(logprobs).float(), torch.cat(tokens).float())
+
+
+def token_coefficients(samples: Sequence[Sample], *, total_tokens: int, num_groups: int,
+                       teacher_token_logprobs: Sequence[torch.Tensor] | None = None,
+                       confidence_alpha: float | None = None) -> list[torch.Tensor]:
+    """Per response token, its coefficient in the step's loss (see the module docstring).
+
+    Args:
+        samples: this rank's samples (whole prompt groups).
+        total_tokens: response tokens of the whole global batch (token mean).
+        num_groups: prompt groups of the whole global batch (confidence weighting).
+        teacher_token_logprobs: ``[R_i]`` per sample, for the confidence weights.
+        confidence_alpha: TCAD's sharpness, or ``None`` for the token mean.
+    """
+    if confidence_alpha is None:
+        return [torch.full((s.response_len,), 1.0 / total_tokens, dtype=torch.float64) for s in samples]
+    assert teacher_token_logprobs is not None, "confidence weights need the teacher's token log-probs"
+    lengths = [s.response_len for s in samples]
+    width = max(lengths)
+    padded = torch.zeros(len(samples), width, dtype=torch.float64)
+    mask = torch.zeros(len(samples), width, dtype=torch.bool)
+    for i, values in enumerate(teacher_token_logprobs):
+        padded[i, : lengths[i]] = values.double()
+        mask[i, : lengths[i]] = True
+    groups = torch.tensor([s.group for s in samples])
+    weights = tcad_sequence_weights(padded, mask, groups, confidence_alpha).double()
+    return [torch.full((length,), float(w) / (length * num_groups), dtype=torch.float64)
+            for w, length in zip(weights, lengths)]
+
+
+@dataclasses.dataclass(slots=True)
+class MicroBatch:
+    """One micro-batch in Megatron's ``[b, s]`` layout (``s``: the longest input, padded to a multiple).
+
+    ``teacher_ids``/``teacher_logprobs`` (``[b, s, K]``) and ``labels`` are set only where the loss is
+    computed (the last pipeline stage; labels in the ``sft`` mode).
+    """
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    coefficients: torch.Tensor
+    labels: torch.Tensor | None = None
+    teacher_ids: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.tokens.shape)
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        return MicroBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                             for f in dataclasses.fields(self)})
+
+
+def common_shape(samples: Sequence[Sample], plan: Sequence[Sequence[int]], pad_multiple: int = 1) -> tuple[int, int]:
+    """The ``(b, s)`` that holds every micro-batch of ``plan`` (what pipeline parallelism pads to)."""
+    width = max(samples[i].input_len for indices in plan for i in indices)
+    return max(len(indices) for indices in plan), -(-width // pad_multiple) * pad_multiple
+
+
+def plan_microbatches(lengths: Sequence[int], *, micro_batch_size: int | None = None,
+                      max_tokens: int | None = None) -> list[list[int]]:
+    """Groups sample indices into micro-batches.
+
+    Fixed size: consecutive ``micro_batch_size`` samples. Token budget (dynamic batching): samples
+    sorted by length (longest first, ties in order) are packed while ``count x longest <= max_tokens``
+    (the padded size of the micro-batch).
+
+    Raises:
+        ValueError: a sample alone exceeds ``max_tokens``.
+    """
+    if max_tokens is None:
+        assert micro_batch_size, "give micro_batch_size or max_tokens"
+        indices = list(range(len(lengths)))
+        return [indices[i : i + micro_batch_size] for i in range(0, len(indices), micro_batch_size)]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    plan: list[list[int]] = []
+    for index in order:
+        if lengths[index] > max_tokens:
+            raise ValueError(f"a sample of {lengths[index]} tokens exceeds trainer.max_tokens_per_microbatch="
+                             f"{max_tokens}; raise it (or lower the prompt/response limits)")
+        if plan and (len(plan[-1]) + 1) * lengths[plan[-1][0]] <= max_tokens:
+            plan[-1].append(index)
+        else:
+            plan.append([index])
+    return plan
+
+
+def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Tensor], *, pad_multiple: int = 1,
+                     rows: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, labels: bool = False,
+                     pad_token_id: int = 0, shape: tuple[int, int] | None = None) -> MicroBatch:
+    """The ``[b, s]`` tensors of ``samples`` (right padding; positions past a sample carry no loss).
+
+    Args:
+        samples: the micro-batch's samples.
+        coefficients: ``[R_i]`` loss coefficient per response token of each sample.
+        pad_multiple: ``s`` is rounded up to a multiple (sequence parallelism needs a multiple of TP).
+        rows: per sample ``(ids [R_i, K], logprobs [R_i, K])`` teacher rows, placed at the positions that
+            predict each response token (``None`` on ranks without a loss).
+        labels: also build next-token labels (cross-entropy).
+        shape: pad to this ``(b, s)`` (extra rows are all padding): pipeline stages exchange activations
+            of one fixed shape per step.
+    """
+    width = max(s.input_len for s in samples)
+    width = -(-width // pad_multiple) * pad_multiple
+    b = len(samples)
+    if shape is not None:
+        assert shape[0] >= b and shape[1] >= width, f"shape {shape} cannot hold {b} samples of {width} tokens"
+        b, width = shape
+    tokens = torch.full((b, width), pad_token_id, dtype=torch.int64)
+    loss_mask = torch.zeros(b, width, dtype=torch.bool)
+    weights = torch.zeros(b, width, dtype=torch.float64)
+    label_ids = torch.full((b, width), pad_token_id, dtype=torch.int64) if labels else None
+    num_ids = rows[0][0].shape[1] if rows else 0
+    teacher_ids = torch.zeros(b, width, num_ids, dtype=torch.int64) if rows else None
+    teacher_lp = torch.full((b, width, num_ids), float("-inf"), dtype=torch.float32) if rows else None
+    for i, (sample, coefficient) in enumerate(zip(samples, coefficients, strict=True)):  # rows past them: padding
+        start, length = sample.prompt_len - 1, sample.response_len
+        tokens[i, : sample.input_len] = sample.tokens[:-1]
+        loss_mask[i, start : start + length] = True
+        weights[i, start : start + length] = coefficient
+        if label_ids is not None:
+            label_ids[i, : sample.input_len] = sample.tokens[1:]
+        if rows:
+            ids, logprobs = rows[i]
+            teacher_ids[i, start : start + length] = ids
+            teacher_lp[i, start : start + length] = logprobs
+    position_ids = torch.arange(width, dtype=torch.int64).unsqueeze(0).expand(b, width).contiguous()
+    return MicroBatch(tokens=tokens, position_ids=position_ids, loss_mask=loss_mask, coefficients=weights,
+                      labels=label_ids, teacher_ids=teacher_ids, teacher_logprobs=teacher_lp)
+
+
+def samples_from_rollout(batch, indices: Sequence[int], prompt_indices: Sequence[int]) -> list[Sample]:
+    """:class:`Sample` objects for rows ``indices`` of a :class:`~megatron_gkd.rollout.RolloutBatch`.
+
+    ``prompt_indices[g]``: the dataset row of prompt group ``g``.
+    """
+    samples = []
+    for i in indices:
+        prompt, response = batch.prompt(i), batch.response(i)
+        group = int(batch.group_ids[i])
+        samples.append(Sample(tokens=torch.tensor(prompt + response, dtype=torch.int64), prompt_len=len(prompt),
+                              group=group, prompt_index=int(prompt_indices[group]), student_topk=batch.topk(i)))
+    return samples
+

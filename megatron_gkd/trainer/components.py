@@ -1,0 +1,117 @@
+"""Builders of the trainer's parts from the config: the student, the rollout engine, the teacher client.
+
+Each builder takes the config sections and the objects it needs (process groups, tokenizer, addresses)
+explicitly; nothing here looks up global state besides Megatron's own initialised groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from megatron_gkd.config import GKDConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Student:
+    """The student's DDP-wrapped chunks, its optimizer and LR schedule, and its HF config."""
+
+    chunks: list
+    optimizer: object
+    lr_scheduler: object
+    hf_config: dict
+    dtype: torch.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output layer (the logits' width over all TP shards)."""
+        return int(self.hf_config["vocab_size"])
+
+
+def build_student(config: GKDConfig) -> Student:
+    """Loads the student from its HF checkpoint into this rank's layout, wraps it for training and builds
+    Megatron's optimizer and LR schedule (call after ``parallel.initialize``)."""
+    from megatron_gkd.models import load_hf
+    from megatron_gkd.trainer.optim import build_lr_scheduler, build_optimizer, wrap_for_training
+
+    dtype = getattr(torch, config.student.dtype)
+    overrides = {}
+    if config.student.recompute:
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    chunks = load_hf(config.student.checkpoint, dtype=dtype,
+                     use_transformer_engine=config.student.use_transformer_engine, **overrides)
+    hf_config = chunks[0].hf_model_info.hf_config
+    chunks = wrap_for_training(chunks, config.optim)
+    for chunk in chunks:
+        chunk.train()
+    optimizer = build_optimizer(config.optim, chunks, dtype=dtype)
+    lr_scheduler = build_lr_scheduler(config.optim, optimizer, config.trainer.num_steps)
+    return Student(chunks=chunks, optimizer=optimizer, lr_scheduler=lr_scheduler, hf_config=hf_config, dtype=dtype)
+
+
+def stop_token_ids(config: GKDConfig, tokenizer) -> tuple[int, ...]:
+    """``rollout.stop_token_ids`` plus the tokenizer's EOS (the engine is given token ids, not text)."""
+    ids = list(config.rollout.stop_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(int(tokenizer.eos_token_id))
+    return tuple(ids)
+
+
+def rollout_engine_kwargs(config: GKDConfig, tokenizer) -> dict:
+    """The vLLM rollout engine's arguments (colocated here, or on the rollout server); plain data."""
+    rollout = config.rollout
+    kwargs = dict(rollout.engine_args)
+    if rollout.kv_cache_memory_mb is not None:
+        kwargs["kv_cache_memory_bytes"] = rollout.kv_cache_memory_mb << 20
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return dict(model=config.student.checkpoint, tensor_parallel_size=rollout.tensor_parallel_size,
+                max_model_len=rollout.max_model_len, max_logprobs=max(20, rollout.logprobs_k),
+                dtype=rollout.dtype or config.student.dtype, gpu_memory_utilization=rollout.gpu_memory_utilization,
+                seed=config.trainer.seed, skip_tokenizer_init=True, pad_token_id=pad, **kwargs)
+
+
+def build_rollout_engine(config: GKDConfig, student: Student, tokenizer):
+    """The colocated rollout engine of this rank (a vLLM shard, or the student itself)."""
+    from megatron_gkd.rollout import build_engine
+
+    if config.rollout.engine == "megatron":
+        from megatron.core import parallel_state as mpu
+
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        return build_engine("megatron", chunks=student.chunks, max_model_len=config.rollout.max_model_len,
+                            eos_token_id=tokenizer.eos_token_id, vocab_size=len(tokenizer),
+                            tp_group=mpu.get_tensor_model_parallel_group(), pad_token_id=pad)
+    return build_engine(config.rollout.engine, **rollout_engine_kwargs(config, tokenizer))
+
+
+def build_teacher_client(config: GKDConfig, address: str | None):
+    """The teacher client (``address``: of a service this run started, else ``teacher.address``)."""
+    from megatron_gkd.teacher.config import build_client_from_config
+
+    teacher = config.teacher
+    if address is not None:
+        teacher = dataclasses.replace(teacher, address=address, serve=dataclasses.replace(teacher.serve, model=None))
+    return build_client_from_config(teacher)
+
+
+def check_teacher(client, config: GKDConfig, tokenizer, student_vocab_size: int, tcad: bool) -> None:
+    """Start-up checks against the teacher: vocabulary alignment, k, requested ids, temperature.
+
+    Raises:
+        ValueError: the teacher cannot serve this run (the message names the key and the fix).
+    """
+    info = client.info()
+    client.align_vocab(tokenizer, student_vocab_size)
+    teacher = config.teacher
+    if teacher.top_k > info.max_top_k:
+        raise ValueError(f"teacher.top_k={teacher.top_k} exceeds what the teacher serves (max {info.max_top_k}); lower "
+                         "it or raise the teacher's max_top_k")
+    if tcad and not info.supports_requested_ids:
+        raise ValueError("loss.type=tcad needs a teacher that scores requested ids; this teacher cannot (e.g. vLLM on "
+                         "CPU): use an hf or megatron teacher backend")
+    if teacher.temperature != 1.0 and not info.supports_temperature:
+        raise ValueError(f"teacher.temperature={teacher.temperature}: this teacher serves temperature 1.0 only")

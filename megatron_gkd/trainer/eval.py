@@ -1,0 +1,73 @@
+"""Held-out evaluation: greedy answers through the rollout engine, scored by a registered scorer, and a
+task-independent distillation metric, the forward KL to the teacher on those answers.
+
+Scorers are ``score(response_text, answer) -> float in [0, 1]``; register more with
+``SCORERS.register("name", fn)`` and choose one with ``eval.scorer``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Callable, Sequence
+
+from megatron_gkd.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+SCORERS: Registry[Callable[[str, str], float]] = Registry("eval scorer", config_key="eval.scorer")
+
+
+def _normalize(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+@SCORERS.register("exact_match")
+def exact_match(response: str, answer: str) -> float:
+    """1 when the response equals the answer up to surrounding and repeated whitespace."""
+    return float(_normalize(response) == _normalize(answer))
+
+
+class Evaluator:
+    """Runs one evaluation (a collective: every rank calls :meth:`run`).
+
+    Args:
+        dataset: the held-out :class:`~megatron_gkd.data.PromptDataset` (with answers for the scorer).
+        tokenizer: the student's tokenizer (answers are compared as text).
+        generate: ``generate(prompt_ids, sampling) -> RolloutBatch``, the same batch on every rank.
+        kl: ``kl(rollout, prompt_indices) -> float | None``, the forward KL to the teacher on the
+            responses (``None`` when the run has no teacher or ``eval.kl`` is off).
+        config: the ``eval`` section.
+        stop_token_ids: ids that end an answer (the tokenizer's EOS at least).
+    """
+
+    def __init__(self, dataset, tokenizer, generate, kl, config, stop_token_ids: Sequence[int]):
+        from megatron_gkd.rollout import SamplingConfig
+
+        self.dataset, self.tokenizer, self._generate, self._kl = dataset, tokenizer, generate, kl
+        self.scorer = SCORERS.get(config.scorer)
+        self.sampling = SamplingConfig(temperature=0.0, max_tokens=config.max_tokens,
+                                       stop_token_ids=tuple(stop_token_ids), seed=0)
+        self._stop = set(stop_token_ids)
+
+    def _text(self, ids: list[int]) -> str:
+        while ids and ids[-1] in self._stop:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def run(self) -> dict[str, float]:
+        records = [self.dataset[i] for i in range(len(self.dataset))]
+        rollout = self._generate([list(r.prompt_ids) for r in records], self.sampling)
+        metrics = {"eval/response_length": float(rollout.response_lengths.float().mean()),
+                   "eval/num_prompts": float(len(records))}
+        scored = [(self._text(rollout.response(i)), records[i].answer) for i in range(len(records))]
+        with_answers = [(text, answer) for text, answer in scored if answer is not None]
+        if with_answers:
+            metrics["eval/accuracy"] = sum(self.scorer(text, answer) for text, answer in with_answers) / len(with_answers)
+        for record, (text, answer) in zip(records[:2], scored[:2]):
+            logger.info("eval example: %r -> %r (answer %r)", self.tokenizer.decode(list(record.prompt_ids)[-32:]),
+                        text[:200], answer)
+        kl = self._kl(rollout, [r.index for r in records])
+        if kl is not None:
+            metrics["eval/kl_to_teacher"] = kl
+        return metrics

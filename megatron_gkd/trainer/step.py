@@ -1,0 +1,204 @@
+"""The student's update: micro-batches through Megatron's schedule with the loss on the last stage.
+
+The loss of a micro-batch is ``sum(coefficient x per-token loss)`` (see :mod:`.batch`), computed on the
+``[b, s, V/tp]`` logit shard without gathering the vocabulary (or, fused, from the hidden states and the
+output weight, so that the logits never exist). Megatron divides a micro-batch's loss by the number of
+micro-batches and DDP averages gradients over data-parallel ranks; the loss handed back is scaled by both
+so that the gradient is exactly that of the global batch's loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+from functools import partial
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_gkd.trainer.batch import MicroBatch
+
+STAT_KEYS = ("loss", "tokens", "teacher_mass", "student_mass", "topk_overlap", "coverage")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossSpec:
+    """What the last stage computes per token.
+
+    Attributes:
+        kind: ``distill`` (a registered divergence against the teacher rows) or ``cross_entropy``.
+        loss_type, options, temperature: the divergence, its options and the student temperature.
+        fused: the fused output layer + loss (no logits).
+        chunk_size: tokens per chunk of the fused path.
+        diagnostics: also measure the top-k overlap (unfused).
+        coverage_coef: tcad's coverage weight, to report the coverage term apart (derived from ``options``).
+    """
+
+    kind: str = "distill"
+    loss_type: str = "forward_kl"
+    options: dict = dataclasses.field(default_factory=dict)
+    temperature: float = 1.0
+    fused: bool = False
+    chunk_size: int = 1024
+    diagnostics: bool = False
+    coverage_coef: float | None = dataclasses.field(init=False, default=None)
+
+    def __post_init__(self):
+        if self.kind == "distill" and self.loss_type == "tcad":
+            from megatron_gkd.losses import get_divergence
+
+            coverage = get_divergence("tcad").build_options(dict(self.options)).coverage_coef
+            object.__setattr__(self, "coverage_coef", coverage)
+
+    @classmethod
+    def from_config(cls, loss, mode: str) -> "LossSpec":
+        if mode == "sft":
+            return cls(kind="cross_entropy")
+        return cls(loss_type=loss.type, options=dict(loss.options), temperature=loss.temperature, fused=loss.fused,
+                   chunk_size=loss.chunk_size, diagnostics=loss.diagnostics)
+
+
+@contextlib.contextmanager
+def capture_output_layer(model, tp_group) -> Iterator[types.SimpleNamespace]:
+    """Makes the last stage's ``GPTModel`` return its final hidden states ``[b, s, h]`` instead of
+    logits; ``captured.weight`` is then the output-layer weight (the shared embedding when tied).
+
+    With sequence parallelism the hidden states are gathered along the sequence (backward:
+    reduce-scatter), as the column-parallel output layer would.
+    """
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    from megatron_gkd.models import unwrap
+
+    gpt = unwrap(model)
+    layer = getattr(gpt, "output_layer", None) if getattr(gpt, "post_process", False) else None
+    captured = types.SimpleNamespace(weight=None, sequence_parallel=False)
+    if layer is None:
+        yield captured
+        return
+    captured.sequence_parallel = bool(getattr(layer, "sequence_parallel", False))
+
+    def forward(hidden, weight=None, runtime_gather_output=None):
+        captured.weight = layer.weight if weight is None else weight
+        if captured.sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, group=tp_group)
+        return hidden, None
+
+    layer.forward = forward
+    try:
+        yield captured
+    finally:
+        del layer.forward
+
+
+class StepRunner:
+    """Runs micro-batches through this rank's chunks and steps the optimizer.
+
+    Args:
+        chunks: DDP-wrapped model chunks (one per virtual pipeline stage).
+        optimizer, lr_scheduler: Megatron's optimizer and ``OptimizerParamScheduler``.
+        tp_group: tensor-parallel group (the vocabulary split).
+        dp_group: a gloo group over data-parallel ranks (statistics are summed over it).
+        dp_size: data-parallel size (gradients are averaged over it by DDP).
+        is_last_stage: whether this rank computes the loss.
+    """
+
+    def __init__(self, chunks, optimizer, lr_scheduler, *, tp_group, dp_group, dp_size: int, is_last_stage: bool):
+        from megatron.core.distributed import finalize_model_grads
+
+        self.chunks, self.optimizer, self.lr_scheduler = chunks, optimizer, lr_scheduler
+        self.tp_group, self.dp_group, self.dp_size, self.is_last_stage = tp_group, dp_group, dp_size, is_last_stage
+        for chunk in chunks:
+            chunk.config.finalize_model_grads_func = finalize_model_grads
+            if chunk.config.fp16:
+                chunk.config.grad_scale_func = optimizer.scale_loss
+        self._scale = 1.0
+
+    def _forward_step(self, spec: LossSpec, data_iterator, model):
+        microbatch: MicroBatch = next(data_iterator)
+        device = next(model.parameters()).device
+        tokens, position_ids = microbatch.tokens.to(device), microbatch.position_ids.to(device)
+        if spec.kind == "cross_entropy":
+            labels = microbatch.labels.to(device) if microbatch.labels is not None else None
+            return model(tokens, position_ids, attention_mask=None, labels=labels), partial(self._loss, spec, microbatch, None)
+        if spec.fused:
+            with capture_output_layer(model, self.tp_group) as captured:
+                output = model(tokens, position_ids, attention_mask=None)
+            return output, partial(self._loss, spec, microbatch, captured)
+        return model(tokens, position_ids, attention_mask=None), partial(self._loss, spec, microbatch, None)
+
+    def _loss(self, spec: LossSpec, microbatch: MicroBatch, captured, output: torch.Tensor):
+        from megatron_gkd.losses import fused_vocab_parallel_distill_loss, vocab_parallel_distill_loss
+
+        device = output.device
+        mask = microbatch.loss_mask.to(device)
+        stats: dict[str, torch.Tensor] = {"tokens": mask.sum().double()}
+        if spec.kind == "cross_entropy":
+            per_token, metrics = output.float(), {}
+        else:
+            teacher_ids = microbatch.teacher_ids.to(device)
+            teacher_logprobs = microbatch.teacher_logprobs.to(device)
+            tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
+            if spec.fused:
+                per_token, metrics = fused_vocab_parallel_distill_loss(
+                    output, captured.weight, teacher_ids, teacher_logprobs, loss_type=spec.loss_type, tp_group=tp_group,
+                    temperature=spec.temperature, chunk_size=spec.chunk_size,
+                    all_reduce_hidden_grad=not captured.sequence_parallel, **spec.options)
+            else:
+                per_token, metrics = vocab_parallel_distill_loss(
+                    output, teacher_ids, teacher_logprobs, loss_type=spec.loss_type, tp_group=tp_group,
+                    temperature=spec.temperature, diagnostics=spec.diagnostics, **spec.options)
+        per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
+        coefficients = microbatch.coefficients.to(device=device, dtype=per_token.dtype)
+        contribution = (per_token * coefficients).sum()
+        stats["loss"] = contribution.detach().double()
+        for key, value in metrics.items():
+            stats[key] = torch.where(mask, value, torch.zeros_like(value)).sum().double()
+        if spec.coverage_coef is not None and "student_mass" in metrics:
+            leak = -torch.log(metrics["student_mass"].clamp_min(1e-30))
+            stats["coverage"] = (torch.where(mask, leak, torch.zeros_like(leak)) * coefficients).sum().double() \
+                * spec.coverage_coef
+        # Undo the schedule's division by the number of micro-batches and DDP's average over DP ranks.
+        return contribution * self._scale, {key: value.detach().cpu() for key, value in stats.items()}
+
+    def run(self, spec: LossSpec, microbatches: Sequence[MicroBatch], *, forward_only: bool) -> dict[str, float] | None:
+        """Forward (and backward) of ``microbatches``; the statistics summed over micro-batches and DP
+        ranks on the last stage (``loss``: this step's loss), ``None`` elsewhere."""
+        from megatron_gkd.parallel import run_schedule
+
+        self._scale = float(len(microbatches) * self.dp_size)
+        longest = max(mb.shape[1] for mb in microbatches)
+        outputs = run_schedule(self.chunks, partial(self._forward_step, spec), list(microbatches), seq_length=longest,
+                               micro_batch_size=max(mb.shape[0] for mb in microbatches), forward_only=forward_only)
+        if not self.is_last_stage:
+            return None
+        totals = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
+        present = set()
+        for stats in outputs:
+            for index, key in enumerate(STAT_KEYS):
+                if key in stats:
+                    totals[index] += stats[key]
+                    present.add(key)
+        if self.dp_size > 1:
+            dist.all_reduce(totals, group=self.dp_group)
+        return {key: float(totals[index]) for index, key in enumerate(STAT_KEYS) if key in present}
+
+    def train_step(self, spec: LossSpec, microbatches: Sequence[MicroBatch]) -> tuple[dict[str, float] | None, dict]:
+        """One optimizer step; returns the loss statistics (last stage) and ``{grad_norm, lr}``.
+
+        Raises:
+            RuntimeError: the optimizer skipped the step (non-finite gradients).
+        """
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        stats = self.run(spec, microbatches, forward_only=False)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        if not update_successful:
+            raise RuntimeError("the optimizer skipped the step: the gradients are not finite (NaN/inf in the loss "
+                               "or the teacher rows); lower optim.lr or check the teacher's outputs")
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.lr_scheduler.step(1)
+        return stats, {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": float(lr)}

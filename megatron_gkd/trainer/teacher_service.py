@@ -1,0 +1,38 @@
+"""A teacher service the run starts itself: ``launch/teacher_server.py serve`` on loopback, as a child
+(:class:`~megatron_gkd.child_process.ServiceProcess`: its own process group, a log file in the run
+directory, stopped at exit and when the trainer dies)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import secrets
+import sys
+
+from megatron_gkd.child_process import ServiceProcess
+
+SERVER_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "launch" / "teacher_server.py"
+
+
+class TeacherService(ServiceProcess):
+    """Starts one teacher service (proxy + one worker) on loopback; :meth:`wait_ready` gives its address.
+
+    Args:
+        serve: the ``teacher.serve`` section (model, backend, backend options, delay).
+        log_path: where the service's output goes.
+        secret: the HMAC secret clients and service share (a fresh random one by default).
+    """
+
+    def __init__(self, serve, log_path, secret: str | None = None):
+        if not SERVER_SCRIPT.is_file():
+            raise FileNotFoundError(f"teacher.serve needs {SERVER_SCRIPT} (a source checkout of megatron-gkd); "
+                                    "start the service yourself and set teacher.address instead")
+        self.secret = secret or secrets.token_hex(32)
+        args = [sys.executable, str(SERVER_SCRIPT), "serve", "--exit-with-parent", "--frontend", "tcp://127.0.0.1:0",
+                "--backend", serve.backend, "--model", str(serve.model)]
+        for key, value in serve.backend_args.items():
+            args += ["--backend-arg", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+        if serve.delay_s:
+            args += ["--delay-s", str(serve.delay_s)]
+        super().__init__(f"teacher service ({serve.backend} backend, {serve.model})", args, log_path,
+                         env={"MEGATRON_GKD_TEACHER_SECRET": self.secret}, ready=r"READY frontend=(\S+)")

@@ -1,0 +1,136 @@
+"""The loss and the gradients of one global batch do not depend on how it is cut: into micro-batches
+(fixed size or token budget, TCAD's confidence weights over groups that span micro-batches included)
+or over data-parallel ranks. A real Megatron student (TP=2, or DP=2) against the same batch in one
+micro-batch on one rank."""
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_gkd.testing.distributed import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+VOCAB = 512
+NUM_GROUPS, N = 3, 3  # 3 prompts x 3 samples
+TOP_K, STUDENT_K = 8, 4
+
+
+def _batch():
+    """Samples of varied lengths, their TeacherOutputs (with requested ids) and the TCAD spec."""
+    from megatron_gkd.teacher import TeacherOutput
+    from megatron_gkd.trainer.batch import Sample, TCADSpec
+
+    rng = np.random.default_rng(0)
+    samples, outputs = [], []
+    for group in range(NUM_GROUPS):
+        prompt = rng.integers(3, VOCAB, rng.integers(2, 6)).tolist()
+        for _ in range(N):
+            response = rng.integers(3, VOCAB, rng.integers(1, 9)).tolist()
+            topk = torch.from_numpy(rng.integers(0, VOCAB, (len(response), STUDENT_K)))
+            samples.append(Sample(tokens=torch.tensor(prompt + response), prompt_len=len(prompt), group=group,
+                                  prompt_index=group, student_topk=topk))
+            logits = rng.normal(size=(len(response), VOCAB)) * 2
+            logprobs = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+            order = np.argsort(-logprobs, axis=1)[:, :TOP_K]
+            outputs.append(TeacherOutput(
+                topk_ids=order.astype(np.int64), topk_logprobs=np.take_along_axis(logprobs, order, 1).astype(np.float32),
+                token_logprobs=logprobs[np.arange(len(response)), response].astype(np.float32),
+                requested_logprobs=np.take_along_axis(logprobs, topk.numpy(), 1).astype(np.float32)))
+    return samples, outputs, TCADSpec(support_k=10)
+
+
+def _body(checkpoint: str, layout: dict, plans: dict):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from megatron_gkd import parallel
+    from megatron_gkd.models import load_hf
+    from megatron_gkd.trainer.batch import build_microbatch, teacher_rows, token_coefficients
+    from megatron_gkd.trainer.optim import OptimizerConfig, build_lr_scheduler, build_optimizer, wrap_for_training
+    from megatron_gkd.trainer.step import LossSpec, StepRunner
+
+    state = parallel.initialize(**layout)
+    parallel.seed(0)
+    config = OptimizerConfig(lr=1e-3)
+    chunks = wrap_for_training(load_hf(checkpoint), config)
+    optimizer = build_optimizer(config, chunks)
+    runner = StepRunner(chunks, optimizer, build_lr_scheduler(config, optimizer, 10), tp_group=state.tp_group,
+                        dp_group=mpu.get_data_parallel_group_gloo(), dp_size=state.data_parallel_size,
+                        is_last_stage=state.is_pipeline_last_stage)
+    samples, outputs, tcad = _batch()
+    total_tokens = sum(s.response_len for s in samples)
+    groups = np.array_split(np.arange(NUM_GROUPS), state.data_parallel_size)[state.dp_rank]
+    mine = [i for i, s in enumerate(samples) if s.group in set(groups.tolist())]
+    samples, outputs = [samples[i] for i in mine], [outputs[i] for i in mine]
+    rows = teacher_rows(outputs, samples, tcad=tcad, vocab_size=VOCAB)
+    coefficients = token_coefficients(samples, total_tokens=total_tokens, num_groups=NUM_GROUPS,
+                                      teacher_token_logprobs=rows.token_logprobs.split([s.response_len for s in samples]),
+                                      confidence_alpha=0.7)
+    per_sample = rows.split([s.response_len for s in samples])
+    spec = LossSpec(loss_type="tcad", options={"coverage_coef": 0.5})
+    results = {}
+    for name, plan in plans.items():
+        indices = plan(len(samples))
+        microbatches = [build_microbatch([samples[i] for i in mb], [coefficients[i] for i in mb],
+                                         rows=[per_sample[i] for i in mb]) for mb in indices]
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        stats = runner.run(spec, microbatches, forward_only=False)
+        for chunk in chunks:  # as the optimizer would: finish the DP reduction
+            chunk.finish_grad_sync()
+        grads = {name: param.main_grad.clone() for name, param in chunks[0].module.named_parameters()}
+        results[name] = (stats["loss"], stats["coverage"], grads, len(microbatches))
+    parallel.destroy()
+    return dist.get_rank(), results
+
+
+def _one(n):
+    return [list(range(n))]
+
+
+def _singles(n):
+    return [[i] for i in range(n)]
+
+
+def _budget(n):
+    from megatron_gkd.trainer.batch import plan_microbatches
+
+    samples, _, _ = _batch()
+    return plan_microbatches([s.input_len for s in samples][:n], max_tokens=24)
+
+
+PLANS = {"one": _one, "singles": _singles, "budget": _budget}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from megatron_gkd.recipes.tiny import build_checkpoint
+
+    return str(build_checkpoint(tmp_path_factory.mktemp("student"), vocab_size=VOCAB, seed=3))
+
+
+def _close(a, b, what):
+    # fp32 gradients summed in another order (embedding rows gather several positions): differences of a
+    # few ulps of the largest entries; a wrong coefficient or a missing group weight is orders larger.
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-6, msg=lambda m: f"{what}: {m}")
+
+
+def test_micro_batches_do_not_change_loss_or_gradients(checkpoint):
+    for rank, results in run_distributed(_body, 2, args=(checkpoint, dict(tensor_model_parallel_size=2), PLANS)):
+        loss, coverage, grads, _ = results["one"]
+        assert results["singles"][3] == 9 and results["budget"][3] > 2
+        for name in ("singles", "budget"):
+            assert results[name][0] == pytest.approx(loss, rel=1e-6), name
+            assert results[name][1] == pytest.approx(coverage, rel=1e-6), name
+            for param, grad in grads.items():
+                _close(results[name][2][param], grad, f"rank {rank} {name} {param}")
+
+
+def test_data_parallel_ranks_sum_to_the_single_rank_batch(checkpoint):
+    (_, single), = run_distributed(_body, 1, args=(checkpoint, {}, {"one": _one}))
+    for rank, results in run_distributed(_body, 2, args=(checkpoint, {}, {"one": _one, "singles": _singles})):
+        for name in ("one", "singles"):
+            assert results[name][0] == pytest.approx(single["one"][0], rel=1e-6)
+            for param, grad in single["one"][2].items():
+                _close(results[name][2][param], grad, f"dp rank {rank} {name} {param}")
