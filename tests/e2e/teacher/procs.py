@@ -10,6 +10,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import contextlib
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
@@ -65,3 +66,33 @@ def write_secret(directory: pathlib.Path) -> tuple[pathlib.Path, bytes]:
     path.write_bytes(secret)
     path.chmod(0o600)  # servers refuse a secret others may read
     return path, secret
+
+
+@contextlib.contextmanager
+def proxy_and_workers(tmp_path: pathlib.Path):
+    """Yields ``(proxy, start_worker)``: an in-process proxy on loopback and
+    ``start_worker(name, model, delay_s) -> (process, marker_dir)``, which starts a worker process behind it
+    (``delay_s``: the slow test backend holding each request that long and leaving a marker file per
+    request; ``None``: the plain hf backend). Every worker is killed and the proxy closed at the end."""
+    from megatron_gkd.teacher.server import Proxy
+
+    proxy = Proxy("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").start()
+    started = []
+
+    def start_worker(name: str, model, delay_s: float | None = 0.0):
+        marker_dir = tmp_path / name
+        marker_dir.mkdir()
+        args = ["launch/teacher_server.py", "worker", "--connect", proxy.backend_address, "--model", str(model)]
+        if delay_s is not None:
+            args += ["--backend-module", "tests.e2e.teacher.slow_backend", "--backend", "hf_slow",
+                     "--backend-arg", f"marker_dir={marker_dir}", "--backend-arg", f"delay_s={delay_s}"]
+        process = start(args, "READY worker connected", 180, tmp_path / f"{name}.log")
+        started.append(process)
+        return process, marker_dir
+
+    try:
+        yield proxy, start_worker
+    finally:
+        for process in started:
+            stop(process, kill=True)
+        proxy.close()

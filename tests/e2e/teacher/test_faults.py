@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client
-from megatron_gkd.teacher.server import Proxy
 from megatron_gkd.teacher.types import ErrorCode
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher, build_tiny_teacher
 from tests.e2e.teacher import procs
@@ -24,25 +23,8 @@ def teacher_dir(tmp_path_factory):
 @pytest.fixture()
 def cluster(tmp_path):
     """An in-process proxy on loopback plus a way to start worker processes; all stopped at the end."""
-    proxy = Proxy("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").start()
-    started = []
-
-    def start_worker(name: str, teacher_dir, delay_s: float | None):
-        marker_dir = tmp_path / name
-        marker_dir.mkdir()
-        args = ["launch/teacher_server.py", "worker", "--connect", proxy.backend_address,
-                "--model", str(teacher_dir)]
-        if delay_s is not None:
-            args += ["--backend-module", "tests.e2e.teacher.slow_backend", "--backend", "hf_slow",
-                     "--backend-arg", f"marker_dir={marker_dir}", "--backend-arg", f"delay_s={delay_s}"]
-        process = procs.start(args, "READY worker connected", 180, tmp_path / f"{name}.log")
-        started.append(process)
-        return process, marker_dir
-
-    yield proxy, start_worker
-    for process in started:
-        procs.stop(process, kill=True)
-    proxy.close()
+    with procs.proxy_and_workers(tmp_path) as cluster:
+        yield cluster
 
 
 def _wait_for(predicate, timeout_s: float):

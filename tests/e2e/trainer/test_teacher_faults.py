@@ -6,7 +6,6 @@ import time
 
 import pytest
 
-from megatron_gkd.teacher.server import Proxy
 from tests.e2e.teacher import procs
 from megatron_gkd.testing import runs as harness
 
@@ -18,23 +17,8 @@ OFF_POLICY = ["teacher.serve.model=null", "trainer.mode=off_policy", "rollout.n=
 
 @pytest.fixture()
 def proxy_and_workers(tmp_path):
-    proxy = Proxy("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").start()
-    started = []
-
-    def start_worker(name: str, model, delay_s: float = 0.0):
-        marker_dir = tmp_path / name
-        marker_dir.mkdir()
-        args = ["launch/teacher_server.py", "worker", "--connect", proxy.backend_address, "--model", str(model),
-                "--backend-module", "tests.e2e.teacher.slow_backend", "--backend", "hf_slow",
-                "--backend-arg", f"marker_dir={marker_dir}", "--backend-arg", f"delay_s={delay_s}"]
-        process = procs.start(args, "READY worker connected", 180, tmp_path / f"{name}.log")
-        started.append(process)
-        return process, marker_dir
-
-    yield proxy, start_worker
-    for process in started:
-        procs.stop(process, kill=True)
-    proxy.close()
+    with procs.proxy_and_workers(tmp_path) as cluster:
+        yield cluster
 
 
 def _wait(predicate, timeout_s: float, what: str):
