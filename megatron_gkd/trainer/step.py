@@ -93,6 +93,37 @@ def capture_output_layer(model, tp_group) -> Iterator[types.SimpleNamespace]:
         del layer.forward
 
 
+@contextlib.contextmanager
+def capture_logits(model) -> Iterator[types.SimpleNamespace]:
+    """Keeps the last stage's logits in the output layer's own ``[s, b, V/tp]`` layout
+    (``captured.logits``) and makes ``GPTModel`` return an empty ``[b, s, 0]`` placeholder.
+
+    Without labels ``GPTModel`` returns ``logits.transpose(0, 1).contiguous()``: a copy of the largest
+    tensor of the step, and in the backward a transposed gradient that the output layer copies again
+    before its matmuls (most of the gap between a distillation step and a cross-entropy step).
+    """
+    from megatron_gkd.models import unwrap
+
+    gpt = unwrap(model)
+    layer = getattr(gpt, "output_layer", None) if getattr(gpt, "post_process", False) else None
+    captured = types.SimpleNamespace(logits=None)
+    if layer is None:
+        yield captured
+        return
+    original = layer.forward
+
+    def forward(*args, **kwargs):
+        logits, bias = original(*args, **kwargs)
+        captured.logits = logits
+        return logits[..., :0], bias
+
+    layer.forward = forward
+    try:
+        yield captured
+    finally:
+        del layer.forward
+
+
 class StepRunner:
     """Runs micro-batches through this rank's chunks and steps the optimizer.
 
@@ -127,7 +158,9 @@ class StepRunner:
             with capture_output_layer(model, self.tp_group) as captured:
                 output = model(tokens, position_ids, attention_mask=None)
             return output, partial(self._loss, spec, microbatch, captured)
-        return model(tokens, position_ids, attention_mask=None), partial(self._loss, spec, microbatch, None)
+        with capture_logits(model) as captured:
+            output = model(tokens, position_ids, attention_mask=None)
+        return output, partial(self._loss, spec, microbatch, captured)
 
     def _loss(self, spec: LossSpec, microbatch: MicroBatch, captured, output: torch.Tensor):
         from megatron_gkd.losses import fused_vocab_parallel_distill_loss, vocab_parallel_distill_loss
@@ -146,10 +179,13 @@ class StepRunner:
                     output, captured.weight, teacher_ids, teacher_logprobs, loss_type=spec.loss_type, tp_group=tp_group,
                     temperature=spec.temperature, chunk_size=spec.chunk_size,
                     all_reduce_hidden_grad=not captured.sequence_parallel, **spec.options)
-            else:
+            else:  # logits [s, b, V/tp] as the output layer made them; teacher rows and results [b, s]
                 per_token, metrics = vocab_parallel_distill_loss(
-                    output, teacher_ids, teacher_logprobs, loss_type=spec.loss_type, tp_group=tp_group,
-                    temperature=spec.temperature, diagnostics=spec.diagnostics, **spec.options)
+                    captured.logits, teacher_ids.transpose(0, 1), teacher_logprobs.transpose(0, 1),
+                    loss_type=spec.loss_type, tp_group=tp_group, temperature=spec.temperature,
+                    diagnostics=spec.diagnostics, **spec.options)
+                per_token = per_token.transpose(0, 1)
+                metrics = {key: value.transpose(0, 1) for key, value in metrics.items()}
         per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
         coefficients = microbatch.coefficients.to(device=device, dtype=per_token.dtype)
         contribution = (per_token * coefficients).sum()
