@@ -1,6 +1,6 @@
 """The rollout server process of the disaggregated layout: ``python -m megatron_gkd.rollout.server``.
 
-It builds its rollout engine outside the trainers' world, prints ``READY``, joins the weight-sync
+It builds its rollout engine outside the trainers' world, logs ``READY``, joins the weight-sync
 transport of the trainers (rank ``num_trainer_ranks``; the secret comes in ``MEGATRON_GKD_ROLLOUT_SECRET``),
 receives the weight-sync plan, and serves generate and weight-update requests over the transport's
 control group until the trainers close it (:class:`~megatron_gkd.rollout.disaggregated.RolloutServer`).
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.exit_with_parent:
         exit_with_parent()
     engine = ENGINES.build(args.engine, join_world=False, **json.loads(args.engine_kwargs))
-    print("READY rollout server", flush=True)
+    logger.info("READY rollout server")  # the line the parent waits for (ServiceProcess reads the log)
     transport = None
     try:
         rank = args.num_trainer_ranks
