@@ -208,9 +208,10 @@ class BatchFlow:
         if batch.teacher is None and self.local_teacher and needs_teacher(self.config):
             batch.teacher = self.request(batch.samples, self.tcad)
         outputs = self.teacher_outputs(batch.teacher)
-        rows = self.rows(batch.samples, outputs, self.tcad) if self.loss_kind == "distill" else None
-        coefficients = self.coefficients(batch, rows)
-        return self.microbatches(batch.samples, coefficients, rows)
+        with self.timers("batch"):
+            rows = self.rows(batch.samples, outputs, self.tcad) if self.loss_kind == "distill" else None
+            coefficients = self.coefficients(batch, rows)
+            return self.microbatches(batch.samples, coefficients, rows)
 
     def coefficients(self, batch: InFlight, rows: TeacherRows | None) -> list[torch.Tensor]:
         """Each response token's share of the step's loss (see :mod:`.batch`), on the last stage."""
