@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import pathlib
+
+logger = logging.getLogger(__name__)
 
 
 def read_metrics(run_dir: pathlib.Path) -> tuple[list[dict], list[dict]]:
@@ -73,6 +76,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--teacher", help="the teacher's directory (its accuracy.json)")
     parser.add_argument("--wall-time", type=float, help="seconds the run took, as the caller measured them")
     args = parser.parse_args(argv)
+    from megatron_gkd.log_setup import setup_logging
+
+    setup_logging("INFO")
     run_dir = pathlib.Path(args.run_dir)
     reference = teacher_accuracy(pathlib.Path(args.teacher) if args.teacher else None)
     result = summary(run_dir, reference, args.wall_time)
@@ -80,10 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
     teacher = "unknown" if reference is None else f"{reference:.3f}"
     closed = "" if result["gap_closed"] is None else f" ({result['gap_closed']:.0%} of the gap to the teacher closed)"
     wall = "" if args.wall_time is None else f"\n  wall time   {args.wall_time / 60:.1f} min"
-    print(f"distillation demo: eval accuracy {result['accuracy_before']:.3f} -> {result['accuracy_after']:.3f} in "
+    logger.info(f"distillation demo: eval accuracy {result['accuracy_before']:.3f} -> {result['accuracy_after']:.3f} in "
           f"{result['steps']} steps{closed}; teacher {teacher}{wall}\n"
-          f"  checkpoint  {result['checkpoint']}\n  HF export   {result['hf_export']}\n  plot        {result['plot']}",
-          flush=True)
+          f"  checkpoint  {result['checkpoint']}\n  HF export   {result['hf_export']}\n  plot        {result['plot']}")
     return result
 
 

@@ -24,7 +24,7 @@ def test_summary_reports_before_after_teacher_and_the_share_of_the_gap_closed(tm
     assert report.summary(tmp_path, teacher_accuracy=None, wall_time_s=None)["gap_closed"] is None
 
 
-def test_main_writes_a_png_and_reads_the_teachers_accuracy(tmp_path, capsys):
+def test_main_writes_a_png_and_reads_the_teachers_accuracy(tmp_path, capfd):
     run_dir = _run_dir(tmp_path / "run")
     teacher = tmp_path / "teacher"
     teacher.mkdir()
@@ -32,4 +32,4 @@ def test_main_writes_a_png_and_reads_the_teachers_accuracy(tmp_path, capsys):
     result = report.main([str(run_dir), "--teacher", str(teacher), "--wall-time", "90"])
     assert result["teacher_accuracy"] == 0.9
     assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "0.200 -> 0.600" in capsys.readouterr().out
+    assert "0.200 -> 0.600" in "".join(capfd.readouterr())
