@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.exit_with_parent:
         exit_with_parent()
     engine = ENGINES.build(args.engine, join_world=False, **json.loads(args.engine_kwargs))
-    print("READY rollout server", flush=True)
+    sys.stdout.write("READY rollout server\n")  # the line the parent waits for on our stdout
+    sys.stdout.flush()
     transport = None
     try:
         rank = args.num_trainer_ranks
