@@ -41,6 +41,10 @@ DEVICES = {
     "h200-141gb": Device(name="h200-141gb", memory_gib=139.8),
     # Ascend 910B: 64 GB HBM; CANN and HCCL keep more for themselves than CUDA does.
     "ascend-910b-64gb": Device(name="ascend-910b-64gb", memory_gib=64.0, reserved_gib=4.0, supports_fp8=False),
+    # Ascend 910C (Atlas A3): two dies per package with 128 GB HBM between them; each die is its own
+    # torch_npu device with half of it, so plans count per die (16 devices per 8-package node).
+    "ascend-910c-die-64gb": Device(name="ascend-910c-die-64gb", memory_gib=64.0, reserved_gib=4.0,
+                                   supports_fp8=False),
 }
 
 

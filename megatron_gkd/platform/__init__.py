@@ -137,6 +137,11 @@ def current() -> Platform:
     return _current
 
 
+def known_platforms() -> tuple[Platform, ...]:
+    """Every platform this package can set up, in :data:`PLATFORM_NAMES` order."""
+    return tuple(_PLATFORMS[name] for name in PLATFORM_NAMES)
+
+
 def is_set_up() -> bool:
     return _current is not None
 

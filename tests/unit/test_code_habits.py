@@ -8,13 +8,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Built from pieces so that this file does not match itself.
 _CUDA, _NCCL = "cu" + "da", "nc" + "cl"
+_NPU, _HCCL = "n" + "pu", "hc" + "cl"
 DEVICE_PATTERNS = {
-    "tensor-to-device method": re.compile(r"\." + _CUDA + r"\(\)"),
-    "device namespace": re.compile(r"\btorch\." + _CUDA + r"\."),
-    "backend literal": re.compile(r"[\"']" + _NCCL + r"[\"']"),
+    "tensor-to-device method": re.compile(r"\.(?:" + _CUDA + "|" + _NPU + r")\("),
+    "device namespace": re.compile(r"\b(?:torch|torch_" + _NPU + r")\.(?:" + _CUDA + "|" + _NPU + r")\b"),
+    "backend literal": re.compile(r"[\"'](?:" + _NCCL + "|" + _HCCL + r")[\"']"),
+    "device-string literal": re.compile(r"[\"'](?:" + _CUDA + "|" + _NPU + r")(?::\d+)?[\"']"),
+    "vendor import": re.compile(r"^\s*(?:import|from)\s+(?:torch_" + _NPU + r"|mindspeed)\b"),
 }
+# Every Python package of the tree is linted; a new top-level folder must be added here on purpose.
+LINTED_ROOTS = ("megatron_gkd/", "models/", "parallel/", "launch/", "benchmarks/", "scripts/", "tests/")
 # The platform package is where devices are named; its tests mirror it.
-DEVICE_ALLOWED = ("megatron_gkd/platform/", "tests/unit/platform/")
+# setup.py names its install extras after the platforms (packaging metadata, not device code).
+DEVICE_ALLOWED = ("megatron_gkd/platform/", "tests/unit/platform/", "setup.py")
 LIBRARY = ("megatron_gkd/", "models/", "parallel/")
 
 
@@ -39,6 +45,10 @@ def test_python_files_are_found():
     files = _python_files()
     assert "megatron_gkd/platform/__init__.py" in files
     assert "tests/unit/test_code_habits.py" in files
+    roots = {path.split("/")[0] + "/" for path in files if "/" in path}
+    assert roots <= set(LINTED_ROOTS), f"python outside the linted roots: {sorted(roots - set(LINTED_ROOTS))}"
+    for root in ("megatron_gkd/", "models/", "parallel/", "launch/", "benchmarks/"):
+        assert any(path.startswith(root) for path in files), root
 
 
 def test_device_calls_only_in_platform_package():
@@ -65,6 +75,13 @@ def test_no_print_in_library_code():
 
 
 def test_lint_catches_a_violation(tmp_path):
-    sample = f"x = t.{_CUDA}()\nbackend = '{_NCCL}'\ny = torch.{_CUDA}.current_device()\n"
+    sample = (f"x = t.{_CUDA}()\nbackend = '{_NCCL}'\ny = torch.{_CUDA}.current_device()\n"
+              f"d = '{_NPU}:0'\nimport torch_{_NPU}\n")
     hits = {name for line in sample.splitlines() for name, p in DEVICE_PATTERNS.items() if p.search(line)}
     assert hits == set(DEVICE_PATTERNS)
+    for line in (f"x = t.{_NPU}(1)", f"g = '{_HCCL}'", f"torch.{_NPU}.set_device(0)", f"torch_{_NPU}.{_NPU}.synchronize()",
+                 f"z.to('{_CUDA}')", "from mindspeed import megatron_adaptor"):
+        assert any(p.search(line) for p in DEVICE_PATTERNS.values()), line
+    # Words that merely contain the letters are not device code.
+    for line in ("inputs = self.input_ids", "a = t.cuda_graphs_enabled", "x = 'npus'"):
+        assert not any(p.search(line) for p in DEVICE_PATTERNS.values()), line
