@@ -61,7 +61,24 @@ class LossSpec:
 
 
 @contextlib.contextmanager
-def capture_output_layer(model, tp_group) -> Iterator[types.SimpleNamespace]:
+def _patched_output_layer(model, captured: types.SimpleNamespace, make_forward) -> Iterator[types.SimpleNamespace]:
+    """Replaces the last stage's output-layer ``forward`` by ``make_forward(layer)`` for the block
+    (nothing on other stages) and yields ``captured``."""
+    from megatron_gkd.models import unwrap
+
+    gpt = unwrap(model)
+    layer = getattr(gpt, "output_layer", None) if getattr(gpt, "post_process", False) else None
+    if layer is None:
+        yield captured
+        return
+    layer.forward = make_forward(layer)
+    try:
+        yield captured
+    finally:
+        del layer.forward
+
+
+def capture_output_layer(model, tp_group):
     """Makes the last stage's ``GPTModel`` return its final hidden states ``[b, s, h]`` instead of
     logits; ``captured.weight`` is then the output-layer weight (the shared embedding when tied).
 
@@ -70,31 +87,23 @@ def capture_output_layer(model, tp_group) -> Iterator[types.SimpleNamespace]:
     """
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-    from megatron_gkd.models import unwrap
-
-    gpt = unwrap(model)
-    layer = getattr(gpt, "output_layer", None) if getattr(gpt, "post_process", False) else None
     captured = types.SimpleNamespace(weight=None, sequence_parallel=False)
-    if layer is None:
-        yield captured
-        return
-    captured.sequence_parallel = bool(getattr(layer, "sequence_parallel", False))
 
-    def forward(hidden, weight=None, runtime_gather_output=None):
-        captured.weight = layer.weight if weight is None else weight
-        if captured.sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(hidden, group=tp_group)
-        return hidden, None
+    def make_forward(layer):
+        captured.sequence_parallel = bool(getattr(layer, "sequence_parallel", False))
 
-    layer.forward = forward
-    try:
-        yield captured
-    finally:
-        del layer.forward
+        def forward(hidden, weight=None, runtime_gather_output=None):
+            captured.weight = layer.weight if weight is None else weight
+            if captured.sequence_parallel:
+                hidden = gather_from_sequence_parallel_region(hidden, group=tp_group)
+            return hidden, None
+
+        return forward
+
+    return _patched_output_layer(model, captured, make_forward)
 
 
-@contextlib.contextmanager
-def capture_logits(model) -> Iterator[types.SimpleNamespace]:
+def capture_logits(model):
     """Keeps the last stage's logits in the output layer's own ``[s, b, V/tp]`` layout
     (``captured.logits``) and makes ``GPTModel`` return an empty ``[b, s, 0]`` placeholder.
 
@@ -102,26 +111,19 @@ def capture_logits(model) -> Iterator[types.SimpleNamespace]:
     tensor of the step, and in the backward a transposed gradient that the output layer copies again
     before its matmuls (most of the gap between a distillation step and a cross-entropy step).
     """
-    from megatron_gkd.models import unwrap
-
-    gpt = unwrap(model)
-    layer = getattr(gpt, "output_layer", None) if getattr(gpt, "post_process", False) else None
     captured = types.SimpleNamespace(logits=None)
-    if layer is None:
-        yield captured
-        return
-    original = layer.forward
 
-    def forward(*args, **kwargs):
-        logits, bias = original(*args, **kwargs)
-        captured.logits = logits
-        return logits[..., :0], bias
+    def make_forward(layer):
+        original = layer.forward
 
-    layer.forward = forward
-    try:
-        yield captured
-    finally:
-        del layer.forward
+        def forward(*args, **kwargs):
+            logits, bias = original(*args, **kwargs)
+            captured.logits = logits
+            return logits[..., :0], bias
+
+        return forward
+
+    return _patched_output_layer(model, captured, make_forward)
 
 
 class StepRunner:
