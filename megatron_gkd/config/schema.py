@@ -150,7 +150,12 @@ class TrainerConfig:
     scheduler: str = "sync"
     """``sync``, ``one_step_off`` or ``two_step_off``: batches sampled ahead of the update that trains them."""
     num_steps: int = 10
-    """Optimizer steps of the run."""
+    """Optimizer steps of the run (at most: see ``token_budget``); the LR schedule runs over them."""
+    token_budget: int | None = None
+    """Stop after the step at which the response tokens trained reach this many (in the distillation modes
+    each one was scored by the teacher once; in ``sft`` on teacher samples, written by it): runs compared
+    at an equal teacher budget. Batches an off-policy scheduler sampled ahead are then not trained.
+    ``None``: ``num_steps`` alone."""
     global_batch_size: int = 8
     """Samples per optimizer step (prompts x ``rollout.n`` in ``on_policy``)."""
     micro_batch_size: int = 1
@@ -170,6 +175,8 @@ class TrainerConfig:
         for name in ("num_steps", "global_batch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name}={getattr(self, name)} must be >= 1")
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ValueError(f"trainer.token_budget={self.token_budget} must be >= 1 (or null: num_steps alone)")
         if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 2:
             raise ValueError(f"trainer.max_tokens_per_microbatch={self.max_tokens_per_microbatch} must be >= 2")
 

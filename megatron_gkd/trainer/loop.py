@@ -45,6 +45,7 @@ class Trainer:
         self.out = pathlib.Path(config.trainer.output_dir)
         self.timers = Timers()
         self.step = 0
+        self.tokens_trained = 0  # response tokens of the trained batches (trainer.token_budget)
         self.teacher_service = self.writer = self.progress = None
         self._rollout_version = 0  # weights the rollout engine (or server) holds
         self._receiver = self._sync_plan = self.evaluator = None
@@ -182,6 +183,7 @@ class Trainer:
             return
         self.step, data_state = loaded
         self.sampler.load_state_dict(data_state["sampler"])
+        self.tokens_trained = int(data_state.get("tokens_trained", 0))
         logger.info("resumed at step %d (data epoch %d)", self.step, self.sampler.epoch)
         if self.step:
             self._sync_weights()
@@ -206,7 +208,7 @@ class Trainer:
                                       num_batches=config.trainer.num_steps)
         metrics: dict = {}
         clock = time.perf_counter()
-        while self.step < config.trainer.num_steps:
+        while not self._finished():
             _, batch = self.pipeline.next()
             try:
                 metrics = self._update(batch)
@@ -215,7 +217,7 @@ class Trainer:
                 raise
             self.step += 1
             self._sync_weights()
-            if config.eval.interval and self.step % config.eval.interval == 0 and self.step < config.trainer.num_steps:
+            if config.eval.interval and self.step % config.eval.interval == 0 and not self._finished():
                 metrics.update(self._evaluate())
             now = time.perf_counter()
             metrics["time/step"], clock = now - clock, now  # wall time since the previous step's end
@@ -226,6 +228,10 @@ class Trainer:
                 logger.warning("stopped by signal %s after step %d; checkpoint saved: rerun the same command to "
                                "resume", self._signal, self.step)
                 return self._summary(first_eval, {}, start, preempted=True)
+        if self.step < config.trainer.num_steps:
+            logger.info("token budget of %d reached after step %d (%d tokens trained); %d batches sampled ahead are not "
+                        "trained", config.trainer.token_budget, self.step, self.tokens_trained,
+                        len(self.pipeline.in_flight))
         last_eval = self._evaluate() if config.eval.at_end else {}
         if last_eval and self.rank == 0:
             self.writer.write(self.step, last_eval)
@@ -234,6 +240,11 @@ class Trainer:
         if config.checkpoint.hf_at_end:
             self._export_hf()
         return self._summary(first_eval, last_eval, start)
+
+    def _finished(self) -> bool:
+        """``trainer.num_steps`` done, or ``trainer.token_budget`` spent."""
+        budget = self.config.trainer.token_budget
+        return self.step >= self.config.trainer.num_steps or (budget is not None and self.tokens_trained >= budget)
 
     def _produce(self, index: int) -> InFlight:
         """Draws the prompts of batch ``index``, samples (or reads) responses, sends the teacher request."""
@@ -247,6 +258,7 @@ class Trainer:
         microbatches = self.flow.prepare(batch)
         with self.timers("train"):
             stats, optim = self.runner.train_step(self.loss_spec, microbatches)
+        self.tokens_trained += batch.rollout.num_generated_tokens  # the whole global batch, the same on every rank
         metrics = self._batch_metrics(batch)
         metrics.update({f"train/{key}": value for key, value in optim.items()})
         if stats is not None:
@@ -288,6 +300,7 @@ class Trainer:
             "train/staleness": float(self.step - rollout.weight_version),
             "train/weight_version": float(rollout.weight_version), "data/epoch": float(self.sampler.epoch),
             "data/batches_sampled": float(self.pipeline.num_sampled), "data/batches_trained": float(self.step + 1),
+            "train/tokens_total": float(self.tokens_trained),
         })
         for phase, tokens in (("rollout", rollout.num_generated_tokens), ("train", rollout.num_generated_tokens)):
             if phases.get(phase):
@@ -351,7 +364,8 @@ class Trainer:
         in_flight = self.pipeline.in_flight if hasattr(self, "pipeline") else []
         # Batches sampled but not trained are re-sampled after a resume: the position is the oldest one's.
         sampler = in_flight[0][1].data_state if in_flight else self.sampler.state_dict()
-        return {"sampler": sampler, "step": self.step, "weight_version": self.step, "config": to_yaml(self.config)}
+        return {"sampler": sampler, "step": self.step, "weight_version": self.step, "tokens_trained": self.tokens_trained,
+                "config": to_yaml(self.config)}
 
     def _save_checkpoint(self) -> None:
         with self.timers("checkpoint"):
@@ -362,7 +376,7 @@ class Trainer:
 
     def _checkpoint_if_due(self) -> None:
         checkpoint = self.config.checkpoint
-        final = self.step == self.config.trainer.num_steps
+        final = self._finished()
         if checkpoint.save_interval and self.step % checkpoint.save_interval == 0 and not final:
             self._save_checkpoint()
         if checkpoint.hf_interval and self.step % checkpoint.hf_interval == 0 and not final:
