@@ -1,0 +1,259 @@
+"""Which distillation method teaches the demo's student most per teacher token: the demo's experiment.
+
+    python benchmarks/distill_quality.py                            # every method, seeds 1 2 3 (about 80 min)
+    python benchmarks/distill_quality.py --methods forward_kl tcad --seeds 1
+
+At an equal budget of teacher tokens (``trainer.token_budget``: response tokens trained, each scored by
+the teacher once, or in SFT written by it), from the committed demo student (``assets/demo``) and
+teacher, on the arithmetic task, it compares:
+
+==========================  ========================================================================
+``sft_teacher_samples``     off-policy SFT (cross-entropy) on responses the teacher sampled (T=1)
+``kd_teacher_samples``      off-policy KD: the same teacher samples, the teacher's top-k, forward KL
+``forward_kl`` ...          on-policy (the student samples, ``rollout.n`` per prompt), one divergence
+``tcad``                    on-policy TCAD: support-symmetric top-k truncation, coverage term,
+                            teacher-confidence weights of each prompt's rollouts
+``tcad_no_confidence``      TCAD without the confidence weights (token mean)
+``tcad_no_coverage``        TCAD without the coverage term
+==========================  ========================================================================
+
+Every run is the real entry point (``configs/demo_cpu.yaml``) on one process (TP=1: on this model TP=2
+only adds communication), ``sync`` scheduler (staleness 0: on-policy means on-policy), the teacher's
+top-``k`` with ``k`` = 4 of the 16-token vocabulary (with the whole vocabulary TCAD's truncation and
+coverage term would be inert), the same learning-rate schedule, seeds for init-free things (data order,
+sampling) per seed. Two runs at a time share the two cores; each run is one process and one thread.
+
+Measured per run: the final greedy accuracy on the 500 held-out problems (the trainer's eval, vLLM), and
+the held-out KL(teacher || student) over the full vocabulary, teacher-forced on the reference solutions
+(float64, transformers, computed here from the run's HF export: the same tokens for every method).
+A finished run leaves ``result.json`` in its directory and is not run again; ``--report`` only
+aggregates. Output: ``results.json``, a Markdown table (stdout and ``results.md``) and ``results.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import statistics
+import time
+
+from megatron_gkd.recipes import arithmetic, demo, teacher_samples
+from megatron_gkd.testing import runs as harness
+
+logger = logging.getLogger("distill_quality")
+
+DEMO_CONFIG = harness.REPO / "configs" / "demo_cpu.yaml"
+TOP_K = 4
+ON_POLICY = ["trainer.mode=on_policy"]
+OFF_POLICY = ["rollout.n=1", "data.train_path={samples}"]
+TCAD = ["loss.type=tcad", "loss.options.divergence=forward_kl", "loss.options.coverage_coef=1.0",
+        "loss.confidence_alpha=1.0", f"loss.support_k={TOP_K}", f"rollout.logprobs_k={TOP_K}"]
+METHODS = {
+    "sft_teacher_samples": ["trainer.mode=sft", "teacher.client=none", "teacher.serve.model=null", *OFF_POLICY],
+    "kd_teacher_samples": ["trainer.mode=off_policy", "loss.type=forward_kl", *OFF_POLICY],
+    "forward_kl": [*ON_POLICY, "loss.type=forward_kl"],
+    "reverse_kl": [*ON_POLICY, "loss.type=reverse_kl"],
+    "jsd": [*ON_POLICY, "loss.type=jsd"],
+    "kl_rkl": [*ON_POLICY, "loss.type=kl_rkl"],
+    "tcad": [*ON_POLICY, *TCAD],
+    "tcad_no_confidence": [*ON_POLICY, *TCAD, "loss.confidence_alpha=null"],
+    "tcad_no_coverage": [*ON_POLICY, *TCAD, "loss.options.coverage_coef=0.0"],
+}
+
+
+def common_overrides(task: pathlib.Path, budget: int, num_steps: int, decay_steps: int) -> list[str]:
+    return [f"data.train_path={task / 'train.jsonl'}", f"data.eval_path={task / 'eval.jsonl'}",
+            "parallel.tensor_model_parallel_size=1", "rollout.tensor_parallel_size=1", "trainer.scheduler=sync",
+            f"trainer.token_budget={budget}", f"trainer.num_steps={num_steps}", f"optim.lr_decay_steps={decay_steps}",
+            f"teacher.top_k={TOP_K}", "eval.at_start=false", "eval.interval=250", "eval.kl=false",
+            "checkpoint.save_interval=null", "checkpoint.save_at_end=false", "checkpoint.hf_at_end=true"]
+
+
+# ------------------------------------------------------------------------------------ held-out KL
+class HeldOutKL:
+    """KL(teacher || student) per response token over the full vocabulary, teacher-forced on the eval
+    set's reference responses (EOS included), in float64; the teacher's log-probs are computed once."""
+
+    def __init__(self, teacher: pathlib.Path, eval_path: pathlib.Path):
+        import torch
+
+        from megatron_gkd.data import DataConfig, load_prompts, load_tokenizer
+
+        tokenizer = load_tokenizer(str(teacher))
+        dataset = load_prompts(str(eval_path), DataConfig(eval_path=str(eval_path)), tokenizer, require_responses=True)
+        sequences = [(list(r.prompt_ids), list(r.response_ids)) for r in (dataset[i] for i in range(len(dataset)))]
+        width = max(len(p) + len(r) for p, r in sequences)
+        self.ids = torch.zeros(len(sequences), width, dtype=torch.long)
+        self.mask = torch.zeros(len(sequences), width, dtype=torch.bool)  # True where the logits predict a response token
+        for row, (prompt, response) in enumerate(sequences):
+            self.ids[row, :len(prompt) + len(response)] = torch.tensor(prompt + response)
+            self.mask[row, len(prompt) - 1:len(prompt) + len(response) - 1] = True
+        self.teacher = self._logprobs(teacher)
+
+    def _logprobs(self, model_dir: pathlib.Path):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        with torch.no_grad():  # right padding: causal attention never lets a real token see it
+            logits = model(input_ids=self.ids).logits
+        return torch.log_softmax(logits.double(), dim=-1)[self.mask]
+
+    def __call__(self, student: pathlib.Path) -> float:
+        log_q = self._logprobs(student)
+        return float((self.teacher.exp() * (self.teacher - log_q)).sum(-1).mean())
+
+
+# ------------------------------------------------------------------------------------------- runs
+def run_record(out: pathlib.Path, method: str, seed: int, wall_s: float, kl: HeldOutKL) -> dict:
+    records = harness.metrics(out)
+    steps = [r for r in records if "train/loss" in r]
+    evals = [r for r in records if "eval/accuracy" in r]
+    exports = sorted((out / "hf").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    tokens_at = {r["step"]: r["train/tokens_total"] for r in steps}
+    return {"method": method, "seed": seed, "steps": steps[-1]["step"], "tokens": steps[-1]["train/tokens_total"],
+            "accuracy": evals[-1]["eval/accuracy"], "heldout_kl": kl(exports[-1]), "wall_s": wall_s,
+            "curve": [[tokens_at.get(r["step"], 0.0), r["eval/accuracy"]] for r in evals]}
+
+
+def run_all(jobs: list[tuple[str, int]], root: pathlib.Path, common: list[str], samples: pathlib.Path, kl: HeldOutKL,
+            parallel: int) -> None:
+    """Runs the ``(method, seed)`` jobs without a ``result.json``, ``parallel`` at a time."""
+    pending = [(m, s) for m, s in jobs if not (root / f"{m}-seed{s}" / "result.json").exists()]
+    running: list = []
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                method, seed = pending.pop(0)
+                out = root / f"{method}-seed{seed}"
+                overrides = [o.format(samples=samples) for o in METHODS[method]]
+                seeds = [f"trainer.seed={seed}", f"rollout.seed={seed}", f"data.seed={seed}"]
+                process = harness.start(out, common + overrides + seeds, nproc=1, config=DEMO_CONFIG)
+                running.append((method, seed, out, process, time.perf_counter()))
+                logger.info("started %s seed %d (%d waiting)", method, seed, len(pending))
+            time.sleep(5)
+            for job in [j for j in running if j[3].poll() is not None]:
+                running.remove(job)
+                _finish(*job, kl)
+    finally:
+        for job in running:  # a failed job or an interrupt: no run outlives the sweep
+            harness.stop(job[3])
+
+
+def _finish(method: str, seed: int, out: pathlib.Path, process, began: float, kl: HeldOutKL) -> None:
+    if process.returncode != 0:
+        raise RuntimeError(f"{method} seed {seed} failed ({process.returncode}): {harness.tail(process)}")
+    record = run_record(out, method, seed, time.perf_counter() - began, kl)
+    (out / "result.json").write_text(json.dumps(record, indent=1) + "\n")
+    logger.info("%s seed %d: accuracy %.3f, held-out KL %.4f, %d steps, %d tokens, %.0f s", method, seed,
+                record["accuracy"], record["heldout_kl"], record["steps"], record["tokens"], record["wall_s"])
+
+
+# --------------------------------------------------------------------------------------- reporting
+def aggregate(results: list[dict]) -> dict:
+    table = {}
+    for method in METHODS:
+        mine = [r for r in results if r["method"] == method]
+        if not mine:
+            continue
+        row = {"seeds": sorted(r["seed"] for r in mine), "tokens": statistics.mean(r["tokens"] for r in mine),
+               "steps": statistics.mean(r["steps"] for r in mine)}
+        for key in ("accuracy", "heldout_kl"):
+            values = [r[key] for r in mine]
+            row[key] = {"mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+                        "min": min(values), "max": max(values), "values": values}
+        table[method] = row
+    return table
+
+
+def markdown(table: dict, start: dict) -> str:
+    lines = ["| method | final accuracy, mean ± std (min-max) | held-out KL, mean ± std (min-max) | teacher tokens | steps |",
+             "|---|---|---|---|---|",
+             f"| start (the committed student) | {start['accuracy']:.3f} | {start['heldout_kl']:.4f} | 0 | 0 |"]
+    for method, row in table.items():
+        acc, kl = row["accuracy"], row["heldout_kl"]
+        lines.append(f"| `{method}` | {acc['mean']:.3f} ± {acc['std']:.3f} ({acc['min']:.3f}-{acc['max']:.3f}) | "
+                     f"{kl['mean']:.4f} ± {kl['std']:.4f} ({kl['min']:.4f}-{kl['max']:.4f}) | {row['tokens']:,.0f} | "
+                     f"{row['steps']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(table: dict, results: list[dict], start: dict, teacher_accuracy: float, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(table)
+    figure, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    for axis, key, label in ((axes[0], "accuracy", "final held-out accuracy"),
+                             (axes[1], "heldout_kl", "held-out KL(teacher || student), nats/token")):
+        means = [table[m][key]["mean"] for m in methods]
+        axis.bar(range(len(methods)), means, color="lightsteelblue")
+        for i, method in enumerate(methods):
+            axis.plot([i] * len(table[method][key]["values"]), table[method][key]["values"], "k.", markersize=5)
+        axis.axhline(start[key], color="gray", linestyle=":", label="start")
+        axis.set_xticks(range(len(methods)), methods, rotation=40, ha="right", fontsize=8)
+        axis.set_title(label)
+    axes[0].axhline(teacher_accuracy, color="gray", linestyle="--", label="teacher")
+    axes[0].legend(fontsize=8)
+    for method in methods:
+        curves = [r["curve"] for r in results if r["method"] == method]
+        length = min(len(c) for c in curves)
+        tokens = [statistics.mean(c[i][0] for c in curves) for i in range(length)]
+        accuracy = [statistics.mean(c[i][1] for c in curves) for i in range(length)]
+        axes[2].plot(tokens, accuracy, "o-", markersize=3, label=method)
+    axes[2].set(xlabel="teacher tokens", ylabel="held-out accuracy (mean of seeds)", title="accuracy against budget")
+    axes[2].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="outputs/distill_quality")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--token-budget", type=int, default=560_000,
+                        help="teacher tokens per run (about 970 steps of 64 samples of ~9 tokens)")
+    parser.add_argument("--num-steps", type=int, default=1200, help="a cap on steps (the budget ends runs first)")
+    parser.add_argument("--decay-steps", type=int, default=1000, help="the learning rate's cosine decay, in steps")
+    parser.add_argument("--parallel", type=int, default=2, help="runs at a time (one process and thread each)")
+    parser.add_argument("--report", action="store_true", help="only aggregate the finished runs")
+    args = parser.parse_args()
+    from megatron_gkd.log_setup import setup_logging
+
+    setup_logging("INFO")
+    root = pathlib.Path(args.out).resolve()
+    task = arithmetic.build_task(root / "task")
+    teacher = demo.ASSETS / "teacher"
+    samples = root / "teacher_samples.jsonl"
+    if not args.report and not samples.exists():  # 4 per training prompt: enough that no run reuses one
+        teacher_samples.sample_teacher(teacher, task / "train.jsonl", samples.with_suffix(".partial"), n=4)
+        samples.with_suffix(".partial").rename(samples)
+    kl = HeldOutKL(teacher, task / "eval.jsonl")
+    start = {"accuracy": json.loads((demo.ASSETS / "student" / "accuracy.json").read_text())["eval/accuracy"],
+             "heldout_kl": kl(demo.ASSETS / "student")}
+    jobs = [(method, seed) for method in args.methods for seed in args.seeds]
+    if not args.report:
+        run_all(jobs, root, common_overrides(task, args.token_budget, args.num_steps, args.decay_steps), samples, kl,
+                args.parallel)
+    results = [json.loads((root / f"{m}-seed{s}" / "result.json").read_text()) for m, s in jobs
+               if (root / f"{m}-seed{s}" / "result.json").exists()]
+    table = aggregate(results)
+    teacher_accuracy = json.loads((teacher / "accuracy.json").read_text())["eval/accuracy"]
+    text = markdown(table, start)
+    (root / "results.json").write_text(json.dumps({"start": start, "teacher_accuracy": teacher_accuracy,
+                                                   "top_k": TOP_K, "token_budget": args.token_budget,
+                                                   "methods": table, "runs": results}, indent=1) + "\n")
+    (root / "results.md").write_text(text + "\n")
+    plot(table, results, start, teacher_accuracy, root / "results.png")
+    logger.info("teacher accuracy %.3f; teacher-sample accuracy %s\n%s\nwritten to %s", teacher_accuracy,
+                teacher_samples.answer_accuracy(samples) if samples.exists() else "n/a", text, root)
+
+
+if __name__ == "__main__":
+    main()
