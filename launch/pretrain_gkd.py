@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                   log_file=os.path.join(config.trainer.output_dir, "train.log"))
     from megatron_gkd import platform
 
-    platform.setup()
+    platform.setup(mindspeed=config.mindspeed)  # MindSpeed (npu) reads its options as it is imported
     import torch.distributed as dist
 
     from megatron_gkd.trainer.loop import Trainer

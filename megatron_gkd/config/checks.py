@@ -127,6 +127,14 @@ def _check_inert(config) -> None:
         logger.warning("loss.chunk_size has no effect without loss.fused=true")
     if trainer.max_tokens_per_microbatch is not None and trainer.micro_batch_size != 1:
         logger.warning("trainer.micro_batch_size has no effect with trainer.max_tokens_per_microbatch (dynamic batching)")
+    mindspeed = config.mindspeed
+    if config.parallel.context_parallel_size == 1 and (mindspeed.context_parallel_algo != "megatron_cp_algo"
+                                                       or mindspeed.ulysses_degree_in_cp is not None):
+        logger.warning("mindspeed.context_parallel_algo / mindspeed.ulysses_degree_in_cp have no effect with "
+                       "parallel.context_parallel_size=1 (they choose how attention is split over context-parallel ranks)")
+    elif mindspeed.ulysses_degree_in_cp is not None and mindspeed.context_parallel_algo != "hybrid_cp_algo":
+        logger.warning("mindspeed.ulysses_degree_in_cp has no effect with mindspeed.context_parallel_algo=%s "
+                       "(hybrid_cp_algo only)", mindspeed.context_parallel_algo)
     if rollout.layout == "colocated" and trainer.scheduler != "sync":
         logger.info("trainer.scheduler=%s with a colocated rollout overlaps teacher scoring with training; "
                     "rollout itself runs on the training ranks between updates", trainer.scheduler)

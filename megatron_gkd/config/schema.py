@@ -5,7 +5,8 @@ here unchanged: ``parallel`` (:class:`~megatron_gkd.parallel.ParallelConfig`), `
 (:class:`~megatron_gkd.teacher.config.TeacherConfig`), ``weight_sync``
 (:class:`~megatron_gkd.weight_sync.WeightSyncConfig`), ``data``
 (:class:`~megatron_gkd.data.DataConfig`), ``optim`` (:class:`~megatron_gkd.trainer.optim.OptimizerConfig`)
-and, inside ``rollout``, the sampling fields of :class:`~megatron_gkd.rollout.SamplingConfig`. Each
+``mindspeed`` (:class:`~megatron_gkd.platform.npu.MindSpeedConfig`, the MindSpeed options of the ``npu``
+platform) and, inside ``rollout``, the sampling fields of :class:`~megatron_gkd.rollout.SamplingConfig`. Each
 section validates itself in ``__post_init__``; checks that span sections live in
 :mod:`megatron_gkd.config.checks`.
 """
@@ -17,6 +18,7 @@ from typing import Any
 
 from megatron_gkd.data.config import DataConfig
 from megatron_gkd.parallel.state import ParallelConfig
+from megatron_gkd.platform.npu import MindSpeedConfig
 from megatron_gkd.rollout.types import SamplingConfig
 from megatron_gkd.teacher.config import TeacherConfig
 from megatron_gkd.trainer.optim import OptimizerConfig
@@ -259,6 +261,7 @@ class GKDConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    mindspeed: MindSpeedConfig = dataclasses.field(default_factory=MindSpeedConfig)
 
     def __post_init__(self):
         from megatron_gkd.config.checks import check_config

@@ -9,7 +9,8 @@ Nothing outside this package names a device. Typical use, first thing in an entr
 
 * ``cuda``: NCCL; Transformer Engine specs are used by the model providers when TE imports.
 * ``npu``: HCCL; ``torch_npu`` and ``mindspeed.megatron_adaptor`` are imported before Megatron-Core
-  (MindSpeed patches Megatron at import time, so the order matters).
+  (MindSpeed patches Megatron at import time, so the order matters), with the config's ``mindspeed``
+  options (:class:`~megatron_gkd.platform.npu.MindSpeedConfig`) on MindSpeed's command line.
 * ``cpu``: gloo; the CPU adaptor (:mod:`megatron_gkd.platform.cpu_adaptor`) makes Megatron-Core's
   CUDA-only calls run on the host.
 """
@@ -23,6 +24,8 @@ import os
 import sys
 
 import torch
+
+from megatron_gkd.platform.npu import MindSpeedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,7 @@ _PLATFORMS = {
 }
 
 _current: Platform | None = None
+_mindspeed: MindSpeedConfig | None = None  # the options MindSpeed was imported with (npu)
 
 
 def _npu_available() -> bool:
@@ -82,19 +86,22 @@ def _megatron_already_imported() -> bool:
     return any(name == "megatron.core" or name.startswith("megatron.core.") for name in sys.modules)
 
 
-def setup(name: str | None = None) -> Platform:
+def setup(name: str | None = None, *, mindspeed: MindSpeedConfig | None = None) -> Platform:
     """Resolves the platform and prepares the process for Megatron-Core. Call it before importing Megatron.
 
     Calling it again with the same (or no) name is harmless and returns the same platform.
 
     Args:
         name: ``cuda``, ``npu`` or ``cpu``; ``None`` means :func:`detect`.
+        mindspeed: MindSpeed's options (the config's ``mindspeed`` section), passed to MindSpeed as it is
+            imported on ``npu``; set on another platform they are inert and a warning names them.
 
     Raises:
-        ValueError: ``name`` is unknown, or differs from the platform already set up.
+        ValueError: ``name`` is unknown, or differs from the platform already set up, or ``mindspeed``
+            differs from the options MindSpeed was already imported with.
         RuntimeError: Megatron-Core was imported before the first call on a platform that adapts it.
     """
-    global _current
+    global _current, _mindspeed
     if name is not None and name not in PLATFORM_NAMES:
         raise ValueError(f"platform {name!r} is not one of {', '.join(PLATFORM_NAMES)}")
     if _current is not None:
@@ -102,6 +109,10 @@ def setup(name: str | None = None) -> Platform:
             raise ValueError(
                 f"platform already set up as {_current.name!r}; it cannot change to {name!r} in one process"
             )
+        if mindspeed is not None and _current.name == "npu" and mindspeed != _mindspeed:
+            raise ValueError("MindSpeed was imported with other options; they are read once, when it is imported "
+                             "by the first platform.setup() of the process: pass the mindspeed options there")
+        _warn_inert(_current, mindspeed)
         return _current
     resolved = _PLATFORMS[name or detect()]
     if resolved.name in ("cpu", "npu") and _megatron_already_imported():
@@ -117,10 +128,19 @@ def setup(name: str | None = None) -> Platform:
     elif resolved.name == "npu":
         from megatron_gkd.platform import npu
 
-        npu.install()
+        npu.install(mindspeed)
+        _mindspeed = mindspeed or MindSpeedConfig()
+    _warn_inert(resolved, mindspeed)
     _current = resolved
     logger.info("platform: %s (distributed backend %s)", resolved.name, resolved.dist_backend)
     return resolved
+
+
+def _warn_inert(platform: Platform, mindspeed: MindSpeedConfig | None) -> None:
+    options = mindspeed.non_default() if mindspeed is not None and platform.name != "npu" else {}
+    if options:
+        logger.warning("%s: MindSpeed runs only on the npu platform; on %s these options have no effect",
+                       ", ".join(f"{key}={value!r}" for key, value in options.items()), platform.name)
 
 
 def current() -> Platform:
@@ -264,5 +284,5 @@ def max_memory_allocated() -> int:
 
 def _reset_for_tests() -> None:
     """Forgets the platform choice (tests only; the adaptor's import hook stays installed)."""
-    global _current
-    _current = None
+    global _current, _mindspeed
+    _current = _mindspeed = None

@@ -4,7 +4,8 @@ A plain loop without a KV cache: every step runs the whole (right-padded) batch 
 the model and reads each sequence's logits at its last real token, which causal attention makes
 independent of the padding after it. Slow (quadratic in length) but exact; it exists for tests and
 for platforms without vLLM. The vocabulary shards are gathered over the TP group for sampling only,
-so every TP rank draws the same tokens (same logits, same seeded generators).
+so every TP rank draws the same tokens (same logits, same seeded generators). Token batches go to the
+platform's device; the logits come back to the host, where the per-sample generators draw.
 
 Pipeline parallelism is not supported here (``pipeline_model_parallel_size`` must be 1).
 """
@@ -16,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from megatron_gkd import platform
 from megatron_gkd.rollout.registry import RolloutEngine
 from megatron_gkd.rollout.types import RolloutBatch, SamplingConfig, check_prompt_lengths
 
@@ -44,6 +46,7 @@ class MegatronEngine(RolloutEngine):
             raise ValueError("rollout engine 'megatron' needs pipeline_model_parallel_size=1 (one model "
                              "chunk); use rollout engine 'vllm' for pipelined students")
         self._model = chunks[0]
+        self._device = platform.device()
         self._tp_group = tp_group if tp_group is not None else mpu.get_tensor_model_parallel_group()
         super().__init__(max_model_len)
         self._eos, self._vocab_size = eos_token_id, vocab_size
@@ -70,10 +73,11 @@ class MegatronEngine(RolloutEngine):
         tokens = torch.full((len(sequences), int(lengths.max())), self._pad_token_id, dtype=torch.long)
         for i, sequence in enumerate(sequences):
             tokens[i, : len(sequence)] = torch.as_tensor(sequence)
-        position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        tokens = tokens.to(self._device)
+        position_ids = torch.arange(tokens.shape[1], device=self._device).unsqueeze(0).expand_as(tokens)
         logits = self._model(tokens, position_ids, attention_mask=None)  # [N, s, v/tp]
-        last = logits[torch.arange(len(sequences)), lengths - 1]  # [N, v/tp]
-        full = gather_tp(last.float().contiguous(), -1, self._tp_group)
+        last = logits[torch.arange(len(sequences), device=logits.device), (lengths - 1).to(logits.device)]  # [N, v/tp]
+        full = gather_tp(last.float().contiguous(), -1, self._tp_group).cpu()  # sampled on the host
         return full[:, : self._vocab_size] if self._vocab_size else full
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutBatch:

@@ -41,6 +41,12 @@ BAD = [
     (["parallel.tensor_model_parallel_size=1", "trainer.global_batch_size=4", "rollout.n=4"], 2,
      "does not split over data-parallel size 2"),
     ([], 3, "world size 3 is not divisible by tensor_model_parallel_size"),
+    (["mindspeed.use_flash_atn=true"], None, "did you mean 'mindspeed.use_flash_attn'"),
+    (["mindspeed.context_parallel_algo=ring"], None, "mindspeed.context_parallel_algo='ring'; choose one of"),
+    (["mindspeed.context_parallel_algo=hybrid_cp_algo"], None, "needs mindspeed.ulysses_degree_in_cp"),
+    (["mindspeed.optimization_level=3"], None, "mindspeed.optimization_level=3; choose 0, 1 or 2"),
+    (["mindspeed.extra_args=[--use-flash-attn]"], None, "which mindspeed.use_flash_attn owns"),
+    (["mindspeed.extra_args=[use-cp-send-recv-overlap]"], None, "mindspeed.extra_args must start with a flag"),
 ]
 
 
@@ -59,6 +65,17 @@ def test_presets_load_and_overrides_win():
     assert config.rollout.n == 8 and config.loss.type == "jsd" and config.loss.options == {"beta": 0.3}
     assert config.parallel.tensor_model_parallel_size == 2  # from the preset
     assert check_layout(config, 4)["prompts_per_rank"] == 2
+
+
+def test_mindspeed_options_become_mindspeed_flags(caplog):
+    config = load_config(BASE, ["mindspeed.use_flash_attn=true", "mindspeed.use_fused_rmsnorm=true",
+                                "mindspeed.context_parallel_algo=ulysses_cp_algo",
+                                "mindspeed.extra_args=[--cp-window-size, '2']"])
+    assert config.mindspeed.to_argv() == ["--use-flash-attn", "--use-fused-rmsnorm", "--normalization", "RMSNorm",
+                                          "--context-parallel-algo", "ulysses_cp_algo", "--cp-window-size", "2"]
+    assert load_config(BASE).mindspeed.to_argv() == []  # the defaults leave MindSpeed at its own
+    # Without context parallelism the algorithm is inert, and says so.
+    assert "have no effect with parallel.context_parallel_size=1" in caplog.text
 
 
 def test_resolved_yaml_round_trips(tmp_path):

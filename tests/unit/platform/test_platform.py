@@ -5,6 +5,7 @@ interpreters.
 """
 
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -143,3 +144,70 @@ def test_npu_without_torch_npu_is_actionable():
     result = _run_python("from megatron_gkd import platform; platform.setup('npu')")
     assert result.returncode != 0
     assert "needs torch_npu" in result.stderr
+
+
+STANDINS = pathlib.Path(__file__).resolve().parent / "standins"
+
+
+def test_npu_hands_the_mindspeed_options_to_mindspeed_and_restores_argv():
+    result = _run_python(
+        """
+        import sys
+        sys.argv = ["pretrain_gkd.py", "--config", "x.yaml", "rollout.n=8"]
+        from megatron_gkd import platform
+        from megatron_gkd.platform.npu import MindSpeedConfig
+        options = MindSpeedConfig(use_flash_attn=True, use_fused_swiglu=True, context_parallel_algo="hybrid_cp_algo",
+                                  ulysses_degree_in_cp=2, extra_args=["--cp-window-size", "2"])
+        platform.setup("npu", mindspeed=options)
+        args = vars(sys.modules["mindspeed.args_utils"].get_mindspeed_args())
+        assert sys.argv == ["pretrain_gkd.py", "--config", "x.yaml", "rollout.n=8"], sys.argv
+        assert args["use_flash_attn"] is True and args["use_fused_swiglu"] is True and args["swiglu"] is True, args
+        assert args["context_parallel_algo"] == "hybrid_cp_algo" and args["ulysses_degree_in_cp"] == 2, args
+        assert args["cp_window_size"] == 2 and args["use_fused_rmsnorm"] is False and "config" not in args, args
+        platform.setup(mindspeed=options)  # the same options again: harmless
+        try:
+            platform.setup(mindspeed=MindSpeedConfig())
+        except ValueError as error:
+            print("refused:", error)
+        """,
+        extra_path=str(STANDINS),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "refused: MindSpeed was imported with other options" in result.stdout
+
+
+def test_mindspeed_imported_before_setup_cannot_take_options():
+    result = _run_python(
+        """
+        import mindspeed.megatron_adaptor
+        from megatron_gkd import platform
+        from megatron_gkd.platform.npu import MindSpeedConfig
+        platform.setup("npu", mindspeed=MindSpeedConfig(use_flash_attn=True))
+        """,
+        extra_path=str(STANDINS),
+    )
+    assert result.returncode != 0
+    assert "cannot receive the configured ones (--use-flash-attn); let platform.setup() import it" in result.stderr
+
+
+def test_an_option_mindspeed_rejects_is_an_error_naming_it():
+    result = _run_python(
+        """
+        from megatron_gkd import platform
+        from megatron_gkd.platform.npu import MindSpeedConfig
+        platform.setup("npu", mindspeed=MindSpeedConfig(extra_args=["--cp-window-size", "two"]))
+        """,
+        extra_path=str(STANDINS),
+    )
+    assert result.returncode != 0
+    assert "MindSpeed rejected its options ['--cp-window-size', 'two']" in result.stderr
+
+
+def test_mindspeed_options_off_npu_are_inert_and_say_so(caplog):
+    from megatron_gkd.platform.npu import MindSpeedConfig
+
+    platform.setup("cpu", mindspeed=MindSpeedConfig())
+    assert "MindSpeed" not in caplog.text  # the defaults are not worth a warning
+    platform.setup("cpu", mindspeed=MindSpeedConfig(use_flash_attn=True, optimization_level=1))
+    assert ("mindspeed.use_flash_attn=True, mindspeed.optimization_level=1: MindSpeed runs only on the npu platform; "
+            "on cpu these options have no effect") in caplog.text
