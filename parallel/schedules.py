@@ -71,12 +71,15 @@ def forward_logits(chunks: Sequence[torch.nn.Module], tokens: torch.Tensor) -> t
     """Full-vocabulary logits ``[b, s, v]`` on the last pipeline stage, ``None`` elsewhere.
 
     A collective over the model (pipeline p2p, TP / EP): every rank calls it with the same tokens. One
-    micro-batch per sequence; no gradients; the chunks' train/eval modes are restored afterwards.
+    micro-batch per sequence; no gradients; the chunks' train/eval modes are restored afterwards. The
+    tokens may be on the host: they go to the platform's device, where the logits stay.
     """
     from megatron.core import parallel_state as mpu
 
+    from megatron_gkd import platform
     from megatron_gkd.parallel.shards import gather_tp
 
+    tokens = tokens.to(platform.device())
     batch, seq = tokens.shape
     position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0)
 

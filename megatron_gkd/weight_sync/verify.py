@@ -35,7 +35,7 @@ def student_prompt_logprobs(chunks, prompts) -> torch.Tensor | None:
         if logits is None:
             continue
         logprobs = torch.log_softmax(logits[0, :-1].double(), dim=-1)
-        values.append(logprobs.gather(-1, tokens[0, 1:, None])[:, 0])
+        values.append(logprobs.gather(-1, tokens[0, 1:, None].to(logprobs.device))[:, 0].cpu())  # vLLM's are host
     return torch.cat(values) if values else None
 
 

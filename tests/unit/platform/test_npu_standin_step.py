@@ -171,7 +171,10 @@ def _weight_sync_rank(path: str, ports: tuple[int, int]):
         connect_trainer(plan, transport)
         WeightSender(plan, transport, config).sync(chunks, version=1)
         transport.close()
-        return transport.backend, None
+        # What weight_sync's verify compares with vLLM: the student's own prompt log-probs (forward_logits).
+        from megatron_gkd.weight_sync.verify import student_prompt_logprobs
+
+        return transport.backend, student_prompt_logprobs(chunks, [[1, 2, 3, 4]])
     plan = connect_rollout(transport)
     engine = RecordingEngine()
     version = WeightReceiver(plan, transport, config).sync(engine)
@@ -188,7 +191,7 @@ def test_weight_sync_asks_the_platform_for_hccl_groups_and_its_device(student, t
     record_dir.mkdir()
     # The children inherit the path (spawn); the stand-ins are imported only by their platform.setup(npu).
     monkeypatch.syspath_prepend(str(STANDINS))
-    (backend, _), (version, received) = run_distributed(
+    (backend, verify_logprobs), (version, received) = run_distributed(
         _weight_sync_rank, 2, args=(str(student / "student"), (free_port(), free_port())), platform_name=NPU.name,
         init_process_group=False, env={RECORD_ENV: str(record_dir)}, timeout=600)
     assert backend == NPU.dist_backend and version == 1
@@ -202,3 +205,7 @@ def test_weight_sync_asks_the_platform_for_hccl_groups_and_its_device(student, t
     assert {r["rank"] for r in transports if r["kind"] == "hccl_group"} == {"0", "1"}  # both sides' bucket groups
     assert {r["rank"] for r in transports if r["kind"] == "current_device"} == {"0", "1"}  # both sides' buffers
     assert any(r["kind"] == "place" and origin(r).startswith("megatron_gkd/weight_sync/") for r in records)
+    # verify's forward puts its tokens on the device (a host batch fed to a device model fails on any
+    # accelerator) and hands back host log-probs, which it compares with vLLM's.
+    assert verify_logprobs.shape == (3,) and verify_logprobs.device.type == "cpu"
+    assert any(r["kind"] == "place" and r["rank"] == "0" and origin(r) == "parallel/schedules.py" for r in records)
