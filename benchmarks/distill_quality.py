@@ -10,7 +10,9 @@ teacher, on the arithmetic task, it compares:
 ==========================  ========================================================================
 ``sft_teacher_samples``     off-policy SFT (cross-entropy) on responses the teacher sampled (T=1)
 ``kd_teacher_samples``      off-policy KD: the same teacher samples, the teacher's top-k, forward KL
-``forward_kl`` ...          on-policy (the student samples, ``rollout.n`` per prompt), one divergence
+``forward_kl`` ...          on-policy (the student samples ``rollout.n`` = 4 per prompt), one divergence
+``forward_kl_n1``           on-policy forward KL with one sample per prompt: as many prompts per step as
+                            the off-policy runs (a control for prompt diversity)
 ``tcad``                    on-policy TCAD: support-symmetric top-k truncation, coverage term,
                             teacher-confidence weights of each prompt's rollouts
 ``tcad_no_confidence``      TCAD without the confidence weights (token mean)
@@ -54,6 +56,7 @@ METHODS = {
     "sft_teacher_samples": ["trainer.mode=sft", "teacher.client=none", "teacher.serve.model=null", *OFF_POLICY],
     "kd_teacher_samples": ["trainer.mode=off_policy", "loss.type=forward_kl", *OFF_POLICY],
     "forward_kl": [*ON_POLICY, "loss.type=forward_kl"],
+    "forward_kl_n1": [*ON_POLICY, "loss.type=forward_kl", "rollout.n=1"],
     "reverse_kl": [*ON_POLICY, "loss.type=reverse_kl"],
     "jsd": [*ON_POLICY, "loss.type=jsd"],
     "kl_rkl": [*ON_POLICY, "loss.type=kl_rkl"],
