@@ -123,6 +123,9 @@ def _check_inert(config) -> None:
         logger.warning("loss.type=%s has no effect in trainer.mode=sft (cross-entropy on dataset responses)", loss.type)
     if loss.type != "tcad" and (loss.support_k is not None or loss.support_mode != "interleave"):
         logger.warning("loss.support_k / loss.support_mode have no effect with loss.type=%s (tcad only)", loss.type)
+    elif loss.support_mode == "union" and loss.support_k is not None:
+        logger.warning("loss.support_k has no effect with loss.support_mode=union (the support is both top-k lists "
+                       "whole: teacher.top_k + rollout.logprobs_k ids)")
     if not loss.fused and loss.chunk_size != 1024:
         logger.warning("loss.chunk_size has no effect without loss.fused=true")
     if trainer.max_tokens_per_microbatch is not None and trainer.micro_batch_size != 1:

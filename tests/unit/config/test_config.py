@@ -110,3 +110,11 @@ def test_entry_point_exits_2_with_one_line_and_prints_plans():
     assert "world 4 = tp 2 x pp 1 x dp 2" in plan.stdout and "rank 3: tp 1 dp 1 pp 0" in plan.stdout
     printed = run("--print-config", "rollout.n=8")
     assert printed.returncode == 0 and "'n': 8" in printed.stdout
+
+
+def test_support_k_is_inert_with_a_union_support_and_says_so(caplog):
+    tcad = ["loss.type=tcad", "rollout.logprobs_k=4", "teacher.top_k=4", "loss.support_k=4"]
+    load_config(BASE, tcad)
+    assert "loss.support_k has no effect" not in caplog.text
+    load_config(BASE, [*tcad, "loss.support_mode=union"])
+    assert "loss.support_k has no effect with loss.support_mode=union" in caplog.text
