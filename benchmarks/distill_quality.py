@@ -17,6 +17,10 @@ teacher, on the arithmetic task, it compares:
                             teacher-confidence weights of each prompt's rollouts
 ``tcad_no_confidence``      TCAD without the confidence weights (token mean)
 ``tcad_no_coverage``        TCAD without the coverage term
+``tcad_union``              TCAD on the union of both top-k lists (up to 2k ids) instead of the
+                            interleaved truncation to k (which keeps about k/2 of the teacher's ids)
+``reverse_kl_full_vocab``   diagnostics: ``reverse_kl`` / ``jsd`` with the teacher's whole vocabulary
+``jsd_full_vocab``          (k = 16): what the top-k truncation costs them
 ==========================  ========================================================================
 
 Every run is the real entry point (``configs/demo_cpu.yaml``) on one process (TP=1: on this model TP=2
@@ -63,6 +67,10 @@ METHODS = {
     "tcad": [*ON_POLICY, *TCAD],
     "tcad_no_confidence": [*ON_POLICY, *TCAD, "loss.confidence_alpha=null"],
     "tcad_no_coverage": [*ON_POLICY, *TCAD, "loss.options.coverage_coef=0.0"],
+    "tcad_union": [*ON_POLICY, *TCAD, "loss.support_mode=union"],
+    # Diagnostics: the same divergences on the whole 16-token vocabulary (nothing outside the support).
+    "reverse_kl_full_vocab": [*ON_POLICY, "loss.type=reverse_kl", "teacher.top_k=16"],
+    "jsd_full_vocab": [*ON_POLICY, "loss.type=jsd", "teacher.top_k=16"],
 }
 
 
@@ -172,12 +180,12 @@ def aggregate(results: list[dict]) -> dict:
 
 
 def markdown(table: dict, start: dict) -> str:
-    lines = ["| method | final accuracy, mean ± std (min-max) | held-out KL, mean ± std (min-max) | teacher tokens | steps |",
-             "|---|---|---|---|---|",
-             f"| start (the committed student) | {start['accuracy']:.3f} | {start['heldout_kl']:.4f} | 0 | 0 |"]
+    lines = ["| method | seeds | final accuracy, mean ± std (min-max) | held-out KL, mean ± std (min-max) | teacher tokens | steps |",
+             "|---|---|---|---|---|---|",
+             f"| start (the committed student) | | {start['accuracy']:.3f} | {start['heldout_kl']:.4f} | 0 | 0 |"]
     for method, row in table.items():
         acc, kl = row["accuracy"], row["heldout_kl"]
-        lines.append(f"| `{method}` | {acc['mean']:.3f} ± {acc['std']:.3f} ({acc['min']:.3f}-{acc['max']:.3f}) | "
+        lines.append(f"| `{method}` | {len(row['seeds'])} | {acc['mean']:.3f} ± {acc['std']:.3f} ({acc['min']:.3f}-{acc['max']:.3f}) | "
                      f"{kl['mean']:.4f} ± {kl['std']:.4f} ({kl['min']:.4f}-{kl['max']:.4f}) | {row['tokens']:,.0f} | "
                      f"{row['steps']:.0f} |")
     return "\n".join(lines)
