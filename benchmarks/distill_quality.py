@@ -52,7 +52,7 @@ logger = logging.getLogger("distill_quality")
 
 DEMO_CONFIG = harness.REPO / "configs" / "demo_cpu.yaml"
 TOP_K = 4
-ON_POLICY = ["trainer.mode=on_policy"]
+ON_POLICY = ["trainer.mode=on_policy", "rollout.n=4"]  # GKD's usual groups (TCAD's weights need them)
 OFF_POLICY = ["rollout.n=1", "data.train_path={samples}"]
 TCAD = ["loss.type=tcad", "loss.options.divergence=forward_kl", "loss.options.coverage_coef=1.0",
         "loss.confidence_alpha=1.0", f"loss.support_k={TOP_K}", f"rollout.logprobs_k={TOP_K}"]

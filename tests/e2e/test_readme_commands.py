@@ -77,7 +77,7 @@ def test_both_commands_in_a_fresh_clone_with_a_fresh_virtualenv(tmp_path):
     env = _environment(tmp_path, str(clone / ".venv"))
     run_command, test_command = readme_commands()
     demo = subprocess.run(run_command, shell=True, cwd=clone, env=env, capture_output=True, text=True, timeout=3000)
-    result = _check_demo(demo, tmp_path / "out", num_steps=2500)
+    result = _check_demo(demo, tmp_path / "out", num_steps=1500)
     assert result["after"] - result["before"] >= 0.5 * (result["teacher"] - result["before"]), result
     # The whole suite inside a test would recurse into this test; the unit tier proves the command.
     tests = subprocess.run(
