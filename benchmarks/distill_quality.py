@@ -1,7 +1,8 @@
 """Which distillation method teaches the demo's student most per teacher token: the demo's experiment.
 
-    python benchmarks/distill_quality.py                            # every method, seeds 1 2 3 (about 80 min)
-    python benchmarks/distill_quality.py --methods forward_kl tcad --seeds 1
+    python benchmarks/distill_quality.py                            # 11 methods, seeds 1 2 3 (about 90 min)
+    python benchmarks/distill_quality.py --methods reverse_kl_full_vocab jsd_full_vocab --seeds 1   # diagnostics
+    python benchmarks/distill_quality.py --report                   # aggregate what has finished
 
 At an equal budget of teacher tokens (``trainer.token_budget``: response tokens trained, each scored by
 the teacher once, or in SFT written by it), from the committed demo student (``assets/demo``) and
@@ -32,8 +33,8 @@ sampling) per seed. Two runs at a time share the two cores; each run is one proc
 Measured per run: the final greedy accuracy on the 500 held-out problems (the trainer's eval, vLLM), and
 the held-out KL(teacher || student) over the full vocabulary, teacher-forced on the reference solutions
 (float64, transformers, computed here from the run's HF export: the same tokens for every method).
-A finished run leaves ``result.json`` in its directory and is not run again; ``--report`` only
-aggregates. Output: ``results.json``, a Markdown table (stdout and ``results.md``) and ``results.png``.
+A finished run leaves ``result.json`` in its directory and is not run again; the table covers every
+finished run under ``--out``; ``--report`` only aggregates. Output: ``results.json``, a Markdown table (stdout and ``results.md``) and ``results.png``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ METHODS = {
     "reverse_kl_full_vocab": [*ON_POLICY, "loss.type=reverse_kl", "teacher.top_k=16"],
     "jsd_full_vocab": [*ON_POLICY, "loss.type=jsd", "teacher.top_k=16"],
 }
+DIAGNOSTICS = ("reverse_kl_full_vocab", "jsd_full_vocab")  # run on request (--methods), not by default
 
 
 def common_overrides(task: pathlib.Path, budget: int, num_steps: int, decay_steps: int) -> list[str]:
@@ -208,14 +210,18 @@ def plot(table: dict, results: list[dict], start: dict, teacher_accuracy: float,
         axis.axhline(start[key], color="gray", linestyle=":", label="start")
         axis.set_xticks(range(len(methods)), methods, rotation=40, ha="right", fontsize=8)
         axis.set_title(label)
+    axes[1].set_yscale("log")  # a collapsed run sits nats above the rest
     axes[0].axhline(teacher_accuracy, color="gray", linestyle="--", label="teacher")
     axes[0].legend(fontsize=8)
-    for method in methods:
+    colors = plt.get_cmap("tab20").colors  # one colour a method (the default cycle repeats after ten)
+    for index, method in enumerate(methods):
         curves = [r["curve"] for r in results if r["method"] == method]
         length = min(len(c) for c in curves)
         tokens = [statistics.mean(c[i][0] for c in curves) for i in range(length)]
         accuracy = [statistics.mean(c[i][1] for c in curves) for i in range(length)]
-        axes[2].plot(tokens, accuracy, "o-", markersize=3, label=method)
+        style = ":" if "full_vocab" in method else "--" if "teacher_samples" in method else "-"
+        axes[2].plot(tokens, accuracy, marker="o", linestyle=style, markersize=3, color=colors[index % len(colors)],
+                     label=method)
     axes[2].set(xlabel="teacher tokens", ylabel="held-out accuracy (mean of seeds)", title="accuracy against budget")
     axes[2].legend(fontsize=7)
     figure.tight_layout()
@@ -226,7 +232,8 @@ def plot(table: dict, results: list[dict], start: dict, teacher_accuracy: float,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="outputs/distill_quality")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in DIAGNOSTICS],
+                        choices=list(METHODS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--token-budget", type=int, default=560_000,
                         help="teacher tokens per run (about 970 steps of 64 samples of ~9 tokens)")
@@ -252,8 +259,9 @@ def main() -> None:
     if not args.report:
         run_all(jobs, root, common_overrides(task, args.token_budget, args.num_steps, args.decay_steps), samples, kl,
                 args.parallel)
-    results = [json.loads((root / f"{m}-seed{s}" / "result.json").read_text()) for m, s in jobs
-               if (root / f"{m}-seed{s}" / "result.json").exists()]
+    # Every finished run under the output directory, whichever invocation ran it.
+    results = [json.loads(path.read_text()) for path in sorted(root.glob("*-seed*/result.json"))]
+    results = [r for r in results if r["method"] in METHODS]
     table = aggregate(results)
     teacher_accuracy = json.loads((teacher / "accuracy.json").read_text())["eval/accuracy"]
     text = markdown(table, start)
