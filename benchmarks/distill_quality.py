@@ -1,6 +1,6 @@
 """Which distillation method teaches the demo's student most per teacher token: the demo's experiment.
 
-    python benchmarks/distill_quality.py                            # 11 methods, seeds 1 2 3 (about 90 min)
+    python benchmarks/distill_quality.py                            # 14 methods, seeds 1 2 3 (about 2 hours)
     python benchmarks/distill_quality.py --methods reverse_kl_full_vocab jsd_full_vocab --seeds 1   # diagnostics
     python benchmarks/distill_quality.py --report                   # aggregate what has finished
 
@@ -20,6 +20,8 @@ teacher, on the arithmetic task, it compares:
 ``tcad_no_coverage``        TCAD without the coverage term
 ``tcad_union``              TCAD on the union of both top-k lists (up to 2k ids) instead of the
                             interleaved truncation to k (which keeps about k/2 of the teacher's ids)
+``tcad_alpha_0.0`` ...      TCAD with ``confidence_alpha`` 0, 0.1, 0.3 (``tcad`` has 1): 0 weighs each
+                            prompt's rollouts equally
 ``reverse_kl_full_vocab``   diagnostics: ``reverse_kl`` / ``jsd`` with the teacher's whole vocabulary
 ``jsd_full_vocab``          (k = 16): what the top-k truncation costs them
 ==========================  ========================================================================
@@ -69,6 +71,9 @@ METHODS = {
     "tcad_no_confidence": [*ON_POLICY, *TCAD, "loss.confidence_alpha=null"],
     "tcad_no_coverage": [*ON_POLICY, *TCAD, "loss.options.coverage_coef=0.0"],
     "tcad_union": [*ON_POLICY, *TCAD, "loss.support_mode=union"],
+    # The confidence weights' sharpness: 0 weighs each prompt's rollouts equally (a sequence mean per
+    # prompt, unlike tcad_no_confidence's token mean), 1 is configs/tcad.yaml's.
+    **{f"tcad_alpha_{alpha}": [*ON_POLICY, *TCAD, f"loss.confidence_alpha={alpha}"] for alpha in ("0.0", "0.1", "0.3")},
     # Diagnostics: the same divergences on the whole 16-token vocabulary (nothing outside the support).
     "reverse_kl_full_vocab": [*ON_POLICY, "loss.type=reverse_kl", "teacher.top_k=16"],
     "jsd_full_vocab": [*ON_POLICY, "loss.type=jsd", "teacher.top_k=16"],
