@@ -36,7 +36,8 @@ Measured per run: the final greedy accuracy on the 500 held-out problems (the tr
 the held-out KL(teacher || student) over the full vocabulary, teacher-forced on the reference solutions
 (float64, transformers, computed here from the run's HF export: the same tokens for every method).
 A finished run leaves ``result.json`` in its directory and is not run again; the table covers every
-finished run under ``--out``; ``--report`` only aggregates. Output: ``results.json``, a Markdown table (stdout and ``results.md``) and ``results.png``.
+finished run under ``--out``; ``--report`` only aggregates. Output: ``results.json``, a Markdown table
+(stdout and ``results.md``) and ``results.png``.
 """
 
 from __future__ import annotations
