@@ -19,6 +19,10 @@ _CLIENT_OPTIONS = {"address": "zmq", "secret_file": "zmq", "insecure": "zmq", "b
 
 NO_TEACHER = "none"
 
+# What the teacher sends per response token (docs/teacher_protocol.md "Choosing a signal").
+TEACHER_SIGNALS = ("topk", "hidden")
+HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
+
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class TeacherServeConfig:
@@ -67,6 +71,14 @@ class TeacherConfig:
         max_attempts: attempts per batch.
         max_inflight: batches in flight at once (``score_async``).
         serve: a teacher service this run starts itself (:class:`TeacherServeConfig`).
+        signal: ``topk`` (the teacher's top-k log-probs per token) or ``hidden`` (its final hidden
+            state per token, after the last norm; the trainer recomputes the teacher's logits over the
+            whole vocabulary with the teacher's output layer, sharded over the student's TP ranks).
+        hidden_dtype: hidden: the dtype of the hidden states on the wire (``bfloat16``, ``float16``
+            or ``float32``).
+        head_checkpoint: hidden: HF checkpoint directory whose output layer (``lm_head.weight``, or the
+            tied ``embed_tokens.weight``) is the teacher's; default ``teacher.serve.model`` or
+            ``teacher.checkpoint``. Only the output layer's rows of this rank's vocabulary shard are read.
     """
 
     client: str = NO_TEACHER
@@ -86,8 +98,15 @@ class TeacherConfig:
     max_attempts: int = 5
     max_inflight: int = 2
     serve: TeacherServeConfig = dataclasses.field(default_factory=TeacherServeConfig)
+    signal: str = "topk"
+    hidden_dtype: str = "bfloat16"
+    head_checkpoint: str | None = None
 
     def __post_init__(self):
+        if self.signal not in TEACHER_SIGNALS:
+            raise ValueError(f"teacher.signal={self.signal!r} must be one of {', '.join(TEACHER_SIGNALS)}")
+        if self.hidden_dtype not in HIDDEN_DTYPES:
+            raise ValueError(f"teacher.hidden_dtype={self.hidden_dtype!r} must be one of {', '.join(HIDDEN_DTYPES)}")
         if self.client != NO_TEACHER and self.client not in CLIENTS:
             raise CLIENTS.unknown(self.client)
         if self.top_k < 1:
@@ -108,10 +127,21 @@ class TeacherConfig:
             raise ValueError("teacher.base_url is required for client 'openai' (e.g. http://host:8000)")
         if self.client == "local" and not self.checkpoint:
             raise ValueError("teacher.checkpoint is required for client 'local' (a HF checkpoint directory)")
+        if self.signal == "hidden" and self.enabled and self.head_source is None:
+            raise ValueError("teacher.signal=hidden recomputes the teacher's logits with its output layer: set "
+                             "teacher.head_checkpoint=DIR (the teacher's HF checkpoint), or teacher.serve.model / "
+                             "teacher.checkpoint, from which it is read")
+        if self.signal == "topk" and (self.head_checkpoint is not None or self.hidden_dtype != "bfloat16"):
+            logger.warning("teacher.head_checkpoint and teacher.hidden_dtype have no effect with teacher.signal=topk")
         for option, owner in _CLIENT_OPTIONS.items():
             if owner != self.client and getattr(self, option) not in (None, False):
                 logger.warning("teacher.%s has no effect with client %r (only %r reads it)", option,
                                self.client, owner)
+
+    @property
+    def head_source(self) -> str | None:
+        """The checkpoint whose output layer turns hidden states into the teacher's logits."""
+        return self.head_checkpoint or self.serve.model or self.checkpoint
 
     @property
     def enabled(self) -> bool:
