@@ -6,6 +6,8 @@ Public API::
                                                 loss_type="forward_kl", tp_group=tp_group)
     loss, metrics = fused_vocab_parallel_distill_loss(hidden, output_weight_shard, teacher_ids,
                                                       teacher_logprobs, loss_type=..., tp_group=...)
+    total, loss, metrics = hidden_distill_loss(student_hidden, teacher_hidden, teacher_head_shard, weights,
+                                               student_weight=output_weight_shard, loss_type=..., tp_group=...)
     scalar = aggregate_distill_loss(loss, loss_mask, sequence_weights)
 
 TCAD: :func:`tcad_support`, :func:`vocab_parallel_topk`, :func:`tcad_sequence_weights`.
@@ -14,6 +16,7 @@ New divergences register with :func:`register_divergence`.
 
 from megatron_gkd.losses.aggregation import aggregate_distill_loss
 from megatron_gkd.losses.fused import fused_vocab_parallel_distill_loss
+from megatron_gkd.losses.hidden import hidden_distill_loss
 from megatron_gkd.losses.registry import (
     SupportInputs,
     SupportTerms,
@@ -30,6 +33,7 @@ __all__ = [
     "aggregate_distill_loss",
     "fused_vocab_parallel_distill_loss",
     "get_divergence",
+    "hidden_distill_loss",
     "register_divergence",
     "registered_divergences",
     "tcad_sequence_weights",

@@ -87,3 +87,36 @@ def reference_distill_loss(
     else:
         raise ValueError(f"no reference for loss_type {loss_type!r}")
     return value if all_rows else loss.index_put((rows,), value)
+
+
+def reference_full_vocab_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    loss_type: str,
+    temperature: float = 1.0,
+    teacher_temperature: float = 1.0,
+    real_vocab_size: int | None = None,
+    **options,
+) -> torch.Tensor:
+    """Per-token full-vocabulary divergence ``[N]`` from both models' whole ``[N, V]`` logits (float64).
+
+    Ids at or past ``real_vocab_size`` are dropped on both sides. Same definitions as
+    :func:`megatron_gkd.losses.hidden.hidden_distill_loss` (``tcad``: its ``divergence`` on the whole
+    vocabulary, where the coverage term vanishes).
+    """
+    real = student_logits.shape[-1] if real_vocab_size is None else real_vocab_size
+    log_q = torch.log_softmax(student_logits[:, :real].double() / temperature, dim=-1)
+    log_p = torch.log_softmax(teacher_logits[:, :real].double() / teacher_temperature, dim=-1)
+    valid = torch.ones_like(log_p, dtype=torch.bool)
+    if loss_type == "tcad":
+        loss_type, options = options.get("divergence", "forward_kl"), {"beta": options.get("alpha", 0.5)}
+    if loss_type == "forward_kl":
+        return _kl(log_p, log_q, valid)
+    if loss_type == "reverse_kl":
+        return _kl(log_q, log_p, valid)
+    if loss_type == "jsd":
+        return _jsd(log_p, log_q, valid, options.get("beta", 0.5))
+    if loss_type == "kl_rkl":
+        ratio = options.get("rkl_ratio", 0.1)
+        return (1 - ratio) * _kl(log_p, log_q, valid) + ratio * _kl(log_q, log_p, valid)
+    raise ValueError(f"no reference for loss_type {loss_type!r}")

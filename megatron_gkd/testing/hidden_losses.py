@@ -1,0 +1,185 @@
+"""Test cases for the hidden-signal loss and a body that checks them on every rank (TP=1 or more).
+
+Each case is a whole problem built from a seed (the same on every rank): student hidden states and
+output table, teacher hidden states and output table (of its own size, padded or cut to the student's
+rows as :func:`megatron_gkd.models.teacher_head.load_teacher_head` does), token weights with zeros.
+A rank slices its vocabulary shard, runs :func:`hidden_distill_loss` fused (hidden states) and unfused
+(the student's logit shard), back-propagates, and compares the loss and the gradients with the dense
+float64 reference :func:`reference_full_vocab_loss` under autograd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from megatron_gkd.losses import vocab_parallel_distill_loss
+from megatron_gkd.losses.hidden import hidden_distill_loss
+from megatron_gkd.losses.reference import reference_full_vocab_loss
+
+LOSS_CONFIGS: list[tuple[str, dict]] = [
+    ("forward_kl", {}),
+    ("reverse_kl", {}),
+    ("jsd", {"beta": 0.3}),
+    ("kl_rkl", {"rkl_ratio": 0.25}),
+    ("tcad", {}),
+    ("tcad", {"divergence": "reverse_kl"}),
+    ("tcad", {"divergence": "jsd", "alpha": 0.3}),
+]
+TOLERANCES = {torch.float64: 1e-6, torch.float32: 1e-4}
+
+
+@dataclasses.dataclass
+class HiddenCase:
+    """A whole problem in float64; ``teacher_table`` already has the student's number of rows."""
+
+    name: str
+    student_hidden: torch.Tensor  # [N, h_s]
+    student_table: torch.Tensor  # [V, h_s]
+    teacher_hidden: torch.Tensor  # [N, h_t]
+    teacher_table: torch.Tensor  # [V, h_t]
+    weights: torch.Tensor  # [N]
+    real_vocab_size: int
+    temperature: float = 1.0
+    teacher_temperature: float = 1.0
+
+
+def _table_for_student(teacher_rows: int, student_rows: int, hidden: int, generator) -> torch.Tensor:
+    """A teacher table of ``teacher_rows`` cut or zero-padded to the student's ``student_rows``."""
+    table = torch.randn(teacher_rows, hidden, generator=generator, dtype=torch.float64) * 0.6
+    out = torch.zeros(student_rows, hidden, dtype=torch.float64)
+    rows = min(teacher_rows, student_rows)
+    out[:rows] = table[:rows]
+    return out
+
+
+def make_cases(tp_size: int) -> list[HiddenCase]:
+    """Cases whose vocabulary splits into ``tp_size`` shards: equal tables, padded and unequal tables,
+    a shard of padding only, temperatures, all-zero weights."""
+    generator = torch.Generator().manual_seed(1234)
+    vocab = 12 * tp_size
+
+    def case(name, *, teacher_rows=vocab, real=vocab, num_tokens=11, h_s=8, h_t=12, zeros=(2, 5), **temps):
+        student_hidden = torch.randn(num_tokens, h_s, generator=generator, dtype=torch.float64)
+        teacher_hidden = torch.randn(num_tokens, h_t, generator=generator, dtype=torch.float64)
+        weights = torch.rand(num_tokens, generator=generator, dtype=torch.float64) + 0.1
+        weights[list(zeros)] = 0.0
+        student_table = torch.randn(vocab, h_s, generator=generator, dtype=torch.float64) * 0.6
+        return HiddenCase(name, student_hidden, student_table, teacher_hidden,
+                          _table_for_student(teacher_rows, vocab, h_t, generator), weights, real, **temps)
+
+    cases = [
+        case("equal"),
+        case("temperatures", temperature=1.7, teacher_temperature=0.6),
+        case("teacher_table_longer", teacher_rows=vocab + 5, real=vocab - 5),
+        case("teacher_table_shorter", teacher_rows=vocab - 3, real=vocab - 7),
+        case("one_token", num_tokens=1, zeros=()),
+    ]
+    if tp_size > 1:
+        cases.append(case("padding_only_shard", real=12 * (tp_size - 1) - 1))
+    return cases
+
+
+def _shard(table: torch.Tensor, layout_rank: int, tp_size: int) -> torch.Tensor:
+    rows = table.shape[0] // tp_size
+    return table[layout_rank * rows:(layout_rank + 1) * rows]
+
+
+def _relative(value: torch.Tensor, reference: torch.Tensor) -> float:
+    scale = float(reference.abs().max()) if reference.numel() else 0.0
+    return float((value.double() - reference).abs().max()) / max(scale, 1e-30) if value.numel() else 0.0
+
+
+def _reference(case: HiddenCase, loss_type: str, options: dict):
+    """Dense float64 loss and gradients of ``sum w loss`` w.r.t. student hidden, table and logits."""
+    hidden = case.student_hidden.clone().requires_grad_(True)
+    table = case.student_table.clone().requires_grad_(True)
+    logits = hidden @ table.t()
+    logits.retain_grad()
+    per_token = reference_full_vocab_loss(logits, case.teacher_hidden @ case.teacher_table.t(), loss_type,
+                                          case.temperature, case.teacher_temperature, case.real_vocab_size, **options)
+    total = (per_token * case.weights).sum()
+    total.backward()
+    return total.detach(), per_token.detach(), hidden.grad, table.grad, logits.grad
+
+
+def check_case(case: HiddenCase, loss_type: str, options: dict, *, dtype: torch.dtype, tp_group,
+               chunk_size: int) -> dict[str, float]:
+    """Relative errors of the fused and unfused hidden paths against the reference on this rank."""
+    rank, tp_size = (0, 1) if tp_group is None else (dist.get_rank(tp_group), dist.get_world_size(tp_group))
+    total_ref, loss_ref, hidden_grad_ref, table_grad_ref, logits_grad_ref = _reference(case, loss_type, options)
+    table_shard = _shard(case.student_table, rank, tp_size)
+    teacher_shard = _shard(case.teacher_table, rank, tp_size).to(dtype)
+    common = dict(loss_type=loss_type, tp_group=tp_group, temperature=case.temperature,
+                  teacher_temperature=case.teacher_temperature, real_vocab_size=case.real_vocab_size,
+                  chunk_size=chunk_size, **options)
+    errors, counted = {}, case.weights != 0  # tokens of weight 0 are skipped: loss 0
+    hidden = case.student_hidden.to(dtype, copy=True).requires_grad_(True)
+    weight = table_shard.to(dtype, copy=True).requires_grad_(True)
+    total, loss, _ = hidden_distill_loss(hidden, case.teacher_hidden.to(dtype), teacher_shard, case.weights,
+                                         student_weight=weight, **common)
+    total.backward()
+    errors["fused_total"] = _relative(total.detach(), total_ref)
+    errors["fused_loss"] = _relative(loss[counted], loss_ref[counted])
+    errors["fused_hidden_grad"] = _relative(hidden.grad, hidden_grad_ref)
+    errors["fused_weight_grad"] = _relative(weight.grad, _shard(table_grad_ref, rank, tp_size))
+    logits = (case.student_hidden @ table_shard.t()).to(dtype, copy=True).requires_grad_(True)
+    total, loss, _ = hidden_distill_loss(logits, case.teacher_hidden.to(dtype), teacher_shard, case.weights, **common)
+    total.backward()
+    errors["unfused_total"] = _relative(total.detach(), total_ref)
+    errors["unfused_loss"] = _relative(loss[counted], loss_ref[counted])
+    errors["skipped_tokens"] = float(loss[~counted].abs().max()) if (~counted).any() else 0.0
+    errors["unfused_logits_grad"] = _relative(logits.grad, _shard(logits_grad_ref.t(), rank, tp_size).t())
+    return errors
+
+
+def check_topk_equivalence(case: HiddenCase, loss_type: str, options: dict, tp_group) -> float:
+    """Relative difference between the hidden path and the top-k path at k = V (no padding), fp64."""
+    rank, tp_size = (0, 1) if tp_group is None else (dist.get_rank(tp_group), dist.get_world_size(tp_group))
+    vocab = case.student_table.shape[0]
+    teacher_logprobs = torch.log_softmax(case.teacher_hidden @ case.teacher_table.t() / case.teacher_temperature, -1)
+    ids = torch.arange(vocab).expand(case.weights.numel(), vocab).contiguous()
+    shard = _shard(case.student_table, rank, tp_size)
+    logits = (case.student_hidden @ shard.t()).requires_grad_(True)
+    per_token, _ = vocab_parallel_distill_loss(logits, ids, teacher_logprobs, loss_type=loss_type, tp_group=tp_group,
+                                               temperature=case.temperature, **options)
+    (per_token * case.weights).sum().backward()
+    topk_grad = logits.grad
+    logits = (case.student_hidden @ shard.t()).requires_grad_(True)
+    total, hidden_loss, _ = hidden_distill_loss(logits, case.teacher_hidden, _shard(case.teacher_table, rank, tp_size),
+                                                case.weights, loss_type=loss_type, tp_group=tp_group,
+                                                temperature=case.temperature,
+                                                teacher_temperature=case.teacher_temperature, **options)
+    total.backward()
+    masked = case.weights != 0
+    return max(_relative(hidden_loss[masked], per_token.detach()[masked]), _relative(logits.grad, topk_grad))
+
+
+def check_everything(tp_size: int | None = None) -> dict:
+    """On every rank of the default group (its TP group): every case x loss x dtype x chunking, and the
+    top-k equivalence at k = V. Returns ``{"cases": {key: errors}, "topk": {key: error}}``."""
+    tp_group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+    tp_size = 1 if tp_group is None else dist.get_world_size()
+    results: dict = {"cases": {}, "topk": {}}
+    for case in make_cases(tp_size):
+        for loss_type, options in LOSS_CONFIGS:
+            key = f"{case.name}/{loss_type}/{options}"
+            for dtype in (torch.float64, torch.float32):
+                for chunk_size in (3, 1024):
+                    results["cases"][f"{key}/{dtype}/chunk{chunk_size}"] = check_case(
+                        case, loss_type, options, dtype=dtype, tp_group=tp_group, chunk_size=chunk_size)
+            if case.real_vocab_size == case.student_table.shape[0]:
+                results["topk"][key] = check_topk_equivalence(case, loss_type, options, tp_group)
+    return results
+
+
+def failures(results: dict) -> list[str]:
+    """Keys whose errors exceed the dtype's tolerance."""
+    bad = []
+    for key, errors in results["cases"].items():
+        tolerance = TOLERANCES[torch.float64 if "float64" in key else torch.float32]
+        bad += [f"{key}: {name}={value:.3g}" for name, value in errors.items() if not value <= tolerance]
+    bad += [f"topk {key}: {value:.3g}" for key, value in results["topk"].items() if not value <= 1e-9]
+    return bad
