@@ -58,17 +58,23 @@ class TeacherRows:
     token ``t`` of sample ``i``.
 
     Attributes:
-        ids: ``[N, K]`` int64 ids scored by the loss (top-k, or TCAD's support); padding: id 0.
+        ids: ``[N, K]`` int64 ids scored by the loss (top-k, or TCAD's support); padding: id 0. ``K = 0``
+            with the hidden signal.
         logprobs: ``[N, K]`` float32 teacher log-probs at ``ids``; padding: ``-inf``.
         token_logprobs: ``[N]`` float32 teacher log-prob of each response token.
+        hidden: ``[N, h_t]`` float32 teacher final hidden states (``teacher.signal=hidden``), or None.
     """
 
     ids: torch.Tensor
     logprobs: torch.Tensor
     token_logprobs: torch.Tensor
+    hidden: torch.Tensor | None = None
 
-    def split(self, lengths: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return list(zip(self.ids.split(list(lengths)), self.logprobs.split(list(lengths))))
+    def split(self, lengths: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """Per sample ``(ids, logprobs, hidden or None)``."""
+        lengths = list(lengths)
+        hidden = self.hidden.split(lengths) if self.hidden is not None else [None] * len(lengths)
+        return list(zip(self.ids.split(lengths), self.logprobs.split(lengths), hidden))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -94,8 +100,9 @@ def sanitize_student_topk(topk: torch.Tensor, vocab_size: int) -> tuple[torch.Te
 
 
 def score_batch(samples: Sequence[Sample], *, top_k: int, temperature: float, vocab_size: int,
-                request_student_topk: bool) -> ScoreBatch:
-    """The teacher request for ``samples`` (with the student's top-k ids when TCAD needs them scored)."""
+                request_student_topk: bool, signal: str = "topk", hidden_dtype: str = "bfloat16") -> ScoreBatch:
+    """The teacher request for ``samples`` (with the student's top-k ids when TCAD needs them scored;
+    ``signal="hidden"``: the teacher's final hidden states, in ``hidden_dtype`` on the wire)."""
     sequences = []
     for sample in samples:
         requested = None
@@ -105,7 +112,8 @@ def score_batch(samples: Sequence[Sample], *, top_k: int, temperature: float, vo
             requested = requested.numpy()
         sequences.append(SequenceRequest(token_ids=sample.tokens.numpy(), response_start=sample.prompt_len,
                                          requested_ids=requested))
-    return ScoreBatch(sequences=sequences, top_k=top_k, temperature=temperature)
+    return ScoreBatch(sequences=sequences, top_k=top_k, temperature=temperature, signal=signal,
+                      hidden_dtype=hidden_dtype)
 
 
 def _tcad_rows(output: TeacherOutput, student_topk: torch.Tensor, spec: TCADSpec, vocab_size: int):
@@ -129,8 +137,10 @@ def _tcad_rows(output: TeacherOutput, student_topk: torch.Tensor, spec: TCADSpec
 def teacher_rows(outputs: Sequence[TeacherOutput], samples: Sequence[Sample], *, tcad: TCADSpec | None = None,
                  vocab_size: int | None = None) -> TeacherRows:
     """The rows the loss reads, concatenated over ``samples`` (TCAD: the support and its log-probs)."""
-    ids, logprobs, tokens = [], [], []
+    ids, logprobs, tokens, hidden = [], [], [], []
     for output, sample in zip(outputs, samples, strict=True):
+        if output.hidden is not None:
+            hidden.append(torch.from_numpy(output.hidden))
         if tcad is None:
             ids.append(torch.from_numpy(output.topk_ids))
             logprobs.append(torch.from_numpy(output.topk_logprobs))
@@ -139,7 +149,8 @@ def teacher_rows(outputs: Sequence[TeacherOutput], samples: Sequence[Sample], *,
             ids.append(support)
             logprobs.append(support_lp)
         tokens.append(torch.from_numpy(output.token_logprobs))
-    return TeacherRows(torch.cat(ids), torch.cat(logprobs).float(), torch.cat(tokens).float())
+    return TeacherRows(torch.cat(ids), torch.cat(logprobs).float(), torch.cat(tokens).float(),
+                       torch.cat(hidden).float() if hidden else None)
 
 
 def token_coefficients(samples: Sequence[Sample], *, total_tokens: int, num_groups: int,
@@ -174,8 +185,9 @@ def token_coefficients(samples: Sequence[Sample], *, total_tokens: int, num_grou
 class MicroBatch:
     """One micro-batch in Megatron's ``[b, s]`` layout (``s``: the longest input, padded to a multiple).
 
-    ``teacher_ids``/``teacher_logprobs`` (``[b, s, K]``) and ``labels`` are set only where the loss is
-    computed (the last pipeline stage; labels in the ``sft`` mode).
+    ``teacher_ids``/``teacher_logprobs`` (``[b, s, K]``), ``teacher_hidden`` (``[b, s, h_t]``, the hidden
+    signal) and ``labels`` are set only where the loss is computed (the last pipeline stage; labels in the
+    ``sft`` mode).
     """
 
     tokens: torch.Tensor
@@ -185,6 +197,7 @@ class MicroBatch:
     labels: torch.Tensor | None = None
     teacher_ids: torch.Tensor | None = None
     teacher_logprobs: torch.Tensor | None = None
+    teacher_hidden: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -238,8 +251,8 @@ def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Ten
         samples: the micro-batch's samples.
         coefficients: ``[R_i]`` loss coefficient per response token of each sample.
         pad_multiple: ``s`` is rounded up to a multiple (sequence parallelism needs a multiple of TP).
-        rows: per sample ``(ids [R_i, K], logprobs [R_i, K])`` teacher rows, placed at the positions that
-            predict each response token (``None`` on ranks without a loss).
+        rows: per sample ``(ids [R_i, K], logprobs [R_i, K], hidden [R_i, h_t] or None)`` teacher rows, placed
+            at the positions that predict each response token (``None`` on ranks without a loss).
         labels: also build next-token labels (cross-entropy).
         shape: pad to this ``(b, s)`` (extra rows are all padding): pipeline stages exchange activations
             of one fixed shape per step.
@@ -257,6 +270,8 @@ def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Ten
     num_ids = rows[0][0].shape[1] if rows else 0
     teacher_ids = torch.zeros(b, width, num_ids, dtype=torch.int64) if rows else None
     teacher_lp = torch.full((b, width, num_ids), float("-inf"), dtype=torch.float32) if rows else None
+    hidden_size = rows[0][2].shape[1] if rows and rows[0][2] is not None else None
+    teacher_hidden = torch.zeros(b, width, hidden_size, dtype=torch.float32) if hidden_size else None
     for i, (sample, coefficient) in enumerate(zip(samples, coefficients, strict=True)):  # rows past them: padding
         start, length = sample.prompt_len - 1, sample.response_len
         tokens[i, : sample.input_len] = sample.tokens[:-1]
@@ -265,12 +280,15 @@ def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Ten
         if label_ids is not None:
             label_ids[i, : sample.input_len] = sample.tokens[1:]
         if rows:
-            ids, logprobs = rows[i]
+            ids, logprobs, hidden = rows[i]
             teacher_ids[i, start : start + length] = ids
             teacher_lp[i, start : start + length] = logprobs
+            if teacher_hidden is not None:
+                teacher_hidden[i, start : start + length] = hidden
     position_ids = torch.arange(width, dtype=torch.int64).unsqueeze(0).expand(b, width).contiguous()
     return MicroBatch(tokens=tokens, position_ids=position_ids, loss_mask=loss_mask, coefficients=weights,
-                      labels=label_ids, teacher_ids=teacher_ids, teacher_logprobs=teacher_lp)
+                      labels=label_ids, teacher_ids=teacher_ids, teacher_logprobs=teacher_lp,
+                      teacher_hidden=teacher_hidden)
 
 
 def samples_from_rollout(batch, indices: Sequence[int], prompt_indices: Sequence[int]) -> list[Sample]:

@@ -53,6 +53,22 @@ def build_student(config: GKDConfig) -> Student:
     return Student(chunks=chunks, optimizer=optimizer, lr_scheduler=lr_scheduler, hf_config=hf_config, dtype=dtype)
 
 
+def build_teacher_head(config: GKDConfig, state, student: Student, tokenizer) -> torch.Tensor | None:
+    """This rank's shard of the teacher's output layer (``teacher.signal=hidden``, last pipeline stage),
+    split over the TP group like the student's own output layer; None when the run does not need it."""
+    if config.teacher.signal != "hidden" or not config.teacher.enabled or not state.is_pipeline_last_stage:
+        return None
+    from megatron_gkd import platform
+    from megatron_gkd.models.teacher_head import load_teacher_head
+
+    head = load_teacher_head(config.teacher.head_source, student_vocab_size=student.vocab_size, tp_rank=state.tp_rank,
+                             tp_size=state.config.tensor_model_parallel_size, real_vocab_size=len(tokenizer), dtype=student.dtype,
+                             device=platform.device())
+    logger.info("teacher head shard %s (%s, %.1f MiB) from %s", tuple(head.shape), head.dtype,
+                head.numel() * head.element_size() / 2**20, config.teacher.head_source)
+    return head
+
+
 def stop_token_ids(config: GKDConfig, tokenizer) -> tuple[int, ...]:
     """``rollout.stop_token_ids`` plus the tokenizer's EOS (the engine is given token ids, not text)."""
     ids = list(config.rollout.stop_token_ids)
@@ -98,7 +114,8 @@ def build_teacher_client(config: GKDConfig, address: str | None):
     return build_client_from_config(teacher)
 
 
-def check_teacher(client, config: GKDConfig, tokenizer, student_vocab_size: int, tcad: bool) -> None:
+def check_teacher(client, config: GKDConfig, tokenizer, student_vocab_size: int, tcad: bool,
+                  teacher_hidden_size: int | None = None) -> None:
     """Start-up checks against the teacher: vocabulary alignment, k, requested ids, temperature.
 
     Raises:
@@ -113,5 +130,11 @@ def check_teacher(client, config: GKDConfig, tokenizer, student_vocab_size: int,
     if tcad and not info.supports_requested_ids:
         raise ValueError("loss.type=tcad needs a teacher that scores requested ids; this teacher cannot (e.g. vLLM on "
                          "CPU): use an hf or megatron teacher backend")
+    if teacher.signal not in getattr(info, "signals", ("topk",)):
+        raise ValueError(f"teacher.signal={teacher.signal}: this teacher serves {', '.join(info.signals)} only; use "
+                         "an hf or megatron teacher backend (or teacher.client=local) for the hidden signal")
+    if teacher_hidden_size is not None and info.hidden_size != teacher_hidden_size:
+        raise ValueError(f"teacher.head_checkpoint={teacher.head_source} has hidden size {teacher_hidden_size} but the "
+                         f"teacher serves hidden states of size {info.hidden_size}: the head must be the served teacher's")
     if teacher.temperature != 1.0 and not info.supports_temperature:
         raise ValueError(f"teacher.temperature={teacher.temperature}: this teacher serves temperature 1.0 only")

@@ -64,10 +64,13 @@ class BatchFlow:
         layout: :func:`megatron_gkd.config.check_layout`'s plan.
         timers: the trainer's phase timers.
         loss_kind: ``distill`` (teacher rows) or ``cross_entropy``.
+        teacher_hidden_size: the teacher's hidden size with ``teacher.signal=hidden`` (the rows carry its
+            hidden states), else None.
     The trainer attaches ``engine`` (colocated) or ``remote`` (rollout server) and ``client`` (teacher).
     """
 
-    def __init__(self, config, state, *, control, dp_group, tokenizer, stop_ids, layout: dict, timers, loss_kind: str):
+    def __init__(self, config, state, *, control, dp_group, tokenizer, stop_ids, layout: dict, timers, loss_kind: str,
+                 teacher_hidden_size: int | None = None):
         self.config, self.state, self.control, self.dp_group = config, state, control, dp_group
         self.tokenizer, self.stop_ids, self.layout, self.timers, self.loss_kind = tokenizer, stop_ids, layout, timers, loss_kind
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -77,6 +80,7 @@ class BatchFlow:
         # One rank per TP group of the last stage asks a remote teacher and sends the rows to its TP group.
         self.is_teacher_rank = state.is_pipeline_last_stage and state.tp_rank == 0
         self.confidence: dict = {}
+        self.teacher_hidden_size = teacher_hidden_size
         self.tcad = self._tcad_spec()
 
     # -------------------------------------------------------------------------------------- sampling
@@ -148,8 +152,8 @@ class BatchFlow:
     # --------------------------------------------------------------------------------------- teacher
     def _tcad_spec(self) -> TCADSpec | None:
         loss = self.config.loss
-        if self.loss_kind != "distill" or loss.type != "tcad":
-            return None
+        if self.loss_kind != "distill" or loss.type != "tcad" or self.config.teacher.signal == "hidden":
+            return None  # the hidden signal's support is the whole vocabulary
         width = loss.support_k or self.config.teacher.top_k
         if loss.support_mode == "union":
             width = self.config.teacher.top_k + self.config.rollout.logprobs_k
@@ -159,7 +163,8 @@ class BatchFlow:
         """This rank's teacher request (a future); TCAD also asks for the student's top-k ids."""
         teacher = self.config.teacher
         batch = score_batch(samples, top_k=teacher.top_k, temperature=teacher.temperature,
-                            vocab_size=len(self.tokenizer), request_student_topk=tcad is not None)
+                            vocab_size=len(self.tokenizer), request_student_topk=tcad is not None,
+                            signal=teacher.signal, hidden_dtype=teacher.hidden_dtype)
         return self.client.score_async(batch)
 
     def teacher_outputs(self, future):
@@ -183,15 +188,20 @@ class BatchFlow:
         if self.local_teacher or dist.get_world_size(self.state.tp_group) == 1:
             return rows
         total = sum(s.response_len for s in samples)
-        width = tcad.width if tcad else self.config.teacher.top_k
+        hidden_size = self.teacher_hidden_size
+        width = 0 if hidden_size else tcad.width if tcad else self.config.teacher.top_k
         device = platform.device()
         ids = rows.ids.to(device) if rows else torch.empty(total, width, dtype=torch.int64, device=device)
         logprobs = rows.logprobs.to(device) if rows else torch.empty(total, width, dtype=torch.float32, device=device)
         tokens = rows.token_logprobs.to(device) if rows else torch.empty(total, dtype=torch.float32, device=device)
+        tensors = [ids, logprobs, tokens]
+        if hidden_size:
+            tensors.append(rows.hidden.to(device) if rows else
+                           torch.empty(total, hidden_size, dtype=torch.float32, device=device))
         source = dist.get_global_rank(self.state.tp_group, 0)
-        for tensor in (ids, logprobs, tokens):
+        for tensor in tensors:
             dist.broadcast(tensor, src=source, group=self.state.tp_group)
-        return TeacherRows(ids.cpu(), logprobs.cpu(), tokens.cpu())
+        return TeacherRows(*(tensor.cpu() for tensor in tensors))
 
     def retries(self) -> float:
         """Teacher attempts retried so far, summed over the ranks that ask the teacher (collective)."""

@@ -23,8 +23,8 @@ from megatron_gkd.parallel.comm import agree, broadcast_msgpack
 from megatron_gkd.rollout.types import RolloutBatch
 from megatron_gkd.trainer import checkpointing
 from megatron_gkd.trainer.batch import token_coefficients
-from megatron_gkd.trainer.components import (build_rollout_engine, build_student, build_teacher_client, check_teacher,
-                                             rollout_engine_kwargs, stop_token_ids)
+from megatron_gkd.trainer.components import (build_rollout_engine, build_student, build_teacher_client,
+                                             build_teacher_head, check_teacher, rollout_engine_kwargs, stop_token_ids)
 from megatron_gkd.trainer.eval import Evaluator
 from megatron_gkd.trainer.flow import BatchFlow, InFlight
 from megatron_gkd.trainer.metrics import MetricsWriter, Progress, Timers
@@ -62,12 +62,16 @@ class Trainer:
         self._start_teacher_service()
         self._load_data()
         self.student = build_student(config)
+        self.teacher_head = build_teacher_head(config, self.state, self.student, self.tokenizer)
         self.runner = StepRunner(self.student.chunks, self.student.optimizer, self.student.lr_scheduler,
                                  tp_group=self.state.tp_group, dp_group=self._dp_gloo, dp_size=self.state.data_parallel_size,
-                                 is_last_stage=self.state.is_pipeline_last_stage)
-        self.loss_spec = LossSpec.from_config(config.loss, config.trainer.mode)
+                                 is_last_stage=self.state.is_pipeline_last_stage, teacher_head=self.teacher_head)
+        self.loss_spec = LossSpec.from_config(config.loss, config.trainer.mode, config.teacher, len(self.tokenizer))
+        self._eval_kl_spec = LossSpec.from_config(config.loss, "off_policy", config.teacher, len(self.tokenizer)).eval_kl()
+        hidden_size = None if self.teacher_head is None else int(self.teacher_head.shape[1])
         self.flow = BatchFlow(config, self.state, control=self.control, dp_group=self._dp_gloo, tokenizer=self.tokenizer,
-                              stop_ids=self.stop_ids, layout=self.layout, timers=self.timers, loss_kind=self.loss_spec.kind)
+                              stop_ids=self.stop_ids, layout=self.layout, timers=self.timers, loss_kind=self.loss_spec.kind,
+                              teacher_hidden_size=hidden_size)
         self._connect_teacher()
         self._build_rollout()
         self._resume()
@@ -146,7 +150,7 @@ class Trainer:
             try:
                 self.flow.client = build_teacher_client(config, self._teacher_address)
                 check_teacher(self.flow.client, config, self.tokenizer, self.student.vocab_size,
-                              tcad=self.flow.tcad is not None)
+                              tcad=self.flow.tcad is not None, teacher_hidden_size=self.flow.teacher_hidden_size)
             except Exception as caught:  # noqa: BLE001
                 error = caught
         agree(error, self.control)
@@ -314,7 +318,8 @@ class Trainer:
     def _loss_metrics(self, stats: dict) -> dict:
         tokens = max(stats.get("tokens", 0.0), 1.0)
         metrics = {"train/loss": stats["loss"], "train/num_loss_tokens": stats["tokens"]}
-        for key in ("teacher_mass", "student_mass", "topk_overlap"):
+        for key in ("teacher_mass", "student_mass", "topk_overlap", "teacher_entropy", "student_entropy",
+                    "top1_agreement"):
             if key in stats:
                 metrics[f"train/{key}"] = stats[key] / tokens
         if "coverage" in stats:
@@ -343,7 +348,8 @@ class Trainer:
         return metrics
 
     def _eval_kl(self, rollout: RolloutBatch, prompt_indices: list[int]) -> float | None:
-        """Token-mean forward KL (teacher top-k) of the student to the teacher on eval responses."""
+        """Token-mean forward KL of the student to the teacher on eval responses (on the teacher's top-k, or over
+        the whole vocabulary with the hidden signal)."""
         # The same answer on every rank: every DP rank needs a share of the eval prompts.
         if not (self.config.eval.kl and self.config.teacher.enabled) or len(prompt_indices) < self.state.data_parallel_size:
             return None
@@ -355,7 +361,7 @@ class Trainer:
                                           num_groups=len(prompt_indices))
         microbatches = flow.microbatches(samples, coefficients, rows, labels=False)
         with parallel.eval_mode(self.student.chunks), torch.no_grad():
-            stats = self.runner.run(LossSpec(loss_type="forward_kl"), microbatches, forward_only=True)
+            stats = self.runner.run(self._eval_kl_spec, microbatches, forward_only=True)
         value = broadcast_msgpack(stats["loss"] if stats else None, self._metrics_rank, self.control)
         return value
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from megatron_gkd.trainer.batch import MicroBatch
 
-STAT_KEYS = ("loss", "tokens", "teacher_mass", "student_mass", "topk_overlap", "coverage")
+STAT_KEYS = ("loss", "tokens", "teacher_mass", "student_mass", "topk_overlap", "coverage", "teacher_entropy",
+             "student_entropy", "top1_agreement")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -34,6 +35,10 @@ class LossSpec:
         chunk_size: tokens per chunk of the fused path.
         diagnostics: also measure the top-k overlap (unfused).
         coverage_coef: tcad's coverage weight, to report the coverage term apart (derived from ``options``).
+        signal: ``topk`` (teacher rows of ids and log-probs) or ``hidden`` (the teacher's hidden states: exact
+            full-vocabulary divergences through the teacher's output layer, :func:`hidden_distill_loss`).
+        teacher_temperature: hidden: the teacher's logits are divided by it.
+        real_vocab_size: hidden: ids at or past it are padding rows on both sides.
     """
 
     kind: str = "distill"
@@ -43,21 +48,34 @@ class LossSpec:
     fused: bool = False
     chunk_size: int = 1024
     diagnostics: bool = False
+    signal: str = "topk"
+    teacher_temperature: float = 1.0
+    real_vocab_size: int | None = None
     coverage_coef: float | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self):
-        if self.kind == "distill" and self.loss_type == "tcad":
+        if self.kind == "distill" and self.loss_type == "tcad" and self.signal == "topk":
             from megatron_gkd.losses import get_divergence
 
             coverage = get_divergence("tcad").build_options(dict(self.options)).coverage_coef
             object.__setattr__(self, "coverage_coef", coverage)
 
     @classmethod
-    def from_config(cls, loss, mode: str) -> "LossSpec":
+    def from_config(cls, loss, mode: str, teacher=None, real_vocab_size: int | None = None) -> "LossSpec":
+        """The spec of ``loss`` in ``mode``; ``teacher`` (its config) chooses the signal."""
         if mode == "sft":
             return cls(kind="cross_entropy")
+        signal = teacher.signal if teacher is not None else "topk"
         return cls(loss_type=loss.type, options=dict(loss.options), temperature=loss.temperature, fused=loss.fused,
-                   chunk_size=loss.chunk_size, diagnostics=loss.diagnostics)
+                   chunk_size=loss.chunk_size, diagnostics=loss.diagnostics, signal=signal,
+                   teacher_temperature=teacher.temperature if teacher is not None else 1.0,
+                   real_vocab_size=real_vocab_size if signal == "hidden" else None)
+
+    def eval_kl(self) -> "LossSpec":
+        """The evaluation's forward KL on this spec's teacher signal (top-k rows, or exact from hidden states)."""
+        return LossSpec(loss_type="forward_kl", signal=self.signal, teacher_temperature=self.teacher_temperature,
+                        real_vocab_size=self.real_vocab_size, fused=self.fused and self.signal == "hidden",
+                        chunk_size=self.chunk_size)
 
 
 @contextlib.contextmanager
@@ -136,13 +154,16 @@ class StepRunner:
         dp_group: a gloo group over data-parallel ranks (statistics are summed over it).
         dp_size: data-parallel size (gradients are averaged over it by DDP).
         is_last_stage: whether this rank computes the loss.
+        teacher_head: ``[V/tp, h_t]`` this rank's shard of the teacher's output layer (the hidden signal), or None.
     """
 
-    def __init__(self, chunks, optimizer, lr_scheduler, *, tp_group, dp_group, dp_size: int, is_last_stage: bool):
+    def __init__(self, chunks, optimizer, lr_scheduler, *, tp_group, dp_group, dp_size: int, is_last_stage: bool,
+                 teacher_head: torch.Tensor | None = None):
         from megatron.core.distributed import finalize_model_grads
 
         self.chunks, self.optimizer, self.lr_scheduler = chunks, optimizer, lr_scheduler
         self.tp_group, self.dp_group, self.dp_size, self.is_last_stage = tp_group, dp_group, dp_size, is_last_stage
+        self.teacher_head = teacher_head
         for chunk in chunks:
             chunk.config.finalize_model_grads_func = finalize_model_grads
             if chunk.config.fp16:
@@ -172,6 +193,8 @@ class StepRunner:
         stats: dict[str, torch.Tensor] = {"tokens": mask.sum().double()}
         if spec.kind == "cross_entropy":
             per_token, metrics = output.float(), {}
+        elif spec.signal == "hidden":
+            return self._hidden_loss(spec, microbatch, captured, output, mask, stats)
         else:
             teacher_ids = microbatch.teacher_ids.to(device)
             teacher_logprobs = microbatch.teacher_logprobs.to(device)
@@ -192,14 +215,43 @@ class StepRunner:
         coefficients = microbatch.coefficients.to(device=device, dtype=per_token.dtype)
         contribution = (per_token * coefficients).sum()
         stats["loss"] = contribution.detach().double()
-        for key, value in metrics.items():
-            stats[key] = torch.where(mask, value, torch.zeros_like(value)).sum().double()
+        self._add_token_metrics(stats, metrics, mask)
         if spec.coverage_coef is not None and "student_mass" in metrics:
             leak = -torch.log(metrics["student_mass"].clamp_min(1e-30))
             stats["coverage"] = (torch.where(mask, leak, torch.zeros_like(leak)) * coefficients).sum().double() \
                 * spec.coverage_coef
         # Undo the schedule's division by the number of micro-batches and DDP's average over DP ranks.
         return contribution * self._scale, {key: value.detach().cpu() for key, value in stats.items()}
+
+    def _hidden_loss(self, spec: LossSpec, microbatch: MicroBatch, captured, output, mask, stats):
+        """The exact full-vocabulary loss from the teacher's hidden states (the student's hidden states and
+        output weight when fused, else its ``[s, b, V/tp]`` logits)."""
+        from megatron_gkd.losses import hidden_distill_loss
+
+        assert self.teacher_head is not None, "teacher.signal=hidden needs the teacher's head on the last stage"
+        device = output.device
+        teacher_hidden = microbatch.teacher_hidden.to(device)
+        weights = torch.where(mask, microbatch.coefficients.to(device), torch.zeros((), dtype=torch.float64, device=device))
+        tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
+        common = dict(loss_type=spec.loss_type, tp_group=tp_group, temperature=spec.temperature,
+                      teacher_temperature=spec.teacher_temperature, real_vocab_size=spec.real_vocab_size,
+                      chunk_size=spec.chunk_size, **spec.options)
+        if spec.fused:  # hidden [b, s, h] as the model returned it
+            contribution, _, metrics = hidden_distill_loss(
+                output, teacher_hidden, self.teacher_head, weights, student_weight=captured.weight,
+                all_reduce_hidden_grad=not captured.sequence_parallel, **common)
+        else:  # logits [s, b, V/tp] as the output layer made them; teacher rows and results [b, s]
+            contribution, _, metrics = hidden_distill_loss(
+                captured.logits, teacher_hidden.transpose(0, 1), self.teacher_head, weights.transpose(0, 1), **common)
+            metrics = {key: value.transpose(0, 1) for key, value in metrics.items()}
+        stats["loss"] = contribution.detach().double()
+        self._add_token_metrics(stats, metrics, mask)
+        return contribution * self._scale, {key: value.detach().cpu() for key, value in stats.items()}
+
+    @staticmethod
+    def _add_token_metrics(stats: dict, metrics: dict, mask: torch.Tensor) -> None:
+        for key, value in metrics.items():
+            stats[key] = torch.where(mask, value, torch.zeros_like(value)).sum().double()
 
     def run(self, spec: LossSpec, microbatches: Sequence[MicroBatch], *, forward_only: bool) -> dict[str, float] | None:
         """Forward (and backward) of ``microbatches``; the statistics summed over micro-batches and DP

@@ -134,3 +134,87 @@ def test_data_parallel_ranks_sum_to_the_single_rank_batch(checkpoint):
             assert results[name][0] == pytest.approx(single["one"][0], rel=1e-6)
             for param, grad in single["one"][2].items():
                 _close(results[name][2][param], grad, f"dp rank {rank} {name} {param}")
+
+
+TEACHER_HIDDEN = 24
+
+
+def _hidden_batch():
+    """The same samples with teacher outputs of the hidden signal, and the teacher's whole head."""
+    from megatron_gkd.teacher import TeacherOutput
+
+    samples, _, _ = _batch()
+    rng = np.random.default_rng(1)
+    head = torch.from_numpy(rng.normal(size=(VOCAB, TEACHER_HIDDEN)).astype(np.float32) * 0.3)
+    outputs = []
+    for sample in samples:
+        hidden = rng.normal(size=(sample.response_len, TEACHER_HIDDEN)).astype(np.float32)
+        logprobs = torch.log_softmax(torch.from_numpy(hidden) @ head.t(), -1).numpy()
+        response = sample.tokens[sample.prompt_len:].numpy()
+        outputs.append(TeacherOutput(topk_ids=np.zeros((len(response), 0), np.int64),
+                                     topk_logprobs=np.zeros((len(response), 0), np.float32),
+                                     token_logprobs=logprobs[np.arange(len(response)), response].astype(np.float32),
+                                     hidden=hidden))
+    return samples, outputs, head
+
+
+def _hidden_body(checkpoint: str, layout: dict, loss_type: str):
+    """Loss, metrics and the output-layer gradient of one hidden-signal batch, fused and unfused, in one
+    micro-batch and in single-sample micro-batches."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from megatron_gkd import parallel
+    from megatron_gkd.models import load_hf, unwrap
+    from megatron_gkd.trainer.batch import build_microbatch, teacher_rows, token_coefficients
+    from megatron_gkd.trainer.optim import OptimizerConfig, build_lr_scheduler, build_optimizer, wrap_for_training
+    from megatron_gkd.trainer.step import LossSpec, StepRunner
+
+    state = parallel.initialize(**layout)
+    parallel.seed(0)
+    config = OptimizerConfig(lr=1e-3)
+    chunks = wrap_for_training(load_hf(checkpoint), config)
+    samples, outputs, head = _hidden_batch()
+    tp, rank = state.config.tensor_model_parallel_size, state.tp_rank
+    runner = StepRunner(chunks, build_optimizer(config, chunks), None, tp_group=state.tp_group,
+                        dp_group=mpu.get_data_parallel_group_gloo(), dp_size=state.data_parallel_size,
+                        is_last_stage=state.is_pipeline_last_stage,
+                        teacher_head=head[rank * VOCAB // tp:(rank + 1) * VOCAB // tp])
+    rows = teacher_rows(outputs, samples)
+    coefficients = token_coefficients(samples, total_tokens=sum(s.response_len for s in samples), num_groups=NUM_GROUPS,
+                                      teacher_token_logprobs=rows.token_logprobs.split([s.response_len for s in samples]),
+                                      confidence_alpha=0.7)
+    per_sample = rows.split([s.response_len for s in samples])
+    results = {}
+    for fused in (False, True):
+        spec = LossSpec(loss_type=loss_type, signal="hidden", fused=fused, chunk_size=5, teacher_temperature=1.3,
+                        real_vocab_size=VOCAB - 7)
+        for name, plan in (("one", _one), ("singles", _singles)):
+            microbatches = [build_microbatch([samples[i] for i in mb], [coefficients[i] for i in mb],
+                                             rows=[per_sample[i] for i in mb]) for mb in plan(len(samples))]
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+            stats = runner.run(spec, microbatches, forward_only=False)
+            for chunk in chunks:
+                chunk.finish_grad_sync()
+            output_grad = unwrap(chunks[0]).output_layer.weight.main_grad.clone()
+            results[(fused, name)] = (stats, output_grad)
+    parallel.destroy()
+    return dist.get_rank(), results
+
+
+@pytest.mark.parametrize("loss_type", ["reverse_kl", "jsd"])
+def test_hidden_signal_loss_is_the_same_fused_unfused_cut_and_at_tp2(checkpoint, loss_type):
+    (_, single), = run_distributed(_hidden_body, 1, args=(checkpoint, {}, loss_type))
+    reference_stats, reference_grad = single[(False, "one")]
+    assert reference_stats["loss"] > 0 and 0 <= reference_stats["top1_agreement"] <= reference_stats["tokens"]
+    assert reference_grad[VOCAB - 7:].abs().max() == 0, "padding rows got a gradient"
+    for key, (stats, grad) in single.items():
+        assert stats["loss"] == pytest.approx(reference_stats["loss"], rel=1e-5), key
+        assert stats["teacher_entropy"] == pytest.approx(reference_stats["teacher_entropy"], rel=1e-5), key
+        _close(grad, reference_grad, f"tp1 {key}")
+    for rank, results in run_distributed(_hidden_body, 2, args=(checkpoint, dict(tensor_model_parallel_size=2), loss_type)):
+        for key, (stats, grad) in results.items():
+            assert stats["loss"] == pytest.approx(reference_stats["loss"], rel=1e-5), (rank, key)
+            assert stats["student_entropy"] == pytest.approx(reference_stats["student_entropy"], rel=1e-5), (rank, key)
+            _close(grad, reference_grad[rank * VOCAB // 2:(rank + 1) * VOCAB // 2], f"tp2 rank {rank} {key}")
