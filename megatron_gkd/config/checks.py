@@ -14,6 +14,9 @@ logger = logging.getLogger(__name__)
 # Teacher backends/clients that cannot score TCAD's per-row requested ids (vLLM: not on the CPU
 # runner; OpenAI-compatible servers: no such API).
 _NO_REQUESTED_IDS = {"vllm"}
+# Teacher backends that serve the top-k signal only (vLLM: its hidden states come from a pooling engine
+# without the output layer; docs/teacher_protocol.md "Backends").
+_NO_HIDDEN = {"vllm"}
 
 
 def needs_teacher(config) -> bool:
@@ -77,6 +80,13 @@ def check_config(config) -> None:
     if loss.type == "tcad" and teacher.client == "openai":
         _fail("loss.type=tcad scores the teacher at the student's top-k ids, which an OpenAI-compatible server "
               "cannot do; use teacher.client=zmq with an hf or megatron backend, or teacher.client=local")
+    if teacher.signal == "hidden" and teacher.serve.model is not None and teacher.serve.backend in _NO_HIDDEN:
+        _fail(f"teacher.signal=hidden needs the teacher's final hidden states, which teacher.serve.backend="
+              f"{teacher.serve.backend} cannot return; use teacher.serve.backend=hf or megatron, or teacher.signal=topk")
+    if teacher.signal == "hidden" and teacher.client == "openai":
+        _fail("teacher.signal=hidden needs the teacher's final hidden states, which an OpenAI-compatible server "
+              "cannot return; use teacher.client=zmq with teacher.serve.backend=hf or megatron, or "
+              "teacher.client=local, or teacher.signal=topk")
     if trainer.mode == "sft" and teacher.enabled and not eval_enabled(config):
         logger.warning("teacher.* has no effect in trainer.mode=sft without eval (it is only used for eval's KL)")
     if data.max_prompt_length + rollout.max_tokens > rollout.max_model_len and needs_rollout(config):

@@ -1,8 +1,14 @@
 """ScoreBatch / TeacherOutput <-> wire messages, with schema validation of what arrives.
 
 Sequences travel packed, not padded: a request carries the concatenated token ids and per-sequence
-lengths; a result carries the concatenated rows of all responses (``[sum T, k]``). Ids travel as int32
-(vocabularies are far below 2**31) and are widened to the int64 of the TeacherOutput contract.
+lengths; a result carries the concatenated rows of all responses (``[sum T, k]``, or ``[sum T, h]``
+hidden states for the hidden signal). Ids travel as int32 (vocabularies are far below 2**31) and are
+widened to the int64 of the TeacherOutput contract; hidden states travel in the requested float dtype
+and are widened to float32.
+
+A top-k request is the same bytes as before the hidden signal existed (protocol version 1); a hidden
+request adds ``signal`` and ``hidden_dtype`` to its meta, which a peer that predates them refuses as
+``bad_request`` (docs/teacher_protocol.md "Versions").
 """
 
 from __future__ import annotations
@@ -10,14 +16,28 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_gkd.teacher import wire
-from megatron_gkd.teacher.types import (ErrorCode, ScoreBatch, SequenceRequest, TeacherOutput,
-                                        TeacherOutputError)
+from megatron_gkd.teacher.types import (HIDDEN_DTYPES, TEACHER_SIGNALS, ErrorCode, ScoreBatch,
+                                        SequenceRequest, TeacherError, TeacherOutput, TeacherOutputError)
 
 MAX_SEQUENCES = 65536
 MAX_TOP_K = 65536
 # The dtypes a SCORE request declares for its tensors (docs/teacher_protocol.md); others are refused.
 _REQUEST_DTYPES = {"token_ids": "int32", "lengths": "int64", "response_starts": "int64",
                    "requested_ids": "int32"}
+_SCORE_META = {"top_k", "temperature"}
+_HIDDEN_META = {"signal", "hidden_dtype"}  # present together, in hidden requests only
+
+
+def result_row_bytes(batch: ScoreBatch, hidden_size: int | None = None) -> int:
+    """Bytes one response row takes in the RESULT answering ``batch`` (``hidden_size``: h, hidden only).
+
+    top-k: an int32 id and a float32 log-prob per entry, the token's float32 log-prob and m requested
+    float32 log-probs. hidden: h values of the wire dtype and the token's float32 log-prob.
+    """
+    if batch.is_hidden:
+        assert hidden_size is not None, "the size of a hidden result depends on the teacher's h"
+        return hidden_size * wire.DTYPES[batch.hidden_dtype].itemsize + 4
+    return 8 * batch.top_k + 4 * (1 + (batch.num_requested or 0))
 
 
 def _ids_to_wire(ids: np.ndarray) -> np.ndarray:
@@ -36,6 +56,8 @@ def encode_request(request_id: str, batch: ScoreBatch, secret: bytes | None) -> 
     if batch.num_requested is not None:
         tensors["requested_ids"] = _ids_to_wire(np.concatenate([s.requested_ids for s in batch.sequences]))
     meta = {"top_k": batch.top_k, "temperature": batch.temperature}
+    if batch.is_hidden:
+        meta |= {"signal": batch.signal, "hidden_dtype": batch.hidden_dtype}
     return wire.encode(wire.SCORE, request_id, meta, tensors, secret)
 
 
@@ -46,9 +68,14 @@ def _bad(message: str) -> wire.WireError:
 def decode_request(message: wire.Message) -> ScoreBatch:
     """Validates a SCORE message and rebuilds its ScoreBatch; raises WireError(BAD_REQUEST)."""
     meta, tensors = message.meta, message.tensors
-    if set(meta) != {"top_k", "temperature"}:
-        raise _bad(f"score meta keys {sorted(map(str, meta))} != ['temperature', 'top_k']")
+    if set(meta) not in (_SCORE_META, _SCORE_META | _HIDDEN_META):
+        raise _bad(f"score meta keys {sorted(map(str, meta))} != {sorted(_SCORE_META)} "
+                   f"[+ {sorted(_HIDDEN_META)}]")
     top_k, temperature = meta["top_k"], meta["temperature"]
+    signal, hidden_dtype = meta.get("signal", "topk"), meta.get("hidden_dtype", "bfloat16")
+    if signal not in TEACHER_SIGNALS or hidden_dtype not in HIDDEN_DTYPES:
+        raise _bad(f"signal={str(signal)[:32]!r} must be one of {list(TEACHER_SIGNALS)} and hidden_dtype="
+                   f"{str(hidden_dtype)[:32]!r} one of {list(HIDDEN_DTYPES)}")
     # type() rather than isinstance: True is an int to Python, and would score k=1.
     if not (type(top_k) is int and 1 <= top_k <= MAX_TOP_K):
         raise _bad(f"top_k={top_k!r} must be an int in [1, {MAX_TOP_K}]")
@@ -83,33 +110,63 @@ def decode_request(message: wire.Message) -> ScoreBatch:
                 token_ids=token_ids[token_offset:token_offset + length], response_start=start,
                 requested_ids=None if requested is None else requested[row_offset:row_offset + rows]))
             token_offset, row_offset = token_offset + length, row_offset + rows
-        return ScoreBatch(sequences=sequences, top_k=top_k, temperature=temperature)
+        return ScoreBatch(sequences=sequences, top_k=top_k, temperature=temperature, signal=signal,
+                          hidden_dtype=hidden_dtype)
     except ValueError as error:
         raise _bad(str(error)) from None
 
 
-def encode_result(request_id: str, outputs: list[TeacherOutput], secret: bytes | None) -> list[bytes]:
-    """Frames of a RESULT message holding ``outputs`` packed row-wise."""
+def encode_result(request_id: str, outputs: list[TeacherOutput], secret: bytes | None,
+                  hidden_dtype: str | None = None) -> list[bytes]:
+    """Frames of a RESULT message holding ``outputs`` packed row-wise.
+
+    Outputs of the hidden signal send their hidden states as ``hidden_dtype`` (the request's).
+
+    Raises:
+        TeacherError: UNSUPPORTED when a hidden state does not fit ``hidden_dtype`` (float16 past
+            65504), which would arrive as inf.
+    """
     tensors = {
         "num_rows": np.array([len(o.token_logprobs) for o in outputs], dtype=np.int64),
-        "topk_ids": _ids_to_wire(np.concatenate([o.topk_ids for o in outputs])),
-        "topk_logprobs": np.concatenate([o.topk_logprobs for o in outputs]).astype(np.float32),
         "token_logprobs": np.concatenate([o.token_logprobs for o in outputs]).astype(np.float32),
     }
+    if outputs[0].hidden is not None:
+        assert hidden_dtype is not None, "hidden states need the request's hidden_dtype"
+        hidden = wire.to_wire_float(np.concatenate([o.hidden for o in outputs]), hidden_dtype)
+        if not np.isfinite(wire.from_wire_float(hidden)).all():
+            raise TeacherError(ErrorCode.UNSUPPORTED, f"this teacher's hidden states overflow {hidden_dtype}; "
+                               "request hidden_dtype=bfloat16 or float32")
+        tensors["hidden"] = hidden
+        return wire.encode(wire.RESULT, request_id, {}, tensors, secret)
+    tensors["topk_ids"] = _ids_to_wire(np.concatenate([o.topk_ids for o in outputs]))
+    tensors["topk_logprobs"] = np.concatenate([o.topk_logprobs for o in outputs]).astype(np.float32)
     if outputs[0].requested_logprobs is not None:
         tensors["requested_logprobs"] = np.concatenate(
             [o.requested_logprobs for o in outputs]).astype(np.float32)
     return wire.encode(wire.RESULT, request_id, {}, tensors, secret)
 
 
-def decode_result(message: wire.Message, batch: ScoreBatch) -> list[TeacherOutput]:
-    """Splits a RESULT into validated TeacherOutputs, one per sequence of ``batch``; fails closed."""
+def decode_result(message: wire.Message, batch: ScoreBatch,
+                  hidden_size: int | None = None) -> list[TeacherOutput]:
+    """Splits a RESULT into validated TeacherOutputs, one per sequence of ``batch``; fails closed.
+
+    Args:
+        message: the decoded RESULT.
+        batch: the request it answers; a result of the other signal is refused.
+        hidden_size: the teacher's h (its INFO), required for a hidden-signal ``batch``.
+    """
     tensors, name = message.tensors, f"request {message.request_id}"
-    expected = {"num_rows", "topk_ids", "topk_logprobs", "token_logprobs"}
+    if batch.is_hidden:
+        assert hidden_size is not None, "validating hidden states needs the teacher's hidden_size"
+        expected = {"num_rows", "token_logprobs", "hidden"}
+    else:
+        hidden_size = None
+        expected = {"num_rows", "topk_ids", "topk_logprobs", "token_logprobs"}
     if batch.num_requested is not None:
         expected.add("requested_logprobs")
     if set(tensors) != expected:
-        raise TeacherOutputError(f"{name}: result tensors {sorted(tensors)} != {sorted(expected)}")
+        raise TeacherOutputError(f"{name}: result tensors {sorted(tensors)} != {sorted(expected)} (the "
+                                 f"{batch.signal} signal was requested)")
     num_rows = tensors["num_rows"]
     want_rows = [s.num_response_tokens for s in batch.sequences]
     if num_rows.tolist() != want_rows:
@@ -120,16 +177,28 @@ def decode_result(message: wire.Message, batch: ScoreBatch) -> list[TeacherOutpu
         if tensors[key].shape[:1] != (total,):
             raise TeacherOutputError(f"{name}: {key} has shape {tensors[key].shape}, expected "
                                      f"{total} rows")
+    hidden = None
+    if batch.is_hidden:
+        sent_as = wire.wire_float_dtype(tensors["hidden"])
+        if sent_as != batch.hidden_dtype:
+            raise TeacherOutputError(f"{name}: hidden came as {sent_as or tensors['hidden'].dtype}, "
+                                     f"{batch.hidden_dtype} was requested")
+        hidden = wire.from_wire_float(tensors["hidden"])  # a fresh float32 array: slices may share it
     outputs, offset = [], 0
     for index, (sequence, rows) in enumerate(zip(batch.sequences, want_rows)):
         part = slice(offset, offset + rows)
         requested = tensors.get("requested_logprobs")
+        if batch.is_hidden:
+            topk_ids, topk_logprobs = np.empty((rows, 0), np.int64), np.empty((rows, 0), np.float32)
+        else:
+            topk_ids, topk_logprobs = tensors["topk_ids"][part].astype(np.int64), tensors["topk_logprobs"][part].copy()
         output = TeacherOutput(
-            topk_ids=tensors["topk_ids"][part].astype(np.int64),
-            topk_logprobs=tensors["topk_logprobs"][part].copy(),
+            topk_ids=topk_ids, topk_logprobs=topk_logprobs,
             token_logprobs=tensors["token_logprobs"][part].copy(),
-            requested_logprobs=None if requested is None else requested[part].copy())
+            requested_logprobs=None if requested is None else requested[part].copy(),
+            hidden=None if hidden is None else hidden[part])
         outputs.append(output.validate(rows, batch.top_k, batch.num_requested,
-                                       name=f"sequence {index} of {name}", sequence=sequence))
+                                       name=f"sequence {index} of {name}", sequence=sequence,
+                                       hidden_size=hidden_size))
         offset += rows
     return outputs

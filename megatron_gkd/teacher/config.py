@@ -8,6 +8,7 @@ from typing import Any
 
 from megatron_gkd.teacher.clients import CLIENTS, RetryPolicy, TeacherClient, build_client
 from megatron_gkd.teacher.clients.zmq_client import load_secret
+from megatron_gkd.teacher.types import HIDDEN_DTYPES, TEACHER_SIGNALS
 
 logger = logging.getLogger(__name__)
 
@@ -19,9 +20,6 @@ _CLIENT_OPTIONS = {"address": "zmq", "secret_file": "zmq", "insecure": "zmq", "b
 
 NO_TEACHER = "none"
 
-# What the teacher sends per response token (docs/teacher_protocol.md "Choosing a signal").
-TEACHER_SIGNALS = ("topk", "hidden")
-HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -45,16 +45,19 @@ class WorkLimits:
             raise ValueError(f"WorkLimits.max_request_tokens={self.max_request_tokens} must be >= 2")
 
 
-def result_bytes(batch: ScoreBatch) -> int:
-    """Upper bound of the size of the RESULT message answering ``batch``."""
+def result_bytes(batch: ScoreBatch, hidden_size: int | None = None) -> int:
+    """Upper bound of the size of the RESULT message answering ``batch`` (``hidden_size``: the
+    backend's h, for the hidden signal)."""
     rows = sum(s.num_response_tokens for s in batch.sequences)
-    per_row = 8 * batch.top_k + 4 * (1 + (batch.num_requested or 0))  # int32 id + float32 per entry
-    return rows * per_row + 8 * len(batch.sequences) + _RESULT_OVERHEAD
+    return rows * codec.result_row_bytes(batch, hidden_size) + 8 * len(batch.sequences) + _RESULT_OVERHEAD
 
 
 def check_work(batch: ScoreBatch, info: BackendInfo, work: WorkLimits, limits: wire.Limits) -> None:
     """Refuses, with a typed TeacherError, a request whose work or answer would pass a bound."""
-    if batch.top_k > info.max_top_k:
+    if batch.signal not in info.signals:
+        raise TeacherError(ErrorCode.UNSUPPORTED, f"the {info.name} backend serves the signals {info.signals}, "
+                           f"not {batch.signal!r}; use the hf or megatron backend for hidden states")
+    if not batch.is_hidden and batch.top_k > info.max_top_k:
         raise TeacherError(ErrorCode.UNSUPPORTED, f"top_k={batch.top_k} exceeds this teacher's max "
                            f"{info.max_top_k}")
     longest = max(len(s.token_ids) for s in batch.sequences)
@@ -65,7 +68,7 @@ def check_work(batch: ScoreBatch, info: BackendInfo, work: WorkLimits, limits: w
     if tokens > work.max_request_tokens:
         raise TeacherError(ErrorCode.TOO_LARGE, f"the request holds {tokens} tokens, over this worker's "
                            f"max_request_tokens={work.max_request_tokens}; send smaller batches")
-    size = result_bytes(batch)
+    size = result_bytes(batch, info.hidden_size)
     if size > limits.max_message_bytes:
         raise TeacherError(ErrorCode.TOO_LARGE, f"the result would have {size} bytes, over the limit "
                            f"of {limits.max_message_bytes}; send smaller batches")
@@ -180,7 +183,9 @@ class Worker:
                                f"temperature 1.0 only, got {batch.temperature}")
         check_work(batch, info, self._work, self._limits)
         outputs = self._backend.score(batch)
+        hidden_size = info.hidden_size if batch.is_hidden else None
         for index, (output, sequence) in enumerate(zip(outputs, batch.sequences, strict=True)):
             output.validate(sequence.num_response_tokens, batch.top_k, batch.num_requested,
-                            name=f"sequence {index} of request {message.request_id}", sequence=sequence)
-        return codec.encode_result(message.request_id, outputs, self._secret)
+                            name=f"sequence {index} of request {message.request_id}", sequence=sequence,
+                            hidden_size=hidden_size)
+        return codec.encode_result(message.request_id, outputs, self._secret, batch.hidden_dtype)

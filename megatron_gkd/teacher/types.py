@@ -3,6 +3,10 @@
 Row ``t`` of every per-response array predicts response token ``t``: it is the teacher's distribution
 at position ``prompt_len + t - 1`` of ``prompt + response``. Everything here fails closed: a malformed
 teacher answer raises :class:`TeacherOutputError` naming the sequence, it is never padded with 0.
+
+A batch asks for one of two signals (docs/teacher_protocol.md "Choosing a signal"): ``topk`` (the
+teacher's top-k log-probs per row) or ``hidden`` (the teacher's final hidden state per row, after its
+last norm: the input of its output layer, from which the trainer recomputes the whole row of logits).
 """
 
 from __future__ import annotations
@@ -12,6 +16,11 @@ import enum
 import math
 
 import numpy as np
+
+
+# What a teacher sends per response token, and the dtypes hidden states may travel in.
+TEACHER_SIGNALS = ("topk", "hidden")
+HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
 
 
 class ErrorCode(str, enum.Enum):
@@ -87,17 +96,23 @@ class SequenceRequest:
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ScoreBatch:
-    """A batch of sequences scored with the same top-k size and temperature.
+    """A batch of sequences scored with the same signal, top-k size and temperature.
 
     Attributes:
         sequences: the sequences, in the order their outputs come back.
-        top_k: number of top entries per row (k).
-        temperature: the teacher distribution is ``softmax(logits / temperature)``.
+        top_k: number of top entries per row (k); not read with ``signal="hidden"``.
+        temperature: the teacher distribution is ``softmax(logits / temperature)``. With
+            ``signal="hidden"`` it applies to ``token_logprobs`` only: hidden states have none.
+        signal: ``"topk"`` or ``"hidden"`` (final hidden states; requested ids are refused).
+        hidden_dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``: the dtype the hidden states
+            travel in (clients always receive float32); not read with ``signal="topk"``.
     """
 
     sequences: list[SequenceRequest]
     top_k: int
     temperature: float = 1.0
+    signal: str = "topk"
+    hidden_dtype: str = "bfloat16"
 
     def __post_init__(self):
         if not self.sequences:
@@ -108,12 +123,25 @@ class ScoreBatch:
                 and self.temperature > 0):
             raise ValueError(f"ScoreBatch.temperature={self.temperature!r} must be finite and > 0")
         self.temperature = float(self.temperature)
+        if self.signal not in TEACHER_SIGNALS:
+            raise ValueError(f"ScoreBatch.signal={self.signal!r} must be one of {', '.join(TEACHER_SIGNALS)}")
+        if self.hidden_dtype not in HIDDEN_DTYPES:
+            raise ValueError(f"ScoreBatch.hidden_dtype={self.hidden_dtype!r} must be one of "
+                             f"{', '.join(HIDDEN_DTYPES)}")
+        if self.signal == "hidden" and any(s.requested_ids is not None for s in self.sequences):
+            raise ValueError("requested_ids are scored on the top-k signal only: with signal='hidden' the "
+                             "trainer recomputes every id's logit itself; drop requested_ids")
         widths = {None if s.requested_ids is None else s.requested_ids.shape[1] for s in self.sequences}
         if len(widths) > 1:
             raise ValueError(
                 f"requested_ids must be given for all sequences of a batch with one width m, or for "
                 f"none; got widths {sorted(widths, key=str)}"
             )
+
+    @property
+    def is_hidden(self) -> bool:
+        """Whether the batch asks for hidden states rather than the top-k."""
+        return self.signal == "hidden"
 
     @property
     def num_requested(self) -> int | None:
@@ -127,33 +155,48 @@ class TeacherOutput:
     """The teacher's answer for one response of ``T`` tokens.
 
     Attributes:
-        topk_ids: ``[T, k]`` int64, the k most likely ids per row.
+        topk_ids: ``[T, k]`` int64, the k most likely ids per row (``[T, 0]`` for the hidden signal).
         topk_logprobs: ``[T, k]`` float32, sorted descending, normalised over the full vocabulary;
-            entries past the available ones are ``-inf`` (never 0).
-        token_logprobs: ``[T]`` float32, log-prob of the response token itself.
+            entries past the available ones are ``-inf`` (never 0). ``[T, 0]`` for the hidden signal.
+        token_logprobs: ``[T]`` float32, log-prob of the response token itself (both signals).
         requested_logprobs: optional ``[T, m]`` float32, log-probs at the requested ids (TCAD).
+        hidden: hidden signal only: ``[T, h]`` float32, the teacher's final hidden state (after its
+            last norm, the input of its output layer) at the position that predicts response token t;
+            the values of the wire dtype, widened. None for the top-k signal.
     """
 
     topk_ids: np.ndarray
     topk_logprobs: np.ndarray
     token_logprobs: np.ndarray
     requested_logprobs: np.ndarray | None = None
+    hidden: np.ndarray | None = None
 
     def validate(self, num_tokens: int, top_k: int, num_requested: int | None = None,
-                 name: str = "sequence", sequence: SequenceRequest | None = None) -> "TeacherOutput":
+                 name: str = "sequence", sequence: SequenceRequest | None = None,
+                 hidden_size: int | None = None) -> "TeacherOutput":
         """Checks the contract and returns self; raises :class:`TeacherOutputError` naming ``name``.
 
         Args:
             num_tokens: expected T (response length).
-            top_k: expected k.
+            top_k: expected k (not read when ``hidden_size`` is given: the top-k is then ``[T, 0]``).
             num_requested: expected m, or None when no requested ids were sent.
             name: how errors name this sequence (e.g. ``"sequence 3 of request 17"``).
             sequence: the request these rows answer; when given, the log-prob of each response
                 token (and of each requested id) must equal the top-k entry of the same id.
+            hidden_size: h when the output answers a hidden-signal request (then ``hidden`` must be
+                ``[T, h]`` float32 and finite), None for a top-k request (then it must be None).
         """
         def fail(what: str):
             raise TeacherOutputError(f"{name}: {what}")
 
+        if hidden_size is not None:
+            if num_requested is not None:
+                fail("requested ids cannot be answered with the hidden signal")
+            top_k = 0
+            if self.hidden is None:
+                fail("hidden missing although the hidden signal was requested")
+        elif self.hidden is not None:
+            fail("hidden present although the top-k signal was requested")
         arrays = {"topk_ids": (self.topk_ids, np.int64, (num_tokens, top_k)),
                   "topk_logprobs": (self.topk_logprobs, np.float32, (num_tokens, top_k)),
                   "token_logprobs": (self.token_logprobs, np.float32, (num_tokens,))}
@@ -164,12 +207,17 @@ class TeacherOutput:
                                             (num_tokens, num_requested))
         elif self.requested_logprobs is not None:
             fail("requested_logprobs present although no ids were requested")
+        if hidden_size is not None:
+            arrays["hidden"] = (self.hidden, np.float32, (num_tokens, hidden_size))
         for key, (array, dtype, shape) in arrays.items():
             if not isinstance(array, np.ndarray) or array.dtype != dtype:
                 fail(f"{key} must be a numpy {np.dtype(dtype).name} array, got "
                      f"{getattr(array, 'dtype', type(array).__name__)}")
             if array.shape != shape:
                 fail(f"{key} has shape {array.shape}, expected {shape} (missing or extra rows?)")
+        if hidden_size is not None and not np.isfinite(self.hidden).all():
+            row = int(np.argwhere(~np.isfinite(self.hidden))[0][0])
+            fail(f"hidden has a non-finite value (NaN or inf) at row {row}")
         for key in ("topk_logprobs", "token_logprobs", "requested_logprobs"):
             values = arrays.get(key, (None,))[0]
             if values is None:
@@ -179,14 +227,16 @@ class TeacherOutput:
                 fail(f"{key} has NaN at row {row}")
             if (values > 1e-4).any() or np.isposinf(values).any():
                 fail(f"{key} has a positive log-prob (max {float(values.max())})")
+        if np.isneginf(self.token_logprobs).any():
+            fail("token_logprobs has -inf: the teacher gives the sampled token zero probability")
+        if hidden_size is not None:
+            return self  # no top-k entries: nothing below applies
         lp = self.topk_logprobs
         if num_tokens and top_k > 1 and (np.diff(lp, axis=1) > 1e-6).any():
             row = int(np.argwhere((np.diff(lp, axis=1) > 1e-6).any(axis=1))[0][0])
             fail(f"topk_logprobs row {row} is not sorted descending")
         if num_tokens and np.isneginf(lp[:, 0]).any():
             fail(f"row {int(np.argwhere(np.isneginf(lp[:, 0]))[0][0])} has no finite top-1 entry")
-        if np.isneginf(self.token_logprobs).any():
-            fail("token_logprobs has -inf: the teacher gives the sampled token zero probability")
         if (self.topk_ids < 0).any():
             fail("topk_ids has negative ids")
         # Padding slots (-inf) may repeat a filler id; real entries must be distinct.

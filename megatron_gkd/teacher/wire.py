@@ -7,7 +7,9 @@ A message is a list of ZMQ frames ``[mac, header, buffer_0, ..., buffer_{n-1}]``
 * ``header``: msgpack map ``{"v": version, "id": request id, "type": message type, "tensors":
   [{"name", "dtype", "shape", "nbytes"}], "meta": {...}}``.
 * buffers: one per ``tensors`` entry, decoded with ``numpy.frombuffer`` and a dtype from a fixed
-  allow-list. Nothing received is ever unpickled or ``torch.load``-ed.
+  allow-list. Nothing received is ever unpickled or ``torch.load``-ed. numpy has no bfloat16: a
+  ``bfloat16`` tensor is carried as its raw 16-bit patterns and held as ``uint16`` (:data:`BFLOAT16`);
+  :func:`to_wire_float` and :func:`from_wire_float` convert float32 to and from the float dtypes.
 
 Any violation raises :class:`WireError` with an :class:`~megatron_gkd.teacher.types.ErrorCode`.
 """
@@ -37,8 +39,55 @@ CHALLENGE, REGISTER = "challenge", "register"
 MESSAGE_TYPES = (SCORE, RESULT, INFO, INFO_RESULT, ERROR, CHALLENGE, REGISTER)
 UNAUTHENTICATED_ID = "unauthenticated"  # the id of every refusal sent to an unauthenticated sender
 
-# Little-endian only, so the bytes mean the same on every host.
-DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8"), "float32": np.dtype("<f4")}
+# Little-endian only, so the bytes mean the same on every host. uint16 is not a dtype of its own on
+# the wire: a uint16 array is the bit patterns of a bfloat16 tensor, and travels as "bfloat16".
+BFLOAT16 = np.dtype("<u2")
+DTYPES = {"int32": np.dtype("<i4"), "int64": np.dtype("<i8"), "float32": np.dtype("<f4"),
+          "float16": np.dtype("<f2"), "bfloat16": BFLOAT16}
+FLOAT_DTYPES = ("bfloat16", "float16", "float32")  # what to_wire_float / from_wire_float convert
+
+
+def float32_to_bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) of float32 ``values``, rounded to nearest even as torch rounds.
+
+    Keeping the upper 16 bits after adding ``0x7FFF`` plus the lowest kept bit rounds ties to even;
+    a carry into the exponent rounds up to the next power of two, or to inf past bfloat16's max. NaN
+    becomes torch's quiet NaN ``0x7FC0`` (the carry could otherwise turn a NaN into inf).
+    """
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    bits = values.view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return np.where(np.isnan(values), np.uint32(0x7FC0), rounded).astype(BFLOAT16)
+
+
+def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """float32 values of bfloat16 bit patterns (exact: bfloat16 is float32 with 16 fewer mantissa bits)."""
+    return (np.asarray(bits, dtype=BFLOAT16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def to_wire_float(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 ``values`` as the array :func:`encode` sends as ``dtype`` (one of :data:`FLOAT_DTYPES`)."""
+    if dtype == "bfloat16":
+        return float32_to_bfloat16_bits(values)
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not a wire float dtype ({', '.join(FLOAT_DTYPES)})")
+    with np.errstate(over="ignore"):  # float16 past 65504 becomes inf, which callers check for
+        return np.asarray(values, dtype=np.float32).astype(DTYPES[dtype])
+
+
+def wire_float_dtype(array: np.ndarray) -> str | None:
+    """The wire float dtype a received array was sent as, or None for an integer array."""
+    if array.dtype == BFLOAT16:
+        return "bfloat16"
+    return next((name for name in ("float16", "float32") if array.dtype == DTYPES[name]), None)
+
+
+def from_wire_float(array: np.ndarray) -> np.ndarray:
+    """A received float tensor (bfloat16 bits, float16 or float32) as float32, values unchanged."""
+    dtype = wire_float_dtype(array)
+    if dtype is None:
+        raise ValueError(f"a {array.dtype} array is not a wire float tensor")
+    return bfloat16_bits_to_float32(array) if dtype == "bfloat16" else array.astype(np.float32)
 
 
 class WireError(TeacherError):

@@ -29,6 +29,9 @@ class BackendInfo:
         supports_temperature: whether temperatures other than 1.0 can be applied.
         max_sequence_length: the longest prompt + response the model takes (its context), or None
             when unknown; workers refuse longer sequences before computing.
+        hidden_size: h, the width of the final hidden states the ``hidden`` signal returns, or None
+            when the backend cannot return them.
+        signals: the signals the backend serves (``"topk"``, ``"hidden"``).
     """
 
     name: str
@@ -39,6 +42,12 @@ class BackendInfo:
     supports_requested_ids: bool
     supports_temperature: bool
     max_sequence_length: int | None = None
+    hidden_size: int | None = None
+    signals: list[str] = dataclasses.field(default_factory=lambda: ["topk"])
+
+    def __post_init__(self):
+        assert ("hidden" in self.signals) == (self.hidden_size is not None), (
+            f"backend {self.name}: the hidden signal and hidden_size go together")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -10,6 +10,12 @@ per position, far less Python work at k=256). Position ``p`` holds the scored pr
 ``response_start + t``. vLLM computes prompt log-probs from raw logits: temperature 1.0 only. It
 cannot score per-row requested ids on CPU (``prompt_logprob_token_ids`` needs vLLM's V2 GPU runner),
 so requests with them get a typed UNSUPPORTED error from the worker.
+
+It serves the top-k signal only. vLLM 0.32 does return per-token final hidden states, but only from an
+engine built as a pooling model (``runner="pooling"``, ``convert="embed"``, the ``token_embed`` task),
+which drops the output layer: that engine gives neither log-probs nor the top-k, so the hidden
+signal's token log-probs would need a second engine or a host copy of the output layer
+(docs/teacher_protocol.md "Backends"). Hidden requests get UNSUPPORTED from the worker.
 """
 
 from __future__ import annotations
@@ -70,6 +76,9 @@ class VLLMBackend(TeacherBackend):
         return self._info
 
     def score(self, batch: ScoreBatch) -> list[TeacherOutput]:
+        if batch.is_hidden:
+            raise TeacherError(ErrorCode.UNSUPPORTED, "the vllm backend serves the top-k signal only; use the "
+                               "hf or megatron backend for hidden states")
         if batch.num_requested is not None:
             raise TeacherError(ErrorCode.UNSUPPORTED, "the vllm backend cannot score requested ids")
         if batch.temperature != 1.0:

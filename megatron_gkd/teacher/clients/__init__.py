@@ -23,7 +23,15 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class TeacherInfo:
-    """Facts a client learns from its teacher at start-up (see BackendInfo)."""
+    """Facts a client learns from its teacher at start-up (see BackendInfo).
+
+    ``hidden_size`` (h, or None) and ``signals`` default to a teacher of the top-k signal only, which is
+    what a server that predates the hidden signal is.
+
+    Raises:
+        ValueError: ``hidden_size`` is not a positive int or None, ``signals`` is not a list of names,
+            or they disagree (a teacher serving ``hidden`` must say its h).
+    """
 
     vocab_size: int
     tokenizer_size: int | None
@@ -31,6 +39,30 @@ class TeacherInfo:
     max_top_k: int
     supports_requested_ids: bool
     supports_temperature: bool
+    hidden_size: int | None = None
+    signals: list[str] = dataclasses.field(default_factory=lambda: ["topk"])
+
+    def __post_init__(self):
+        # type() rather than isinstance: True is an int to Python.
+        if not (self.hidden_size is None or (type(self.hidden_size) is int and self.hidden_size >= 1)):
+            raise ValueError(f"hidden_size={self.hidden_size!r} must be a positive int or None")
+        if not (isinstance(self.signals, list) and all(isinstance(s, str) for s in self.signals)):
+            raise ValueError(f"signals={self.signals!r} must be a list of signal names")
+        if ("hidden" in self.signals) != (self.hidden_size is not None):
+            raise ValueError(f"signals={self.signals} and hidden_size={self.hidden_size} disagree: a teacher "
+                             "serving the hidden signal must report its hidden_size")
+
+    def check_signal(self, batch: ScoreBatch, teacher: str) -> None:
+        """Refuses, before anything is sent, a batch asking for a signal this teacher does not serve.
+
+        Raises:
+            ValueError: naming the teacher (``teacher``) and the fix.
+        """
+        if batch.signal not in self.signals:
+            raise ValueError(
+                f"{teacher} serves the signals {self.signals}, not {batch.signal!r}; set teacher.signal=topk, "
+                "or use a teacher with hidden states: teacher.client=zmq with teacher.serve.backend=hf or "
+                "megatron, or teacher.client=local")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

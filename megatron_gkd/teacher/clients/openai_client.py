@@ -161,9 +161,14 @@ class OpenAITeacherClient(TeacherClient):
         # The API does not report the output-layer size; the tokenizer's is the real vocabulary.
         return TeacherInfo(vocab_size=size or 0, tokenizer_size=size, tokenizer_digest=digest,
                            max_top_k=self.max_logprobs or 0, supports_requested_ids=False,
-                           supports_temperature=False)
+                           supports_temperature=False, hidden_size=None, signals=["topk"])
 
     def _score(self, batch: ScoreBatch) -> list[TeacherOutput]:
+        if batch.is_hidden:
+            # The completions API returns log-probs, never hidden states (docs/teacher_protocol.md).
+            raise TeacherError(ErrorCode.UNSUPPORTED, "an OpenAI-compatible server serves the top-k signal "
+                               "only; set teacher.signal=topk, or use teacher.client=zmq with "
+                               "teacher.serve.backend=hf or megatron (or teacher.client=local) for hidden states")
         if batch.num_requested is not None:
             raise TeacherError(ErrorCode.UNSUPPORTED, "the openai teacher client cannot score "
                                "requested ids (TCAD); use the zmq client with the hf backend")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 
@@ -48,24 +49,41 @@ class ZmqTeacherClient(TeacherClient):
         self._retry = retry or RetryPolicy()
         self._limits = limits or wire.Limits()
         self._context = zmq.Context.instance()
+        self._info: TeacherInfo | None = None  # asked once, at the first hidden-signal batch
+        self._info_lock = threading.Lock()
 
     def info(self) -> TeacherInfo:
         request_id = uuid.uuid4().hex
         message = self._call(request_id, wire.encode(wire.INFO, request_id, secret=self._secret),
                              expect=wire.INFO_RESULT)
         meta = message.meta
+        # Fields with defaults (hidden_size, signals) are absent from a server that predates them.
+        fields = [f.name for f in dataclasses.fields(TeacherInfo)
+                  if f.name in meta or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)]
         try:
-            return TeacherInfo(**{f.name: meta[f.name] for f in dataclasses.fields(TeacherInfo)})
-        except (KeyError, TypeError) as error:
+            return TeacherInfo(**{name: meta[name] for name in fields})
+        except (KeyError, TypeError, ValueError) as error:
             raise TeacherError(ErrorCode.BAD_OUTPUT, f"malformed teacher info: {error}") from None
 
+    def _hidden_size(self, batch: ScoreBatch) -> int | None:
+        """The teacher's h for a hidden-signal batch (from its INFO, asked once); None for top-k."""
+        if not batch.is_hidden:
+            return None
+        with self._info_lock:
+            if self._info is None:
+                self._info = self.info()
+        self._info.check_signal(batch, f"the teacher at {self.address}")
+        return self._info.hidden_size
+
     def _score(self, batch: ScoreBatch) -> list[TeacherOutput]:
+        hidden_size = self._hidden_size(batch)
         rows = sum(s.num_response_tokens for s in batch.sequences)
-        result_bytes = rows * (8 * batch.top_k + 4 * (1 + (batch.num_requested or 0)))
+        result_bytes = rows * codec.result_row_bytes(batch, hidden_size)
         if result_bytes > self._limits.max_message_bytes:
+            per_row = f"h={hidden_size} in {batch.hidden_dtype}" if batch.is_hidden else f"k={batch.top_k}"
             raise ValueError(
                 f"the teacher's answer to this batch would take {result_bytes} bytes ({rows} rows, "
-                f"k={batch.top_k}), over the message limit of {self._limits.max_message_bytes}; "
+                f"{per_row}), over the message limit of {self._limits.max_message_bytes}; "
                 "score smaller batches or raise the limit on both sides (--max-message-mb)")
         request_id = uuid.uuid4().hex
         frames = codec.encode_request(request_id, batch, self._secret)
@@ -74,7 +92,7 @@ class ZmqTeacherClient(TeacherClient):
             raise ValueError(f"this batch takes {request_bytes} bytes on the wire, over the message "
                              f"limit of {self._limits.max_message_bytes}; score smaller batches")
         message = self._call(request_id, frames, expect=wire.RESULT)
-        return codec.decode_result(message, batch)
+        return codec.decode_result(message, batch, hidden_size)
 
     def _call(self, request_id: str, frames: list[bytes], expect: str) -> wire.Message:
         policy = self._retry
