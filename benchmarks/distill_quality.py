@@ -1,6 +1,7 @@
 """Which distillation method teaches the demo's student most per teacher token: the demo's experiment.
 
-    python benchmarks/distill_quality.py                            # 14 methods, seeds 1 2 3 (about 2 hours)
+    python benchmarks/distill_quality.py                            # 17 methods, seeds 1 2 3 (about 2.5 hours)
+    python benchmarks/distill_quality.py --methods forward_kl_hidden reverse_kl_hidden jsd_hidden   # hidden signal
     python benchmarks/distill_quality.py --methods reverse_kl_full_vocab jsd_full_vocab --seeds 1   # diagnostics
     python benchmarks/distill_quality.py --report                   # aggregate what has finished
 
@@ -24,6 +25,9 @@ teacher, on the arithmetic task, it compares:
                             prompt's rollouts equally
 ``reverse_kl_full_vocab``   diagnostics: ``reverse_kl`` / ``jsd`` with the teacher's whole vocabulary
 ``jsd_full_vocab``          (k = 16): what the top-k truncation costs them
+``forward_kl_hidden`` ...   on-policy ``forward_kl``, ``reverse_kl``, ``jsd`` from the teacher's hidden
+                            states (``teacher.signal=hidden``, bf16 on the wire): exact over the whole
+                            vocabulary, the student recomputing the teacher's logits with its head
 ==========================  ========================================================================
 
 Every run is the real entry point (``configs/demo_cpu.yaml``) on one process (TP=1: on this model TP=2
@@ -79,6 +83,9 @@ METHODS = {
     "reverse_kl_full_vocab": [*ON_POLICY, "loss.type=reverse_kl", "teacher.top_k=16"],
     "jsd_full_vocab": [*ON_POLICY, "loss.type=jsd", "teacher.top_k=16"],
 }
+# The teacher's hidden states instead of its top-k (issue #19): the whole vocabulary at any vocabulary size.
+HIDDEN = ["teacher.signal=hidden", "teacher.hidden_dtype=bfloat16"]
+METHODS.update({f"{loss}_hidden": [*ON_POLICY, f"loss.type={loss}", *HIDDEN] for loss in ("forward_kl", "reverse_kl", "jsd")})
 DIAGNOSTICS = ("reverse_kl_full_vocab", "jsd_full_vocab")  # run on request (--methods), not by default
 
 
