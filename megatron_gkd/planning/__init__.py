@@ -14,6 +14,9 @@ DeepSeek-V3 (multi-latent attention, shared experts, MTP layers, FP8 block-quant
                                     use_distributed_optimizer=True)
     plan = planning.plan_student(hf, layout, batch, planning.WeightSync())
     table = planning.student_table(plan)                                # one row per pipeline stage
+    # teacher.signal=hidden: the last stage also holds the teacher's output-layer shard
+    head = planning.read_teacher_head("configs/hf/deepseek-v3")            # (vocab, hidden, tied), no weights
+    plan = planning.plan_student(hf, layout, batch, planning.WeightSync(), teacher_head=head)
 
     teacher = planning.plan_teacher(planning.read_config("configs/hf/deepseek-v3"),
                                     planning.TeacherLayout(tensor_parallel_size=8, pipeline_parallel_size=2),
@@ -35,6 +38,7 @@ from megatron_gkd.planning.propose import Proposal, propose
 from megatron_gkd.planning.report import proposal_text, student_table, teacher_table, to_dict
 from megatron_gkd.planning.student import MemoryBreakdown, StudentPlan, plan_student
 from megatron_gkd.planning.teacher import TeacherPlan, plan_teacher
+from megatron_gkd.planning.teacher_head import TeacherHeadPlan, TeacherHeadShape, plan_teacher_head, read_teacher_head
 
 __all__ = [
     "DEVICES",
@@ -47,6 +51,8 @@ __all__ = [
     "Proposal",
     "StudentLayout",
     "StudentPlan",
+    "TeacherHeadPlan",
+    "TeacherHeadShape",
     "TeacherLayout",
     "TeacherPlan",
     "WeightSync",
@@ -55,9 +61,11 @@ __all__ = [
     "model_shape",
     "plan_student",
     "plan_teacher",
+    "plan_teacher_head",
     "propose",
     "proposal_text",
     "read_config",
+    "read_teacher_head",
     "student_table",
     "teacher_table",
     "to_dict",

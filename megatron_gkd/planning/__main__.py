@@ -4,6 +4,7 @@ Examples::
 
     python -m megatron_gkd.planning params --hf configs/hf/deepseek-v3
     python -m megatron_gkd.planning student --hf configs/hf/qwen3-8b --tp 2 --dp 4 --sp --seq-length 8192
+    python -m megatron_gkd.planning student --hf configs/hf/qwen3-8b --tp 2 --teacher-head configs/hf/qwen3-30b-a3b
     python -m megatron_gkd.planning teacher --hf configs/hf/deepseek-v3 --tp 8 --pp 2 --device h100-80gb
     python -m megatron_gkd.planning propose --student configs/hf/qwen3-30b-a3b --teacher configs/hf/deepseek-v3 \\
         --nodes 4 --devices-per-node 8 --device h100-80gb --seq-length 8192 --num-microbatches 8
@@ -35,6 +36,7 @@ from megatron_gkd.planning.propose import propose
 from megatron_gkd.planning.report import counts_line, proposal_text, student_table, teacher_table, to_dict
 from megatron_gkd.planning.student import plan_student
 from megatron_gkd.planning.teacher import plan_teacher
+from megatron_gkd.planning.teacher_head import TeacherHeadShape, read_teacher_head
 
 
 def _add_batch(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +46,10 @@ def _add_batch(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-microbatches", type=int, default=1, help="per data-parallel rank and step")
     group.add_argument("--top-k", type=int, default=64, help="teacher log-probs per token")
     group.add_argument("--loss", choices=LOSSES, default="distill")
+    group.add_argument("--chunk-size", type=int, default=1024, help="tokens per chunk of a chunked loss")
+    group.add_argument("--teacher-head", default=None, metavar="HF",
+                       help="teacher.signal=hidden: the teacher's checkpoint or config.json, whose output layer "
+                            "the student's last stage holds (student and propose)")
 
 
 def _add_device(parser: argparse.ArgumentParser) -> None:
@@ -149,6 +155,7 @@ def _batch(args: argparse.Namespace) -> Batch:
         num_microbatches=args.num_microbatches,
         top_k=args.top_k,
         loss=args.loss,
+        chunk_size=args.chunk_size,
     )
 
 
@@ -178,6 +185,15 @@ def _student_layout(args: argparse.Namespace, *, sizes: bool) -> StudentLayout:
         num_layers_in_last_pipeline_stage=args.last_stage_layers,
         **fields,
     )
+
+
+def _teacher_head(args: argparse.Namespace) -> TeacherHeadShape | None:
+    if args.teacher_head is None:
+        return None
+    if args.command == "teacher":
+        raise ValueError("--teacher-head plans the student's copy of the teacher's output layer; "
+                         "give it to the student or propose command")
+    return read_teacher_head(args.teacher_head)
 
 
 def _teacher_layout(args: argparse.Namespace, prefix: str = "") -> TeacherLayout:
@@ -213,11 +229,13 @@ def _compute(args: argparse.Namespace) -> tuple[object, str]:
         stored = counts.checkpoint_elements / 1e9
         text = f"{counts_line(counts)}\n  by group: {groups}\n  checkpoint elements: {stored:.3f} B"
         return counts, text
+    teacher_head = _teacher_head(args)
     weight_sync = None
     if args.command != "teacher":
         weight_sync = WeightSync(bucket_size_mb=args.bucket_size_mb, num_buffers=args.num_buffers)
     if args.command == "student":
-        plan = plan_student(read_config(args.hf), _student_layout(args, sizes=True), _batch(args), weight_sync)
+        plan = plan_student(read_config(args.hf), _student_layout(args, sizes=True), _batch(args), weight_sync,
+                            teacher_head=teacher_head)
         return plan, student_table(plan)
     if args.command == "teacher":
         plan = plan_teacher(
@@ -239,6 +257,7 @@ def _compute(args: argparse.Namespace) -> tuple[object, str]:
         weight_sync=weight_sync,
         min_concurrent_sequences=args.min_concurrent_sequences,
         rollout_memory_fraction=args.rollout_memory_fraction,
+        teacher_head=teacher_head,
     )
     return proposal, proposal_text(proposal)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+"""The trainer's (torch's) dtype names -> the planner's."""
 KERNELS = ("fused", "local")
 RECOMPUTE = (None, "selective", "full")
 LOSSES = ("distill", "fused_distill", "cross_entropy")
@@ -158,6 +160,8 @@ class Batch:
     loss: str = "distill"
     """``distill`` (vocab-parallel divergence on the ``[s, b, v/tp]`` logits), ``fused_distill`` (chunked:
     logits never held whole) or ``cross_entropy`` (Megatron's own loss, as in the CPU memory check)."""
+    chunk_size: int = 1024
+    """Tokens per chunk of a chunked loss (``loss.chunk_size``); sizes the hidden-signal loss's buffers."""
 
     def __post_init__(self):
         _positive(
@@ -166,6 +170,7 @@ class Batch:
             micro_batch_size=self.micro_batch_size,
             num_microbatches=self.num_microbatches,
             top_k=self.top_k,
+            chunk_size=self.chunk_size,
         )
         if self.loss not in LOSSES:
             raise ValueError(f"batch.loss={self.loss!r}; choose one of {list(LOSSES)}")

@@ -15,6 +15,7 @@ from megatron_gkd.planning.cluster import Cluster
 from megatron_gkd.planning.layout import Batch, StudentLayout, TeacherLayout, WeightSync
 from megatron_gkd.planning.model import model_shape
 from megatron_gkd.planning.student import StudentPlan, plan_student
+from megatron_gkd.planning.teacher_head import TeacherHeadShape
 from megatron_gkd.planning.teacher import TeacherPlan, plan_teacher
 
 RECOMPUTE_ORDER = (None, "selective", "full")
@@ -138,6 +139,7 @@ def propose(
     weight_sync: WeightSync | None = None,
     min_concurrent_sequences: int = 1,
     rollout_memory_fraction: float = 0.0,
+    teacher_head: TeacherHeadShape | None = None,
 ) -> Proposal:
     """The teacher layout with the fewest devices, then the student's on the devices left.
 
@@ -151,6 +153,8 @@ def propose(
         min_concurrent_sequences: full-length sequences the teacher's KV cache must hold at once.
         rollout_memory_fraction: share of each student device a colocated vLLM rollout engine keeps
             while the trainer runs (0: it sleeps and frees its memory, or runs on other devices).
+        teacher_head: the teacher's output layer when it sends hidden states (``teacher.signal=hidden``):
+            every student layout is planned with its vocabulary shard (see :func:`plan_student`).
     """
     if not 0 <= rollout_memory_fraction < 1:
         raise ValueError(f"rollout_memory_fraction={rollout_memory_fraction} must be in [0, 1)")
@@ -187,7 +191,7 @@ def propose(
     else:
         for layout in student_candidates(student_hf, student_devices, cluster.devices_per_node, student_base):
             try:
-                plan = plan_student(student_hf, layout, batch, weight_sync)
+                plan = plan_student(student_hf, layout, batch, weight_sync, teacher_head=teacher_head)
             except ValueError as error:
                 student_rejected.append(Rejected(layout=layout.describe(), reason=str(error)))
                 continue

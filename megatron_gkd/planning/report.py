@@ -21,6 +21,18 @@ _STUDENT_COLUMNS = (
     ("teacher_topk", "top-k"),
     ("weight_sync", "wsync"),
 )
+# The hidden signal replaces the teacher's top-k with its hidden states, and adds the head and loss buffers.
+_HIDDEN_SIGNAL_COLUMNS = (
+    ("weights", "weights"),
+    ("grads", "grads"),
+    ("optimizer", "optim"),
+    ("activations", "activ"),
+    ("backward_workspace", "bwd ws"),
+    ("teacher_hidden", "t-hidden"),
+    ("teacher_head", "t-head"),
+    ("hidden_loss", "hid-loss"),
+    ("weight_sync", "wsync"),
+)
 _TEACHER_COLUMNS = (("weights", "weights"), ("kv_cache", "kv min"), ("workspace", "step ws"), ("teacher_topk", "top-k"))
 
 
@@ -51,12 +63,16 @@ def student_table(plan: StudentPlan) -> str:
         f"student {plan.architecture} ({counts_line(plan.counts)})",
         f"  layout: {plan.layout.describe()}, {plan.layout.params_dtype}, {plan.layout.kernels} kernels",
         f"  batch: {batch.seq_length} tokens x micro-batch {batch.micro_batch_size} x {batch.num_microbatches} "
-        f"micro-batches, top-k {batch.top_k}, loss {batch.loss}",
+        "micro-batches, " + (f"top-k {batch.top_k}" if plan.teacher_head is None else "teacher hidden states")
+        + f", loss {batch.loss}",
     ]
-    header = ["stage", "layers", "params/dev"] + [title for _, title in _STUDENT_COLUMNS] + ["total GiB"]
+    if plan.teacher_head is not None:
+        lines.append(f"  teacher head (hidden signal): {plan.teacher_head.describe()}")
+    columns = _STUDENT_COLUMNS if plan.teacher_head is None else _HIDDEN_SIGNAL_COLUMNS
+    header = ["stage", "layers", "params/dev"] + [title for _, title in columns] + ["total GiB"]
     rows = [
         [str(r.pp_rank), str(r.num_layers), _billions(r.parameters)]
-        + [_gib(getattr(r.memory, name)) for name, _ in _STUDENT_COLUMNS]
+        + [_gib(getattr(r.memory, name)) for name, _ in columns]
         + [_gib(r.memory.total)]
         for r in plan.ranks
     ]
@@ -131,6 +147,10 @@ def to_dict(obj) -> dict:
         }
         if isinstance(obj, StudentPlan):
             data["batch"] = dataclasses.asdict(obj.batch)
+            head = obj.teacher_head
+            data["teacher_head"] = None if head is None else {
+                **dataclasses.asdict(head), "teacher": head.teacher._asdict(), "shape": list(head.shape),
+                "shard_bytes": head.shard_bytes, "loss_buffer_bytes": head.loss_buffer_bytes}
         else:
             data.update(weights_dtype=obj.weights_dtype, problems=obj.problems, feasible=obj.feasible)
             data["device"] = dataclasses.asdict(obj.device) if obj.device else None

@@ -26,6 +26,12 @@ from megatron_gkd.planning.params import (
     output_tensors,
     shard_elements,
 )
+from megatron_gkd.planning.teacher_head import (
+    TEACHER_HIDDEN_BYTES,
+    TeacherHeadPlan,
+    TeacherHeadShape,
+    plan_teacher_head,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +49,14 @@ class MemoryBreakdown:
     """The largest transient of the backward pass: recomputed layers and activation gradients."""
     teacher_topk: int = 0
     """Teacher top-k ids (int64) and log-probs (float32) of this rank's step (last stage only)."""
+    teacher_hidden: int = 0
+    """Hidden signal: the teacher's hidden states (float32) and token log-probs of this rank's step
+    (last stage only); replaces ``teacher_topk``."""
+    teacher_head: int = 0
+    """Hidden signal: the teacher's output-layer shard ``[V/tp, h_teacher]`` (last stage only); frozen,
+    so it has no gradient or optimizer state."""
+    hidden_loss: int = 0
+    """Hidden signal: the loss's float32 chunk buffers (an estimate, see ``planning.teacher_head``)."""
     weight_sync: int = 0
     """Weight-sync bucket buffers of a sending rank."""
     kv_cache: int = 0
@@ -78,6 +92,8 @@ class StudentPlan:
     counts: ParameterCounts
     ranks: list[RankMemory]
     notes: list[str]
+    teacher_head: TeacherHeadPlan | None = None
+    """The teacher head shard of the hidden signal (``None``: the top-k signal)."""
 
     @property
     def peak(self) -> RankMemory:
@@ -289,7 +305,12 @@ def _inert_options(m: ModelShape, layout: StudentLayout) -> list[str]:
 
 
 def plan_student(
-    hf_config: dict, layout: StudentLayout, batch: Batch, weight_sync: WeightSync | None = None
+    hf_config: dict,
+    layout: StudentLayout,
+    batch: Batch,
+    weight_sync: WeightSync | None = None,
+    *,
+    teacher_head: TeacherHeadShape | None = None,
 ) -> StudentPlan:
     """Per-stage device memory of training the model of ``hf_config`` with ``layout`` on ``batch``.
 
@@ -299,6 +320,9 @@ def plan_student(
         batch: sequence length, micro-batch size and count, teacher top-k, loss.
         weight_sync: bucket settings of the trainer's weight sync (``None``: no sync, e.g. a teacher
             run through Megatron).
+        teacher_head: the teacher's output layer of the hidden signal (``None``: the top-k signal). The
+            last stage then holds its vocabulary shard, the loss's chunk buffers and the teacher's
+            hidden states instead of its top-k.
 
     Raises:
         ValueError: the model does not split over the layout (the message says which size and why).
@@ -307,6 +331,15 @@ def plan_student(
     _check_splits(m, layout)
     ctx = _context(layout, batch)
     pp = layout.pipeline_model_parallel_size
+    head = None
+    if teacher_head is not None and batch.loss != "cross_entropy":
+        head = plan_teacher_head(
+            m.vocab_size,
+            teacher_head,
+            tensor_model_parallel_size=layout.tensor_model_parallel_size,
+            params_dtype=layout.params_dtype,
+            chunk_size=batch.chunk_size,
+        )
     ranks = []
     for pp_rank, chunks in enumerate(stage_layers(m.num_layers, layout)):
         layers = [i for chunk in chunks for i in chunk]
@@ -318,7 +351,11 @@ def plan_student(
         )
         if pp_rank == pp - 1 and batch.loss != "cross_entropy":
             tokens = batch.seq_length * batch.micro_batch_size * batch.num_microbatches
-            memory.teacher_topk = tokens * batch.top_k * (8 + 4)
+            if head is None:
+                memory.teacher_topk = tokens * batch.top_k * (8 + 4)
+            else:
+                memory.teacher_hidden = tokens * (head.teacher.hidden_size * TEACHER_HIDDEN_BYTES + 4)
+                memory.teacher_head, memory.hidden_loss = head.shard_bytes, head.loss_buffer_bytes
         if weight_sync is not None:
             memory.weight_sync = int(weight_sync.bucket_size_mb * 2**20) * weight_sync.num_buffers
         ranks.append(
@@ -338,5 +375,6 @@ def plan_student(
     if m.num_mtp_layers and not layout.include_mtp:
         notes.append(f"{m.num_mtp_layers} MTP layer(s) not trained (include_mtp=False, as megatron_gkd.models builds)")
     return StudentPlan(
-        architecture=m.architecture, layout=layout, batch=batch, counts=count_parameters(m), ranks=ranks, notes=notes
+        architecture=m.architecture, layout=layout, batch=batch, counts=count_parameters(m), ranks=ranks, notes=notes,
+        teacher_head=head,
     )
