@@ -11,6 +11,20 @@ def rank_coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
     return rank % tp, (rank // tp) % dp, rank // (tp * dp)
 
 
+def _teacher_head_text(config: GKDConfig) -> str:
+    """The teacher's output-layer shard per student rank, or why the configs at hand cannot say."""
+    from megatron_gkd import planning
+
+    try:
+        head = planning.teacher_head.plan_teacher_head_from_checkpoints(
+            config.student.checkpoint, config.teacher.head_source,
+            tensor_model_parallel_size=config.parallel.tensor_model_parallel_size,
+            params_dtype=planning.layout.DTYPE_NAMES[config.student.dtype], chunk_size=config.loss.chunk_size)
+    except ValueError as error:
+        return f"no plan: {error}"
+    return head.describe()
+
+
 def layout_plan(config: GKDConfig, world_size: int | None = None) -> str:
     """A human-readable plan: layout, ranks and their roles, batch split, rollout and teacher.
 
@@ -43,7 +57,10 @@ def layout_plan(config: GKDConfig, world_size: int | None = None) -> str:
         teacher = config.teacher
         where = (f"service started on loopback ({teacher.serve.backend} backend, {teacher.serve.model})"
                  if teacher.serve.model else teacher.address or teacher.base_url or teacher.checkpoint)
-        lines.append(f"teacher: {teacher.client} client, {where}, top-k {teacher.top_k}")
+        lines.append(f"teacher: {teacher.client} client, {where}, "
+                     + (f"top-k {teacher.top_k}" if teacher.signal == "topk" else f"{teacher.signal} signal"))
+        if teacher.signal == "hidden":
+            lines.append(f"teacher head (hidden signal): {_teacher_head_text(config)}")
     lines.append("ranks (tp, dp, pp):")
     for rank in range(world_size):
         tp_rank, dp_rank, pp_rank = rank_coordinates(rank, tp, dp)

@@ -8,8 +8,7 @@ import dataclasses
 from megatron_gkd import planning
 from megatron_gkd.config.checks import check_layout
 
-# The trainer's dtype names -> the planner's.
-_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_DTYPES = planning.layout.DTYPE_NAMES
 _PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                    "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
                    "expert_tensor_parallel_size", "sequence_parallel")
@@ -26,7 +25,7 @@ def planning_batch(config) -> planning.Batch:
     loss = "cross_entropy" if trainer.mode == "sft" else "fused_distill" if config.loss.fused else "distill"
     return planning.Batch(seq_length=seq_length, micro_batch_size=micro_batch,
                           num_microbatches=max(1, trainer.global_batch_size // micro_batch),
-                          top_k=config.teacher.top_k, loss=loss)
+                          top_k=config.teacher.top_k, loss=loss, chunk_size=config.loss.chunk_size)
 
 
 def _read(path: str | None, what: str) -> dict:
@@ -36,6 +35,17 @@ def _read(path: str | None, what: str) -> dict:
         return planning.read_config(path)
     except (OSError, ValueError) as error:
         raise ValueError(f"cannot read the {what}'s config.json ({error})") from None
+
+
+def teacher_head(config) -> planning.TeacherHeadShape | None:
+    """The teacher's output layer the student holds with ``teacher.signal=hidden`` (``None``: top-k).
+
+    Raises:
+        ValueError: the head checkpoint's ``config.json`` cannot be read.
+    """
+    if config.teacher.signal != "hidden" or not config.teacher.enabled:
+        return None
+    return planning.TeacherHeadShape.from_config(_read(config.teacher.head_source, "teacher head"))
 
 
 def student_plan(config, world_size: int, kernels: str) -> planning.StudentPlan:
@@ -56,7 +66,7 @@ def student_plan(config, world_size: int, kernels: str) -> planning.StudentPlan:
     sync = config.weight_sync
     weight_sync = planning.WeightSync(bucket_size_mb=sync.bucket_size_mb, num_buffers=sync.num_buffers,
                                       transfer="direct" if sync.transfer == "direct" else "packed")
-    return planning.plan_student(hf, layout, batch, weight_sync)
+    return planning.plan_student(hf, layout, batch, weight_sync, teacher_head=teacher_head(config))
 
 
 def student_plan_text(config, world_size: int, device: planning.Device | None, kernels: str) -> str:
@@ -109,7 +119,8 @@ def choose_teacher_layout(config, num_nodes: int, nproc_per_node: int,
     student_hf = _read(config.student.checkpoint, "student")
     base = teacher_layout_from_args(config.teacher.serve.backend_args)
     cluster = planning.Cluster(nodes=num_nodes, devices_per_node=nproc_per_node, device=device)
-    proposal = planning.propose(student_hf, cluster, planning_batch(config), teacher_hf=teacher_hf, teacher_base=base)
+    proposal = planning.propose(student_hf, cluster, planning_batch(config), teacher_hf=teacher_hf, teacher_base=base,
+                                teacher_head=teacher_head(config))
     rejected = [f"  {item.layout}: {item.reason}" for item in proposal.teacher_rejected]
     if len(rejected) > 6:
         rejected = rejected[:6] + [f"  ... {len(rejected) - 6} more (python -m megatron_gkd.planning propose lists all)"]
