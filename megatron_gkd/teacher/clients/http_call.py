@@ -4,7 +4,9 @@
 half second keeps a call alive forever, in the status line, the headers or the body. Here a watchdog
 timer shuts the socket down when the deadline passes, which wakes the blocked read wherever it is.
 Redirects are never followed (``http.client`` does not), so headers such as the API key only ever go
-to the configured address. The body is read up to a size bound.
+to the configured address. The body is read up to a size bound, and a body shorter than its
+``Content-Length`` is an error: ``http.client`` returns a cut body without complaint when the server
+closes early or the watchdog shuts the socket mid-body.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ class DeadlineExceeded(TimeoutError):
 
 class ResponseTooLarge(OSError):
     """The answer is larger than the client accepts."""
+
+
+class IncompleteBody(OSError):
+    """The body ended before the length its ``Content-Length`` announced (a transport error)."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -60,8 +66,9 @@ class HttpEndpoint:
         Raises:
             DeadlineExceeded: the answer was not complete in time.
             ResponseTooLarge: the body exceeds ``max_response_bytes``.
+            IncompleteBody: the server closed before the whole body announced had arrived.
             OSError, http.client.HTTPException: the connection failed or the answer is broken
-                (e.g. ``IncompleteRead``).
+                (e.g. ``IncompleteRead`` in a chunked body).
         """
         connection_class = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         connection = connection_class(self._host, self._port, timeout=timeout_s)
@@ -77,7 +84,7 @@ class HttpEndpoint:
                             body=self._read_body(response))
         except (OSError, http.client.HTTPException) as error:
             if watchdog.expired:
-                raise DeadlineExceeded(f"no complete answer within {timeout_s:.1f} s") from error
+                raise DeadlineExceeded(f"no complete answer within {timeout_s:.1f} s ({error})") from error
             raise
         finally:
             watchdog.cancel()
@@ -85,6 +92,9 @@ class HttpEndpoint:
 
     def _read_body(self, response: http.client.HTTPResponse) -> bytes:
         length = response.getheader("Content-Length")
+        # What http.client will read: the Content-Length, 0 for answers without a body (HEAD, 204,
+        # 304), None when chunked or read to the close.
+        announced = response.length
         if length is not None and length.isdigit() and int(length) > self._max_response_bytes:
             raise ResponseTooLarge(f"the server announces {length} bytes, over the limit of "
                                    f"{self._max_response_bytes}")
@@ -94,6 +104,11 @@ class HttpEndpoint:
             if total > self._max_response_bytes:
                 raise ResponseTooLarge(f"the answer exceeds the limit of {self._max_response_bytes} bytes")
             parts.append(chunk)
+        # read(amt) returns b"" at an early EOF instead of raising IncompleteRead, so the length is
+        # checked here. A chunked body (no Content-Length) raises IncompleteRead itself when cut.
+        if announced is not None and total < announced:
+            raise IncompleteBody(f"the answer body has {total} of the {announced} bytes its "
+                                 "Content-Length announced; the connection ended early")
         return b"".join(parts)
 
 
