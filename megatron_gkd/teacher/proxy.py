@@ -6,6 +6,9 @@ refused at the frame header that crosses them and its connection closed, so no m
 Client messages are then verified (HMAC) and checked (wire header) here, and only authenticated,
 well-formed requests are queued for a worker. Unauthenticated senders get at most
 :data:`MAX_UNSIGNED_REFUSALS` unsigned refusals per connection; every refusal is logged rate-limited.
+An unfinished client message holds only the bytes that arrived against the pending budget, and is
+cut when it is not complete ``message_timeout_s`` after its first byte: a stranger who starts a
+message and goes quiet holds neither memory nor the budget that signed requests need.
 
 A new worker connection gets a CHALLENGE (a fresh nonce) and receives requests only after it answers
 REGISTER with that nonce, signed with the shared secret: a peer that can reach the worker address
@@ -96,13 +99,18 @@ class Proxy:
         max_connections: open connections per side.
         handshake_timeout_s: time a new connection has to complete the ZMTP handshake.
         registration_timeout_s: time a new worker connection has to register.
+        message_timeout_s: time a client message has from its first byte to its last; a message
+            still unfinished then is cut (its connection closed, what was cut logged). Idle
+            connections between messages are not affected.
     """
 
     def __init__(self, frontend: str, backend: str | None = None, secret: bytes | None = None,
                  insecure: bool = False, limits: wire.Limits = wire.Limits(), *,
                  max_pending_bytes: int | None = None, max_queued_requests: int = 1024,
                  max_connections: int = 4096, handshake_timeout_s: float = 10.0,
-                 registration_timeout_s: float = 30.0):
+                 registration_timeout_s: float = 30.0, message_timeout_s: float = 30.0):
+        if message_timeout_s <= 0:
+            raise ValueError(f"Proxy message_timeout_s={message_timeout_s} must be > 0")
         self._private_dir = None
         if backend is None:
             self._private_dir = tempfile.mkdtemp(prefix="megatron-gkd-teacher-")  # mode 0700
@@ -113,6 +121,7 @@ class Proxy:
         self._max_pending = max_pending_bytes or 2 * limits.max_message_bytes
         self._max_queued, self._max_connections = max_queued_requests, max_connections
         self._handshake_s, self._registration_s = handshake_timeout_s, registration_timeout_s
+        self._message_s = message_timeout_s
         context = zmq.Context.instance()
         front, self.frontend_address = _stream_socket(context, frontend)
         back, self.backend_address = _stream_socket(context, backend)
@@ -197,12 +206,16 @@ class Proxy:
     def _receive(self, side: _Side, connection: _Connection, data: memoryview) -> None:
         before = connection.reader.pending_bytes
         try:
-            messages = connection.reader.feed(data)
+            messages, failure = connection.reader.feed(data), None
         except zmtp.ZmtpError as error:
-            self._close(side, connection, str(error))
-            return
+            messages, failure = [], error
         if side is self._front:
+            # Counted before any close: _forget takes back what the reader holds now, and bytes
+            # that arrived before the error in this same chunk must have been added first.
             self._partial_bytes += connection.reader.pending_bytes - before
+        if failure is not None:
+            self._close(side, connection, str(failure))
+            return
         if connection.reader.greeted and not connection.ready_sent:
             connection.ready_sent = True
             self._send(side, connection.identity, [], raw=zmtp.ready_command(b"ROUTER"))
@@ -222,15 +235,22 @@ class Proxy:
                                           "and queued messages already")
 
     def _sweep(self) -> None:
-        """Closes connections that did not finish their handshake or registration in time."""
+        """Closes connections that did not finish their handshake, registration or message in time."""
         now = time.monotonic()
         for side in (self._front, self._back):
             for connection in list(side.connections.values()):
-                age = now - connection.opened
-                if not connection.reader.ready and age > self._handshake_s:
+                age, reader = now - connection.opened, connection.reader
+                if not reader.ready and age > self._handshake_s:
                     self._close(side, connection, f"no ZMTP handshake within {self._handshake_s:.0f} s")
                 elif side is self._back and not connection.registered and age > self._registration_s:
                     self._close(side, connection, f"no registration within {self._registration_s:.0f} s")
+                elif (side is self._front and reader.message_started is not None
+                      and now - reader.message_started > self._message_s):
+                    # Client side only: worker connections are registered (authenticated) or bounded
+                    # by the registration timeout, and their results may be large on a slow link.
+                    self._close(side, connection, f"a message unfinished after {self._message_s:.0f} s: "
+                                f"{reader.pending_bytes} of {reader.declared_bytes} declared bytes arrived, "
+                                f"in {reader.num_pending_frames} frames")
 
     # ---- clients --------------------------------------------------------------------------------
     def _from_client(self, connection: _Connection, frames: list) -> None:
@@ -247,6 +267,12 @@ class Proxy:
         nbytes = sum(len(frame) for frame in body)
         if (len(self._queue) >= self._max_queued
                 or self._partial_bytes + self._queued_bytes + nbytes > self._max_pending):
+            # Logged with the figures that decided it, so that an operator can tell a full queue
+            # from unfinished messages holding the budget.
+            self._refusals.refused("request %s of %d bytes as busy: %d requests (%d bytes) queued, %d bytes "
+                                   "of unfinished messages, max_pending_bytes=%d", message.request_id,
+                                   nbytes, len(self._queue), self._queued_bytes, self._partial_bytes,
+                                   self._max_pending)
             self._send(self._front, connection.identity, [b"", *wire.error_frames(
                 message.request_id, ErrorCode.UNAVAILABLE, f"the teacher is busy ({len(self._queue)} "
                 "requests queued); retry later", self._secret)])

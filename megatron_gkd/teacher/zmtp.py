@@ -6,7 +6,8 @@ frames just under the limit before the application sees the first one (a 168 MiB
 8 MiB limit grew a server by 574 MiB). A ZMQ_STREAM socket hands over the raw bytes in chunks of at
 most 8 KiB instead; :class:`FrameReader` parses them and enforces the frame count and byte bounds
 per message while the bytes come in, so an oversized message is refused at the frame header that
-crosses a bound, before its body is read.
+crosses a bound, before its body is read. A frame's buffer grows with the bytes that arrive, never to
+the size its header declares: a header is a claim any stranger can make for free.
 
 Peers are ordinary libzmq DEALER sockets (the ``zmq`` client and the workers); they see a ROUTER.
 Spec: ZMTP 3.0 (rfc.zeromq.org/spec/23) with the NULL security mechanism (spec/24 READY command).
@@ -15,6 +16,8 @@ Spec: ZMTP 3.0 (rfc.zeromq.org/spec/23) with the NULL security mechanism (spec/2
 from __future__ import annotations
 
 import struct
+import time
+from typing import Callable
 
 MORE, LONG, COMMAND = 0x01, 0x02, 0x04
 GREETING_BYTES = 64
@@ -94,27 +97,41 @@ class FrameReader:
         max_frames: frames per message.
         max_bytes: bytes per message (all frames).
         peer_socket_type: the socket type the peer must announce.
+        clock: the time :attr:`message_started` records.
     """
 
     _GREETING, _FLAGS, _SIZE, _BODY = range(4)
 
-    def __init__(self, max_frames: int, max_bytes: int, peer_socket_type: bytes = b"DEALER"):
+    def __init__(self, max_frames: int, max_bytes: int, peer_socket_type: bytes = b"DEALER",
+                 clock: Callable[[], float] = time.monotonic):
         self.max_frames, self.max_bytes = max_frames, max_bytes
         self._peer_socket_type = peer_socket_type
+        self._clock = clock
         self._state, self._need = self._GREETING, GREETING_BYTES
         self._head = bytearray()
         self._flags = 0
         self._body: bytearray | None = None
-        self._filled = 0
+        self._remaining = 0  # bytes of the current frame's body still to come
         self._frames: list = []
-        self._message_bytes = 0
+        self._arrived = self._declared = 0  # body bytes of the message in progress
         self.greeted = False  # the peer's greeting was valid: our READY may go out
         self.ready = False  # the peer's READY arrived: messages may follow
+        self.message_started: float | None = None  # when the first byte of the message in progress came
 
     @property
     def pending_bytes(self) -> int:
-        """Bytes held for the message in progress (its frames so far, the current one as declared)."""
-        return self._message_bytes
+        """Body bytes held for the message in progress: what arrived, not what its headers declare."""
+        return self._arrived
+
+    @property
+    def declared_bytes(self) -> int:
+        """Body bytes the headers of the message in progress declare (its frames so far)."""
+        return self._declared
+
+    @property
+    def num_pending_frames(self) -> int:
+        """Frames of the message in progress, the one still arriving included."""
+        return len(self._frames) + (self._state == self._BODY)
 
     def feed(self, data) -> list[list]:
         """Consumes ``data`` (bytes-like); returns the messages it completed (lists of frames).
@@ -125,13 +142,17 @@ class FrameReader:
         view, position, messages = memoryview(data), 0, []
         while position < len(view):
             if self._state == self._BODY:
-                take = min(len(self._body) - self._filled, len(view) - position)
-                self._body[self._filled:self._filled + take] = view[position:position + take]
-                self._filled += take
+                take = min(self._remaining, len(view) - position)
+                self._body += view[position:position + take]
+                self._remaining -= take
+                if not self._flags & COMMAND:
+                    self._arrived += take
                 position += take
-                if self._filled == len(self._body):
+                if not self._remaining:
                     self._end_frame(self._body, messages)
                 continue
+            if self._state == self._FLAGS and self.ready and self.message_started is None:
+                self.message_started = self._clock()
             take = min(self._need - len(self._head), len(view) - position)
             self._head += view[position:position + take]
             position += take
@@ -166,15 +187,16 @@ class FrameReader:
                 raise ZmtpError("a message before the READY command")
             if len(self._frames) + 1 > self.max_frames:
                 raise ZmtpError(f"more than {self.max_frames} frames in one message")
-            if self._message_bytes + size > self.max_bytes:
+            if self._declared + size > self.max_bytes:
                 raise ZmtpError(f"a message of more than {self.max_bytes} bytes (frame {len(self._frames)} "
                                 f"declares {size})")
-            self._message_bytes += size
+            self._declared += size
         if size == 0:
             self._end_frame(_EMPTY, messages)
         else:
-            # Allocated at its declared size, which the bounds above have just admitted.
-            self._body, self._filled, self._state = bytearray(size), 0, self._BODY
+            # Grown as the bytes arrive (bytearray over-allocates geometrically, so appending 8 KiB
+            # chunks copies little), so that memory follows what a peer sent, not what it declared.
+            self._body, self._remaining, self._state = bytearray(), size, self._BODY
 
     def _end_frame(self, body, messages: list) -> None:
         self._state, self._need, self._body = self._FLAGS, 1, None
@@ -185,4 +207,5 @@ class FrameReader:
         self._frames.append(body)
         if not self._flags & MORE:
             messages.append(self._frames)
-            self._frames, self._message_bytes = [], 0
+            self._frames, self._arrived, self._declared = [], 0, 0
+            self.message_started = None

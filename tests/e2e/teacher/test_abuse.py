@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import zmq
 
-from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, build_client, codec, wire, zmtp
+from megatron_gkd.teacher import (RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client, codec,
+                                  wire, zmtp)
 from megatron_gkd.teacher.proxy import MAX_UNSIGNED_REFUSALS
 from megatron_gkd.teacher.types import ErrorCode
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher, build_tiny_teacher
@@ -290,6 +291,60 @@ def test_impersonated_workers_get_no_requests(service):
         assert kinds <= {wire.CHALLENGE, wire.ERROR}, f"an impostor received {kinds}"
     replayer = {wire.peek_type(frames[2:]) for frames in impostors[-1].received}
     assert replayer == {wire.CHALLENGE, wire.ERROR}, "the replayed registration was not refused"
+
+
+def _half_sent_message(address: str) -> socket.socket:
+    """A stranger's connection: handshake, then 12 bytes of a message, then silence.
+
+    An empty frame, a header declaring a frame one byte under the message limit, and one byte of it.
+    """
+    sock = _raw(address)
+    sock.sendall(zmtp._greeting(False) + zmtp.ready_command(b"DEALER"))
+    sock.sendall(bytes([zmtp.MORE, 0]) + bytes([zmtp.LONG]) + struct.pack(">Q", LIMITS.max_message_bytes - 1)
+                 + b"\0")
+    return sock
+
+
+def _still_open(sock: socket.socket) -> bool:
+    """True while the server has not closed the connection (reads what it sent, without waiting)."""
+    sock.setblocking(False)
+    try:
+        while sock.recv(65536):
+            pass
+    except BlockingIOError:
+        return True
+    except ConnectionResetError:
+        return False
+    return False
+
+
+HOLD_S = 12.0  # signed calls made while the half-sent messages are held open; well under their deadline
+
+
+def test_half_sent_messages_do_not_stall_signed_calls(service):
+    # Two such connections (24 bytes in all) once held the declared 2 x (limit - 1) bytes against
+    # the proxy's pending budget, and every signed call was answered "the teacher is busy".
+    strangers = [_half_sent_message(service["frontend"]) for _ in range(2)]
+    # One attempt per call: a call the proxy refuses as busy fails here instead of being retried.
+    single = RetryPolicy(attempt_timeout_s=10, deadline_s=10, max_attempts=1)
+    calls, failures = 0, []
+    try:
+        with build_client("zmq", address=service["frontend"], secret=service["secret"], retry=single) as client:
+            end = time.monotonic() + HOLD_S
+            while time.monotonic() < end:
+                calls += 1
+                try:
+                    output = client.score(service["batch"])[0]
+                    np.testing.assert_array_equal(output.topk_ids, service["first"].topk_ids)
+                except TeacherError as error:
+                    failures.append(str(error))
+                time.sleep(0.05)
+        assert all(_still_open(sock) for sock in strangers), "a half-sent message was cut before the test ended"
+    finally:
+        for sock in strangers:
+            sock.close()
+    print(f"{calls - len(failures)}/{calls} signed calls succeeded while two half-sent messages were open")
+    assert not failures, f"{len(failures)}/{calls} signed calls failed, first: {failures[0]}"
 
 
 def test_the_service_survived_and_logged_rate_limited(service):

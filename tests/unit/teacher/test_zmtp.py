@@ -65,3 +65,30 @@ def test_protocol_violations_end_the_connection(data, match):
     reader = zmtp.FrameReader(max_frames=8, max_bytes=2**20)
     with pytest.raises(zmtp.ZmtpError, match=match):
         reader.feed(data)
+
+
+def test_a_declared_frame_reserves_only_the_bytes_that_arrived():
+    # A stranger's header declaring a frame just under the limit, plus one byte of it: 12 bytes
+    # that once reserved the whole declared size against the proxy's shared byte budget.
+    now = [100.0]
+    reader = zmtp.FrameReader(max_frames=8, max_bytes=2**20, clock=lambda: now[0])
+    reader.feed(CLIENT_GREETING + _ready())
+    assert reader.pending_bytes == 0 and reader.message_started is None  # idle between messages
+    reader.feed(bytes([zmtp.MORE, 0]) + bytes([zmtp.LONG]) + struct.pack(">Q", 2**20 - 1) + b"a")
+    assert reader.pending_bytes == 1
+    assert reader.declared_bytes == 2**20 - 1
+    assert reader.message_started == 100.0
+    now[0] = 105.0
+    [message] = reader.feed(b"b" * (2**20 - 2))
+    assert [bytes(f) for f in message] == [b"", b"a" + b"b" * (2**20 - 2)]
+    assert reader.pending_bytes == 0 and reader.declared_bytes == 0 and reader.message_started is None
+
+
+def test_the_next_message_starts_its_own_clock():
+    now = [0.0]
+    reader = zmtp.FrameReader(max_frames=8, max_bytes=2**20, clock=lambda: now[0])
+    reader.feed(CLIENT_GREETING + _ready() + bytes([0, 1]) + b"x")  # one complete message at t=0
+    now[0] = 50.0
+    # the end of nothing and the start of the next message arrive in one chunk, at t=50
+    assert reader.feed(bytes([zmtp.MORE, 1]) + b"y") == []
+    assert reader.message_started == 50.0 and reader.pending_bytes == 1
