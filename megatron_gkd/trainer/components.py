@@ -110,7 +110,9 @@ def build_teacher_client(config: GKDConfig, address: str | None):
 
     teacher = config.teacher
     if address is not None:
-        teacher = dataclasses.replace(teacher, address=address, serve=dataclasses.replace(teacher.serve, model=None))
+        # The client talks to the service; the head (hidden signal) still comes from the served checkpoint.
+        teacher = dataclasses.replace(teacher, address=address, serve=dataclasses.replace(teacher.serve, model=None),
+                                      head_checkpoint=teacher.head_source if teacher.signal == "hidden" else None)
     return build_client_from_config(teacher)
 
 
