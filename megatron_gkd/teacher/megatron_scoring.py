@@ -14,6 +14,11 @@ gathering the vocabulary:
 The rows (row t predicts response token t, from position ``response_start + t - 1``) are then
 broadcast from the last stage to the whole model-parallel group, so every rank returns the outputs.
 Output-table rows past the tokenizer (padded embeddings) are masked out before normalising.
+
+The hidden signal is the input of the last stage's output layer (after the final norm), read by a
+forward pre-hook during the same forward that gives the token log-probs. Without sequence parallelism
+it is replicated over TP; with it each TP rank holds a slice of the sequence, which is all-gathered
+(as the column-parallel output layer itself does). ``[T, h]`` per sequence is broadcast like the rows.
 """
 
 from __future__ import annotations
@@ -71,12 +76,18 @@ def load_teacher(path: str, dtype: str = "float32", **config_overrides) -> tuple
 
 
 def score_rows(logits: torch.Tensor, sequence: SequenceRequest, top_k: int, temperature: float,
-               tokenizer_size: int, tp_group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+               tokenizer_size: int, tp_group: dist.ProcessGroup | None,
+               hidden: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """TeacherOutput rows of one sequence from its ``[L, V/tp]`` logit shard (collective over TP).
 
+    Args:
+        hidden: the hidden signal: the output layer's input ``[L, h]`` (whole sequence, every TP
+            rank); then no top-k is computed and ``top_k`` is not read.
+
     Returns:
-        ``topk_ids`` ``[T, k]``, ``topk_logprobs`` ``[T, k]``, ``token_logprobs`` ``[T]`` and, when
-        ids were requested, ``requested_logprobs`` ``[T, m]``; float32 log-probs.
+        ``token_logprobs`` ``[T]`` and either ``topk_ids`` ``[T, k]``, ``topk_logprobs`` ``[T, k]`` and,
+        when ids were requested, ``requested_logprobs`` ``[T, m]``, or (hidden) ``hidden`` ``[T, h]``;
+        float32 log-probs and hidden states.
     """
     start, end = sequence.response_start, len(sequence.token_ids)
     # [T, V/tp]; fp32 so that bf16 teachers normalise without rounding the log-partition.
@@ -93,6 +104,8 @@ def score_rows(logits: torch.Tensor, sequence: SequenceRequest, top_k: int, temp
         support_ids = torch.cat([response, torch.as_tensor(sequence.requested_ids, device=scaled.device)], 1)
     support = LocalSupport.of(support_ids, torch.ones_like(support_ids, dtype=torch.bool), layout)
     lse, support_logits = combine_shards(local_lse, support.gather(scaled, torch.float32), layout)
+    if hidden is not None:
+        return {"token_logprobs": support_logits[:, 0] - lse, "hidden": hidden[start - 1:end - 1].float()}
     ids, values = vocab_parallel_topk(scaled, top_k, tp_group)
     rows = {"topk_ids": ids, "topk_logprobs": values - lse[:, None],
             "token_logprobs": support_logits[:, 0] - lse}
@@ -113,8 +126,16 @@ class MegatronScorer:
     def __init__(self, chunks: list[torch.nn.Module], vocab: TeacherVocab, device: torch.device):
         from megatron.core import parallel_state as mpu
 
+        from megatron_gkd.models import unwrap
+
         self.chunks, self.vocab, self.device = chunks, vocab, device
+        self.hidden_size = int(unwrap(chunks[0]).config.hidden_size)
+        # The last stage's output layer (None elsewhere): its input is the hidden signal.
+        self._output_layer = next((unwrap(c).output_layer for c in chunks
+                                   if getattr(unwrap(c), "output_layer", None) is not None), None)
         self._tp_group = mpu.get_tensor_model_parallel_group()
+        sequence_parallel = bool(getattr(unwrap(chunks[0]).config, "sequence_parallel", False))
+        self._sequence_multiple = mpu.get_tensor_model_parallel_world_size() if sequence_parallel else 1
         self._mp_group = mpu.get_model_parallel_group()
         self._last_stage = mpu.is_pipeline_last_stage(ignore_virtual=True)
         self._pipelined = mpu.get_pipeline_model_parallel_world_size() > 1
@@ -126,7 +147,7 @@ class MegatronScorer:
 
     def check(self, batch: ScoreBatch, max_top_k: int) -> None:
         """Raises TeacherError for requests this teacher cannot score (same answer on every rank)."""
-        if batch.top_k > max_top_k:
+        if not batch.is_hidden and batch.top_k > max_top_k:
             raise TeacherError(ErrorCode.UNSUPPORTED, f"top_k={batch.top_k} exceeds this teacher's max {max_top_k}")
         for sequence in batch.sequences:
             for what, ids in (("token id", sequence.token_ids), ("requested id", sequence.requested_ids)):
@@ -144,51 +165,77 @@ class MegatronScorer:
         from megatron_gkd.parallel import run_schedule
 
         # Pipeline stages exchange fixed-shape activations, so there every micro-batch has the batch's
-        # longest length; a single stage runs each sequence at its own length. Right padding is
-        # invisible to the real positions under causal attention.
-        longest = max(len(s.token_ids) for s in batch.sequences)
+        # longest length; a single stage runs each sequence at its own length. Sequence parallelism
+        # splits the sequence over TP: lengths are rounded up to a multiple of its size. Right padding
+        # is invisible to the real positions under causal attention.
+        multiple = self._sequence_multiple
+        longest = -(-max(len(s.token_ids) for s in batch.sequences) // multiple) * multiple
         rows: list[dict[str, torch.Tensor]] = []
+        captured: list[torch.Tensor] = []  # the output layer's input of the micro-batch in flight
 
         def forward_step(data_iterator, model):
             sequence = next(data_iterator)
-            length = longest if self._pipelined else len(sequence.token_ids)
+            length = longest if self._pipelined else -(-len(sequence.token_ids) // multiple) * multiple
             tokens = torch.zeros(1, length, dtype=torch.long, device=self.device)
             tokens[0, :len(sequence.token_ids)] = torch.as_tensor(sequence.token_ids, device=self.device)
             position_ids = torch.arange(length, device=self.device)[None]
             output = model(tokens, position_ids, attention_mask=None)
 
             def collect(logits):  # last stage only: logits [1, L, V/tp]
+                hidden = self._gather_hidden(captured.pop()) if batch.is_hidden else None
                 rows.append(score_rows(logits[0], sequence, batch.top_k, batch.temperature,
-                                       self.vocab.tokenizer_size, self._tp_group))
+                                       self.vocab.tokenizer_size, self._tp_group, hidden))
                 return logits.new_zeros(()), {}
 
             return output, collect
 
-        run_schedule(self.chunks, forward_step, batch.sequences, seq_length=longest, micro_batch_size=1,
-                     forward_only=True)
+        hook = None
+        if batch.is_hidden and self._output_layer is not None:
+            hook = self._output_layer.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+        try:
+            run_schedule(self.chunks, forward_step, batch.sequences, seq_length=longest, micro_batch_size=1,
+                         forward_only=True)
+        finally:
+            if hook is not None:
+                hook.remove()
         return rows
+
+    def _gather_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[L, h]`` of the output layer's input ``[L, 1, h]`` (``[L/tp, 1, h]`` under sequence
+        parallelism: gathered over TP, a collective of the last stage's TP group)."""
+        if getattr(self._output_layer, "sequence_parallel", False):
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, group=self._tp_group)
+        return hidden[:, 0]
 
     def _broadcast(self, rows: list[dict[str, torch.Tensor]], batch: ScoreBatch) -> list[TeacherOutput]:
         lengths = [s.num_response_tokens for s in batch.sequences]
-        total, k, m = sum(lengths), batch.top_k, batch.num_requested or 0
-        # Two buffers: int64 ids [N, k]; float32 [N, k + 1 + m] = top-k log-probs, token, requested.
+        total, m = sum(lengths), batch.num_requested or 0
+        k, h = (0, self.hidden_size) if batch.is_hidden else (batch.top_k, 0)
+        # Two buffers: int64 ids [N, k]; float32 [N, k + 1 + m + h] = top-k log-probs, token,
+        # requested, hidden (k = m = 0 for the hidden signal, h = 0 for the top-k).
         if rows:
-            ids = torch.cat([r["topk_ids"] for r in rows])
-            values = torch.cat([torch.cat([r["topk_logprobs"], r["token_logprobs"][:, None]]
-                                          + ([r["requested_logprobs"]] if m else []), 1) for r in rows])
+            ids = torch.cat([r["topk_ids"] for r in rows]) if k else None
+            values = torch.cat([torch.cat([r[key] if r[key].dim() == 2 else r[key][:, None]
+                                           for key in ("topk_logprobs", "token_logprobs", "requested_logprobs",
+                                                       "hidden") if key in r], 1) for r in rows])
         else:
-            ids = torch.empty(total, k, dtype=torch.int64, device=self.device)
-            values = torch.empty(total, k + 1 + m, dtype=torch.float32, device=self.device)
+            ids = torch.empty(total, k, dtype=torch.int64, device=self.device) if k else None
+            values = torch.empty(total, k + 1 + m + h, dtype=torch.float32, device=self.device)
         if dist.get_world_size(self._mp_group) > 1:
-            dist.broadcast(ids, self._owner, group=self._mp_group)
+            if ids is not None:
+                dist.broadcast(ids, self._owner, group=self._mp_group)
             dist.broadcast(values, self._owner, group=self._mp_group)
-        ids, values = ids.cpu().numpy(), values.cpu().numpy()
+        ids = ids.cpu().numpy() if ids is not None else np.empty((total, 0), np.int64)
+        values = values.cpu().numpy()
         outputs, offset = [], 0
         for length in lengths:
             part = slice(offset, offset + length)
             outputs.append(TeacherOutput(
                 topk_ids=np.ascontiguousarray(ids[part]), topk_logprobs=np.ascontiguousarray(values[part, :k]),
                 token_logprobs=np.ascontiguousarray(values[part, k]),
-                requested_logprobs=np.ascontiguousarray(values[part, k + 1:]) if m else None))
+                requested_logprobs=np.ascontiguousarray(values[part, k + 1:k + 1 + m]) if m else None,
+                hidden=np.ascontiguousarray(values[part, k + 1:]) if h else None))
             offset += length
         return outputs

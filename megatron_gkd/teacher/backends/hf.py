@@ -1,4 +1,9 @@
-"""``hf`` backend: a transformers causal LM scored in this process (tests and small teachers)."""
+"""``hf`` backend: a transformers causal LM scored in this process (tests and small teachers).
+
+The hidden signal is the input of the model's output layer (``get_output_embeddings()``), captured by
+a forward pre-hook during the same forward pass that gives the token log-probs: the final hidden state
+after the last norm, whatever the architecture names it.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ logger = logging.getLogger(__name__)
 
 
 class HFBackend(TeacherBackend):
-    """Scores with ``AutoModelForCausalLM`` on the host; supports temperature and requested ids.
+    """Scores with ``AutoModelForCausalLM`` on the host; supports temperature, requested ids and both
+    signals (top-k and hidden).
 
     Log-softmax runs over the tokenizer's ids only: rows of a padded embedding table past the
     tokenizer are not real tokens and get no probability.
@@ -35,13 +41,15 @@ class HFBackend(TeacherBackend):
         self._model.eval()
         self._max_batch_tokens = max_batch_tokens
         tokenizer = AutoTokenizer.from_pretrained(model)
-        self._vocab_size = self._model.get_output_embeddings().weight.shape[0]
+        self._head = self._model.get_output_embeddings()
+        self._vocab_size, hidden_size = self._head.weight.shape
         self._tokenizer_size = len(tokenizer)
         self._info = BackendInfo(
             name="hf", vocab_size=self._vocab_size, tokenizer_size=self._tokenizer_size,
             tokenizer_digest=tokenizer_digest(tokenizer), max_top_k=min(max_top_k, self._tokenizer_size),
             supports_requested_ids=True, supports_temperature=True,
-            max_sequence_length=getattr(self._model.config, "max_position_embeddings", None))
+            max_sequence_length=getattr(self._model.config, "max_position_embeddings", None),
+            hidden_size=int(hidden_size), signals=["topk", "hidden"])
         if self._vocab_size != self._tokenizer_size:
             logger.info("hf teacher: %d output rows, %d tokenizer ids; rows past the tokenizer are "
                         "ignored", self._vocab_size, self._tokenizer_size)
@@ -51,7 +59,7 @@ class HFBackend(TeacherBackend):
 
     @torch.no_grad()
     def score(self, batch: ScoreBatch) -> list[TeacherOutput]:
-        if batch.top_k > self._info.max_top_k:
+        if not batch.is_hidden and batch.top_k > self._info.max_top_k:
             raise TeacherError(ErrorCode.UNSUPPORTED,
                                f"top_k={batch.top_k} exceeds this teacher's max {self._info.max_top_k}")
         for sequence in batch.sequences:
@@ -92,21 +100,37 @@ class HFBackend(TeacherBackend):
         input_ids = torch.zeros(len(group), longest, dtype=torch.long)
         for row, sequence in enumerate(group):
             input_ids[row, :len(sequence.token_ids)] = torch.from_numpy(np.array(sequence.token_ids))
-        logits = self._model(input_ids=input_ids).logits  # [b, L, V]
-        return [self._output(logits[row], sequence, batch) for row, sequence in enumerate(group)]
+        captured = []
+        hook = (self._head.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+                if batch.is_hidden else None)
+        try:
+            logits = self._model(input_ids=input_ids).logits  # [b, L, V]
+        finally:
+            if hook is not None:
+                hook.remove()
+        hidden = captured[0] if captured else None  # [b, L, h], the output layer's input
+        return [self._output(logits[row], None if hidden is None else hidden[row], sequence, batch)
+                for row, sequence in enumerate(group)]
 
-    def _output(self, logits: torch.Tensor, sequence, batch: ScoreBatch) -> TeacherOutput:
+    def _output(self, logits: torch.Tensor, hidden: torch.Tensor | None, sequence,
+                batch: ScoreBatch) -> TeacherOutput:
         # Row t predicts response token t from position response_start + t - 1.
         start, end = sequence.response_start, len(sequence.token_ids)
         logits = logits[start - 1:end - 1, :self._tokenizer_size].float() / batch.temperature
         logprobs = torch.log_softmax(logits, dim=-1)  # [T, V]
-        topk = torch.topk(logprobs, batch.top_k, dim=-1, sorted=True)
         response = torch.from_numpy(np.array(sequence.response_ids, dtype=np.int64))
+        token_logprobs = logprobs.gather(1, response[:, None])[:, 0].numpy()
+        if hidden is not None:
+            rows = len(token_logprobs)
+            return TeacherOutput(topk_ids=np.empty((rows, 0), np.int64),
+                                 topk_logprobs=np.empty((rows, 0), np.float32),
+                                 token_logprobs=token_logprobs,
+                                 hidden=hidden[start - 1:end - 1].float().clone().numpy())
+        topk = torch.topk(logprobs, batch.top_k, dim=-1, sorted=True)
         requested = None
         if sequence.requested_ids is not None:
             ids = torch.from_numpy(np.array(sequence.requested_ids, dtype=np.int64))
             requested = logprobs.gather(1, ids).numpy()
         return TeacherOutput(topk_ids=topk.indices.numpy().astype(np.int64),
                              topk_logprobs=topk.values.numpy(),
-                             token_logprobs=logprobs.gather(1, response[:, None])[:, 0].numpy(),
-                             requested_logprobs=requested)
+                             token_logprobs=token_logprobs, requested_logprobs=requested)

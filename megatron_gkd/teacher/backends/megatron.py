@@ -21,13 +21,14 @@ import torch
 import torch.distributed as dist
 
 from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
-from megatron_gkd.teacher.types import ScoreBatch, SequenceRequest, TeacherOutput
+from megatron_gkd.teacher.types import TEACHER_SIGNALS, ScoreBatch, SequenceRequest, TeacherOutput
 
 logger = logging.getLogger(__name__)
 
-# Header: [command, num_sequences, num_tokens, top_k, num_requested (-1: none), temperature bits].
+# Header: [command, num_sequences, num_tokens, top_k, num_requested (-1: none), temperature bits,
+# signal (index in TEACHER_SIGNALS)].
 _SCORE, _STOP = 1, 0
-_HEADER = 6
+_HEADER = 7
 
 
 class MegatronBackend(TeacherBackend):
@@ -69,7 +70,8 @@ class MegatronBackend(TeacherBackend):
             name="megatron", vocab_size=vocab.vocab_size, tokenizer_size=vocab.tokenizer_size,
             tokenizer_digest=vocab.tokenizer_digest, max_top_k=min(max_top_k, vocab.tokenizer_size),
             supports_requested_ids=True, supports_temperature=True,
-            max_sequence_length=getattr(chunks[0], "max_sequence_length", None))
+            max_sequence_length=getattr(chunks[0], "max_sequence_length", None),
+            hidden_size=self._scorer.hidden_size, signals=["topk", "hidden"])
 
     @property
     def is_leader(self) -> bool:
@@ -115,7 +117,8 @@ class MegatronBackend(TeacherBackend):
         temperature = torch.tensor([batch.temperature], dtype=torch.float64).view(torch.int64)
         tokens = np.concatenate([s.token_ids for s in batch.sequences])
         self._broadcast(torch.tensor([_SCORE, len(batch.sequences), len(tokens), batch.top_k,
-                                      -1 if m is None else m, int(temperature)], dtype=torch.int64))
+                                      -1 if m is None else m, int(temperature),
+                                      TEACHER_SIGNALS.index(batch.signal)], dtype=torch.int64))
         starts = [[len(s.token_ids), s.response_start] for s in batch.sequences]
         self._broadcast(torch.tensor(starts, dtype=torch.int64))
         self._broadcast(torch.from_numpy(tokens))
@@ -124,7 +127,7 @@ class MegatronBackend(TeacherBackend):
 
     def _receive(self) -> ScoreBatch | None:
         header = self._broadcast(torch.zeros(_HEADER, dtype=torch.int64)).tolist()
-        command, num_sequences, num_tokens, top_k, m, temperature = header
+        command, num_sequences, num_tokens, top_k, m, temperature, signal = header
         if command == _STOP:
             return None
         temperature = float(torch.tensor([temperature], dtype=torch.int64).view(torch.float64))
@@ -140,4 +143,6 @@ class MegatronBackend(TeacherBackend):
             sequences.append(SequenceRequest(token_ids=tokens[offset:offset + length], response_start=start,
                                              requested_ids=ids))
             offset, row = offset + length, row + length - start
-        return ScoreBatch(sequences=sequences, top_k=top_k, temperature=temperature)
+        # hidden_dtype is the leader's business (it encodes the result): followers keep the default.
+        return ScoreBatch(sequences=sequences, top_k=top_k, temperature=temperature,
+                          signal=TEACHER_SIGNALS[signal])

@@ -18,6 +18,7 @@ import logging
 
 import torch
 
+from megatron_gkd.teacher import wire
 from megatron_gkd.teacher.clients import TeacherClient, TeacherInfo
 from megatron_gkd.teacher.types import ScoreBatch, TeacherOutput
 
@@ -95,7 +96,8 @@ class LocalTeacherClient(TeacherClient):
         vocab = self._scorer.vocab
         return TeacherInfo(vocab_size=vocab.vocab_size, tokenizer_size=vocab.tokenizer_size,
                            tokenizer_digest=vocab.tokenizer_digest, max_top_k=self._max_top_k,
-                           supports_requested_ids=True, supports_temperature=True)
+                           supports_requested_ids=True, supports_temperature=True,
+                           hidden_size=self._scorer.hidden_size, signals=["topk", "hidden"])
 
     def _score(self, batch: ScoreBatch) -> list[TeacherOutput]:
         self._scorer.check(batch, self._max_top_k)
@@ -104,9 +106,16 @@ class LocalTeacherClient(TeacherClient):
             outputs = self._scorer.score(batch)
         finally:
             self._offload.to_host()
+        hidden_size = self._scorer.hidden_size if batch.is_hidden else None
+        if batch.is_hidden:
+            # Rounded to the requested dtype as the wire would: a run gets the same numbers whichever
+            # client reaches the teacher.
+            for output in outputs:
+                output.hidden = wire.from_wire_float(wire.to_wire_float(output.hidden, batch.hidden_dtype))
         for index, (output, sequence) in enumerate(zip(outputs, batch.sequences, strict=True)):
             output.validate(sequence.num_response_tokens, batch.top_k, batch.num_requested,
-                            name=f"sequence {index} (local teacher)", sequence=sequence)
+                            name=f"sequence {index} (local teacher)", sequence=sequence,
+                            hidden_size=hidden_size)
         return outputs
 
     def score_async(self, batch: ScoreBatch) -> concurrent.futures.Future:

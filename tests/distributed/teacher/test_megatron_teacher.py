@@ -3,9 +3,11 @@
 One spawn of two gloo ranks scores the same batches with the backend at TP=1 (two replicas), TP=2 and
 PP=2 (rank 0 leads, rank 1 follows through the tensor broadcast of each request), a padded output
 table at TP=2 and a Qwen3-MoE teacher at EP=2, then with the ``local`` client at TP=2 (offload
-requested: inert on cpu). The parent compares every layout with
+requested: inert on cpu) and at TP=2 with sequence parallelism. The parent compares every layout with
 float64 transformers (top-k ids identical, log-probs within 1e-4, every row: row 0 and the last token
-included, requested ids too), TP=2 and PP=2 with TP=1, and the local client with the backend.
+included, requested ids too), TP=2 and PP=2 with TP=1, and the local client with the backend. The
+hidden signal (the output layer's input) of every layout and of the local client, with and without
+sequence parallelism, is compared with the hf backend's.
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ def _batches() -> list[ScoreBatch]:
                      top_k=top_k, temperature=temperature)
           for sequences, (top_k, temperature) in zip(plain, ((256, 0.5), (VOCAB, 2.0), (1, 1.0)))),
     ]
+
+
+def _hidden_batches() -> list[ScoreBatch]:
+    """The hidden signal in float32 (no rounding on the wire), at temperature 0.5 for the token log-probs;
+    odd lengths, so that sequence parallelism pads them."""
+    return [ScoreBatch(sequences=[SequenceRequest(token_ids=ids, response_start=start)
+                                  for ids, start in random_sequences(5, VOCAB, seed=6)],
+                       top_k=1, temperature=0.5, signal="hidden", hidden_dtype="float32")]
 
 
 def _bad_batches() -> list[ScoreBatch]:
@@ -95,6 +105,8 @@ def _score_everywhere(teacher: str, padded_teacher: str, moe_teacher: str) -> di
                 results["refused"] = [_refusal(backend, bad) for bad in _bad_batches()]
             results[name] = [backend.score(batch) for batch in batches[:1 if name in extra else None]]
             results[name + "-info"] = backend.info().to_dict()
+            if name not in extra:
+                results[name + "-hidden"] = [backend.score(batch) for batch in _hidden_batches()]
         else:
             backend.follow()
         backend.close()
@@ -105,6 +117,13 @@ def _score_everywhere(teacher: str, padded_teacher: str, moe_teacher: str) -> di
         # Every rank of the model-parallel group gets the outputs; score_async completes at once.
         results["local"] = [client.score_async(batch).result(timeout=0) for batch in batches]
         results["local-info"] = client.info()
+        results["local-hidden"] = [client.score(batch) for batch in _hidden_batches()]
+    parallel.destroy()
+    # The trainer's layout may split the sequence over TP: the output layer's input is then gathered.
+    parallel.initialize(**LAYOUTS["tp2"], sequence_parallel=True)
+    with build_client("local", model=teacher) as client:
+        results["local-sp"] = [client.score(batch) for batch in batches[:1]]
+        results["local-sp-hidden"] = [client.score(batch) for batch in _hidden_batches()]
     parallel.destroy()
     results["local-warnings"] = records.messages
     return results
@@ -196,3 +215,36 @@ def test_local_client_equals_backend_on_every_rank(results, reference):
     assert leader["local-info"].tokenizer_digest == leader["tp2-info"]["tokenizer_digest"]
     # offload=True is accepted and inert on cpu, with a warning.
     assert any("offload has no effect" in message for message in leader["local-warnings"])
+
+
+@pytest.fixture(scope="module")
+def hf_hidden(teachers):
+    from megatron_gkd.teacher.backends import build_backend
+
+    return [build_backend("hf", model=str(teachers[0])).score(batch) for batch in _hidden_batches()]
+
+
+def _assert_same_hidden(got, want):
+    for got_batch, want_batch, batch in zip(got, want, _hidden_batches(), strict=True):
+        for a, b, sequence in zip(got_batch, want_batch, batch.sequences, strict=True):
+            a.validate(sequence.num_response_tokens, batch.top_k, sequence=sequence, hidden_size=b.hidden.shape[1])
+            # float32 sums in another order (row-parallel matmuls over TP): ~1e-6 of values of ~1.
+            np.testing.assert_allclose(a.hidden, b.hidden, rtol=0, atol=1e-4)
+            np.testing.assert_allclose(a.token_logprobs, b.token_logprobs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_megatron_hidden_equals_the_hf_backends(results, hf_hidden, layout):
+    leader, _ = results
+    assert leader[layout + "-info"]["signals"] == ["topk", "hidden"]
+    assert leader[layout + "-info"]["hidden_size"] == hf_hidden[0][0].hidden.shape[1]
+    _assert_same_hidden(leader[layout + "-hidden"], hf_hidden)
+
+
+def test_local_client_hidden_with_and_without_sequence_parallelism(results, reference, hf_hidden):
+    leader, follower = results
+    for rank in (leader, follower):  # every rank of the model-parallel group gets the outputs
+        _assert_same_hidden(rank["local-hidden"], hf_hidden)
+        _assert_same_hidden(rank["local-sp-hidden"], hf_hidden)
+    assert leader["local-info"].signals == ["topk", "hidden"]
+    _assert_matches_reference(reference, leader["local-sp"], _batches()[:1])
