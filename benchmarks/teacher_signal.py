@@ -11,7 +11,7 @@
    the student is fused (its last hidden states and output-layer shard, ``--student-hidden`` wide, fp32) in
    both paths. ``top-64``: :func:`fused_vocab_parallel_distill_loss` on the teacher's top-64 (forward KL).
    ``hidden``: :func:`hidden_distill_loss` from the teacher's hidden states and its head shard (forward KL
-   and reverse KL over the whole vocabulary). The floor is the student's fused output layer alone: its
+   over the whole vocabulary by default; ``--losses`` adds others). The floor is the student's fused output layer alone: its
    logits, a log-softmax and the two gradient matmuls (``log_softmax(h W^T)`` summed, backward).
    Wall and CPU seconds (minimum of ``--repeats``) and the peak extra resident memory per rank (see
    benchmarks/losses.py for how it is measured), against what materialising both models' ``[N, V/tp]``
@@ -80,7 +80,7 @@ def _timed(fn, repeats: int) -> dict:
 
 
 def _loss_body(num_tokens: int, vocab: int, student_hidden: int, teacher_hidden: list[int], chunk_size: int,
-               repeats: int) -> list[dict]:
+               repeats: int, losses: list[str]) -> list[dict]:
     from megatron_gkd.losses import fused_vocab_parallel_distill_loss, hidden_distill_loss
 
     _limit_heap_reuse()
@@ -112,7 +112,7 @@ def _loss_body(num_tokens: int, vocab: int, student_hidden: int, teacher_hidden:
     for width in teacher_hidden:
         teacher = torch.randn(num_tokens, width, generator=generator).to(torch.bfloat16).float()
         head = torch.randn(vocab_local, width, generator=generator) / width**0.5
-        for loss_type in ("forward_kl", "reverse_kl"):
+        for loss_type in losses:
             def run():
                 total, _, _ = hidden_distill_loss(hidden, teacher, head, weights, student_weight=weight,
                                                   loss_type=loss_type, tp_group=group, chunk_size=chunk_size)
@@ -140,6 +140,9 @@ def main() -> None:
     parser.add_argument("--teacher-hidden", type=int, nargs="+", default=[2048, 5120, 7168])
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--losses", nargs="+", default=["forward_kl"],
+                        help="hidden-path divergences to time (they share the matmuls; reverse_kl and jsd add "
+                             "elementwise passes)")
     args = parser.parse_args()
     world = 2
     print(f"# bytes per response token of a RESULT message (N={args.num_tokens})")
@@ -153,7 +156,8 @@ def main() -> None:
           f"(V/tp={args.vocab // world}), student h={args.student_hidden} fp32, chunk {args.chunk_size} tokens; "
           f"both models' full [N, V/tp] fp32 logits: {both_logits:,.0f} MiB/rank")
     rows = _merge(run_distributed(_loss_body, world, args=(args.num_tokens, args.vocab, args.student_hidden,
-                                                           args.teacher_hidden, args.chunk_size, args.repeats),
+                                                           args.teacher_hidden, args.chunk_size, args.repeats,
+                                                           args.losses),
                                   timeout=7200))
     floor, topk = rows[0], rows[1]
     # Every path ends holding the student's gradients (output-layer shard and hidden states, fp32): the
