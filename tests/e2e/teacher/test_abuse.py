@@ -88,8 +88,9 @@ def _sequences(lengths, response: int = 1, vocab: int = VOCAB) -> dict:
 
 def _abusive(index: int, secret: bytes, good: list[bytes]) -> malformed.Malformed:
     """Signed requests the worker must refuse with a typed error, before computing anything."""
-    request_id, kind = f"w{index}", (index // malformed.NUM_BASIC_KINDS) % 9
+    request_id = f"w{index}"
     fields = _sequences([6, 8])
+    hidden = {"top_k": 4, "temperature": 1.0, "signal": "hidden", "hidden_dtype": "float32"}
     cases = {
         0: (dict(fields, lengths=np.array([2**62, 2**62, 2**62, 2**62 + 14], np.int64),  # the sum wraps
                  response_starts=np.ones(4, np.int64)), None, ErrorCode.BAD_REQUEST),
@@ -101,8 +102,13 @@ def _abusive(index: int, secret: bytes, good: list[bytes]) -> malformed.Malforme
         6: (fields, {"top_k": VOCAB + 1, "temperature": 1.0}, ErrorCode.UNSUPPORTED),
         7: (_sequences([600], response=599), {"top_k": 256, "temperature": 1.0}, ErrorCode.TOO_LARGE),  # reply
         8: (fields, {"top_k": 4, "temperature": float("nan")}, ErrorCode.BAD_REQUEST),
+        # The hidden signal: a dtype off the allow-list, requested ids (top-k only), a reply of
+        # 2,997 rows x (128 float32 + 1) values, 1.5 MB against the 1 MiB limit.
+        9: (fields, dict(hidden, hidden_dtype="float64"), ErrorCode.BAD_REQUEST),
+        10: (dict(fields, requested_ids=np.zeros((2, 3), np.int32)), hidden, ErrorCode.BAD_REQUEST),
+        11: (_sequences([1000] * 3, response=999), hidden, ErrorCode.TOO_LARGE),
     }
-    tensors, meta, code = cases[kind]
+    tensors, meta, code = cases[(index // malformed.NUM_BASIC_KINDS) % len(cases)]
     return malformed.Malformed(frames=_score_frames(request_id, secret, tensors, meta), signed=True,
                                request_id=request_id, code=code)
 
