@@ -1,9 +1,12 @@
-"""``launch/teacher_server.py --backend megatron`` under torchrun (TP=2): rank 0 serves, rank 1 follows."""
+"""``launch/teacher_server.py --backend megatron`` under torchrun (TP=2): rank 0 serves, rank 1 follows; both signals."""
+
+import dataclasses
 
 import numpy as np
 import pytest
 
 from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, build_client
+from megatron_gkd.teacher.backends import build_backend
 from megatron_gkd.testing.distributed import free_port
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher, build_tiny_teacher
 from tests.e2e.teacher import procs
@@ -31,6 +34,16 @@ def test_torchrun_megatron_server_matches_transformers(tmp_path):
             assert client.info().vocab_size == VOCAB
             for _ in range(2):  # the followers stay in step across requests
                 outputs = client.score(batch)
+            # The hidden signal between two top-k requests: the followers learn the kind from the header.
+            hidden_batch = ScoreBatch(sequences=[SequenceRequest(token_ids=ids, response_start=start)
+                                                 for ids, start in sequences], top_k=1, signal="hidden")
+            hidden = client.score(hidden_batch)
+            assert [o.topk_ids.tolist() for o in client.score(batch)] == [o.topk_ids.tolist() for o in outputs]
+        hf = build_backend("hf", model=str(teacher)).score(dataclasses.replace(hidden_batch, hidden_dtype="float32"))
+        for got, want in zip(hidden, hf, strict=True):
+            # bf16 on the wire: within half a bf16 ulp (2**-9 relative) of the float32 values.
+            np.testing.assert_allclose(got.hidden, want.hidden, rtol=2**-8, atol=1e-5)
+            np.testing.assert_allclose(got.token_logprobs, want.token_logprobs, rtol=0, atol=1e-4)
         reference = ReferenceTeacher(teacher)
         for output, (ids, start), r in zip(outputs, sequences, requested):
             reference.assert_matches(output, ids, start, 32, requested_ids=r)
