@@ -262,13 +262,14 @@ def main() -> None:
     task = arithmetic.build_task(root / "task")
     teacher = demo.ASSETS / "teacher"
     samples = root / "teacher_samples.jsonl"
-    if not args.report and not samples.exists():  # 4 per training prompt: enough that no run reuses one
+    needs_samples = any("{samples}" in override for method in args.methods for override in METHODS[method])
+    if not args.report and needs_samples and not samples.exists():  # 4 per prompt: enough that no run reuses one
         teacher_samples.sample_teacher(teacher, task / "train.jsonl", samples.with_suffix(".partial"), n=4)
         samples.with_suffix(".partial").rename(samples)
     kl = HeldOutKL(teacher, task / "eval.jsonl")
     start = {"accuracy": json.loads((demo.ASSETS / "student" / "accuracy.json").read_text())["eval/accuracy"],
              "heldout_kl": kl(demo.ASSETS / "student")}
-    jobs = [(method, seed) for method in args.methods for seed in args.seeds]
+    jobs = [(method, seed) for seed in args.seeds for method in args.methods]  # every method's first seed first
     if not args.report:
         run_all(jobs, root, common_overrides(task, args.token_budget, args.num_steps, args.decay_steps), samples, kl,
                 args.parallel)
