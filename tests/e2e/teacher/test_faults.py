@@ -12,7 +12,13 @@ from tests.e2e.teacher import procs
 
 pytestmark = pytest.mark.e2e
 
-HOLD_S = 60.0  # worker A holds a request this long, so it is surely killed mid-request
+# Worker A holds a request until it is killed: the test kills it long before this, so how fast any
+# process starts cannot let A finish first.
+HOLD_S = 3600.0
+# Longer than the whole test: the first attempt can end only by the proxy reporting A's death, never
+# by timing out (a 6 s timeout once expired while B was still starting under load, and the timed-out
+# retry had finished on B before A could be killed).
+NEVER_S = 600.0
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +50,12 @@ def test_kill_worker_mid_request_stop_all_then_restart(cluster, teacher_dir):
     proxy, start_worker = cluster
     reference = ReferenceTeacher(teacher_dir)
     batch = _batch()
-    retry = RetryPolicy(attempt_timeout_s=6, deadline_s=150, max_attempts=8, backoff_s=0.2)
+    retry = RetryPolicy(attempt_timeout_s=NEVER_S, deadline_s=NEVER_S, max_attempts=8, backoff_s=0.2)
     with build_client("zmq", address=proxy.frontend_address, retry=retry) as client:
         # 1. Worker A takes the request; B joins; A is killed while busy; a retry lands on B.
         worker_a, markers_a = start_worker("a", teacher_dir, delay_s=HOLD_S)
-        client.info()  # A is connected (info needs no backend work, so A answers it at once)
+        client.info()  # A is registered (info needs no backend work, so A answers it at once)
+        retries_before = client.num_retries
         future = client.score_async(batch)
         _wait_for(lambda: any(markers_a.iterdir()), 60)
         worker_b, markers_b = start_worker("b", teacher_dir, delay_s=0.0)
@@ -57,7 +64,9 @@ def test_kill_worker_mid_request_stop_all_then_restart(cluster, teacher_dir):
         assert not future.done(), "worker A must still hold the request when it is killed"
         procs.stop(worker_a, kill=True)
         assert worker_a.returncode is not None
+        # Well under the attempt timeout: only the proxy's report of A's death can end attempt 1.
         outputs = future.result(timeout=150)
+        assert client.num_retries - retries_before == 1, "one retry, caused by A's death, not by a timeout"
         assert any(markers_b.iterdir()), "the retried request must have been served by worker B"
         for output, sequence in zip(outputs, batch.sequences, strict=True):
             reference.assert_matches(output, sequence.token_ids, sequence.response_start, batch.top_k)
