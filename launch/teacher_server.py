@@ -1,6 +1,7 @@
 """Teacher service: a proxy, a worker, or both in one process.
 
     teacher_server.py serve  --frontend tcp://127.0.0.1:5555 --backend hf --model DIR   # proxy + 1 worker
+    teacher_server.py serve  --backend hf --model DIR --num-workers 2   # proxy + 2 worker processes
     teacher_server.py proxy  --frontend tcp://0.0.0.0:5555 --workers tcp://0.0.0.0:5556 --secret-file F
     teacher_server.py worker --connect tcp://proxy-host:5556 --backend vllm --model DIR --secret-file F
     torchrun --nproc_per_node 2 teacher_server.py serve --backend megatron --model DIR \
@@ -16,6 +17,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import signal
 import threading
 
@@ -24,6 +26,7 @@ from megatron_gkd.log_setup import setup_logging
 from megatron_gkd.teacher import wire
 from megatron_gkd.teacher.backends import DelayedBackend, backend_names, build_backend
 from megatron_gkd.teacher.clients.zmq_client import load_secret
+from megatron_gkd.teacher.replicas import WorkerProcesses
 from megatron_gkd.teacher.server import Proxy, Worker, WorkLimits
 
 logger = logging.getLogger(__name__)
@@ -65,7 +68,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="latency added to every request (benchmarks of a slow teacher; default 0)")
     parser.add_argument("--max-request-tokens", type=int, default=WorkLimits().max_request_tokens,
                         help="tokens of all sequences of one request a worker accepts")
+    parser.add_argument("--num-workers", type=int, default=1,
+                        help="serve role: worker replicas behind the proxy; 1 scores in this process, more "
+                             "start that many worker processes (each loads the model)")
     return parser
+
+
+def _worker_args(args: argparse.Namespace) -> list[str]:
+    """The options a worker process of ``serve --num-workers N`` needs (all but role and address)."""
+    options = ["--backend", args.backend, "--model", args.model, "--max-message-mb", str(args.max_message_mb),
+               "--delay-s", str(args.delay_s), "--max-request-tokens", str(args.max_request_tokens)]
+    options += [item for pair in args.backend_arg for item in ("--backend-arg", pair)]
+    options += [item for module in args.backend_module for item in ("--backend-module", module)]
+    if args.secret_file:
+        options += ["--secret-file", args.secret_file]
+    return options + (["--insecure"] if args.insecure else [])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,12 +92,17 @@ def main(argv: list[str] | None = None) -> None:
     limits = wire.Limits(max_message_bytes=args.max_message_mb * 2**20)
     for module in args.backend_module:
         importlib.import_module(module)
+    if args.num_workers < 1 or (args.num_workers > 1 and args.role != "serve"):
+        raise ValueError(f"--num-workers={args.num_workers} must be >= 1, and more than 1 only with the serve role")
+    if args.num_workers > 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("--num-workers > 1 under torchrun: start one torchrun worker role per replica "
+                         "(teacher_server.py worker --connect ...) behind a proxy instead")
     stop = threading.Event()
-    proxy = worker = backend = None
+    proxy = worker = backend = replicas = None
     try:
-        if args.role in ("serve", "worker"):
-            if not args.model:
-                raise ValueError("--model is required for the serve and worker roles")
+        if args.role in ("serve", "worker") and not args.model:
+            raise ValueError("--model is required for the serve and worker roles")
+        if args.role == "worker" or (args.role == "serve" and args.num_workers == 1):
             backend = build_backend(args.backend, model=args.model, **_backend_kwargs(args.backend_arg))
             if args.delay_s > 0:
                 backend = DelayedBackend(backend, args.delay_s)
@@ -102,14 +124,22 @@ def main(argv: list[str] | None = None) -> None:
             connect = proxy.backend_address if proxy else args.connect
             worker = Worker(connect, backend, secret, args.insecure, limits,
                             WorkLimits(max_request_tokens=args.max_request_tokens)).start()
+        elif args.role == "serve":
+            replicas = WorkerProcesses(__file__, args.num_workers, proxy.backend_address, _worker_args(args))
+            replicas.wait_registered(lambda: proxy.num_workers, stop)
         # Scripts and tests read this line; it also tells the ports picked for ":0" addresses.
         if proxy is not None:
             print(f"READY frontend={proxy.frontend_address} workers={proxy.backend_address}", flush=True)
         else:
             print(f"READY worker connected to {args.connect}", flush=True)
-        stop.wait()
+        if replicas is None:
+            stop.wait()
+        else:
+            replicas.watch(stop)
+            if not stop.is_set():
+                raise SystemExit("every teacher worker has exited")
     finally:
-        for part in (worker, backend, proxy):  # stop taking requests before releasing the model
+        for part in (worker, replicas, backend, proxy):  # stop taking requests before releasing the model
             if part is not None:
                 part.close()
 

@@ -38,10 +38,18 @@ class TeacherServeConfig:
     """Artificial latency added to every request (benchmarks: a slow teacher)."""
     startup_timeout_s: float = 600.0
     """How long to wait for the service to answer before failing."""
+    num_workers: int = 1
+    """Data-parallel replicas of the teacher behind the service's proxy, each serving one request at a
+    time. 1 scores in the service process; N > 1 starts N worker processes (N copies of the model), so
+    a slow or crashed replica holds only itself. Replicas help only when the trainer has that many
+    requests in flight: set ``teacher.split_requests`` (one step's request cut into sub-requests) and
+    ``teacher.max_inflight``, or use an off-policy scheduler (its steps' requests overlap)."""
 
     def __post_init__(self):
         if self.delay_s < 0 or self.startup_timeout_s <= 0:
             raise ValueError("teacher.serve.delay_s must be >= 0 and teacher.serve.startup_timeout_s > 0")
+        if self.num_workers < 1:
+            raise ValueError(f"teacher.serve.num_workers={self.num_workers} must be >= 1")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -13,7 +13,10 @@ message and goes quiet holds neither memory nor the budget that signed requests 
 A new worker connection gets a CHALLENGE (a fresh nonce) and receives requests only after it answers
 REGISTER with that nonce, signed with the shared secret: a peer that can reach the worker address
 but lacks the secret never sees a request, and a recorded registration is useless on another
-connection. Each registered worker holds one request at a time; requests wait in a bounded queue.
+connection. Each registered worker holds one request at a time; requests wait in a bounded queue and
+go to whichever worker is idle first, so several workers are data-parallel replicas: a slow one holds
+only the request it has, and a dead one's request is reported to its client (signed ``backend_failed``),
+which retries it on another.
 """
 
 from __future__ import annotations
@@ -133,6 +136,7 @@ class Proxy:
         self._scratch = bytearray(1 << 16)  # libzmq hands STREAM data over in chunks of <= 8 KiB
         self._refusals = RefusalLog(logger, "messages")
         self._no_worker_warned = -float("inf")  # when the last "no worker" warning was logged
+        self._num_registered = 0  # an int, so other threads can read it while the loop runs
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="teacher-proxy", daemon=True)
 
@@ -141,6 +145,11 @@ class Proxy:
         logger.info("teacher proxy: clients -> %s, workers -> %s", self.frontend_address,
                     self.backend_address)
         return self
+
+    @property
+    def num_workers(self) -> int:
+        """Workers registered now (each serves one request at a time)."""
+        return self._num_registered
 
     def close(self) -> None:
         self._stop.set()
@@ -339,10 +348,11 @@ class Proxy:
                 self._close(self._back, connection, "three refused registrations")
             return
         connection.registered = True
+        self._num_registered += 1
         connection.reader.max_frames = self._limits.max_tensors + 4  # route + delimiter + message
         connection.reader.max_bytes = self._limits.max_message_bytes + 256
         logger.info("teacher worker registered (%s, %d registered)", message.meta.get("name", "?"),
-                    sum(c.registered for c in self._back.connections.values()))
+                    self._num_registered)
         self._idle.append(connection.identity)
         self._dispatch()
 
@@ -381,7 +391,9 @@ class Proxy:
             kept = [r for r in self._queue if r.client != connection.identity]
             self._queued_bytes -= sum(r.nbytes for r in self._queue) - sum(r.nbytes for r in kept)
             self._queue = collections.deque(kept)
-        elif connection.busy is not None:
+        if connection.registered:
+            self._num_registered -= 1
+        if side is self._back and connection.busy is not None:
             # Signed, so the client trusts it and retries at once rather than after its timeout.
             logger.warning("a teacher worker left while scoring request %s (%s)",
                            connection.busy.request_id, reason)

@@ -15,10 +15,11 @@ SERVER_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "launch" / "teache
 
 
 class TeacherService(ServiceProcess):
-    """Starts one teacher service (proxy + one worker) on loopback; :meth:`wait_ready` gives its address.
+    """Starts one teacher service (proxy + ``serve.num_workers`` workers) on loopback; :meth:`wait_ready`
+    gives its address once every worker has registered.
 
     Args:
-        serve: the ``teacher.serve`` section (model, backend, backend options, delay).
+        serve: the ``teacher.serve`` section (model, backend, backend options, delay, workers).
         log_path: where the service's output goes.
         secret: the HMAC secret clients and service share (a fresh random one by default).
     """
@@ -34,5 +35,7 @@ class TeacherService(ServiceProcess):
             args += ["--backend-arg", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
         if serve.delay_s:
             args += ["--delay-s", str(serve.delay_s)]
+        if serve.num_workers > 1:
+            args += ["--num-workers", str(serve.num_workers)]
         super().__init__(f"teacher service ({serve.backend} backend, {serve.model})", args, log_path,
                          env={"MEGATRON_GKD_TEACHER_SECRET": self.secret}, ready=r"READY frontend=(\S+)")

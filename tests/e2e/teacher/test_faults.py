@@ -1,5 +1,8 @@
-"""Faults with real worker processes behind an in-process proxy: kill, stop all, restart."""
+"""Faults with real worker processes: behind an in-process proxy (kill, stop all, restart), and the
+replicas of `serve --num-workers 2` (one killed while it holds a request)."""
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -88,3 +91,51 @@ def test_kill_worker_mid_request_stop_all_then_restart(cluster, teacher_dir):
         outputs = client.score(batch)
     for output, sequence in zip(outputs, batch.sequences, strict=True):
         reference.assert_matches(output, sequence.token_ids, sequence.response_start, batch.top_k)
+
+
+def _served_by(marker_dir) -> set[int]:
+    """Pids of the workers that received a request (from the slow backend's marker files)."""
+    return {int(marker.name.split("-")[0]) for marker in marker_dir.iterdir()}
+
+
+@pytest.mark.slow  # two worker processes load the model: about 3 min on a loaded 2-core machine
+def test_serve_with_two_replicas_survives_a_killed_one(tmp_path, teacher_dir):
+    """``serve --num-workers 2``: the replica holding a request is killed; the request is retried on
+    the other replica and the service keeps serving."""
+    reference = ReferenceTeacher(teacher_dir)
+    secret_file, secret = procs.write_secret(tmp_path)
+    markers, hold = tmp_path / "markers", tmp_path / "hold"
+    markers.mkdir()
+    hold.touch()  # the first request is held by whichever replica takes it
+    service = procs.start(
+        ["launch/teacher_server.py", "serve", "--frontend", "tcp://127.0.0.1:0", "--num-workers", "2",
+         "--model", str(teacher_dir), "--secret-file", str(secret_file),
+         "--backend-module", "tests.e2e.teacher.slow_backend", "--backend", "hf_slow",
+         "--backend-arg", f"marker_dir={markers}", "--backend-arg", f"delay_s={HOLD_S}",
+         "--backend-arg", f"hold_file={hold}"],
+        "READY frontend=", 300, tmp_path / "serve.log")
+    try:
+        address = service.ready_line.split("frontend=")[1].split()[0]
+        batch = _batch()
+        retry = RetryPolicy(attempt_timeout_s=NEVER_S, deadline_s=NEVER_S, max_attempts=4, backoff_s=0.2)
+        with build_client("zmq", address=address, secret=secret, retry=retry) as client:
+            future = client.score_async(batch)
+            _wait_for(lambda: any(markers.iterdir()), 60)
+            hold.unlink()  # later requests are answered at once
+            (held_by,) = _served_by(markers)
+            assert not future.done()
+            os.kill(held_by, signal.SIGKILL)
+            # Only the proxy's report of the killed replica can end the first attempt (NEVER_S).
+            outputs = future.result(timeout=150)
+            assert client.num_retries == 1
+            (other,) = _served_by(markers) - {held_by}
+            for output, sequence in zip(outputs, batch.sequences, strict=True):
+                reference.assert_matches(output, sequence.token_ids, sequence.response_start, batch.top_k)
+            # The service serves on with one replica.
+            for _ in range(3):
+                client.score(batch)
+            assert _served_by(markers) == {held_by, other}
+        assert service.poll() is None
+        _wait_for(lambda: "exited with code -9; 1 of 2 workers serve on" in service.log_path.read_text(), 30)
+    finally:
+        procs.stop(service)
