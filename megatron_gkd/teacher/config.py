@@ -76,6 +76,10 @@ class TeacherConfig:
             partial teacher data.
         max_attempts: attempts per batch.
         max_inflight: batches in flight at once (``score_async``).
+        split_requests: zmq: cut each batch into up to this many sub-requests of about equal tokens,
+            sent at once so that several teacher replicas (``teacher.serve.num_workers``) score one step
+            together; the outputs are put back in order, and if any sub-request fails the batch fails
+            (never partial data). 1 sends each batch whole.
         serve: a teacher service this run starts itself (:class:`TeacherServeConfig`).
         signal: ``topk`` (the teacher's top-k log-probs per token) or ``hidden`` (its final hidden
             state per token, after the last norm; the trainer recomputes the teacher's logits over the
@@ -103,6 +107,7 @@ class TeacherConfig:
     deadline_s: float = 300.0
     max_attempts: int = 5
     max_inflight: int = 2
+    split_requests: int = 1
     serve: TeacherServeConfig = dataclasses.field(default_factory=TeacherServeConfig)
     signal: str = "topk"
     hidden_dtype: str = "bfloat16"
@@ -119,6 +124,10 @@ class TeacherConfig:
             raise ValueError(f"teacher.top_k={self.top_k} must be >= 1")
         if self.temperature <= 0:
             raise ValueError(f"teacher.temperature={self.temperature} must be > 0")
+        if self.split_requests < 1:
+            raise ValueError(f"teacher.split_requests={self.split_requests} must be >= 1")
+        if self.split_requests > 1 and self.client != "zmq":
+            logger.warning("teacher.split_requests has no effect with client %r (only 'zmq' reads it)", self.client)
         if self.serve.model is not None:
             if self.client != "zmq":
                 raise ValueError(f"teacher.serve.model starts a teacher service, which the 'zmq' client talks to; "
@@ -167,7 +176,7 @@ def build_client_from_config(config: TeacherConfig) -> TeacherClient:
     if config.client == "zmq":
         return build_client("zmq", address=config.address, secret=load_secret(config.secret_file),
                             insecure=config.insecure, retry=config.retry(),
-                            max_inflight=config.max_inflight)
+                            max_inflight=config.max_inflight, split_requests=config.split_requests)
     if config.client == "openai":
         return build_client("openai", base_url=config.base_url, model=config.model,
                             teacher_tokenizer=config.teacher_tokenizer, api_key=config.api_key,

@@ -4,16 +4,23 @@ Each attempt uses a fresh DEALER socket: after a timeout the old socket may stil
 request or a late reply for a dead worker, and a new identity guarantees the proxy cannot route stale
 answers to the retry. Attempts are bounded by count and by a per-request deadline; when the deadline
 passes the client raises TeacherError(UNAVAILABLE) and returns nothing.
+
+With ``split_requests=N`` a batch goes out as up to N sub-requests of contiguous sequences with about
+equal tokens, all at once, so that N teacher replicas behind the proxy score it together; the outputs
+are put back in the batch's order. Each sub-request retries on its own; if one still fails, the batch
+fails and the other sub-requests' outputs are dropped: a step never trains on part of its teacher data.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import threading
 import time
 import uuid
 
+import numpy as np
 import zmq
 
 from megatron_gkd.teacher import codec, wire
@@ -37,12 +44,20 @@ class ZmqTeacherClient(TeacherClient):
         retry: timeouts, deadline and backoff.
         limits: size limits of received replies.
         max_inflight: concurrent :meth:`score_async` batches.
+        split_requests: sub-requests per batch (see the module docstring); 1 sends each batch whole.
     """
 
     def __init__(self, address: str, secret: bytes | None = None, insecure: bool = False,
                  retry: RetryPolicy | None = None, limits: wire.Limits | None = None,
-                 max_inflight: int = 2):
+                 max_inflight: int = 2, split_requests: int = 1):
+        if split_requests < 1:
+            raise ValueError(f"split_requests={split_requests} must be >= 1")
         super().__init__(max_inflight=max_inflight)
+        self._split = split_requests
+        # Sub-requests of every batch in flight; a pool apart from the batches' own, which wait on it.
+        self._parts = (concurrent.futures.ThreadPoolExecutor(max_workers=split_requests * max_inflight,
+                                                             thread_name_prefix="teacher-part")
+                       if split_requests > 1 else None)
         self.address = address
         self._secret = secret if secret is not None else load_secret()
         check_exposure(address, self._secret, insecure)
@@ -75,8 +90,27 @@ class ZmqTeacherClient(TeacherClient):
         self._info.check_signal(batch, f"the teacher at {self.address}")
         return self._info.hidden_size
 
+    def close(self) -> None:
+        super().close()
+        if self._parts is not None:
+            self._parts.shutdown(wait=True, cancel_futures=True)
+
     def _score(self, batch: ScoreBatch) -> list[TeacherOutput]:
         hidden_size = self._hidden_size(batch)
+        blocks = split_sequences([len(s.token_ids) for s in batch.sequences], self._split)
+        if len(blocks) == 1:
+            return self._score_whole(batch, hidden_size)
+        parts = [dataclasses.replace(batch, sequences=batch.sequences[block.start:block.stop]) for block in blocks]
+        futures = [self._parts.submit(self._score_whole, part, hidden_size) for part in parts]
+        done, pending = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+        for future in futures:
+            if future in done and future.exception() is not None:
+                for other in pending:  # those still running end by their own deadline; dropped
+                    other.cancel()
+                raise future.exception()
+        return [output for future in futures for output in future.result()]
+
+    def _score_whole(self, batch: ScoreBatch, hidden_size: int | None) -> list[TeacherOutput]:
         rows = sum(s.num_response_tokens for s in batch.sequences)
         result_bytes = rows * codec.result_row_bytes(batch, hidden_size)
         if result_bytes > self._limits.max_message_bytes:
@@ -178,6 +212,24 @@ class ZmqTeacherClient(TeacherClient):
             detail = f"unsigned refusal {code!r}: {meta.get('message')!r}" if code else error.detail
             return _Untrusted(reason=str(detail)[:300],
                               code=ErrorCode(code) if code in {c.value for c in ErrorCode} else None)
+
+
+def split_sequences(lengths: list[int], num_parts: int) -> list[range]:
+    """Contiguous, non-empty blocks of sequence indices with about equal total tokens each.
+
+    Args:
+        lengths: tokens of each sequence, in batch order.
+        num_parts: blocks wanted; fewer come back when there are fewer sequences.
+    """
+    num_parts = max(1, min(num_parts, len(lengths)))
+    ends = np.cumsum(lengths)  # tokens through sequence i
+    bounds = [0]
+    for part in range(1, num_parts):
+        # The first sequence whose end reaches this part's share, kept so every block is non-empty.
+        cut = int(np.searchsorted(ends, ends[-1] * part / num_parts)) + 1
+        bounds.append(min(max(cut, bounds[-1] + 1), len(lengths) - (num_parts - part)))
+    bounds.append(len(lengths))
+    return [range(start, stop) for start, stop in zip(bounds, bounds[1:])]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
