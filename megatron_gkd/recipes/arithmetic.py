@@ -12,6 +12,10 @@ two operand digits and the carry it has just written. The answer after ``####`` 
 the ``final_answer`` scorer (:mod:`megatron_gkd.trainer.eval`). Train and eval problems are disjoint:
 the eval set is drawn first and its pairs are excluded from the training draw.
 
+The multi-teacher experiment's second task, ``add3``, is the sum of three numbers in the same format
+(``4 7 + 3 8 5 + 1 2 =`` -> ``4 4 4 #### 4 4 4``): no new token, so both tasks share one tokenizer and
+the demo's models; each worked digit now depends on three operand digits and a carry of up to 2.
+
 The tokenizer is trained on the generated text with ``tokenizers`` (a word-level model over the
 whitespace-separated symbols: digits, ``+``, ``=``, ``####``) and saved in HF format::
 
@@ -37,30 +41,41 @@ def _spell(number: int) -> str:
     return " ".join(str(number))
 
 
-def problem(a: int, b: int) -> dict:
-    """The record of ``a + b``: prompt, reference response (worked solution and answer) and answer."""
-    total = a + b
-    return {"prompt": f"{_spell(a)} + {_spell(b)} =",
+def problem(*operands: int) -> dict:
+    """The record of ``operands[0] + operands[1] + ...``: prompt, reference response (worked solution and
+    answer) and answer."""
+    total = sum(operands)
+    return {"prompt": " + ".join(_spell(number) for number in operands) + " =",
             "response": f"{' '.join(reversed(str(total)))} {MARKER} {_spell(total)}",
             "answer": str(total)}
 
 
-def make_problems(num_train: int, num_eval: int, *, max_value: int = 999, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """``num_train`` training and ``num_eval`` held-out addition problems over ``0..max_value``,
-    deterministic in ``seed``; no (a, b) pair of the eval set appears in the training set."""
+def make_problems(num_train: int, num_eval: int, *, max_value: int = 999, seed: int = 0,
+                  num_operands: int = 2) -> tuple[list[dict], list[dict]]:
+    """``num_train`` training and ``num_eval`` held-out sums of ``num_operands`` numbers over
+    ``0..max_value``, deterministic in ``seed``; no operand tuple of the eval set appears in the training
+    set. Two operands give the demo's problems (the same draw as before three were possible)."""
     rng = np.random.default_rng(seed)
-    space = (max_value + 1) ** 2
+    base = max_value + 1
+    space = base ** num_operands
     if num_train + num_eval > space // 2:
-        raise ValueError(f"{num_train + num_eval} problems asked from only {space} pairs; raise max_value")
-    eval_pairs = rng.choice(space, size=num_eval, replace=False)
-    held_out = set(eval_pairs.tolist())
-    train_pairs = []
-    while len(train_pairs) < num_train:
-        for pair in rng.integers(0, space, size=num_train).tolist():
-            if pair not in held_out and len(train_pairs) < num_train:
-                train_pairs.append(pair)
-    to_record = lambda pair: problem(*divmod(int(pair), max_value + 1))  # noqa: E731
-    return [to_record(p) for p in train_pairs], [to_record(p) for p in eval_pairs]
+        raise ValueError(f"{num_train + num_eval} problems asked from only {space} operand tuples; raise max_value")
+    eval_tuples = rng.choice(space, size=num_eval, replace=False)
+    held_out = set(eval_tuples.tolist())
+    train_tuples = []
+    while len(train_tuples) < num_train:
+        for index in rng.integers(0, space, size=num_train).tolist():
+            if index not in held_out and len(train_tuples) < num_train:
+                train_tuples.append(index)
+
+    def to_record(index: int) -> dict:
+        operands = []
+        for _ in range(num_operands):  # base-``base`` digits of the index, most significant first
+            index, operand = divmod(int(index), base)
+            operands.insert(0, operand)
+        return problem(*operands)
+
+    return [to_record(i) for i in train_tuples], [to_record(i) for i in eval_tuples]
 
 
 def train_tokenizer(directory: str | pathlib.Path, texts: list[str]):
@@ -95,6 +110,41 @@ def build_task(out: str | pathlib.Path, *, num_train: int = 20000, num_eval: int
     write_jsonl(out / "eval.jsonl", held_out)
     train_tokenizer(out / "tokenizer", [f"{r['prompt']} {r['response']}" for r in train])
     logger.info("arithmetic task: %d train, %d eval problems in %s", len(train), len(held_out), out)
+    return out
+
+
+# The multi-teacher experiment's tasks: name -> how its problems are drawn. ``add2`` is the demo's task
+# (seed 0: the same train and eval problems as :func:`build_task`).
+TASKS = {"add2": dict(num_operands=2, seed=0), "add3": dict(num_operands=3, seed=1)}
+
+
+def build_multi_task(out: str | pathlib.Path, *, num_train: int = 20000, num_eval: int = 500,
+                     max_value: int = 999) -> pathlib.Path:
+    """The files of the multi-teacher experiment under ``out`` (rewritten each call):
+
+    - ``<task>/train.jsonl``, ``<task>/eval.jsonl``: one task's problems (``num_train`` and ``num_eval``);
+    - ``train.jsonl``, ``eval.jsonl``: every task's, interleaved, each record naming its ``task``;
+    - ``tokenizer/``: the demo's (trained on the demo's problems as :func:`build_task` trains it: the
+      trainer refuses a teacher and student whose tokenizers differ, and the demo's models are reused).
+    """
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    splits = {}
+    for task, draw in TASKS.items():
+        train, held_out = make_problems(num_train, num_eval, max_value=max_value, **draw)
+        splits[task] = [[{**record, "task": task} for record in records] for records in (train, held_out)]
+        (out / task).mkdir(exist_ok=True)
+        write_jsonl(out / task / "train.jsonl", splits[task][0])
+        write_jsonl(out / task / "eval.jsonl", splits[task][1])
+    for index, name in enumerate(("train.jsonl", "eval.jsonl")):
+        # Interleaved, so a run's data order (shuffled or not) and a prefix of the eval set mix both tasks.
+        write_jsonl(out / name, [record for group in zip(*(split[index] for split in splits.values())) for record in group])
+    # The tokenizer's ids follow symbol frequencies: train it on the demo's own problems (build_task's
+    # defaults), whatever sizes were asked here.
+    demo_train, _ = make_problems(20000, 500)
+    train_tokenizer(out / "tokenizer", [f"{r['prompt']} {r['response']}" for r in demo_train])
+    logger.info("multi-task arithmetic: %s, %d train and %d eval problems each, in %s", ", ".join(TASKS), num_train,
+                num_eval, out)
     return out
 
 

@@ -45,3 +45,37 @@ def test_final_answer_scores_the_text_after_the_last_marker():
     assert score("4 3 2", "432") == 0.0  # no marker: no answer given
     assert score("#### 1 #### 4 3 2", "432") == 1.0
     assert score("2 3 4 #### 4 3 2 1", "432") == 0.0
+
+
+def test_three_operand_problems_are_correct_worked_solutions_and_held_out():
+    train, held_out = arithmetic.make_problems(2000, 500, seed=1, num_operands=3)
+    assert train == arithmetic.make_problems(2000, 500, seed=1, num_operands=3)[0]
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    for record in train + held_out:
+        operands = [int(part.replace(" ", "")) for part in record["prompt"].rstrip(" =").split(" + ")]
+        worked, answer = record["response"].split(" #### ")
+        assert len(operands) == 3 and int(record["answer"]) == sum(operands)
+        assert worked.replace(" ", "")[::-1] == answer.replace(" ", "") == record["answer"]
+
+
+def test_multi_task_files_name_each_record_task_and_keep_the_demo_problems_and_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from megatron_gkd.recipes import demo
+    from megatron_gkd.teacher.vocab import tokenizer_digest
+
+    out = arithmetic.build_multi_task(tmp_path, num_train=300, num_eval=50)
+    read = lambda path: [json.loads(line) for line in path.read_text().splitlines()]  # noqa: E731
+    for split, size in (("train", 300), ("eval", 50)):
+        mixed = read(out / f"{split}.jsonl")
+        assert [r["task"] for r in mixed] == ["add2", "add3"] * size  # interleaved: any prefix mixes both
+        for task, draw in arithmetic.TASKS.items():
+            alone = read(out / task / f"{split}.jsonl")
+            assert alone == [r for r in mixed if r["task"] == task]
+            assert all(len(r["prompt"].split(" + ")) == draw["num_operands"] for r in alone)
+    # add2 is the demo's task (seed 0): the same problems as make_problems draws for the demo.
+    _, demo_eval = arithmetic.make_problems(300, 50, seed=0)
+    assert [{k: v for k, v in r.items() if k != "task"} for r in read(out / "add2" / "eval.jsonl")] == demo_eval
+    # The trainer compares teacher and student tokenizers by this digest: the demo's models must fit.
+    digest = tokenizer_digest(AutoTokenizer.from_pretrained(out / "tokenizer"))
+    assert digest == tokenizer_digest(AutoTokenizer.from_pretrained(demo.ASSETS / "teacher"))
