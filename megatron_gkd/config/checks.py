@@ -89,6 +89,8 @@ def check_config(config) -> None:
               "teacher.client=local, or teacher.signal=topk")
     if trainer.mode == "sft" and teacher.enabled and not eval_enabled(config):
         logger.warning("teacher.* has no effect in trainer.mode=sft without eval (it is only used for eval's KL)")
+    if teacher.enabled:
+        _check_temperature(config, teacher, "teacher")
     if data.max_prompt_length + rollout.max_tokens > rollout.max_model_len and needs_rollout(config):
         _fail(f"data.max_prompt_length={data.max_prompt_length} + rollout.max_tokens={rollout.max_tokens} exceeds "
               f"rollout.max_model_len={rollout.max_model_len}; raise rollout.max_model_len or lower the other two")
@@ -190,3 +192,29 @@ def check_layout(config, world_size: int) -> dict:
                   f"{replicas * n} samples in trainer.global_batch_size or a larger rollout.tensor_parallel_size")
     return dict(data_parallel_size=dp, samples_per_rank=per_rank, prompts_per_step=prompts,
                 prompts_per_rank=prompts // dp, rollout_replicas=replicas)
+
+
+# Teachers that serve temperature 1.0 only, by how they are reached: vLLM's prompt log-probs are the raw
+# distribution, and an OpenAI-compatible server returns those; the top-k alone cannot be re-tempered
+# exactly (softmax(logits / T) needs the log-partition of the whole vocabulary at T).
+_TEMPERATURE_ONE_ONLY = {"vllm": "serve.backend=vllm", "openai": "client=openai"}
+
+
+def _check_temperature(config, teacher, key: str) -> None:
+    """The teacher is ``softmax(logits / teacher.temperature)``, the student ``softmax(logits / loss.temperature)``.
+
+    A teacher that serves T=1 only is refused at any other T; a student at another T than its teacher's is
+    warned about: the loss then pulls the student's distribution at one temperature toward the teacher's at
+    another, which users of other trainers ran for weeks without noticing (docs/teacher_protocol.md
+    "Temperature"). A warning, not an error: a sharper or softer teacher can be meant.
+    """
+    backend = teacher.serve.backend if teacher.serve.model is not None else teacher.client
+    if teacher.temperature != 1.0 and backend in _TEMPERATURE_ONE_ONLY:
+        fix = (f"{key}.serve.backend=hf or megatron" if backend == "vllm"
+               else f"{key}.client=zmq with {key}.serve.backend=hf or megatron")
+        _fail(f"{key}.temperature={teacher.temperature}: a teacher reached with {key}.{_TEMPERATURE_ONE_ONLY[backend]} "
+              f"gives log-probs at temperature 1.0 only; use {fix}, or {key}.temperature=1.0 (with loss.temperature=1.0)")
+    if needs_teacher(config) and config.loss.temperature != teacher.temperature:
+        logger.warning("loss.temperature=%s (the student's softmax(logits / T)) differs from %s.temperature=%s (the "
+                       "teacher's): the student is trained toward the teacher at another temperature; set both to the "
+                       "same value unless this is meant", config.loss.temperature, key, teacher.temperature)

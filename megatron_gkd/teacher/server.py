@@ -179,8 +179,9 @@ class Worker:
             raise TeacherError(ErrorCode.UNSUPPORTED, f"the {info.name} backend cannot score "
                                "requested ids (TCAD); use the hf or megatron backend")
         if batch.temperature != 1.0 and not info.supports_temperature:
-            raise TeacherError(ErrorCode.UNSUPPORTED, f"the {info.name} backend scores at "
-                               f"temperature 1.0 only, got {batch.temperature}")
+            raise TeacherError(ErrorCode.UNSUPPORTED, f"the {info.name} backend scores at temperature 1.0 "
+                               f"only, got {batch.temperature}; set teacher.temperature=1.0, or serve this "
+                               "teacher with the hf or megatron backend")
         check_work(batch, info, self._work, self._limits)
         outputs = self._backend.score(batch)
         hidden_size = info.hidden_size if batch.is_hidden else None

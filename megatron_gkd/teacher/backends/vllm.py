@@ -82,7 +82,9 @@ class VLLMBackend(TeacherBackend):
         if batch.num_requested is not None:
             raise TeacherError(ErrorCode.UNSUPPORTED, "the vllm backend cannot score requested ids")
         if batch.temperature != 1.0:
-            raise TeacherError(ErrorCode.UNSUPPORTED, "vLLM prompt log-probs use temperature 1.0")
+            raise TeacherError(ErrorCode.UNSUPPORTED, f"vLLM's prompt log-probs are at temperature 1.0 only, got "
+                               f"{batch.temperature}; set teacher.temperature=1.0, or serve this teacher with the "
+                               "hf or megatron backend")
         if batch.top_k > self._info.max_top_k:
             raise TeacherError(ErrorCode.UNSUPPORTED, f"top_k={batch.top_k} exceeds max_logprobs="
                                f"{self._info.max_top_k}; restart the backend with a larger max_top_k")
