@@ -1,0 +1,113 @@
+"""Build a teacher cache: score a run's training data once through its teacher.
+
+    python -m megatron_gkd.teacher.cache build --config configs/X.yaml [section.key=value ...] --out DIR
+
+The config is the run's own (``launch/pretrain_gkd.py``): ``data`` (``train_path``, filtering) and
+``student.tokenizer`` give the records exactly as the trainer tokenizes them; ``teacher`` names the teacher
+(a service the command starts from ``teacher.serve.model``, or ``teacher.address`` / ``teacher.base_url``),
+``top_k``, ``temperature``, ``signal`` and ``hidden_dtype``. Rerunning an interrupted command resumes it.
+Train from the cache with ``teacher.client=cache teacher.cache_dir=DIR`` (docs/teacher_cache.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import pathlib
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m megatron_gkd.teacher.cache", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    build = commands.add_parser("build", help="score data.train_path through the teacher into DIR")
+    build.add_argument("--config", help="the run's YAML preset (see configs/)")
+    build.add_argument("overrides", nargs="*", metavar="section.key=value",
+                       help="dotted overrides, e.g. teacher.top_k=64")
+    build.add_argument("--out", required=True, help="the cache directory (created; an unfinished build there resumes)")
+    build.add_argument("--records-per-shard", type=int, default=1024, help="records per shard file (default 1024)")
+    build.add_argument("--batch-size", type=int, default=16, help="sequences per teacher request (default 16)")
+    build.add_argument("--teacher-checkpoint",
+                       help="the teacher's checkpoint directory, hashed into the manifest (default "
+                            "teacher.serve.model; give it when the teacher runs elsewhere, so runs can check the "
+                            "cache is its)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from megatron_gkd.config import load_config
+    from megatron_gkd.log_setup import setup_logging
+
+    setup_logging("INFO")
+    try:
+        config = load_config(args.config, list(args.overrides))
+    except ValueError as error:
+        logger.error("config error: %s", error)
+        return 2
+    try:
+        build(config, pathlib.Path(args.out), records_per_shard=args.records_per_shard, batch_size=args.batch_size,
+              teacher_checkpoint=args.teacher_checkpoint)
+    except ValueError as error:
+        logger.error("%s", error)
+        return 2
+    return 0
+
+
+def build(config, out: pathlib.Path, *, records_per_shard: int, batch_size: int, teacher_checkpoint: str | None):
+    """Loads the data, connects to (or starts) the teacher, and builds the cache; stops the teacher at the end."""
+    from megatron_gkd.data import load_prompts, load_tokenizer
+    from megatron_gkd.teacher.cache.store import dataset_records
+
+    teacher = config.teacher
+    if teacher.client in ("none", "cache", "local"):
+        raise ValueError(f"teacher.client={teacher.client}: the cache is built through a teacher service or "
+                         "server; set teacher.client=zmq with teacher.serve.model=DIR (or teacher.address), or "
+                         "teacher.client=openai")
+    tokenizer = load_tokenizer(config.student.tokenizer_path)
+    dataset = load_prompts(config.data.train_path, config.data, tokenizer, require_responses=True, show_progress=True)
+    records = dataset_records(dataset)
+    service = None
+    try:
+        if teacher.serve.model is not None:
+            from megatron_gkd.trainer.teacher_service import TeacherService
+
+            service = TeacherService(teacher.serve, out.with_name(out.name + ".teacher_service.log"))
+            address = service.wait_ready(teacher.serve.startup_timeout_s)
+            os.environ["MEGATRON_GKD_TEACHER_SECRET"] = service.secret
+            teacher_checkpoint = teacher_checkpoint or teacher.serve.model
+            # The client talks to the service (the hidden signal's head checkpoint is the run's business).
+            teacher = dataclasses.replace(teacher, address=address,
+                                          serve=dataclasses.replace(teacher.serve, model=None),
+                                          head_checkpoint=teacher.head_source if teacher.signal == "hidden" else None)
+        return _score(teacher, config, tokenizer, records, out, records_per_shard=records_per_shard,
+                      batch_size=batch_size, teacher_checkpoint=teacher_checkpoint)
+    finally:
+        if service is not None:
+            service.stop()
+
+
+def _score(teacher, config, tokenizer, records, out, *, records_per_shard, batch_size, teacher_checkpoint):
+    from megatron_gkd.teacher.cache.build import build_cache, make_plan
+    from megatron_gkd.teacher.config import build_client_from_config
+
+    client = build_client_from_config(teacher)
+    try:
+        identity = {"client": teacher.client, "model": str(teacher_checkpoint or teacher.address or teacher.base_url),
+                    "backend": config.teacher.serve.backend if config.teacher.serve.model else None}
+        plan = make_plan(client.info(), identity, teacher_checkpoint=teacher_checkpoint, tokenizer=tokenizer,
+                         records=records, data_path=str(config.data.train_path), top_k=teacher.top_k,
+                         temperature=teacher.temperature, signal=teacher.signal, hidden_dtype=teacher.hidden_dtype,
+                         records_per_shard=records_per_shard)
+        return build_cache(client, records, out, plan, batch_size=batch_size, show_progress=True)
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""The scoring pass: every record of a dataset asked of a teacher once, written shard by shard.
+
+Resumable: each shard is written to a temporary name and renamed, so a shard file is either complete or
+absent; a restart of the same build (its plan, ``build.json``, must be equal: same teacher, k, temperature,
+signal, tokenizer and dataset) skips the complete shards, checks that they hold the records it expects, and
+scores the rest. The records of a shard are sent in the same batches whether or not the build was
+interrupted, and nothing in the files depends on time, so a resumed build writes the same bytes as an
+uninterrupted one (given a deterministic teacher).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+from typing import Callable, Sequence
+
+import numpy as np
+import tqdm
+
+from megatron_gkd.teacher.cache.store import (MANIFEST, PLAN, CacheManifest, CacheRecord, checkpoint_digest,
+                                              dataset_digest, encode_shard, file_digest, sequence_digest, shard_name,
+                                              write_atomically)
+from megatron_gkd.teacher.types import ScoreBatch, SequenceRequest, TeacherOutput
+from megatron_gkd.teacher.vocab import tokenizer_digest
+
+logger = logging.getLogger(__name__)
+
+
+def flatten(values: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (how mismatches are named)."""
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def plan_differences(found: CacheManifest, wanted: CacheManifest) -> list[str]:
+    """``"field: X there, Y now"`` for every field in which two plans differ."""
+    old, new = flatten(dataclasses.asdict(found.plan())), flatten(dataclasses.asdict(wanted.plan()))
+    return [f"{key}: {old.get(key)!r} there, {new.get(key)!r} now" for key in sorted(old.keys() | new.keys())
+            if old.get(key) != new.get(key)]
+
+
+def score_records(client, records: Sequence[CacheRecord], plan: CacheManifest, batch_size: int) -> list[TeacherOutput]:
+    """The teacher's outputs for ``records``, in order, asked in batches of ``batch_size`` (in flight at once as far
+    as the client allows)."""
+    futures = []
+    for start in range(0, len(records), batch_size):
+        sequences = [SequenceRequest(token_ids=r.token_ids, response_start=r.response_start)
+                     for r in records[start:start + batch_size]]
+        batch = ScoreBatch(sequences=sequences, top_k=plan.top_k or 1, temperature=plan.temperature,
+                           signal=plan.signal, hidden_dtype=plan.hidden_dtype or "bfloat16")
+        futures.append(client.score_async(batch))
+    outputs = []
+    for future in futures:
+        outputs += future.result()
+    return outputs
+
+
+def make_plan(info, identity: dict, *, teacher_checkpoint: str | None, tokenizer, records: Sequence[CacheRecord],
+              data_path: str, top_k: int, temperature: float, signal: str, hidden_dtype: str,
+              records_per_shard: int) -> CacheManifest:
+    """The manifest (without shards) of scoring ``records`` with the teacher whose INFO is ``info``.
+
+    Args:
+        info: the teacher client's :class:`~megatron_gkd.teacher.clients.TeacherInfo`.
+        identity: how the config names the teacher (``client``, ``backend``, ``model``).
+        teacher_checkpoint: the teacher's checkpoint directory, hashed into the manifest; None when it is not
+            readable here (runs then cannot check the cache is their teacher's: a warning says so).
+        tokenizer: the tokenizer that tokenized ``records`` (the student's); the teacher's must be the same.
+
+    Raises:
+        ValueError: the tokenizers differ, or the teacher cannot serve the signal or k.
+    """
+    digest = tokenizer_digest(tokenizer)
+    if (info.tokenizer_digest, info.tokenizer_size) != (digest, len(tokenizer)):
+        raise ValueError(f"tokenizer mismatch: the teacher's tokenizer ({info.tokenizer_size} tokens, digest "
+                         f"{str(info.tokenizer_digest)[:12]}) differs from student.tokenizer ({len(tokenizer)} tokens, "
+                         f"digest {digest[:12]}); distillation needs the same tokenizer on both sides")
+    hidden = signal == "hidden"
+    if signal not in info.signals:
+        raise ValueError(f"teacher.signal={signal}: this teacher serves {', '.join(info.signals)} only")
+    if not hidden and top_k > info.max_top_k:
+        raise ValueError(f"teacher.top_k={top_k} exceeds what the teacher serves (max {info.max_top_k})")
+    if records_per_shard < 1:
+        raise ValueError(f"records_per_shard={records_per_shard} must be >= 1")
+    if teacher_checkpoint is None:
+        logger.warning("no teacher checkpoint to hash (the teacher runs elsewhere): runs cannot check that the cache "
+                       "is their teacher's; pass --teacher-checkpoint DIR")
+    identity = dict(identity, info=dataclasses.asdict(info),
+                    checkpoint_blake3=checkpoint_digest(teacher_checkpoint) if teacher_checkpoint else None)
+    return CacheManifest(
+        teacher=identity, tokenizer_digest=digest, signal=signal, top_k=None if hidden else top_k,
+        temperature=float(temperature), hidden_dtype=hidden_dtype if hidden else None,
+        dataset={"path": data_path, "blake3": dataset_digest(records), "num_records": len(records),
+                 "num_response_tokens": sum(len(r.token_ids) - r.response_start for r in records)},
+        records_per_shard=records_per_shard)
+
+
+def build_cache(client, records: Sequence[CacheRecord], out: str | pathlib.Path, plan: CacheManifest, *,
+                batch_size: int = 16, show_progress: bool = False,
+                on_shard: Callable[[int], None] | None = None) -> CacheManifest:
+    """Scores ``records`` through ``client`` into ``out`` (resuming a build of the same plan there).
+
+    Args:
+        client: a teacher client (``score_async``); its outputs are stored as it returns them.
+        records: the dataset's records, in order (:func:`~megatron_gkd.teacher.cache.store.dataset_records`).
+        out: the cache directory.
+        plan: the manifest to write, without shards (teacher, tokenizer, k, temperature, signal, dataset).
+        batch_size: sequences per teacher request.
+        show_progress: draw a progress bar over the records.
+        on_shard: called with each shard's number once it is on disk (written or found).
+
+    Returns:
+        The complete manifest (also written to ``out/manifest.json``).
+
+    Raises:
+        ValueError: ``out`` holds a build (finished or not) of another plan; the message names each field
+            that differs; or a complete shard there does not hold the records this plan puts in it.
+    """
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+    assert len(records) == plan.dataset["num_records"]
+    done = out / MANIFEST
+    if done.is_file():
+        manifest = CacheManifest.from_json(done.read_text(), str(done))
+        differences = plan_differences(manifest, plan)
+        if differences:
+            raise ValueError(f"{out} holds a complete teacher cache of another build ({'; '.join(differences)}); "
+                             "choose another --out or delete it")
+        logger.info("teacher cache %s is already complete (%d shards)", out, len(manifest.shards))
+        return manifest
+    _adopt_plan(out, plan)
+    for stale in out.glob(".shard-*.tmp-*"):
+        stale.unlink()  # a write that died before its rename
+    per_shard = plan.records_per_shard
+    bar = tqdm.tqdm(total=len(records), desc=f"scoring into {out}", unit="records",
+                    disable=None if show_progress else True)
+    with bar:
+        for number in range(plan.num_shards):
+            chunk = records[number * per_shard:(number + 1) * per_shard]
+            path = out / shard_name(number)
+            if path.is_file():
+                _check_shard(path, chunk)
+            else:
+                outputs = score_records(client, chunk, plan, batch_size)
+                write_atomically(path, encode_shard(chunk, outputs, signal=plan.signal, hidden_dtype=plan.hidden_dtype,
+                                                    number=number))
+            bar.update(len(chunk))
+            if on_shard is not None:
+                on_shard(number)
+    manifest = dataclasses.replace(plan, shards=[_shard_entry(out / shard_name(n)) for n in range(plan.num_shards)])
+    write_atomically(done, manifest.to_json().encode())
+    (out / PLAN).unlink()
+    total = sum(shard["bytes"] for shard in manifest.shards)
+    tokens = max(plan.dataset["num_response_tokens"], 1)
+    logger.info("teacher cache %s: %d records, %d response tokens, %d shards, %.1f MiB (%.1f bytes per response token)",
+                out, len(records), plan.dataset["num_response_tokens"], plan.num_shards, total / 2**20, total / tokens)
+    return manifest
+
+
+def _adopt_plan(out: pathlib.Path, plan: CacheManifest) -> None:
+    """Writes the plan of a new build, or checks that an unfinished build there has the same one."""
+    path = out / PLAN
+    if not path.is_file():
+        if any(out.glob("shard-*.safetensors")):
+            raise ValueError(f"{out} holds shards but no {PLAN}: not a build this command can resume; choose another "
+                             "--out or delete it")
+        write_atomically(path, plan.to_json().encode())
+        return
+    found = CacheManifest.from_json(path.read_text(), str(path))
+    differences = plan_differences(found, plan)
+    if differences:
+        raise ValueError(f"{out} holds an unfinished teacher cache of another build ({'; '.join(differences)}); "
+                         "rerun it with its own config, or choose another --out")
+    logger.info("resuming the teacher cache build in %s", out)
+
+
+def _check_shard(path: pathlib.Path, chunk: Sequence[CacheRecord]) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        digests = handle.get_tensor("digest").numpy()
+    expected = np.frombuffer(b"".join(sequence_digest(r.token_ids, r.response_start) for r in chunk),
+                             dtype=np.uint8).reshape(-1, 32)
+    if not np.array_equal(digests, expected):
+        raise ValueError(f"{path} does not hold the records this build puts in it; delete it and resume")
+
+
+def _shard_entry(path: pathlib.Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        num_records = handle.get_slice("record_index").get_shape()[0]
+        num_rows = handle.get_slice("token_logprobs").get_shape()[0]
+    return {"name": path.name, "num_records": int(num_records), "num_rows": int(num_rows),
+            "bytes": path.stat().st_size, "blake3": file_digest(path)}
