@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 # Options that only some clients read; setting one for another client is inert and logged.
 _CLIENT_OPTIONS = {"address": "zmq", "secret_file": "zmq", "insecure": "zmq", "base_url": "openai",
                    "model": "openai", "teacher_tokenizer": "openai", "api_key": "openai",
-                   "checkpoint": "local", "offload": "local"}
+                   "checkpoint": ("local", "cache"), "offload": "local", "cache_dir": "cache"}
 
 
 NO_TEACHER = "none"
@@ -58,7 +58,8 @@ class TeacherConfig:
 
     Attributes:
         client: ``zmq`` (the teacher service), ``openai`` (an OpenAI-compatible server), ``local``
-            (a Megatron-Core teacher colocated on the training ranks, in the trainer's layout) or
+            (a Megatron-Core teacher colocated on the training ranks, in the trainer's layout), ``cache``
+            (a teacher cache, ``teacher.cache_dir``: off-policy runs with no teacher running) or
             ``none`` (no teacher: the ``sft`` mode).
         top_k: k, the number of teacher log-probs per response token.
         temperature: teacher temperature (``vllm``/``openai`` serve 1.0 only).
@@ -69,8 +70,11 @@ class TeacherConfig:
         model: openai: served model name (default: the server's first).
         teacher_tokenizer: openai: the teacher's tokenizer, for the vocabulary check.
         api_key: openai: bearer token, if the server wants one.
-        checkpoint: local: HF checkpoint directory of the teacher (loaded with ``models.load_hf``).
+        checkpoint: local: HF checkpoint directory of the teacher (loaded with ``models.load_hf``). cache:
+            the teacher the cache must come from (its files are hashed and compared with the manifest's).
         offload: local: keep the teacher's weights in host memory between calls (inert on cpu).
+        cache_dir: cache: a teacher cache directory (``python -m megatron_gkd.teacher.cache build``); a cache
+            of another teacher, tokenizer, k, temperature, signal or dataset is refused at start-up.
         attempt_timeout_s: wait for one answer before retrying.
         deadline_s: give up on a batch after this long; the step then fails, it never trains on
             partial teacher data.
@@ -103,6 +107,8 @@ class TeacherConfig:
     api_key: str | None = None
     checkpoint: str | None = None
     offload: bool = False
+    cache_dir: str | None = None
+    """cache: a teacher cache directory (``python -m megatron_gkd.teacher.cache build --config ... --out DIR``)."""
     attempt_timeout_s: float = 60.0
     deadline_s: float = 300.0
     max_attempts: int = 5
@@ -140,6 +146,9 @@ class TeacherConfig:
                              "teacher.serve.model=DIR to have the run start a teacher service on loopback")
         if self.client == "openai" and not self.base_url:
             raise ValueError("teacher.base_url is required for client 'openai' (e.g. http://host:8000)")
+        if self.client == "cache" and not self.cache_dir:
+            raise ValueError("teacher.cache_dir is required for client 'cache' (build one with python -m "
+                             "megatron_gkd.teacher.cache build --config CONFIG.yaml --out DIR)")
         if self.client == "local" and not self.checkpoint:
             raise ValueError("teacher.checkpoint is required for client 'local' (a HF checkpoint directory)")
         if self.signal == "hidden" and self.enabled and self.head_source is None:
@@ -148,10 +157,11 @@ class TeacherConfig:
                              "teacher.checkpoint, from which it is read")
         if self.signal == "topk" and (self.head_checkpoint is not None or self.hidden_dtype != "bfloat16"):
             logger.warning("teacher.head_checkpoint and teacher.hidden_dtype have no effect with teacher.signal=topk")
-        for option, owner in _CLIENT_OPTIONS.items():
-            if owner != self.client and getattr(self, option) not in (None, False):
-                logger.warning("teacher.%s has no effect with client %r (only %r reads it)", option,
-                               self.client, owner)
+        for option, owners in _CLIENT_OPTIONS.items():
+            owners = owners if isinstance(owners, tuple) else (owners,)
+            if self.client not in owners and getattr(self, option) not in (None, False):
+                logger.warning("teacher.%s has no effect with client %r (only %s reads it)", option,
+                               self.client, " and ".join(repr(owner) for owner in owners))
 
     @property
     def head_source(self) -> str | None:
@@ -183,4 +193,6 @@ def build_client_from_config(config: TeacherConfig) -> TeacherClient:
                             retry=config.retry(), max_inflight=config.max_inflight)
     if config.client == "local":
         return build_client("local", model=config.checkpoint, offload=config.offload)
+    if config.client == "cache":
+        return build_client("cache", cache_dir=config.cache_dir, max_inflight=config.max_inflight)
     return build_client(config.client)

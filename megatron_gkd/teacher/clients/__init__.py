@@ -169,6 +169,7 @@ CLIENTS: Registry[type[TeacherClient]] = Registry("teacher client", config_key="
 CLIENTS.register("zmq", "megatron_gkd.teacher.clients.zmq_client:ZmqTeacherClient")
 CLIENTS.register("openai", "megatron_gkd.teacher.clients.openai_client:OpenAITeacherClient")
 CLIENTS.register("local", "megatron_gkd.teacher.clients.local:LocalTeacherClient")
+CLIENTS.register("cache", "megatron_gkd.teacher.clients.cache:CacheTeacherClient")
 
 
 def register_client(name: str, target: str) -> None:

@@ -1,0 +1,145 @@
+"""``cache`` client: the teacher's answers read from a teacher cache (``teacher.cache_dir``), no teacher running.
+
+A request is looked up by the blake3 of its token ids and response start (an index built when the cache is
+opened), so any order, batching or data-parallel split of the dataset finds its rows; the outputs are the
+arrays the live teacher's client returned when the cache was built, validated again. A sequence the cache
+does not hold (an on-policy sample, an eval answer, a record of another dataset) fails naming the fix.
+
+At start-up the trainer calls :meth:`CacheTeacherClient.check_run`, which refuses a cache of another teacher,
+tokenizer, k, temperature, signal or dataset (docs/teacher_cache.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from megatron_gkd.teacher.cache.store import CacheReader, checkpoint_digest, dataset_digest, dataset_records
+from megatron_gkd.teacher.clients import TeacherClient, TeacherInfo
+from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, TeacherError, TeacherOutput
+from megatron_gkd.teacher.vocab import tokenizer_digest
+
+logger = logging.getLogger(__name__)
+
+_FIX = ("a teacher cache answers the dataset's own responses only (trainer.mode=off_policy); score other sequences "
+        "with a live teacher (teacher.client=zmq, openai or local)")
+
+
+class CacheTeacherClient(TeacherClient):
+    """Answers :class:`ScoreBatch` requests from a teacher cache.
+
+    Args:
+        cache_dir: the cache directory (``python -m megatron_gkd.teacher.cache build ... --out DIR``).
+        max_inflight: batches read concurrently by ``score_async``.
+
+    Raises:
+        ValueError: the directory holds no complete cache (the message says how to build or resume one).
+    """
+
+    def __init__(self, cache_dir: str, max_inflight: int = 2):
+        super().__init__(max_inflight=max_inflight)
+        self.reader = CacheReader(cache_dir)
+        self.manifest = self.reader.manifest
+        self._num_scored = 0
+        self._count_lock = threading.Lock()
+        teacher = self.manifest.teacher
+        logger.info("teacher cache %s: %d records, signal %s, k %s, temperature %s, teacher %s (%s backend, blake3 %s)",
+                    cache_dir, len(self.reader), self.manifest.signal, self.manifest.top_k, self.manifest.temperature,
+                    teacher.get("model"), teacher.get("backend"), str(teacher.get("checkpoint_blake3"))[:16])
+
+    @property
+    def num_scored(self) -> int:
+        """Sequences answered from the cache over this client's life."""
+        return self._num_scored
+
+    def info(self) -> TeacherInfo:
+        stored = dict(self.manifest.teacher["info"])
+        hidden = self.manifest.signal == "hidden"
+        # The cache serves what it holds: its signal only, its k, no requested ids (they depend on the student).
+        stored.update(signals=[self.manifest.signal], hidden_size=stored.get("hidden_size") if hidden else None,
+                      supports_requested_ids=False, supports_temperature=True)
+        if not hidden:
+            stored["max_top_k"] = self.manifest.top_k
+        return TeacherInfo(**stored)
+
+    def _score(self, batch: ScoreBatch) -> list[TeacherOutput]:
+        manifest = self.manifest
+        asked = {"signal": batch.signal, "temperature": batch.temperature}
+        held = {"signal": manifest.signal, "temperature": manifest.temperature}
+        if not batch.is_hidden:
+            asked["top_k"], held["top_k"] = batch.top_k, manifest.top_k
+        else:
+            asked["hidden_dtype"], held["hidden_dtype"] = batch.hidden_dtype, manifest.hidden_dtype
+        if asked != held:
+            raise TeacherError(ErrorCode.BAD_REQUEST, f"the request asks for {asked}, the teacher cache holds {held}")
+        if batch.num_requested is not None:
+            raise TeacherError(ErrorCode.UNSUPPORTED, "requested ids (TCAD) depend on the student's top-k at each "
+                                                      "step, which no teacher cache holds; " + _FIX)
+        hidden_size = manifest.teacher["info"].get("hidden_size") if batch.is_hidden else None
+        outputs = []
+        for number, sequence in enumerate(batch.sequences):
+            location = self.reader.find(sequence.token_ids, sequence.response_start)
+            if location is None:
+                raise TeacherError(ErrorCode.BAD_REQUEST,
+                                   f"sequence {number} of the batch ({len(sequence.token_ids)} tokens, response from "
+                                   f"{sequence.response_start}) is not in the teacher cache {self.reader.directory}; "
+                                   + _FIX)
+            output = self.reader.output(location)
+            outputs.append(output.validate(sequence.num_response_tokens, batch.top_k, name=f"cached sequence {number}",
+                                           sequence=sequence, hidden_size=hidden_size))
+        with self._count_lock:
+            self._num_scored += len(outputs)
+        return outputs
+
+    def check_run(self, config, tokenizer, teacher=None) -> None:
+        """Refuses a cache that does not belong to the run ``config`` describes (the trainer calls it at start-up;
+        ``teacher``: the run's section of this teacher, default ``config.teacher``).
+
+        Compares the run's teacher checkpoint (``teacher.checkpoint`` / ``teacher.head_checkpoint``, when set),
+        tokenizer, ``teacher.top_k``, ``teacher.temperature``, ``teacher.signal`` (and ``teacher.hidden_dtype``)
+        and the dataset (``data.train_path`` loaded and tokenized as the trainer does) with the manifest.
+
+        Raises:
+            ValueError: the run cannot be served from a cache (on-policy, eval KL), or it differs from the
+                cache; the message names every field that differs with the cache's and the run's value.
+        """
+        from megatron_gkd.config import eval_enabled
+        from megatron_gkd.data import load_prompts
+
+        if config.trainer.mode == "on_policy":
+            raise ValueError("teacher.client=cache cannot score on-policy samples (they are new every step): use "
+                             "trainer.mode=off_policy, or a live teacher")
+        if eval_enabled(config) and config.eval.kl:
+            raise ValueError("eval.kl scores the student's own eval answers, which no teacher cache holds: set "
+                             "eval.kl=false, or use a live teacher")
+        manifest, teacher = self.manifest, teacher if teacher is not None else config.teacher
+        pairs = {"tokenizer_digest": (manifest.tokenizer_digest, tokenizer_digest(tokenizer)),
+                 "teacher.signal": (manifest.signal, teacher.signal),
+                 "teacher.temperature": (manifest.temperature, float(teacher.temperature))}
+        if teacher.signal == "hidden" and manifest.signal == "hidden":
+            pairs["teacher.hidden_dtype"] = (manifest.hidden_dtype, teacher.hidden_dtype)
+        if teacher.signal == "topk" and manifest.signal == "topk":
+            pairs["teacher.top_k"] = (manifest.top_k, teacher.top_k)
+        cached_checkpoint = manifest.teacher.get("checkpoint_blake3")
+        for key in ("checkpoint", "head_checkpoint"):
+            directory = getattr(teacher, key)
+            if directory is not None:
+                started = time.monotonic()
+                pairs[f"teacher.{key}"] = (cached_checkpoint, checkpoint_digest(directory))
+                logger.info("teacher.%s=%s hashed in %.1f s", key, directory, time.monotonic() - started)
+        if teacher.checkpoint is None and teacher.head_checkpoint is None:
+            logger.warning("the teacher of cache %s is not checked against this run: set teacher.checkpoint=DIR (the "
+                           "teacher's checkpoint) to refuse a cache of another teacher", self.reader.directory)
+        dataset = load_prompts(config.data.train_path, config.data, tokenizer, require_responses=True)
+        pairs["data.train_path"] = (manifest.dataset["blake3"], dataset_digest(dataset_records(dataset)))
+        mismatches = [f"{field}: {cached!r} in the cache, {wanted!r} in this run"
+                      for field, (cached, wanted) in pairs.items() if cached != wanted]
+        if mismatches:
+            raise ValueError(f"teacher cache {self.reader.directory} does not match this run (teacher "
+                             f"{manifest.teacher.get('model')}, dataset {manifest.dataset.get('path')}): "
+                             + "; ".join(mismatches) + ". Build a cache for this run (python -m "
+                             "megatron_gkd.teacher.cache build --config CONFIG --out DIR) or point teacher.cache_dir "
+                             "at one")
+        logger.info("teacher cache %s matches this run (%d records of %s)", self.reader.directory,
+                    manifest.dataset["num_records"], config.data.train_path)
