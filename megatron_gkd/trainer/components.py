@@ -124,6 +124,9 @@ def check_teacher(client, config: GKDConfig, tokenizer, student_vocab_size: int,
         ValueError: the teacher cannot serve this run (the message names the key and the fix).
     """
     info = client.info()
+    check_run = getattr(client, "check_run", None)
+    if check_run is not None:  # a client answering from stored data (a teacher cache) refuses another run's
+        check_run(config, tokenizer)
     client.align_vocab(tokenizer, student_vocab_size)
     teacher = config.teacher
     if teacher.top_k > info.max_top_k:
