@@ -12,9 +12,17 @@ two operand digits and the carry it has just written. The answer after ``####`` 
 the ``final_answer`` scorer (:mod:`megatron_gkd.trainer.eval`). Train and eval problems are disjoint:
 the eval set is drawn first and its pairs are excluded from the training draw.
 
-The multi-teacher experiment's second task, ``add3``, is the sum of three numbers in the same format
-(``4 7 + 3 8 5 + 1 2 =`` -> ``4 4 4 #### 4 4 4``): no new token, so both tasks share one tokenizer and
-the demo's models; each worked digit now depends on three operand digits and a carry of up to 2.
+The multi-teacher experiment's second task, ``add3``, is the sum of three numbers in the same format,
+worked one operand at a time: the first running sum, ``=``, then the total, each from the units up::
+
+    prompt    4 7 + 3 8 5 + 1 2 =
+    response  2 3 4 = 4 4 4 #### 4 4 4
+
+No new token, so both tasks share one tokenizer and the demo's models. The running sum is what makes it
+learnable: written straight away, a digit of the total depends on three operand digits jointly and on
+none of them alone (like a parity), and a 3-layer model trained from scratch sat on the plateau of a
+model that reads no operand for 2,000 steps (loss 0.715 nats a token); worked, each digit is an
+addition of two, the demo's task.
 
 The tokenizer is trained on the generated text with ``tokenizers`` (a word-level model over the
 whitespace-separated symbols: digits, ``+``, ``=``, ``####``) and saved in HF format::
@@ -43,11 +51,13 @@ def _spell(number: int) -> str:
 
 def problem(*operands: int) -> dict:
     """The record of ``operands[0] + operands[1] + ...``: prompt, reference response (worked solution and
-    answer) and answer."""
-    total = sum(operands)
+    answer) and answer. The worked solution adds one operand at a time, writing each running sum from
+    the units up, separated by ``=``; with two operands it is the demo's."""
+    running = [sum(operands[:count]) for count in range(2, len(operands) + 1)]
+    worked = " = ".join(" ".join(reversed(str(partial))) for partial in running)
     return {"prompt": " + ".join(_spell(number) for number in operands) + " =",
-            "response": f"{' '.join(reversed(str(total)))} {MARKER} {_spell(total)}",
-            "answer": str(total)}
+            "response": f"{worked} {MARKER} {_spell(running[-1])}",
+            "answer": str(running[-1])}
 
 
 def make_problems(num_train: int, num_eval: int, *, max_value: int = 999, seed: int = 0,

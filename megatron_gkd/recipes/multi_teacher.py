@@ -37,9 +37,11 @@ ASSETS = demo.REPO / "assets" / "multi_teacher"
 TASK = "add3"  # the task this recipe's teacher learns
 # The demo teacher's shape (its own init seed): the same capacity for a task with one more operand.
 TEACHER = dict(hidden_size=192, num_layers=3, num_heads=3, num_kv_heads=3, intermediate_size=384, seed=13)
-# On top of the demo teacher's SFT recipe: 6000 steps instead of 4000, since every response digit here
-# depends on three operand digits and a carry of up to 2; the cosine decay follows num_steps.
-TRAINING = ["trainer.num_steps=6000"]
+# On top of the demo teacher's SFT recipe: 6000 steps instead of 4000 (two additions to learn, the second
+# reading the first's running sum; the cosine decay follows num_steps), and room in eval for the longer
+# worked solution (up to 14 tokens and the end).
+MAX_TOKENS = 16
+TRAINING = ["trainer.num_steps=6000", f"eval.max_tokens={MAX_TOKENS}"]
 
 
 def build_task(out: pathlib.Path) -> pathlib.Path:
@@ -58,7 +60,8 @@ def initial_checkpoint(out: pathlib.Path, tokenizer_dir: pathlib.Path) -> pathli
     return directory
 
 
-def task_accuracy(model: str | pathlib.Path, task_dir: pathlib.Path, *, max_tokens: int = 12) -> dict[str, float]:
+def task_accuracy(model: str | pathlib.Path, task_dir: pathlib.Path, *,
+                  max_tokens: int = MAX_TOKENS) -> dict[str, float]:
     """Greedy accuracy of ``model`` on each task's held-out problems under ``task_dir``, as the trainer's
     eval scores it (vLLM, temperature 0, the ``final_answer`` scorer); one process, no torch.distributed."""
     from megatron_gkd.data import DataConfig, load_prompts, load_tokenizer

@@ -52,10 +52,10 @@ def test_three_operand_problems_are_correct_worked_solutions_and_held_out():
     assert train == arithmetic.make_problems(2000, 500, seed=1, num_operands=3)[0]
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
     for record in train + held_out:
-        operands = [int(part.replace(" ", "")) for part in record["prompt"].rstrip(" =").split(" + ")]
+        a, b, c = (int(part.replace(" ", "")) for part in record["prompt"].rstrip(" =").split(" + "))
         worked, answer = record["response"].split(" #### ")
-        assert len(operands) == 3 and int(record["answer"]) == sum(operands)
-        assert worked.replace(" ", "")[::-1] == answer.replace(" ", "") == record["answer"]
+        first, total = (int(part.replace(" ", "")[::-1]) for part in worked.split(" = "))
+        assert (first, total, int(answer.replace(" ", "")), int(record["answer"])) == (a + b, a + b + c, total, total)
 
 
 def test_multi_task_files_name_each_record_task_and_keep_the_demo_problems_and_tokenizer(tmp_path):
