@@ -19,6 +19,19 @@ _NO_REQUESTED_IDS = {"vllm"}
 _NO_HIDDEN = {"vllm"}
 
 
+def teacher_configs(config) -> dict:
+    """The run's teachers by name: ``teachers`` when set, else ``teacher`` as the one teacher named
+    ``teacher`` (nothing when it is ``client: none``)."""
+    if config.teachers:
+        return dict(config.teachers)
+    return {"teacher": config.teacher} if config.teacher.enabled else {}
+
+
+def teacher_key(config, name: str) -> str:
+    """How messages name a teacher's config section (``teacher`` or ``teachers.NAME``)."""
+    return f"teachers.{name}" if config.teachers else "teacher"
+
+
 def needs_teacher(config) -> bool:
     return config.trainer.mode in ("on_policy", "off_policy")
 
@@ -48,7 +61,8 @@ def check_config(config) -> None:
     from megatron_gkd.trainer.eval import SCORERS
     from megatron_gkd.trainer.schedulers import SCHEDULERS
 
-    trainer, teacher, rollout, loss, data = config.trainer, config.teacher, config.rollout, config.loss, config.data
+    trainer, rollout, loss, data = config.trainer, config.rollout, config.loss, config.data
+    teachers = teacher_configs(config)
     if trainer.scheduler not in SCHEDULERS:
         raise SCHEDULERS.unknown(trainer.scheduler)
     if rollout.engine not in ENGINES:
@@ -59,7 +73,7 @@ def check_config(config) -> None:
         _fail("student.checkpoint is required: the HF checkpoint directory of the student's initial weights")
     if data.train_path is None:
         _fail("data.train_path is required: a .jsonl or .parquet file of prompts")
-    if needs_teacher(config) and not teacher.enabled:
+    if needs_teacher(config) and not teachers:
         _fail(f"trainer.mode={trainer.mode} needs a teacher: set teacher.client=zmq with teacher.address=tcp://HOST:PORT, "
               "or teacher.client=zmq with teacher.serve.model=DIR to start one on loopback, or use trainer.mode=sft")
     if trainer.mode == "on_policy" and trainer.global_batch_size % rollout.n:
@@ -68,29 +82,17 @@ def check_config(config) -> None:
     if trainer.mode != "on_policy" and rollout.n != 1:
         _fail(f"rollout.n={rollout.n} samples per prompt only applies to trainer.mode=on_policy ({trainer.mode} trains "
               "on one dataset response per prompt); set rollout.n=1")
-    if loss.type == "tcad" and trainer.mode == "on_policy" and rollout.logprobs_k < 1:
+    topk_teachers = any(teacher.signal == "topk" for teacher in teachers.values())
+    if loss.type == "tcad" and trainer.mode == "on_policy" and rollout.logprobs_k < 1 and topk_teachers:
         _fail("loss.type=tcad interleaves the teacher's top-k with the student's: set rollout.logprobs_k=K (the "
               "student's top-k ids returned by the rollout engine), e.g. rollout.logprobs_k=8")
     if loss.type == "tcad" and trainer.mode != "on_policy":
         _fail(f"loss.type=tcad needs the student's top-k ids of sampled responses, which only trainer.mode=on_policy "
               f"has (it is {trainer.mode}); use another loss.type, e.g. forward_kl")
-    if loss.type == "tcad" and teacher.serve.model is not None and teacher.serve.backend in _NO_REQUESTED_IDS:
-        _fail(f"loss.type=tcad scores the teacher at the student's top-k ids, which teacher.serve.backend="
-              f"{teacher.serve.backend} cannot do; use teacher.serve.backend=hf or megatron")
-    if loss.type == "tcad" and teacher.client == "openai":
-        _fail("loss.type=tcad scores the teacher at the student's top-k ids, which an OpenAI-compatible server "
-              "cannot do; use teacher.client=zmq with an hf or megatron backend, or teacher.client=local")
-    if teacher.signal == "hidden" and teacher.serve.model is not None and teacher.serve.backend in _NO_HIDDEN:
-        _fail(f"teacher.signal=hidden needs the teacher's final hidden states, which teacher.serve.backend="
-              f"{teacher.serve.backend} cannot return; use teacher.serve.backend=hf or megatron, or teacher.signal=topk")
-    if teacher.signal == "hidden" and teacher.client == "openai":
-        _fail("teacher.signal=hidden needs the teacher's final hidden states, which an OpenAI-compatible server "
-              "cannot return; use teacher.client=zmq with teacher.serve.backend=hf or megatron, or "
-              "teacher.client=local, or teacher.signal=topk")
-    if trainer.mode == "sft" and teacher.enabled and not eval_enabled(config):
-        logger.warning("teacher.* has no effect in trainer.mode=sft without eval (it is only used for eval's KL)")
-    if teacher.enabled:
-        _check_temperature(config, teacher, "teacher")
+    for name, teacher in teachers.items():
+        _check_teacher(config, teacher, teacher_key(config, name))
+        _check_temperature(config, teacher, teacher_key(config, name))
+    _check_teacher_mix(config, teachers)
     if data.max_prompt_length + rollout.max_tokens > rollout.max_model_len and needs_rollout(config):
         _fail(f"data.max_prompt_length={data.max_prompt_length} + rollout.max_tokens={rollout.max_tokens} exceeds "
               f"rollout.max_model_len={rollout.max_model_len}; raise rollout.max_model_len or lower the other two")
@@ -192,6 +194,59 @@ def check_layout(config, world_size: int) -> dict:
                   f"{replicas * n} samples in trainer.global_batch_size or a larger rollout.tensor_parallel_size")
     return dict(data_parallel_size=dp, samples_per_rank=per_rank, prompts_per_step=prompts,
                 prompts_per_rank=prompts // dp, rollout_replicas=replicas)
+
+
+def _check_teacher(config, teacher, key: str) -> None:
+    """What one teacher must offer this run (``key``: its config section, ``teacher`` or ``teachers.NAME``)."""
+    trainer, loss = config.trainer, config.loss
+    backend = teacher.serve.backend if teacher.serve.model is not None else None
+    if loss.type == "tcad" and teacher.signal == "topk" and backend in _NO_REQUESTED_IDS:
+        _fail(f"loss.type=tcad scores the teacher at the student's top-k ids, which {key}.serve.backend="
+              f"{backend} cannot do; use {key}.serve.backend=hf or megatron")
+    if loss.type == "tcad" and teacher.signal == "topk" and teacher.client == "openai":
+        _fail(f"loss.type=tcad scores the teacher at the student's top-k ids, which an OpenAI-compatible server "
+              f"cannot do; use {key}.client=zmq with an hf or megatron backend, or {key}.client=local")
+    if teacher.signal == "hidden" and backend in _NO_HIDDEN:
+        _fail(f"{key}.signal=hidden needs the teacher's final hidden states, which {key}.serve.backend={backend} "
+              f"cannot return; use {key}.serve.backend=hf or megatron, or {key}.signal=topk")
+    if teacher.signal == "hidden" and teacher.client == "openai":
+        _fail(f"{key}.signal=hidden needs the teacher's final hidden states, which an OpenAI-compatible server "
+              f"cannot return; use {key}.client=zmq with {key}.serve.backend=hf or megatron, or "
+              f"{key}.client=local, or {key}.signal=topk")
+    if trainer.mode == "sft" and not eval_enabled(config):
+        logger.warning("%s.* has no effect in trainer.mode=sft without eval (it is only used for eval's KL)", key)
+
+
+def _check_teacher_mix(config, teachers: dict) -> None:
+    """Several teachers: how samples reach them (``teacher_mix``)."""
+    mix, names = config.teacher_mix, sorted(teachers)
+    if config.teachers and config.teacher.enabled:
+        _fail("both teacher.client and teachers are set: give one teacher in `teacher` or several in `teachers`, "
+              "not both (set teacher.client=none)")
+    if len(teachers) < 2:
+        if config.teachers and (mix.weights or mix.routes or mix.default):
+            logger.warning("teacher_mix.* has no effect with one teacher")
+        return
+    unknown = [name for name in [*mix.weights, *mix.routes.values(), *([mix.default] if mix.default else [])]
+               if name not in teachers]
+    if unknown:
+        _fail(f"teacher_mix names teacher(s) {unknown} that teachers does not define (it defines {names})")
+    if mix.mode == "route":
+        if config.data.group_key is None:
+            _fail("teacher_mix.mode=route sends each record to the teacher its group names: set data.group_key to the "
+                  "dataset field that holds it (e.g. data.group_key=task)")
+        if mix.weights:
+            logger.warning("teacher_mix.weights has no effect with teacher_mix.mode=route (one teacher per sample)")
+    else:
+        missing = [name for name in names if name not in mix.weights]
+        if missing:
+            _fail(f"teacher_mix.mode=mixture weighs every teacher's divergence: teacher_mix.weights lacks {missing} "
+                  f"(e.g. teacher_mix.weights.{missing[0]}=0.5)")
+        if config.loss.confidence_alpha is not None:
+            _fail("loss.confidence_alpha weighs each prompt's samples by one teacher's confidence, which a mixture of "
+                  "teachers does not define: use teacher_mix.mode=route or set loss.confidence_alpha=null")
+        if mix.routes or mix.default:
+            logger.warning("teacher_mix.routes / teacher_mix.default have no effect with teacher_mix.mode=mixture")
 
 
 # Teachers that serve temperature 1.0 only, by how they are reached: vLLM's prompt log-probs are the raw

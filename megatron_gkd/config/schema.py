@@ -20,7 +20,7 @@ from megatron_gkd.data.config import DataConfig
 from megatron_gkd.parallel.state import ParallelConfig
 from megatron_gkd.platform.npu import MindSpeedConfig
 from megatron_gkd.rollout.types import SamplingConfig
-from megatron_gkd.teacher.config import TeacherConfig
+from megatron_gkd.teacher.config import TeacherConfig, TeacherMixConfig
 from megatron_gkd.trainer.optim import OptimizerConfig
 from megatron_gkd.weight_sync.config import WeightSyncConfig
 
@@ -252,6 +252,9 @@ class GKDConfig:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     student: StudentConfig = dataclasses.field(default_factory=StudentConfig)
     teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
+    teachers: dict[str, TeacherConfig] = dataclasses.field(default_factory=dict)
+    """Several named teachers (each a ``teacher`` section); ``teacher_mix`` says how samples reach them."""
+    teacher_mix: TeacherMixConfig = dataclasses.field(default_factory=TeacherMixConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     optim: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)

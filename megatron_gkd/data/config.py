@@ -30,6 +30,9 @@ class DataConfig:
     """Field of an optional reference response (off-policy and SFT modes)."""
     answer_key: str = "answer"
     """Field of an optional reference answer (eval scorers such as exact match); a string or an integer."""
+    group_key: str | None = None
+    """Field naming each record's group (e.g. its task), a string or an integer: eval also reports accuracy per
+    group (``eval/accuracy/<group>``), and ``teacher_mix.mode=route`` sends each record to the teacher named by it."""
     chat_template: str = "auto"
     """``auto`` (the tokenizer's template if it has one, else raw text), ``none`` (raw text) or the path of a
     ``.jinja`` file that replaces the tokenizer's template."""

@@ -34,6 +34,9 @@ class PromptRecord:
     """Reference response ids ending with the EOS id, or ``None`` when the record has none."""
     answer: str | None
     """Reference answer for eval scorers, or ``None``."""
+    group: str | None = None
+    """The record's ``data.group_key`` field (e.g. its task: eval reports accuracy per group, and
+    ``teacher_mix.mode=route`` sends it to the teacher of that name), or ``None``."""
 
 
 @dataclasses.dataclass
@@ -68,8 +71,10 @@ class PromptDataset:
     """Tokenized prompts that survived filtering; ``dataset[position]`` builds a :class:`PromptRecord`."""
 
     def __init__(self, path: str, stats: DatasetStats, indices: np.ndarray, prompts: TokenColumn,
-                 responses: TokenColumn, has_response: np.ndarray, answers: list[str | None]):
+                 responses: TokenColumn, has_response: np.ndarray, answers: list[str | None],
+                 groups: list[str | None] | None = None):
         assert len(indices) == len(prompts) == len(responses) == len(has_response) == len(answers)
+        self._groups = groups if groups is not None else [None] * len(indices)
         self.path = path
         self.stats = stats
         self._indices = indices
@@ -88,7 +93,7 @@ class PromptDataset:
         position %= len(self)
         response = self._responses[position] if self._has_response[position] else None
         return PromptRecord(index=int(self._indices[position]), prompt_ids=self._prompts[position],
-                            response_ids=response, answer=self._answers[position])
+                            response_ids=response, answer=self._answers[position], group=self._groups[position])
 
     @property
     def has_responses(self) -> bool:
@@ -116,7 +121,7 @@ def load_prompts(path: str, config: DataConfig, tokenizer, *, require_responses:
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 or None, got {limit}")
     fields = Fields(prompt=config.prompt_key, messages=config.messages_key, response=config.response_key,
-                    answer=config.answer_key)
+                    answer=config.answer_key, group=config.group_key)
     template = resolve_chat_template(config, tokenizer)
     eos = eos_token_id(tokenizer)
     num_rows, chunks = open_rows(path, resolve_format(path, config.format), fields, _CHUNK_ROWS)
@@ -146,6 +151,7 @@ class _Tokenized(NamedTuple):
     prompt_ids: list[int]
     response_ids: list[int] | None
     answer: str | None
+    group: str | None
 
 
 def _tokenize_chunk(chunk: list[Row], fields: Fields, template: str | None, tokenizer, eos: int,
@@ -171,7 +177,7 @@ def _tokenize_chunk(chunk: list[Row], fields: Fields, template: str | None, toke
     for record, ids in zip(parsed, prompt_ids, strict=True):
         # Take the response first: the responses line up with the records that have one, kept or not.
         response = None if record.response is None else [*next(response_ids), eos]
-        outcomes[record.index] = _Tokenized(ids, response, record.answer) if ids else Malformed("prompt has no tokens")
+        outcomes[record.index] = _Tokenized(ids, response, record.answer, record.group) if ids else Malformed("prompt has no tokens")
     return [(index, outcomes[index]) for index, _ in chunk]
 
 
@@ -180,7 +186,7 @@ def _tally(stats: DatasetStats, kept: _Kept, index: int, outcome: Malformed | _T
     if isinstance(outcome, Malformed):
         stats.add_malformed(index, outcome)
         return
-    prompt_ids, response_ids, answer = outcome
+    prompt_ids, response_ids, answer, group = outcome
     if len(prompt_ids) > config.max_prompt_length:
         stats.num_prompt_too_long += 1
     elif (response_ids is not None and config.max_response_length is not None
@@ -188,7 +194,7 @@ def _tally(stats: DatasetStats, kept: _Kept, index: int, outcome: Malformed | _T
         stats.num_response_too_long += 1
     else:
         stats.num_kept += 1
-        kept.add(index, prompt_ids, response_ids, answer)
+        kept.add(index, prompt_ids, response_ids, answer, group)
 
 
 def _report(path: str, stats: DatasetStats, config: DataConfig, template: str | None) -> None:
@@ -261,13 +267,16 @@ class _Kept:
         self.responses = TokenColumn()
         self.has_response: list[bool] = []
         self.answers: list[str | None] = []
+        self.groups: list[str | None] = []
 
-    def add(self, index: int, prompt_ids: list[int], response_ids: list[int] | None, answer: str | None) -> None:
+    def add(self, index: int, prompt_ids: list[int], response_ids: list[int] | None, answer: str | None,
+            group: str | None = None) -> None:
         self.indices.append(index)
         self.prompts.append(prompt_ids)
         self.responses.append(response_ids or [])
         self.has_response.append(response_ids is not None)
         self.answers.append(answer)
+        self.groups.append(group)
 
     def flush(self) -> None:
         self.prompts.flush()
@@ -275,4 +284,5 @@ class _Kept:
 
     def build(self, path: str, stats: DatasetStats) -> PromptDataset:
         return PromptDataset(path, stats, np.asarray(self.indices, dtype=np.int64), self.prompts.finish(),
-                             self.responses.finish(), np.asarray(self.has_response, dtype=bool), self.answers)
+                             self.responses.finish(), np.asarray(self.has_response, dtype=bool), self.answers,
+                             self.groups)

@@ -49,9 +49,10 @@ class Fields:
     messages: str | None
     response: str
     answer: str
+    group: str | None = None
 
     def names(self) -> list[str]:
-        return [name for name in (self.prompt, self.messages, self.response, self.answer) if name]
+        return [name for name in (self.prompt, self.messages, self.response, self.answer, self.group) if name]
 
 
 def open_rows(path: str, format: str, fields: Fields, chunk_size: int) -> tuple[int | None, Iterator[list[Row]]]:
@@ -110,7 +111,7 @@ def _read_typed_json(path: str, fields: Fields) -> pa.Table:
     from date-like answers) and rejects a value of another type instead of converting it."""
     message = pa.struct([("role", pa.string()), ("content", pa.string())])
     types = {fields.prompt: pa.string(), fields.messages: pa.list_(message), fields.response: pa.string(),
-             fields.answer: pa.string()}
+             fields.answer: pa.string(), fields.group: pa.string()}
     schema = pa.schema([(name, types[name]) for name in fields.names()])
     options = pa_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
     return pa_json.read_json(path, read_options=pa_json.ReadOptions(block_size=_JSON_BLOCK_BYTES),

@@ -17,6 +17,7 @@ HINTS = {
                    "last (assistant) message",
     "chat template error": "check the chat template (data.chat_template) against these messages",
     "answer not a string": "reference answers must be strings or integers",
+    "group not a string": "the field named by data.group_key must hold strings or integers",
 }
 
 
@@ -29,6 +30,7 @@ class ParsedRecord:
     messages: list[dict[str, str]] | None
     response: str | None
     answer: str | None
+    group: str | None = None
 
 
 def parse_record(index: int, row: dict[str, Any], fields: Fields, *,
@@ -74,7 +76,12 @@ def parse_record(index: int, row: dict[str, Any], fields: Fields, *,
         answer = str(answer)
     elif answer is not None and not isinstance(answer, str):
         return Malformed("answer not a string", f"{fields.answer!r} is a {type(answer).__name__}")
-    return ParsedRecord(index=index, text=text, messages=messages, response=response, answer=answer)
+    group = row.get(fields.group) if fields.group else None
+    if isinstance(group, int) and not isinstance(group, bool):
+        group = str(group)
+    elif group is not None and not isinstance(group, str):
+        return Malformed("group not a string", f"{fields.group!r} is a {type(group).__name__}")
+    return ParsedRecord(index=index, text=text, messages=messages, response=response, answer=answer, group=group)
 
 
 def _check_messages(messages: Any, key: str) -> list[dict[str, str]] | Malformed:

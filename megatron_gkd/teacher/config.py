@@ -178,13 +178,54 @@ class TeacherConfig:
                            max_attempts=self.max_attempts)
 
 
-def build_client_from_config(config: TeacherConfig) -> TeacherClient:
+TEACHER_MIX_MODES = ("route", "mixture")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class TeacherMixConfig:
+    """How the samples of a run with several teachers (``teachers``) reach them."""
+
+    mode: str = "route"
+    """``route``: each sample is scored by the one teacher its record's group (``data.group_key``) names; ``mixture``:
+    every sample is scored by every teacher and the loss is ``sum_j weights[j] x divergence to teacher j``."""
+    routes: dict[str, str] = dataclasses.field(default_factory=dict)
+    """route: ``{group: teacher}`` where a group's name is not its teacher's (by default a group goes to the teacher
+    of the same name)."""
+    default: str | None = None
+    """route: the teacher of records whose group names no teacher (null: such a record stops the run)."""
+    weights: dict[str, float] = dataclasses.field(default_factory=dict)
+    """mixture: each teacher's weight in the loss (every teacher needs one; they need not sum to 1)."""
+
+    def __post_init__(self):
+        if self.mode not in TEACHER_MIX_MODES:
+            raise ValueError(f"teacher_mix.mode={self.mode!r} must be one of {', '.join(TEACHER_MIX_MODES)}")
+        negative = {name: weight for name, weight in self.weights.items() if not weight >= 0}
+        if negative:
+            raise ValueError(f"teacher_mix.weights {negative} must be >= 0")
+
+    def teacher_of(self, group: str | None, names) -> str:
+        """route: the teacher that scores a record of ``group``.
+
+        Raises:
+            ValueError: the group names no teacher and there is no default.
+        """
+        name = self.routes.get(group, group) if group is not None else None
+        if name in names:
+            return name
+        if self.default is not None:
+            return self.default
+        raise ValueError(f"a record of group {group!r} (data.group_key) names no teacher of {sorted(names)}: add "
+                         f"teacher_mix.routes.{group}=NAME or set teacher_mix.default=NAME")
+
+
+def build_client_from_config(config: TeacherConfig, secret: bytes | None = None) -> TeacherClient:
     """The client ``config`` describes, connected and ready to score (``teacher.address`` set; a
-    trainer that serves the teacher itself fills it in)."""
+    trainer that serves the teacher itself fills it in, with the service's ``secret``)."""
     if not config.enabled:
         raise ValueError("teacher.client=none: this run has no teacher")
     if config.client == "zmq":
-        return build_client("zmq", address=config.address, secret=load_secret(config.secret_file),
+        return build_client("zmq", address=config.address,
+                            secret=secret if secret is not None else load_secret(config.secret_file),
                             insecure=config.insecure, retry=config.retry(),
                             max_inflight=config.max_inflight, split_requests=config.split_requests)
     if config.client == "openai":

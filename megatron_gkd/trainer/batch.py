@@ -34,6 +34,7 @@ class Sample:
         group: the prompt group (the ``n`` samples of one prompt share it).
         prompt_index: the prompt's row in its dataset (what was trained, for logs and resume checks).
         student_topk: ``[R, k]`` int64 student top-k ids per response position (TCAD), or None.
+        data_group: the record's ``data.group_key`` value (its task: it routes the sample to a teacher), or None.
     """
 
     tokens: torch.Tensor
@@ -41,6 +42,7 @@ class Sample:
     group: int
     prompt_index: int
     student_topk: torch.Tensor | None = None
+    data_group: str | None = None
 
     @property
     def response_len(self) -> int:
@@ -75,6 +77,32 @@ class TeacherRows:
         lengths = list(lengths)
         hidden = self.hidden.split(lengths) if self.hidden is not None else [None] * len(lengths)
         return list(zip(self.ids.split(lengths), self.logprobs.split(lengths), hidden))
+
+    def padding(self, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rows of this shape for a sample the teacher does not score: no support, no hidden state."""
+        hidden = None if self.hidden is None else torch.zeros(length, self.hidden.shape[1])
+        return (torch.zeros(length, self.ids.shape[1], dtype=torch.int64),
+                torch.full((length, self.ids.shape[1]), float("-inf")), hidden)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TeacherShare:
+    """One teacher's part of a list of samples, as :func:`build_microbatch` places it.
+
+    Attributes:
+        name: the teacher.
+        rows: per sample ``(ids [R_i, K], logprobs [R_i, K], hidden [R_i, h] or None)`` (padding where the
+            teacher does not score the sample).
+        coefficients: per sample ``[R_i]`` the token's coefficient in this teacher's divergence (0 where the
+            teacher does not score the sample).
+    """
+
+    name: str
+    rows: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+    coefficients: Sequence[torch.Tensor]
+
+    def take(self, indices: Sequence[int]) -> "TeacherShare":
+        return TeacherShare(self.name, [self.rows[i] for i in indices], [self.coefficients[i] for i in indices])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -182,12 +210,27 @@ def token_coefficients(samples: Sequence[Sample], *, total_tokens: int, num_grou
 
 
 @dataclasses.dataclass(slots=True)
+class TeacherSlice:
+    """One teacher's tensors in a micro-batch: ``ids``/``logprobs`` ``[b, s, K]``, ``hidden`` ``[b, s, h]`` (the
+    hidden signal) and the tokens' ``coefficients`` ``[b, s]`` in its divergence."""
+
+    name: str
+    coefficients: torch.Tensor
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> "TeacherSlice":
+        return TeacherSlice(self.name, *(None if t is None else t.to(device)
+                                         for t in (self.coefficients, self.ids, self.logprobs, self.hidden)))
+
+
+@dataclasses.dataclass(slots=True)
 class MicroBatch:
     """One micro-batch in Megatron's ``[b, s]`` layout (``s``: the longest input, padded to a multiple).
 
-    ``teacher_ids``/``teacher_logprobs`` (``[b, s, K]``), ``teacher_hidden`` (``[b, s, h_t]``, the hidden
-    signal) and ``labels`` are set only where the loss is computed (the last pipeline stage; labels in the
-    ``sft`` mode).
+    ``teachers`` (one :class:`TeacherSlice` per teacher) and ``labels`` are set only where the loss is computed
+    (the last pipeline stage; labels in the ``sft`` mode).
     """
 
     tokens: torch.Tensor
@@ -195,17 +238,16 @@ class MicroBatch:
     loss_mask: torch.Tensor
     coefficients: torch.Tensor
     labels: torch.Tensor | None = None
-    teacher_ids: torch.Tensor | None = None
-    teacher_logprobs: torch.Tensor | None = None
-    teacher_hidden: torch.Tensor | None = None
+    teachers: list[TeacherSlice] = dataclasses.field(default_factory=list)
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.tokens.shape)
 
     def to(self, device: torch.device) -> "MicroBatch":
-        return MicroBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-                             for f in dataclasses.fields(self)})
+        moved = {f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                 for f in dataclasses.fields(self) if f.name != "teachers"}
+        return MicroBatch(**moved, teachers=[teacher.to(device) for teacher in self.teachers])
 
 
 def common_shape(samples: Sequence[Sample], plan: Sequence[Sequence[int]], pad_multiple: int = 1) -> tuple[int, int]:
@@ -244,15 +286,18 @@ def plan_microbatches(lengths: Sequence[int], *, micro_batch_size: int | None = 
 
 def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Tensor], *, pad_multiple: int = 1,
                      rows: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, labels: bool = False,
-                     pad_token_id: int = 0, shape: tuple[int, int] | None = None) -> MicroBatch:
+                     pad_token_id: int = 0, shape: tuple[int, int] | None = None,
+                     teachers: Sequence[TeacherShare] | None = None) -> MicroBatch:
     """The ``[b, s]`` tensors of ``samples`` (right padding; positions past a sample carry no loss).
 
     Args:
         samples: the micro-batch's samples.
         coefficients: ``[R_i]`` loss coefficient per response token of each sample.
         pad_multiple: ``s`` is rounded up to a multiple (sequence parallelism needs a multiple of TP).
-        rows: per sample ``(ids [R_i, K], logprobs [R_i, K], hidden [R_i, h_t] or None)`` teacher rows, placed
-            at the positions that predict each response token (``None`` on ranks without a loss).
+        rows: per sample ``(ids [R_i, K], logprobs [R_i, K], hidden [R_i, h_t] or None)`` rows of the one teacher
+            (named ``teacher``, the token coefficients its divergence's), placed at the positions that predict
+            each response token (``None`` on ranks without a loss).
+        teachers: instead of ``rows``, every teacher's rows and coefficients (several teachers).
         labels: also build next-token labels (cross-entropy).
         shape: pad to this ``(b, s)`` (extra rows are all padding): pipeline stages exchange activations
             of one fixed shape per step.
@@ -267,11 +312,6 @@ def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Ten
     loss_mask = torch.zeros(b, width, dtype=torch.bool)
     weights = torch.zeros(b, width, dtype=torch.float64)
     label_ids = torch.full((b, width), pad_token_id, dtype=torch.int64) if labels else None
-    num_ids = rows[0][0].shape[1] if rows else 0
-    teacher_ids = torch.zeros(b, width, num_ids, dtype=torch.int64) if rows else None
-    teacher_lp = torch.full((b, width, num_ids), float("-inf"), dtype=torch.float32) if rows else None
-    hidden_size = rows[0][2].shape[1] if rows and rows[0][2] is not None else None
-    teacher_hidden = torch.zeros(b, width, hidden_size, dtype=torch.float32) if hidden_size else None
     for i, (sample, coefficient) in enumerate(zip(samples, coefficients, strict=True)):  # rows past them: padding
         start, length = sample.prompt_len - 1, sample.response_len
         tokens[i, : sample.input_len] = sample.tokens[:-1]
@@ -279,28 +319,46 @@ def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Ten
         weights[i, start : start + length] = coefficient
         if label_ids is not None:
             label_ids[i, : sample.input_len] = sample.tokens[1:]
-        if rows:
-            ids, logprobs, hidden = rows[i]
-            teacher_ids[i, start : start + length] = ids
-            teacher_lp[i, start : start + length] = logprobs
-            if teacher_hidden is not None:
-                teacher_hidden[i, start : start + length] = hidden
+    if rows:
+        teachers = [TeacherShare("teacher", rows, coefficients)]
+    slices = [_teacher_slice(share, samples, (b, width)) for share in teachers or []]
     position_ids = torch.arange(width, dtype=torch.int64).unsqueeze(0).expand(b, width).contiguous()
     return MicroBatch(tokens=tokens, position_ids=position_ids, loss_mask=loss_mask, coefficients=weights,
-                      labels=label_ids, teacher_ids=teacher_ids, teacher_logprobs=teacher_lp,
-                      teacher_hidden=teacher_hidden)
+                      labels=label_ids, teachers=slices)
 
 
-def samples_from_rollout(batch, indices: Sequence[int], prompt_indices: Sequence[int]) -> list[Sample]:
+def _teacher_slice(share: TeacherShare, samples: Sequence[Sample], shape: tuple[int, int]) -> TeacherSlice:
+    """One teacher's rows and coefficients at the positions that predict each response token."""
+    b, width = shape
+    num_ids = share.rows[0][0].shape[1]
+    hidden_size = share.rows[0][2].shape[1] if share.rows[0][2] is not None else None
+    ids = torch.zeros(b, width, num_ids, dtype=torch.int64)
+    logprobs = torch.full((b, width, num_ids), float("-inf"), dtype=torch.float32)
+    hidden = torch.zeros(b, width, hidden_size, dtype=torch.float32) if hidden_size else None
+    coefficients = torch.zeros(b, width, dtype=torch.float64)
+    for i, sample in enumerate(samples):
+        start, length = sample.prompt_len - 1, sample.response_len
+        sample_ids, sample_logprobs, sample_hidden = share.rows[i]
+        ids[i, start : start + length] = sample_ids
+        logprobs[i, start : start + length] = sample_logprobs
+        coefficients[i, start : start + length] = share.coefficients[i]
+        if hidden is not None:
+            hidden[i, start : start + length] = sample_hidden
+    return TeacherSlice(share.name, coefficients, ids, logprobs, hidden)
+
+
+def samples_from_rollout(batch, indices: Sequence[int], prompt_indices: Sequence[int],
+                         prompt_groups: Sequence[str | None] | None = None) -> list[Sample]:
     """:class:`Sample` objects for rows ``indices`` of a :class:`~megatron_gkd.rollout.RolloutBatch`.
 
-    ``prompt_indices[g]``: the dataset row of prompt group ``g``.
+    ``prompt_indices[g]`` / ``prompt_groups[g]``: the dataset row of prompt group ``g`` and its record's group.
     """
     samples = []
     for i in indices:
         prompt, response = batch.prompt(i), batch.response(i)
         group = int(batch.group_ids[i])
         samples.append(Sample(tokens=torch.tensor(prompt + response, dtype=torch.int64), prompt_len=len(prompt),
-                              group=group, prompt_index=int(prompt_indices[group]), student_topk=batch.topk(i)))
+                              group=group, prompt_index=int(prompt_indices[group]), student_topk=batch.topk(i),
+                              data_group=prompt_groups[group] if prompt_groups is not None else None))
     return samples
 

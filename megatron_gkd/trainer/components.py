@@ -53,19 +53,19 @@ def build_student(config: GKDConfig) -> Student:
     return Student(chunks=chunks, optimizer=optimizer, lr_scheduler=lr_scheduler, hf_config=hf_config, dtype=dtype)
 
 
-def build_teacher_head(config: GKDConfig, state, student: Student, tokenizer) -> torch.Tensor | None:
-    """This rank's shard of the teacher's output layer (``teacher.signal=hidden``, last pipeline stage),
-    split over the TP group like the student's own output layer; None when the run does not need it."""
-    if config.teacher.signal != "hidden" or not config.teacher.enabled or not state.is_pipeline_last_stage:
+def build_teacher_head(teacher, state, student: Student, tokenizer) -> torch.Tensor | None:
+    """This rank's shard of ``teacher``'s output layer (a teacher config section with ``signal=hidden``, last
+    pipeline stage), split over the TP group like the student's own output layer; None when not needed."""
+    if teacher.signal != "hidden" or not teacher.enabled or not state.is_pipeline_last_stage:
         return None
     from megatron_gkd import platform
     from megatron_gkd.models.teacher_head import load_teacher_head
 
-    head = load_teacher_head(config.teacher.head_source, student_vocab_size=student.vocab_size, tp_rank=state.tp_rank,
-                             tp_size=state.config.tensor_model_parallel_size, real_vocab_size=len(tokenizer), dtype=student.dtype,
-                             device=platform.device())
+    head = load_teacher_head(teacher.head_source, student_vocab_size=student.vocab_size, tp_rank=state.tp_rank,
+                             tp_size=state.config.tensor_model_parallel_size, real_vocab_size=len(tokenizer),
+                             dtype=student.dtype, device=platform.device())
     logger.info("teacher head shard %s (%s, %.1f MiB) from %s", tuple(head.shape), head.dtype,
-                head.numel() * head.element_size() / 2**20, config.teacher.head_source)
+                head.numel() * head.element_size() / 2**20, teacher.head_source)
     return head
 
 
@@ -104,21 +104,22 @@ def build_rollout_engine(config: GKDConfig, student: Student, tokenizer):
     return build_engine(config.rollout.engine, **rollout_engine_kwargs(config, tokenizer))
 
 
-def build_teacher_client(config: GKDConfig, address: str | None):
-    """The teacher client (``address``: of a service this run started, else ``teacher.address``)."""
+def build_teacher_client(teacher, address: str | None, secret: bytes | None = None):
+    """The client of ``teacher`` (a teacher config section; ``address``/``secret``: of a service this run started,
+    else its ``address`` and secret file)."""
     from megatron_gkd.teacher.config import build_client_from_config
 
-    teacher = config.teacher
     if address is not None:
         # The client talks to the service; the head (hidden signal) still comes from the served checkpoint.
         teacher = dataclasses.replace(teacher, address=address, serve=dataclasses.replace(teacher.serve, model=None),
                                       head_checkpoint=teacher.head_source if teacher.signal == "hidden" else None)
-    return build_client_from_config(teacher)
+    return build_client_from_config(teacher, secret)
 
 
 def check_teacher(client, config: GKDConfig, tokenizer, student_vocab_size: int, tcad: bool,
-                  teacher_hidden_size: int | None = None) -> None:
-    """Start-up checks against the teacher: vocabulary alignment, k, requested ids, temperature.
+                  teacher_hidden_size: int | None = None, teacher=None) -> None:
+    """Start-up checks against a teacher (``teacher``: its config section, default ``config.teacher``): vocabulary
+    alignment, k, requested ids, temperature.
 
     Raises:
         ValueError: the teacher cannot serve this run (the message names the key and the fix).
@@ -126,9 +127,9 @@ def check_teacher(client, config: GKDConfig, tokenizer, student_vocab_size: int,
     info = client.info()
     check_run = getattr(client, "check_run", None)
     if check_run is not None:  # a client answering from stored data (a teacher cache) refuses another run's
-        check_run(config, tokenizer)
+        check_run(config, tokenizer, teacher=teacher)
     client.align_vocab(tokenizer, student_vocab_size)
-    teacher = config.teacher
+    teacher = teacher if teacher is not None else config.teacher
     if teacher.top_k > info.max_top_k:
         raise ValueError(f"teacher.top_k={teacher.top_k} exceeds what the teacher serves (max {info.max_top_k}); lower "
                          "it or raise the teacher's max_top_k")

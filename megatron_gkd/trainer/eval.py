@@ -75,6 +75,12 @@ class Evaluator:
         with_answers = [(text, answer) for text, answer in scored if answer is not None]
         if with_answers:
             metrics["eval/accuracy"] = sum(self.scorer(text, answer) for text, answer in with_answers) / len(with_answers)
+        groups: dict[str, list[float]] = {}  # per data.group_key value (e.g. per task)
+        for record, (text, answer) in zip(records, scored):
+            if record.group is not None and answer is not None:
+                groups.setdefault(record.group, []).append(self.scorer(text, answer))
+        for group, scores in sorted(groups.items()):
+            metrics[f"eval/accuracy/{group}"] = sum(scores) / len(scores)
         for record, (text, answer) in zip(records[:2], scored[:2]):
             logger.info("eval example: %r -> %r (answer %r)", self.tokenizer.decode(list(record.prompt_ids)[-32:]),
                         text[:200], answer)

@@ -18,8 +18,18 @@ from megatron_gkd import platform
 from megatron_gkd.config import needs_teacher
 from megatron_gkd.parallel.comm import agree, all_gather_msgpack, broadcast_msgpack
 from megatron_gkd.rollout.types import RolloutBatch, concat_batches, decode_batch, encode_batch
-from megatron_gkd.trainer.batch import (TCADSpec, TeacherRows, build_microbatch, common_shape, plan_microbatches,
-                                        samples_from_rollout, score_batch, teacher_rows, token_coefficients)
+from megatron_gkd.trainer.batch import (TCADSpec, TeacherRows, TeacherShare, build_microbatch, common_shape,
+                                        plan_microbatches, samples_from_rollout, score_batch, teacher_rows,
+                                        token_coefficients)
+from megatron_gkd.trainer.teachers import Request, Teachers
+
+
+class TeacherFailed(RuntimeError):
+    """One of several teachers failed: the run stops after its last complete step, naming the teacher."""
+
+    def __init__(self, name: str, error: BaseException):
+        super().__init__(f"teacher {name!r} failed: {type(error).__name__}: {error}")
+        self.name = name
 
 
 @dataclasses.dataclass
@@ -32,7 +42,7 @@ class InFlight:
         prompt_indices: dataset rows of the batch's prompts, in group order.
         rollout: the sampled batch (all samples of all data-parallel ranks).
         samples: this rank's data-parallel share.
-        teacher: the future of this rank's teacher request (teacher ranks), or None.
+        teacher: this rank's requests ``{teacher name: Request}`` (ranks that ask a teacher), or None.
         pending: disaggregated rollout: the future of ``(rollout, samples, teacher)`` from the rollout thread.
     """
 
@@ -64,34 +74,34 @@ class BatchFlow:
         layout: :func:`megatron_gkd.config.check_layout`'s plan.
         timers: the trainer's phase timers.
         loss_kind: ``distill`` (teacher rows) or ``cross_entropy``.
-        teacher_hidden_size: the teacher's hidden size with ``teacher.signal=hidden`` (the rows carry its
-            hidden states), else None.
+        teachers: the run's :class:`~megatron_gkd.trainer.teachers.Teachers` (the trainer connects their clients
+            and loads their heads).
     The trainer attaches ``engine`` (colocated) or ``remote`` (rollout server) and ``client`` (teacher).
     """
 
     def __init__(self, config, state, *, control, dp_group, tokenizer, stop_ids, layout: dict, timers, loss_kind: str,
-                 teacher_hidden_size: int | None = None):
+                 teachers: Teachers):
         self.config, self.state, self.control, self.dp_group = config, state, control, dp_group
         self.tokenizer, self.stop_ids, self.layout, self.timers, self.loss_kind = tokenizer, stop_ids, layout, timers, loss_kind
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.rank = dist.get_rank()
-        self.engine = self.remote = self.client = None
-        self.local_teacher = config.teacher.client == "local"
+        self.engine = self.remote = None
+        self.teachers = teachers
         # One rank per TP group of the last stage asks a remote teacher and sends the rows to its TP group.
         self.is_teacher_rank = state.is_pipeline_last_stage and state.tp_rank == 0
         self.confidence: dict = {}
-        self.teacher_hidden_size = teacher_hidden_size
-        self.tcad = self._tcad_spec()
+        self.tcad = {teacher.name: self._tcad_spec(teacher.config) for teacher in teachers}
 
     # -------------------------------------------------------------------------------------- sampling
     def produce(self, index: int, records, data_state: dict, version: int) -> InFlight:
         """Samples (or reads) the responses of ``records`` and sends this rank's teacher request."""
         config = self.config
         prompt_indices = [record.index for record in records]
+        prompt_groups = [record.group for record in records]
         if config.trainer.mode == "on_policy":
             prompts, sampling = [list(r.prompt_ids) for r in records], config.rollout.sampling(self._seed(index))
             if self.remote is not None:  # sampled on the rollout server while this rank trains
-                pending = self.remote.submit(self._remote_batch, prompts, sampling, prompt_indices)
+                pending = self.remote.submit(self._remote_batch, prompts, sampling, prompt_indices, prompt_groups)
                 return InFlight(index, data_state, prompt_indices, None, None, pending=pending)
             with self.timers("rollout"):
                 rollout = self.generate(prompts, sampling)
@@ -100,21 +110,19 @@ class BatchFlow:
                 prompts=[list(r.prompt_ids) for r in records], responses=[list(r.response_ids) for r in records],
                 logprobs=[[0.0] * len(r.response_ids) for r in records], group_ids=range(len(records)),
                 finish_reasons=["stop"] * len(records), weight_version=version, pad_token_id=self.pad_id)
-        samples = self.my_samples(rollout, prompt_indices)
+        samples = self.my_samples(rollout, prompt_indices, prompt_groups)
         teacher = None
-        if needs_teacher(config) and (self.local_teacher or self.is_teacher_rank):
+        if needs_teacher(config):
             with self.timers("teacher_send"):
-                teacher = self.request(samples, self.tcad)
+                teacher = self.request(samples)
         return InFlight(index, data_state, prompt_indices, rollout, samples, teacher)
 
-    def _remote_batch(self, prompts, sampling, prompt_indices):
+    def _remote_batch(self, prompts, sampling, prompt_indices, prompt_groups):
         """On the rollout thread: the server's batch and this rank's teacher request for its share (a
         colocated Megatron teacher is a collective of the training ranks: it is asked in the update)."""
         rollout = self.remote.client.generate(prompts, self._with_stop_ids(sampling))
-        samples = self.my_samples(rollout, prompt_indices)
-        teacher = None
-        if needs_teacher(self.config) and self.is_teacher_rank and not self.local_teacher:
-            teacher = self.request(samples, self.tcad)
+        samples = self.my_samples(rollout, prompt_indices, prompt_groups)
+        teacher = self.request(samples, local=False) if needs_teacher(self.config) else None
         return rollout, samples, teacher
 
     def _seed(self, index: int) -> int | None:
@@ -142,54 +150,97 @@ class BatchFlow:
     def _with_stop_ids(self, sampling):
         return dataclasses.replace(sampling, stop_token_ids=tuple(sorted(set(sampling.stop_token_ids) | set(self.stop_ids))))
 
-    def my_samples(self, rollout: RolloutBatch, prompt_indices: list[int]) -> list:
+    def my_samples(self, rollout: RolloutBatch, prompt_indices: list[int], prompt_groups: list | None = None) -> list:
         """This data-parallel rank's samples: a contiguous block of whole prompt groups."""
         groups = np.array_split(np.arange(len(prompt_indices)), self.state.data_parallel_size)
         mine = set(groups[self.state.dp_rank].tolist())
         rows = [i for i in range(rollout.num_samples) if int(rollout.group_ids[i]) in mine]
-        return samples_from_rollout(rollout, rows, prompt_indices)
+        return samples_from_rollout(rollout, rows, prompt_indices, prompt_groups)
 
     # --------------------------------------------------------------------------------------- teacher
-    def _tcad_spec(self) -> TCADSpec | None:
+    def _tcad_spec(self, teacher) -> TCADSpec | None:
         loss = self.config.loss
-        if self.loss_kind != "distill" or loss.type != "tcad" or self.config.teacher.signal == "hidden":
+        if self.loss_kind != "distill" or loss.type != "tcad" or teacher.signal == "hidden":
             return None  # the hidden signal's support is the whole vocabulary
-        width = loss.support_k or self.config.teacher.top_k
+        width = loss.support_k or teacher.top_k
         if loss.support_mode == "union":
-            width = self.config.teacher.top_k + self.config.rollout.logprobs_k
+            width = teacher.top_k + self.config.rollout.logprobs_k
         return TCADSpec(support_k=width, mode=loss.support_mode)
 
-    def request(self, samples, tcad: TCADSpec | None):
-        """This rank's teacher request (a future); TCAD also asks for the student's top-k ids."""
-        teacher = self.config.teacher
-        batch = score_batch(samples, top_k=teacher.top_k, temperature=teacher.temperature,
-                            vocab_size=len(self.tokenizer), request_student_topk=tcad is not None,
-                            signal=teacher.signal, hidden_dtype=teacher.hidden_dtype)
-        return self.client.score_async(batch)
+    def _asks(self, teacher) -> bool:
+        """Whether this rank sends ``teacher``'s requests (one rank per TP group of the last stage asks a remote
+        teacher and sends the rows to its TP group; a colocated teacher is a collective of every rank)."""
+        return teacher.local or self.is_teacher_rank
 
-    def teacher_outputs(self, future):
-        """The teacher's outputs of this rank's request; every rank stops if any rank's request failed."""
-        outputs, error = None, None
+    def request(self, samples, *, local: bool | None = None, tcad: bool = True, skip=()) -> dict[str, Request]:
+        """This rank's requests, one per teacher that scores some of ``samples`` (TCAD also asks for the student's
+        top-k ids). ``local``: only the colocated (True) or only the remote (False) teachers; ``skip``: teachers
+        already asked."""
+        plan = self.teachers.assign([s.data_group for s in samples])
+        requests = {}
+        for teacher in self.teachers:
+            config, indices = teacher.config, plan[teacher.name]
+            if not indices or not self._asks(teacher) or local not in (None, teacher.local) or teacher.name in skip:
+                continue
+            batch = score_batch([samples[i] for i in indices], top_k=config.top_k, temperature=config.temperature,
+                                vocab_size=len(self.tokenizer),
+                                request_student_topk=tcad and self.tcad[teacher.name] is not None,
+                                signal=config.signal, hidden_dtype=config.hidden_dtype)
+            requests[teacher.name] = Request(indices, teacher.client.score_async(batch))
+        return requests
+
+    def teacher_outputs(self, requests: dict[str, Request] | None) -> dict[str, list]:
+        """Every teacher's outputs of this rank's requests; every rank stops if any rank's request failed (with
+        several teachers, the error names the teacher)."""
+        outputs, error = {}, None
         with self.timers("teacher_wait"):
-            if future is not None:
+            for name, request in (requests or {}).items():
                 try:
-                    outputs = future.result()
+                    outputs[name] = request.future.result()
                 except Exception as caught:  # noqa: BLE001 - shared with every rank below
-                    error = caught
+                    error = caught if not self.teachers.several else TeacherFailed(name, caught)
+                    break
             agree(error, self.control)
         return outputs
 
-    def rows(self, samples, outputs, tcad: TCADSpec | None) -> TeacherRows | None:
-        """The teacher rows of this rank's samples on the last stage (sent by the TP group's teacher
-        rank); ``None`` elsewhere."""
+    def rows(self, samples, outputs: dict[str, list], tcad: bool = True) -> dict[str, tuple[list[int], TeacherRows]]:
+        """Each teacher's rows of the samples it scores on the last stage (sent by the TP group's teacher rank),
+        with their indices in ``samples``; nothing elsewhere."""
         if not self.state.is_pipeline_last_stage:
-            return None
-        rows = teacher_rows(outputs, samples, tcad=tcad, vocab_size=len(self.tokenizer)) if outputs is not None else None
-        if self.local_teacher or dist.get_world_size(self.state.tp_group) == 1:
-            return rows
+            return {}
+        plan = self.teachers.assign([s.data_group for s in samples])
+        found = {}
+        for teacher in self.teachers:  # every teacher, so that every micro-batch has the same slices and statistics
+            indices = plan[teacher.name]
+            chosen = [samples[i] for i in indices]
+            spec = self.tcad[teacher.name] if tcad else None
+            mine = outputs.get(teacher.name)
+            if not indices:
+                rows = self._no_rows(teacher, spec)
+            elif mine is not None:
+                rows = teacher_rows(mine, chosen, tcad=spec, vocab_size=len(self.tokenizer))
+            else:
+                rows = None
+            if indices and not teacher.local and dist.get_world_size(self.state.tp_group) > 1:
+                rows = self._share_rows(rows, chosen, teacher, spec)
+            found[teacher.name] = (indices, rows)
+        return found
+
+    def _widths(self, teacher, tcad: TCADSpec | None) -> tuple[int, int | None]:
+        """Ids per row and hidden size of ``teacher``'s rows."""
+        hidden_size = int(teacher.head.shape[1]) if teacher.config.signal == "hidden" else None
+        return (0 if hidden_size else tcad.width if tcad else teacher.config.top_k), hidden_size
+
+    def _no_rows(self, teacher, tcad: TCADSpec | None) -> TeacherRows:
+        """Rows of a teacher that scores none of this rank's samples (every sample gets padding from it)."""
+        width, hidden_size = self._widths(teacher, tcad)
+        return TeacherRows(torch.zeros(0, width, dtype=torch.int64), torch.zeros(0, width), torch.zeros(0),
+                           None if hidden_size is None else torch.zeros(0, hidden_size))
+
+    def _share_rows(self, rows: TeacherRows | None, samples, teacher, tcad: TCADSpec | None) -> TeacherRows:
+        """The TP group's teacher rank sends its rows to the other ranks of the group."""
         total = sum(s.response_len for s in samples)
-        hidden_size = self.teacher_hidden_size
-        width = 0 if hidden_size else tcad.width if tcad else self.config.teacher.top_k
+        width, hidden_size = self._widths(teacher, tcad)
         device = platform.device()
         ids = rows.ids.to(device) if rows else torch.empty(total, width, dtype=torch.int64, device=device)
         logprobs = rows.logprobs.to(device) if rows else torch.empty(total, width, dtype=torch.float32, device=device)
@@ -203,35 +254,63 @@ class BatchFlow:
             dist.broadcast(tensor, src=source, group=self.state.tp_group)
         return TeacherRows(*(tensor.cpu() for tensor in tensors))
 
-    def retries(self) -> float:
-        """Teacher attempts retried so far, summed over the ranks that ask the teacher (collective)."""
-        asks = self.client is not None and (self.is_teacher_rank or self.local_teacher)
-        total = torch.tensor([self.client.num_retries if asks else 0], dtype=torch.float64)
-        dist.all_reduce(total, group=self.control)
-        return float(total)
+    def teacher_metrics(self, requests: dict[str, Request] | None, samples) -> dict[str, float]:
+        """Per teacher: request latency (the slowest rank's), response tokens scored and attempts retried so far
+        (summed over the ranks that ask it). Collective over every rank."""
+        requests = requests or {}
+        names = self.teachers.names
+        latency = torch.tensor([requests[n].latency_s or 0.0 if n in requests else 0.0 for n in names],
+                               dtype=torch.float64)
+        counts = torch.tensor([[sum(samples[i].response_len for i in requests[n].indices) if n in requests else 0,
+                                teacher.client.num_retries if teacher.client is not None and self._asks(teacher) else 0]
+                               for n, teacher in zip(names, self.teachers)], dtype=torch.float64)
+        dist.all_reduce(latency, op=dist.ReduceOp.MAX, group=self.control)
+        dist.all_reduce(counts, group=self.control)
+        metrics = {}
+        for index, name in enumerate(names):
+            prefix = f"teacher/{name}/" if self.teachers.several else "teacher/"
+            metrics.update({f"{prefix}latency_s": float(latency[index]), f"{prefix}tokens_scored": float(counts[index, 0]),
+                            f"{prefix}retries": float(counts[index, 1])})
+        if self.teachers.several:
+            metrics["teacher/retries"] = float(counts[:, 1].sum())
+            # Which prompts each teacher scored this step: a record of the routing, per sample.
+            asked = {name: sorted({samples[i].prompt_index for i in request.indices})
+                     for name, request in requests.items() if not self.teachers.by_name[name].local or self.rank == 0}
+            for name in names:
+                scored = {index for part in all_gather_msgpack(asked.get(name, []), self.control) for index in part}
+                metrics[f"teacher/{name}/prompts"] = sorted(scored)
+        return metrics
 
     # -------------------------------------------------------------------------------- micro-batches
     def prepare(self, batch: InFlight) -> list:
         """Waits for the batch and its teacher rows, and cuts it into micro-batches."""
         with self.timers("rollout_wait"):
             batch.resolve()
-        if batch.teacher is None and self.local_teacher and needs_teacher(self.config):
-            batch.teacher = self.request(batch.samples, self.tcad)
+        if needs_teacher(self.config):
+            asked = batch.teacher if batch.teacher is not None else {}
+            # A colocated Megatron teacher is a collective of the training ranks: it is asked here, in the update.
+            asked.update(self.request(batch.samples, local=True, skip=asked))
+            batch.teacher = asked
         outputs = self.teacher_outputs(batch.teacher)
         with self.timers("batch"):
-            rows = self.rows(batch.samples, outputs, self.tcad) if self.loss_kind == "distill" else None
+            rows = self.rows(batch.samples, outputs) if self.loss_kind == "distill" else {}
             coefficients = self.coefficients(batch, rows)
             return self.microbatches(batch.samples, coefficients, rows)
 
-    def coefficients(self, batch: InFlight, rows: TeacherRows | None) -> list[torch.Tensor]:
+    def coefficients(self, batch: InFlight, rows: dict) -> list[torch.Tensor]:
         """Each response token's share of the step's loss (see :mod:`.batch`), on the last stage."""
         samples, alpha = batch.samples, self.config.loss.confidence_alpha
         if not self.state.is_pipeline_last_stage:
             return [torch.zeros(s.response_len, dtype=torch.float64) for s in samples]
         total, groups = batch.rollout.num_generated_tokens, len(batch.prompt_indices)
-        if alpha is None or rows is None:
+        if alpha is None or not rows:
             return token_coefficients(samples, total_tokens=total, num_groups=groups)
-        token_logprobs = rows.token_logprobs.split([s.response_len for s in samples])
+        # Each sample's confidence comes from the one teacher that scores it (route; mixtures refuse alpha).
+        token_logprobs: list = [None] * len(samples)
+        for indices, teacher_rows_ in rows.values():
+            for index, values in zip(indices, teacher_rows_.token_logprobs.split([samples[i].response_len
+                                                                                  for i in indices])):
+                token_logprobs[index] = values
         coefficients = token_coefficients(samples, total_tokens=total, num_groups=groups,
                                           teacher_token_logprobs=token_logprobs, confidence_alpha=alpha)
         self.confidence = self._confidence_weights(samples, coefficients, groups)
@@ -253,17 +332,33 @@ class BatchFlow:
                 "train/confidence_weight_max": float(totals[0]) / count,
                 "train/confidence_weight_entropy": float(totals[1]) / count}
 
-    def microbatches(self, samples, coefficients, rows: TeacherRows | None, *, labels: bool | None = None) -> list:
+    def shares(self, samples, coefficients, rows: dict) -> list[TeacherShare]:
+        """Every teacher's rows and token coefficients over all of ``samples`` (padding and 0 where it does not
+        score a sample; its mixture weight times the token's share where it does)."""
+        shares = []
+        for teacher in self.teachers:
+            if teacher.name not in rows:  # not the last stage
+                continue
+            indices, teacher_rows_ = rows[teacher.name]
+            mine = dict(zip(indices, teacher_rows_.split([samples[i].response_len for i in indices])))
+            shares.append(TeacherShare(
+                teacher.name,
+                [mine[i] if i in mine else teacher_rows_.padding(s.response_len) for i, s in enumerate(samples)],
+                [coefficients[i] * teacher.weight if i in mine else torch.zeros_like(coefficients[i])
+                 for i in range(len(samples))]))
+        return shares
+
+    def microbatches(self, samples, coefficients, rows: dict, *, labels: bool | None = None) -> list:
         """The micro-batches of ``samples`` (every rank of a pipeline plans the same cuts)."""
         trainer, parallel = self.config.trainer, self.config.parallel
         plan = plan_microbatches([s.input_len for s in samples], micro_batch_size=trainer.micro_batch_size,
                                  max_tokens=trainer.max_tokens_per_microbatch)
-        per_sample = rows.split([s.response_len for s in samples]) if rows is not None else None
+        shares = self.shares(samples, coefficients, rows)
         multiple = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
         labels = self.loss_kind == "cross_entropy" if labels is None else labels
         # Pipeline stages exchange activations of one shape per step (Megatron's variable_seq_lengths
         # refuses the allgather MoE dispatcher that the CPU needs): pad every micro-batch to it.
         shape = common_shape(samples, plan, multiple) if parallel.pipeline_model_parallel_size > 1 else None
         return [build_microbatch([samples[i] for i in indices], [coefficients[i] for i in indices], pad_multiple=multiple,
-                                 rows=[per_sample[i] for i in indices] if per_sample else None, labels=labels,
+                                 teachers=[share.take(indices) for share in shares], labels=labels,
                                  pad_token_id=self.pad_id, shape=shape) for indices in plan]

@@ -19,18 +19,18 @@ import torch.distributed as dist
 from megatron_gkd import parallel, platform
 from megatron_gkd.config import GKDConfig, check_layout, eval_enabled, needs_rollout, needs_teacher, to_yaml
 from megatron_gkd.data import PromptSampler, load_prompts, load_tokenizer
-from megatron_gkd.parallel.comm import agree, broadcast_msgpack
+from megatron_gkd.parallel.comm import broadcast_msgpack
 from megatron_gkd.rollout.types import RolloutBatch
 from megatron_gkd.trainer import checkpointing
 from megatron_gkd.trainer.batch import token_coefficients
-from megatron_gkd.trainer.components import (build_rollout_engine, build_student, build_teacher_client,
+from megatron_gkd.trainer.components import (build_rollout_engine, build_student,
                                              build_teacher_head, check_teacher, rollout_engine_kwargs, stop_token_ids)
 from megatron_gkd.trainer.eval import Evaluator
 from megatron_gkd.trainer.flow import BatchFlow, InFlight
 from megatron_gkd.trainer.metrics import MetricsWriter, Progress, Timers
 from megatron_gkd.trainer.schedulers import SCHEDULERS, BatchPipeline
 from megatron_gkd.trainer.step import LossSpec, StepRunner
-from megatron_gkd.trainer.teacher_service import TeacherService
+from megatron_gkd.trainer.teachers import Teachers
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class Trainer:
         self.timers = Timers()
         self.step = 0
         self.tokens_trained = 0  # response tokens of the trained batches (trainer.token_budget)
-        self.teacher_service = self.writer = self.progress = None
+        self.writer = self.progress = None
         self._rollout_version = 0  # weights the rollout engine (or server) holds
         self._receiver = self._sync_plan = self.evaluator = None
         self._signal: int | None = None
@@ -62,16 +62,18 @@ class Trainer:
         self._start_teacher_service()
         self._load_data()
         self.student = build_student(config)
-        self.teacher_head = build_teacher_head(config, self.state, self.student, self.tokenizer)
+        for teacher in self.teachers:
+            teacher.head = build_teacher_head(teacher.config, self.state, self.student, self.tokenizer)
         self.runner = StepRunner(self.student.chunks, self.student.optimizer, self.student.lr_scheduler,
                                  tp_group=self.state.tp_group, dp_group=self._dp_gloo, dp_size=self.state.data_parallel_size,
-                                 is_last_stage=self.state.is_pipeline_last_stage, teacher_head=self.teacher_head)
-        self.loss_spec = LossSpec.from_config(config.loss, config.trainer.mode, config.teacher, len(self.tokenizer))
-        self._eval_kl_spec = LossSpec.from_config(config.loss, "off_policy", config.teacher, len(self.tokenizer)).eval_kl()
-        hidden_size = None if self.teacher_head is None else int(self.teacher_head.shape[1])
+                                 is_last_stage=self.state.is_pipeline_last_stage,
+                                 teacher_heads={t.name: t.head for t in self.teachers if t.head is not None})
+        self.loss_spec = self._loss_specs(config.trainer.mode)
+        self._eval_kl_spec = {name: spec.eval_kl() for name, spec in self._loss_specs("off_policy").items()}
         self.flow = BatchFlow(config, self.state, control=self.control, dp_group=self._dp_gloo, tokenizer=self.tokenizer,
-                              stop_ids=self.stop_ids, layout=self.layout, timers=self.timers, loss_kind=self.loss_spec.kind,
-                              teacher_hidden_size=hidden_size)
+                              stop_ids=self.stop_ids, layout=self.layout, timers=self.timers,
+                              loss_kind="cross_entropy" if config.trainer.mode == "sft" else "distill",
+                              teachers=self.teachers)
         self._connect_teacher()
         self._build_rollout()
         self._resume()
@@ -104,17 +106,15 @@ class Trainer:
                     config.trainer.global_batch_size)
 
     def _start_teacher_service(self) -> None:
-        serve = self.config.teacher.serve
-        self._teacher_address = None
-        if serve.model is None or not needs_teacher(self.config) and not eval_enabled(self.config):
-            return
-        error = None
-        if self.rank == 0:
-            try:
-                self.teacher_service = TeacherService(serve, self.out / "teacher_service.log")
-            except Exception as caught:  # noqa: BLE001 - every rank stops with it (agree)
-                error = caught
-        agree(error, self.control)
+        self.teachers = Teachers(self.config)
+        if needs_teacher(self.config) or eval_enabled(self.config):
+            self.teachers.start_services(self.rank, self.out, self.control)
+
+    def _loss_specs(self, mode: str):
+        """The loss of ``mode``: one spec per teacher (cross-entropy in ``sft``)."""
+        if mode == "sft":
+            return LossSpec(kind="cross_entropy")
+        return {t.name: LossSpec.from_config(self.config.loss, mode, t.config, len(self.tokenizer)) for t in self.teachers}
 
     def _load_data(self) -> None:
         config, data = self.config, self.config.data
@@ -123,37 +123,29 @@ class Trainer:
         show = self.rank == 0
         self.train_data = load_prompts(data.train_path, data, self.tokenizer, show_progress=show,
                                        require_responses=config.trainer.mode != "on_policy")
-        self.eval_data = None
+        self.eval_data, self._eval_groups = None, {}
         if eval_enabled(config):
             self.eval_data = load_prompts(data.eval_path, data, self.tokenizer, show_progress=show,
                                           limit=data.num_eval_prompts)
+            self._eval_groups = {record.index: record.group for record in self.eval_data}
+        if self.teachers.several and self.teachers.mode == "route":  # every record must reach a teacher
+            for dataset in filter(None, (self.train_data, self.eval_data)):
+                self.teachers.assign(sorted({record.group for record in dataset}, key=str))
         self.sampler = PromptSampler(len(self.train_data), self.layout["prompts_per_step"], shuffle=data.shuffle,
                                      seed=data.seed)
 
     def _connect_teacher(self) -> None:
         config = self.config
-        if not (needs_teacher(config) or (eval_enabled(config) and config.eval.kl and config.teacher.enabled)):
+        if not (needs_teacher(config) or (eval_enabled(config) and config.eval.kl and len(self.teachers))):
             return
-        error = None
-        if self.rank == 0 and self.teacher_service is not None:
-            try:
-                self._teacher_address = self.teacher_service.wait_ready(config.teacher.serve.startup_timeout_s)
-            except Exception as caught:  # noqa: BLE001
-                error = caught
-        agree(error, self.control)
-        if self.teacher_service is not None or config.teacher.serve.model is not None:
-            self._teacher_address, secret = broadcast_msgpack(
-                [self._teacher_address, self.teacher_service.secret if self.teacher_service else None], 0, self.control)
-            os.environ["MEGATRON_GKD_TEACHER_SECRET"] = secret
-        error = None
-        if self.flow.local_teacher or self.flow.is_teacher_rank:
-            try:
-                self.flow.client = build_teacher_client(config, self._teacher_address)
-                check_teacher(self.flow.client, config, self.tokenizer, self.student.vocab_size,
-                              tcad=self.flow.tcad is not None, teacher_hidden_size=self.flow.teacher_hidden_size)
-            except Exception as caught:  # noqa: BLE001
-                error = caught
-        agree(error, self.control)
+
+        def check(teacher):
+            check_teacher(teacher.client, config, self.tokenizer, self.student.vocab_size,
+                          tcad=self.flow.tcad[teacher.name] is not None,
+                          teacher_hidden_size=None if teacher.head is None else int(teacher.head.shape[1]),
+                          teacher=teacher.config)
+
+        self.teachers.connect(self.rank, self.control, self.flow._asks, check)
 
     def _build_rollout(self) -> None:
         config = self.config
@@ -268,7 +260,7 @@ class Trainer:
         if stats is not None:
             metrics.update(self._loss_metrics(stats))
             metrics.update(self.flow.confidence)
-        metrics["teacher/retries"] = self.flow.retries()
+        metrics.update(self.flow.teacher_metrics(batch.teacher, batch.samples))
         return metrics
 
     def _sync_weights(self, force: bool = False) -> None:
@@ -316,15 +308,20 @@ class Trainer:
         return metrics
 
     def _loss_metrics(self, stats: dict) -> dict:
-        tokens = max(stats.get("tokens", 0.0), 1.0)
+        """``train/*`` from the step's summed statistics (per teacher, ``KEY/NAME``, with several)."""
         metrics = {"train/loss": stats["loss"], "train/num_loss_tokens": stats["tokens"]}
-        for key in ("teacher_mass", "student_mass", "topk_overlap", "teacher_entropy", "student_entropy",
-                    "top1_agreement"):
-            if key in stats:
-                metrics[f"train/{key}"] = stats[key] / tokens
-        if "coverage" in stats:
-            metrics["train/loss_coverage"] = stats["coverage"]
-            metrics["train/loss_divergence"] = stats["loss"] - stats["coverage"]
+        for suffix in [""] if not self.teachers.several else [f"/{name}" for name in self.teachers.names]:
+            tokens = max(stats.get(f"tokens{suffix}", 0.0), 1.0)
+            if suffix:
+                metrics.update({f"train/loss{suffix}": stats.get(f"loss{suffix}", 0.0),
+                                f"train/num_loss_tokens{suffix}": stats.get(f"tokens{suffix}", 0.0)})
+            for key in ("teacher_mass", "student_mass", "topk_overlap", "teacher_entropy", "student_entropy",
+                        "top1_agreement"):
+                if f"{key}{suffix}" in stats:
+                    metrics[f"train/{key}{suffix}"] = stats[f"{key}{suffix}"] / tokens
+            if f"coverage{suffix}" in stats:
+                metrics[f"train/loss_coverage{suffix}"] = stats[f"coverage{suffix}"]
+                metrics[f"train/loss_divergence{suffix}"] = stats[f"loss{suffix}"] - stats[f"coverage{suffix}"]
         return metrics
 
     def _log(self, metrics: dict) -> None:
@@ -351,12 +348,11 @@ class Trainer:
         """Token-mean forward KL of the student to the teacher on eval responses (on the teacher's top-k, or over
         the whole vocabulary with the hidden signal)."""
         # The same answer on every rank: every DP rank needs a share of the eval prompts.
-        if not (self.config.eval.kl and self.config.teacher.enabled) or len(prompt_indices) < self.state.data_parallel_size:
+        if not (self.config.eval.kl and len(self.teachers)) or len(prompt_indices) < self.state.data_parallel_size:
             return None
         flow = self.flow
-        samples = flow.my_samples(rollout, prompt_indices)
-        future = flow.request(samples, tcad=None) if flow.local_teacher or flow.is_teacher_rank else None
-        rows = flow.rows(samples, flow.teacher_outputs(future), tcad=None)
+        samples = flow.my_samples(rollout, prompt_indices, [self._eval_groups.get(i) for i in prompt_indices])
+        rows = flow.rows(samples, flow.teacher_outputs(flow.request(samples, tcad=False)), tcad=False)
         coefficients = token_coefficients(samples, total_tokens=rollout.num_generated_tokens,
                                           num_groups=len(prompt_indices))
         microbatches = flow.microbatches(samples, coefficients, rows, labels=False)
@@ -437,13 +433,13 @@ class Trainer:
 
     def close(self) -> None:
         """Stops the engine, the teacher client and service, and the metric sinks (every rank)."""
-        flow = getattr(self, "flow", None)
+        flow, teachers = getattr(self, "flow", None), getattr(self, "teachers", None)
         for name, action in (("progress", lambda: self.progress and self.progress.close()),
                              ("metrics", lambda: self.writer and self.writer.close()),
-                             ("teacher client", lambda: flow and flow.client and flow.client.close()),
+                             ("teacher clients", lambda: teachers and teachers.close_clients()),
                              ("rollout engine", lambda: flow and flow.engine and flow.engine.close()),
                              ("rollout server", lambda: flow and flow.remote and flow.remote.close()),
-                             ("teacher service", lambda: self.teacher_service and self.teacher_service.stop())):
+                             ("teacher services", lambda: teachers and teachers.stop_services())):
             try:
                 action()
             except Exception:  # noqa: BLE001 - close everything else too

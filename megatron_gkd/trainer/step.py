@@ -20,8 +20,10 @@ import torch.distributed as dist
 
 from megatron_gkd.trainer.batch import MicroBatch
 
-STAT_KEYS = ("loss", "tokens", "teacher_mass", "student_mass", "topk_overlap", "coverage", "teacher_entropy",
-             "student_entropy", "top1_agreement")
+
+
+def _first(specs) -> "LossSpec":
+    return next(iter(specs.values())) if isinstance(specs, dict) else specs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -154,108 +156,126 @@ class StepRunner:
         dp_group: a gloo group over data-parallel ranks (statistics are summed over it).
         dp_size: data-parallel size (gradients are averaged over it by DDP).
         is_last_stage: whether this rank computes the loss.
-        teacher_head: ``[V/tp, h_t]`` this rank's shard of the teacher's output layer (the hidden signal), or None.
+        teacher_heads: ``{teacher name: [V/tp, h_t]}`` this rank's shards of the output layers of the teachers that
+            send hidden states (``teacher`` for a single teacher).
     """
 
     def __init__(self, chunks, optimizer, lr_scheduler, *, tp_group, dp_group, dp_size: int, is_last_stage: bool,
-                 teacher_head: torch.Tensor | None = None):
+                 teacher_heads: dict[str, torch.Tensor] | None = None):
         from megatron.core.distributed import finalize_model_grads
 
         self.chunks, self.optimizer, self.lr_scheduler = chunks, optimizer, lr_scheduler
         self.tp_group, self.dp_group, self.dp_size, self.is_last_stage = tp_group, dp_group, dp_size, is_last_stage
-        self.teacher_head = teacher_head
+        self.teacher_heads = dict(teacher_heads or {})
         for chunk in chunks:
             chunk.config.finalize_model_grads_func = finalize_model_grads
             if chunk.config.fp16:
                 chunk.config.grad_scale_func = optimizer.scale_loss
         self._scale = 1.0
 
-    def _forward_step(self, spec: LossSpec, data_iterator, model):
+    def _forward_step(self, specs, data_iterator, model):
         microbatch: MicroBatch = next(data_iterator)
         device = next(model.parameters()).device
         tokens, position_ids = microbatch.tokens.to(device), microbatch.position_ids.to(device)
+        spec = _first(specs)  # what the forward captures is the same for every teacher
         if spec.kind == "cross_entropy":
             labels = microbatch.labels.to(device) if microbatch.labels is not None else None
-            return model(tokens, position_ids, attention_mask=None, labels=labels), partial(self._loss, spec, microbatch, None)
+            return model(tokens, position_ids, attention_mask=None, labels=labels), partial(self._loss, specs, microbatch, None)
         if spec.fused:
             with capture_output_layer(model, self.tp_group) as captured:
                 output = model(tokens, position_ids, attention_mask=None)
-            return output, partial(self._loss, spec, microbatch, captured)
+            return output, partial(self._loss, specs, microbatch, captured)
         with capture_logits(model) as captured:
             output = model(tokens, position_ids, attention_mask=None)
-        return output, partial(self._loss, spec, microbatch, captured)
+        return output, partial(self._loss, specs, microbatch, captured)
 
-    def _loss(self, spec: LossSpec, microbatch: MicroBatch, captured, output: torch.Tensor):
-        from megatron_gkd.losses import fused_vocab_parallel_distill_loss, vocab_parallel_distill_loss
-
+    def _loss(self, specs, microbatch: MicroBatch, captured, output: torch.Tensor):
         device = output.device
         mask = microbatch.loss_mask.to(device)
         stats: dict[str, torch.Tensor] = {"tokens": mask.sum().double()}
-        if spec.kind == "cross_entropy":
-            per_token, metrics = output.float(), {}
-        elif spec.signal == "hidden":
-            return self._hidden_loss(spec, microbatch, captured, output, mask, stats)
+        if _first(specs).kind == "cross_entropy":
+            per_token = torch.where(mask, output.float(), torch.zeros_like(output, dtype=torch.float32))
+            contribution = (per_token * microbatch.coefficients.to(device=device, dtype=per_token.dtype)).sum()
         else:
-            teacher_ids = microbatch.teacher_ids.to(device)
-            teacher_logprobs = microbatch.teacher_logprobs.to(device)
-            tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
-            if spec.fused:
-                per_token, metrics = fused_vocab_parallel_distill_loss(
-                    output, captured.weight, teacher_ids, teacher_logprobs, loss_type=spec.loss_type, tp_group=tp_group,
-                    temperature=spec.temperature, chunk_size=spec.chunk_size,
-                    all_reduce_hidden_grad=not captured.sequence_parallel, **spec.options)
-            else:  # logits [s, b, V/tp] as the output layer made them; teacher rows and results [b, s]
-                per_token, metrics = vocab_parallel_distill_loss(
-                    captured.logits, teacher_ids.transpose(0, 1), teacher_logprobs.transpose(0, 1),
-                    loss_type=spec.loss_type, tp_group=tp_group, temperature=spec.temperature,
-                    diagnostics=spec.diagnostics, **spec.options)
-                per_token = per_token.transpose(0, 1)
-                metrics = {key: value.transpose(0, 1) for key, value in metrics.items()}
+            contribution = torch.zeros((), dtype=torch.float32, device=device)
+            several = len(microbatch.teachers) > 1
+            for share in microbatch.teachers:
+                spec = specs[share.name] if isinstance(specs, dict) else specs
+                part, part_stats = self._teacher_loss(spec, share.to(device), captured, output, mask)
+                contribution = contribution + part
+                suffix = f"/{share.name}" if several else ""
+                stats.update({f"{key}{suffix}": value for key, value in part_stats.items()})
+                if several:
+                    stats[f"tokens{suffix}"] = (mask & (share.coefficients.to(device) != 0)).sum().double()
+            if several:
+                stats["loss"] = contribution.detach().double()
+        stats.setdefault("loss", contribution.detach().double())
+        # Undo the schedule's division by the number of micro-batches and DDP's average over DP ranks.
+        return contribution * self._scale, {key: value.detach().cpu() for key, value in stats.items()}
+
+    def _teacher_loss(self, spec: LossSpec, share, captured, output: torch.Tensor, mask: torch.Tensor):
+        """One teacher's ``sum(coefficient x divergence)`` over the micro-batch and its statistics."""
+        from megatron_gkd.losses import fused_vocab_parallel_distill_loss, vocab_parallel_distill_loss
+
+        if spec.signal == "hidden":
+            return self._hidden_loss(spec, share, captured, output, mask)
+        tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
+        if spec.fused:
+            per_token, metrics = fused_vocab_parallel_distill_loss(
+                output, captured.weight, share.ids, share.logprobs, loss_type=spec.loss_type, tp_group=tp_group,
+                temperature=spec.temperature, chunk_size=spec.chunk_size,
+                all_reduce_hidden_grad=not captured.sequence_parallel, **spec.options)
+        else:  # logits [s, b, V/tp] as the output layer made them; teacher rows and results [b, s]
+            per_token, metrics = vocab_parallel_distill_loss(
+                captured.logits, share.ids.transpose(0, 1), share.logprobs.transpose(0, 1),
+                loss_type=spec.loss_type, tp_group=tp_group, temperature=spec.temperature,
+                diagnostics=spec.diagnostics, **spec.options)
+            per_token = per_token.transpose(0, 1)
+            metrics = {key: value.transpose(0, 1) for key, value in metrics.items()}
         per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
-        coefficients = microbatch.coefficients.to(device=device, dtype=per_token.dtype)
+        coefficients = share.coefficients.to(dtype=per_token.dtype)
         contribution = (per_token * coefficients).sum()
-        stats["loss"] = contribution.detach().double()
-        self._add_token_metrics(stats, metrics, mask)
+        stats = {"loss": contribution.detach().double(), **self._token_metrics(metrics, mask & (coefficients != 0))}
         if spec.coverage_coef is not None and "student_mass" in metrics:
             leak = -torch.log(metrics["student_mass"].clamp_min(1e-30))
             stats["coverage"] = (torch.where(mask, leak, torch.zeros_like(leak)) * coefficients).sum().double() \
                 * spec.coverage_coef
-        # Undo the schedule's division by the number of micro-batches and DDP's average over DP ranks.
-        return contribution * self._scale, {key: value.detach().cpu() for key, value in stats.items()}
+        return contribution, stats
 
-    def _hidden_loss(self, spec: LossSpec, microbatch: MicroBatch, captured, output, mask, stats):
+    def _hidden_loss(self, spec: LossSpec, share, captured, output, mask):
         """The exact full-vocabulary loss from the teacher's hidden states (the student's hidden states and
         output weight when fused, else its ``[s, b, V/tp]`` logits)."""
         from megatron_gkd.losses import hidden_distill_loss
 
-        assert self.teacher_head is not None, "teacher.signal=hidden needs the teacher's head on the last stage"
-        device = output.device
-        teacher_hidden = microbatch.teacher_hidden.to(device)
-        weights = torch.where(mask, microbatch.coefficients.to(device), torch.zeros((), dtype=torch.float64, device=device))
+        head = self.teacher_heads.get(share.name)
+        assert head is not None, f"teacher {share.name!r} sends hidden states but this rank has no head for it"
+        weights = torch.where(mask, share.coefficients, torch.zeros_like(share.coefficients))
         tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
         common = dict(loss_type=spec.loss_type, tp_group=tp_group, temperature=spec.temperature,
                       teacher_temperature=spec.teacher_temperature, real_vocab_size=spec.real_vocab_size,
                       chunk_size=spec.chunk_size, **spec.options)
         if spec.fused:  # hidden [b, s, h] as the model returned it
             contribution, _, metrics = hidden_distill_loss(
-                output, teacher_hidden, self.teacher_head, weights, student_weight=captured.weight,
+                output, share.hidden, head, weights, student_weight=captured.weight,
                 all_reduce_hidden_grad=not captured.sequence_parallel, **common)
         else:  # logits [s, b, V/tp] as the output layer made them; teacher rows and results [b, s]
             contribution, _, metrics = hidden_distill_loss(
-                captured.logits, teacher_hidden.transpose(0, 1), self.teacher_head, weights.transpose(0, 1), **common)
+                captured.logits, share.hidden.transpose(0, 1), head, weights.transpose(0, 1), **common)
             metrics = {key: value.transpose(0, 1) for key, value in metrics.items()}
-        stats["loss"] = contribution.detach().double()
-        self._add_token_metrics(stats, metrics, mask)
-        return contribution * self._scale, {key: value.detach().cpu() for key, value in stats.items()}
+        return contribution, {"loss": contribution.detach().double(), **self._token_metrics(metrics, weights != 0)}
 
     @staticmethod
-    def _add_token_metrics(stats: dict, metrics: dict, mask: torch.Tensor) -> None:
-        for key, value in metrics.items():
-            stats[key] = torch.where(mask, value, torch.zeros_like(value)).sum().double()
+    def _token_metrics(metrics: dict, mask: torch.Tensor) -> dict:
+        return {key: torch.where(mask, value, torch.zeros_like(value)).sum().double() for key, value in metrics.items()}
 
-    def run(self, spec: LossSpec, microbatches: Sequence[MicroBatch], *, forward_only: bool) -> dict[str, float] | None:
+    def run(self, spec, microbatches: Sequence[MicroBatch], *, forward_only: bool) -> dict[str, float] | None:
         """Forward (and backward) of ``microbatches``; the statistics summed over micro-batches and DP
-        ranks on the last stage (``loss``: this step's loss), ``None`` elsewhere."""
+        ranks on the last stage (``loss``: this step's loss; with several teachers also ``KEY/NAME`` per
+        teacher), ``None`` elsewhere.
+
+        Args:
+            spec: a :class:`LossSpec` for every teacher, or ``{teacher name: LossSpec}``.
+        """
         from megatron_gkd.parallel import run_schedule
 
         self._scale = float(len(microbatches) * self.dp_size)
@@ -264,16 +284,15 @@ class StepRunner:
                                micro_batch_size=max(mb.shape[0] for mb in microbatches), forward_only=forward_only)
         if not self.is_last_stage:
             return None
-        totals = torch.zeros(len(STAT_KEYS), dtype=torch.float64)
-        present = set()
+        keys = sorted({key for stats in outputs for key in stats})  # the same on every DP rank
+        totals = torch.zeros(len(keys), dtype=torch.float64)
         for stats in outputs:
-            for index, key in enumerate(STAT_KEYS):
+            for index, key in enumerate(keys):
                 if key in stats:
                     totals[index] += stats[key]
-                    present.add(key)
         if self.dp_size > 1:
             dist.all_reduce(totals, group=self.dp_group)
-        return {key: float(totals[index]) for index, key in enumerate(STAT_KEYS) if key in present}
+        return {key: float(totals[index]) for index, key in enumerate(keys)}
 
     def train_step(self, spec: LossSpec, microbatches: Sequence[MicroBatch]) -> tuple[dict[str, float] | None, dict]:
         """One optimizer step; returns the loss statistics (last stage) and ``{grad_norm, lr}``.

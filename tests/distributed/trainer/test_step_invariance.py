@@ -179,7 +179,7 @@ def _hidden_body(checkpoint: str, layout: dict, loss_type: str):
     runner = StepRunner(chunks, build_optimizer(config, chunks), None, tp_group=state.tp_group,
                         dp_group=mpu.get_data_parallel_group_gloo(), dp_size=state.data_parallel_size,
                         is_last_stage=state.is_pipeline_last_stage,
-                        teacher_head=head[rank * VOCAB // tp:(rank + 1) * VOCAB // tp])
+                        teacher_heads={"teacher": head[rank * VOCAB // tp:(rank + 1) * VOCAB // tp]})
     rows = teacher_rows(outputs, samples)
     coefficients = token_coefficients(samples, total_tokens=sum(s.response_len for s in samples), num_groups=NUM_GROUPS,
                                       teacher_token_logprobs=rows.token_logprobs.split([s.response_len for s in samples]),
@@ -218,3 +218,57 @@ def test_hidden_signal_loss_is_the_same_fused_unfused_cut_and_at_tp2(checkpoint,
             assert stats["loss"] == pytest.approx(reference_stats["loss"], rel=1e-5), (rank, key)
             assert stats["student_entropy"] == pytest.approx(reference_stats["student_entropy"], rel=1e-5), (rank, key)
             _close(grad, reference_grad[rank * VOCAB // 2:(rank + 1) * VOCAB // 2], f"tp2 rank {rank} {key}")
+
+
+def _mixture_body(checkpoint: str, layout: dict, weights: dict):
+    """Loss and output-layer gradient with teacher ``a`` (top-k), ``b`` (hidden states) and their mixture."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from megatron_gkd import parallel
+    from megatron_gkd.models import load_hf, unwrap
+    from megatron_gkd.trainer.batch import TeacherShare, build_microbatch, teacher_rows, token_coefficients
+    from megatron_gkd.trainer.optim import OptimizerConfig, build_optimizer, wrap_for_training
+    from megatron_gkd.trainer.step import LossSpec, StepRunner
+
+    state = parallel.initialize(**layout)
+    parallel.seed(0)
+    config = OptimizerConfig(lr=1e-3)
+    chunks = wrap_for_training(load_hf(checkpoint), config)
+    samples, topk_outputs, _ = _batch()
+    _, hidden_outputs, head = _hidden_batch()
+    tp, rank = state.config.tensor_model_parallel_size, state.tp_rank
+    runner = StepRunner(chunks, build_optimizer(config, chunks), None, tp_group=state.tp_group,
+                        dp_group=mpu.get_data_parallel_group_gloo(), dp_size=state.data_parallel_size,
+                        is_last_stage=state.is_pipeline_last_stage,
+                        teacher_heads={"b": head[rank * VOCAB // tp:(rank + 1) * VOCAB // tp]})
+    lengths = [s.response_len for s in samples]
+    coefficients = token_coefficients(samples, total_tokens=sum(lengths), num_groups=NUM_GROUPS)
+    rows = {"a": teacher_rows(topk_outputs, samples).split(lengths), "b": teacher_rows(hidden_outputs, samples).split(lengths)}
+    specs = {"a": LossSpec(loss_type="jsd"), "b": LossSpec(loss_type="jsd", signal="hidden", teacher_temperature=1.3)}
+    results = {}
+    for name, mix in (("a", {"a": 1.0}), ("b", {"b": 1.0}), ("mixture", weights)):
+        shares = [TeacherShare(t, rows[t], [c * w for c in coefficients]) for t, w in mix.items()]
+        microbatches = [build_microbatch([samples[i] for i in mb], [coefficients[i] for i in mb],
+                                         teachers=[share.take(mb) for share in shares]) for mb in _singles(len(samples))]
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        stats = runner.run(specs, microbatches, forward_only=False)
+        for chunk in chunks:
+            chunk.finish_grad_sync()
+        results[name] = (stats, unwrap(chunks[0]).output_layer.weight.main_grad.clone())
+    parallel.destroy()
+    return dist.get_rank(), results
+
+
+def test_a_mixture_of_teachers_is_the_weighted_sum_of_single_teacher_runs(checkpoint):
+    weights = {"a": 0.3, "b": 0.7}
+    for rank, results in run_distributed(_mixture_body, 2, args=(checkpoint, dict(tensor_model_parallel_size=2), weights)):
+        (a, grad_a), (b, grad_b), (mixture, grad_mixture) = results["a"], results["b"], results["mixture"]
+        assert a["loss"] > 0 and b["loss"] > 0
+        assert mixture["loss"] == pytest.approx(0.3 * a["loss"] + 0.7 * b["loss"], rel=1e-6)
+        assert mixture["loss/a"] == pytest.approx(0.3 * a["loss"], rel=1e-6)
+        assert mixture["loss/b"] == pytest.approx(0.7 * b["loss"], rel=1e-6)
+        assert mixture["teacher_mass/a"] == pytest.approx(a["teacher_mass"], rel=1e-6)  # per teacher, unweighted
+        assert mixture["teacher_entropy/b"] == pytest.approx(b["teacher_entropy"], rel=1e-6)
+        _close(grad_mixture, 0.3 * grad_a + 0.7 * grad_b, f"rank {rank} mixture gradient")

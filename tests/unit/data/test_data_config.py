@@ -18,7 +18,7 @@ def test_round_trip_through_omegaconf():
     overrides = {"train_path": "train.parquet", "eval_path": "eval.jsonl", "format": "auto", "prompt_key": "question",
                  "messages_key": None, "response_key": "teacher_response", "answer_key": "label",
                  "chat_template": "templates/chat.jinja", "max_prompt_length": 512, "max_response_length": 256,
-                 "shuffle": False, "seed": 7, "max_bad_fraction": 0.2, "num_eval_prompts": 64}
+                 "shuffle": False, "seed": 7, "max_bad_fraction": 0.2, "num_eval_prompts": 64, "group_key": "task"}
     loaded = _from_dotlist(*(f"{key}={'null' if value is None else value}" for key, value in overrides.items()))
     assert loaded == DataConfig(**overrides)
     assert isinstance(loaded, DataConfig)

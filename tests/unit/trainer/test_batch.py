@@ -40,10 +40,10 @@ def test_rows_sit_at_the_positions_that_predict_each_response_token():
     assert mb.tokens.tolist() == [[5, 6, 7, 8], [3, 4, 10, 11]]
     assert mb.loss_mask.tolist() == [[False, False, True, True], [True, True, True, True]]
     assert mb.labels[0, 2] == 8 and mb.labels[0, 3] == 9 and mb.labels[1, 0] == 4
-    np.testing.assert_array_equal(mb.teacher_ids[0, 2].numpy(), outputs[0].topk_ids[0])
-    np.testing.assert_array_equal(mb.teacher_ids[0, 3].numpy(), outputs[0].topk_ids[1])
-    np.testing.assert_array_equal(mb.teacher_ids[1, 0].numpy(), outputs[1].topk_ids[0])
-    assert torch.isneginf(mb.teacher_logprobs[0, :2]).all()  # no teacher row: padding, no loss
+    np.testing.assert_array_equal(mb.teachers[0].ids[0, 2].numpy(), outputs[0].topk_ids[0])
+    np.testing.assert_array_equal(mb.teachers[0].ids[0, 3].numpy(), outputs[0].topk_ids[1])
+    np.testing.assert_array_equal(mb.teachers[0].ids[1, 0].numpy(), outputs[1].topk_ids[0])
+    assert torch.isneginf(mb.teachers[0].logprobs[0, :2]).all()  # no teacher row: padding, no loss
     assert mb.coefficients.sum().item() == pytest.approx(1.0)
     assert mb.position_ids[1].tolist() == [0, 1, 2, 3]
 

@@ -1,0 +1,186 @@
+"""The run's teachers: one (``teacher``) or several (``teachers`` + ``teacher_mix``), and which sample each scores.
+
+Several teachers are separate services (or clients), one per teacher, not one service hosting several
+models: each keeps its own client, address, top-k, temperature, signal, vocabulary check, retries and
+faults, so a teacher that fails is named and the others' code paths are the single-teacher ones. A step
+sends each teacher one request with the samples it scores:
+
+* ``route``: the teacher its record's group names (``data.group_key``, ``teacher_mix.routes``, ``default``);
+* ``mixture``: every teacher scores every sample; the loss is ``sum_j weights[j] x divergence_j``.
+
+Either way the loss of a token is a sum over teachers of ``coefficient_j x divergence_j`` with per-teacher
+coefficients (the token's share of the step's loss times the teacher's weight, 0 where the teacher does not
+score the sample), so micro-batching and layouts stay exact as with one teacher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import torch
+
+from megatron_gkd.config.checks import teacher_configs, teacher_key
+
+SINGLE = "teacher"  # the name of the one teacher of a `teacher:` section
+
+
+@dataclasses.dataclass
+class Teacher:
+    """One teacher of the run and what this rank holds of it.
+
+    Attributes:
+        name: its name (``teacher`` for a single ``teacher:`` section).
+        config: its :class:`~megatron_gkd.teacher.config.TeacherConfig`.
+        weight: mixture weight (1 when routed or alone).
+        client: the client on the ranks that ask it (built at start-up), else None.
+        service: the service this run started for it (rank 0), else None.
+        head: its output layer's shard on last-stage ranks (hidden signal), else None.
+    """
+
+    name: str
+    config: object
+    weight: float = 1.0
+    client: object = None
+    service: object = None
+    head: torch.Tensor | None = None
+
+    @property
+    def local(self) -> bool:
+        """A colocated Megatron teacher: a collective of the training ranks, asked by every rank."""
+        return self.config.client == "local"
+
+
+@dataclasses.dataclass
+class Request:
+    """One teacher's part of a step: the samples it scores (indices into the rank's samples) and the future."""
+
+    indices: list[int]
+    future: object
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    latency_s: float | None = None
+
+    def __post_init__(self):
+        def done(_):
+            self.latency_s = time.perf_counter() - self.started
+
+        self.future.add_done_callback(done)
+
+
+class Teachers:
+    """The run's teachers by name, in config order, and how each sample reaches them.
+
+    Args:
+        config: the run's :class:`~megatron_gkd.config.GKDConfig`.
+    """
+
+    def __init__(self, config):
+        mix = config.teacher_mix
+        self.mode = mix.mode if len(teacher_configs(config)) > 1 else "route"
+        self._mix = mix
+        self.by_name: dict[str, Teacher] = {
+            name: Teacher(name, teacher, weight=mix.weights.get(name, 1.0) if self.mode == "mixture" else 1.0)
+            for name, teacher in teacher_configs(config).items()}
+        self._keys = {name: teacher_key(config, name) for name in self.by_name}
+
+    def __iter__(self):
+        return iter(self.by_name.values())
+
+    def __len__(self) -> int:
+        return len(self.by_name)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.by_name)
+
+    @property
+    def several(self) -> bool:
+        """Whether metrics and errors name each teacher (more than one)."""
+        return len(self.by_name) > 1
+
+    def key(self, name: str) -> str:
+        """The teacher's config section (``teacher`` or ``teachers.NAME``)."""
+        return self._keys[name]
+
+    def assign(self, groups: Sequence[str | None]) -> dict[str, list[int]]:
+        """The samples each teacher scores, by the samples' record groups (indices in order).
+
+        Raises:
+            ValueError: a route mode sample's group names no teacher and there is no default.
+        """
+        everyone = list(range(len(groups)))
+        if len(self.by_name) == 1 or self.mode == "mixture":
+            return {name: everyone for name in self.by_name}
+        plan: dict[str, list[int]] = {name: [] for name in self.by_name}
+        for index, group in enumerate(groups):
+            plan[self._mix.teacher_of(group, self.by_name)].append(index)
+        return plan
+
+    def suffix(self, name: str) -> str:
+        """What a per-teacher metric name ends with (nothing for a single teacher)."""
+        return f"/{name}" if self.several else ""
+
+    # ------------------------------------------------------------------------------------ life cycle
+    def start_services(self, rank: int, out, control) -> None:
+        """Rank 0 starts a service for every teacher with ``serve.model``; every rank stops if one fails."""
+        from megatron_gkd.parallel.comm import agree
+        from megatron_gkd.trainer.teacher_service import TeacherService
+
+        error = None
+        if rank == 0:
+            try:
+                for teacher in self:
+                    if teacher.config.serve.model is not None:
+                        log = "teacher_service.log" if not self.several else f"teacher_service_{teacher.name}.log"
+                        teacher.service = TeacherService(teacher.config.serve, out / log)
+            except Exception as caught:  # noqa: BLE001 - every rank stops with it (agree)
+                error = caught
+        agree(error, control)
+
+    def connect(self, rank: int, control, asks, check) -> None:
+        """Waits for the services this run started, then builds the client of every teacher on the ranks that ask
+        it (``asks(teacher)``) and checks it against the run (``check(teacher)``); every rank stops on a failure."""
+        from megatron_gkd.parallel.comm import agree, broadcast_msgpack
+        from megatron_gkd.trainer.components import build_teacher_client
+
+        for teacher in self:
+            address = secret = error = None
+            served = teacher.config.serve.model is not None
+            if rank == 0 and teacher.service is not None:
+                try:
+                    address = teacher.service.wait_ready(teacher.config.serve.startup_timeout_s)
+                    secret = teacher.service.secret
+                except Exception as caught:  # noqa: BLE001
+                    error = caught
+            agree(error, control)
+            if served:
+                address, secret = broadcast_msgpack([address, secret], 0, control)
+            error = None
+            if asks(teacher):
+                try:
+                    teacher.client = build_teacher_client(teacher.config, address,
+                                                          secret.encode() if secret is not None else None)
+                    check(teacher)
+                except Exception as caught:  # noqa: BLE001
+                    error = caught if not self.several else ValueError(f"{self.key(teacher.name)}: {caught}")
+            agree(error, control)
+
+    def close_clients(self) -> None:
+        """Closes every client (each is tried; the first failure is raised after)."""
+        _each([teacher.client.close for teacher in self if teacher.client is not None])
+
+    def stop_services(self) -> None:
+        """Stops every service this run started."""
+        _each([teacher.service.stop for teacher in self if teacher.service is not None])
+
+
+def _each(actions) -> None:
+    error = None
+    for action in actions:
+        try:
+            action()
+        except Exception as caught:  # noqa: BLE001 - close the others too
+            error = error or caught
+    if error is not None:
+        raise error
