@@ -21,10 +21,11 @@ from typing import NamedTuple
 from megatron_gkd.planning.layout import DTYPE_BYTES
 from megatron_gkd.planning.model import read_config
 
-HIDDEN_LOSS_CHUNK_BUFFERS = 4
-"""float32 ``[chunk_size, V/tp]`` buffers the hidden-signal loss holds at once: the student's and the
-teacher's logits of one token chunk and two of their softmax / gradient temporaries. An estimate until
-``megatron_gkd/losses/hidden.py`` is measured; this is the one place to refine it."""
+HIDDEN_LOSS_CHUNK_BUFFERS = 3
+"""float32 ``[chunk_size, V/tp]`` buffers the hidden-signal loss holds at once beyond the student's gradients:
+the student's and the teacher's logits of one token chunk (the student's become its gradient in place) and
+about one more of temporaries. Measured by ``benchmarks/teacher_signal.py`` (V=151,936, TP=2, chunk 256):
+233 MiB per rank above the gradients = 3.1 buffers of 74 MiB (docs/performance.md)."""
 
 HIDDEN_LOSS_BUFFER_BYTES = 4  # the chunk buffers are float32 whatever the parameter dtype
 TEACHER_HIDDEN_BYTES = 4  # the client hands hidden states over as float32 (docs/teacher_protocol.md)

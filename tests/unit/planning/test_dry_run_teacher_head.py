@@ -24,7 +24,7 @@ HIDDEN = ["teacher.signal=hidden", "teacher.serve.backend=megatron",
           "teacher.serve.backend_args={tensor_model_parallel_size: 8, pipeline_model_parallel_size: 2}"]
 SHARD_LINE = ("teacher head (hidden signal): teacher table 129280 x 7168 -> [64640, 7168] bf16 per student TP rank "
               "(tp 2) of the last stage = 926,679,040 bytes (0.86 GiB), frozen; loss chunk buffers "
-              "~4 x [1024, 64640] fp32 = 0.99 GiB")
+              "~3 x [1024, 64640] fp32 = 0.74 GiB")
 
 
 @pytest.fixture()
@@ -71,7 +71,7 @@ def test_launcher_dry_run_plans_the_head_and_hands_its_checkpoint_to_the_student
     header, row = header.replace("bwd ws", "bwd-ws").split(), row.replace(" B ", "B ").split()
     columns = dict(zip(header, row))
     assert columns["t-head"] == f"{926_679_040 / 2**30:.2f}" == "0.86"
-    assert columns["hid-loss"] == f"{4 * 1024 * 64640 * 4 / 2**30:.2f}" and "top-k" not in columns
+    assert columns["hid-loss"] == f"{3 * 1024 * 64640 * 4 / 2**30:.2f}" and "top-k" not in columns
     # The combined job drops teacher.serve.model for the student, which still reads the head from it.
     student_command = next(line for line in result.stdout.splitlines() if line.startswith("[student]"))
     assert f"teacher.head_checkpoint={DEEPSEEK_V3}" in student_command
