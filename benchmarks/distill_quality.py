@@ -242,18 +242,23 @@ def plot(table: dict, results: list[dict], start: dict, teacher_accuracy: float,
     plt.close(figure)
 
 
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every equal-budget sweep shares (this one and benchmarks/multi_teacher.py)."""
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--token-budget", type=int, default=560_000,
+                        help="teacher tokens per run (about 920-970 steps of 64 samples of ~9-9.5 tokens)")
+    parser.add_argument("--num-steps", type=int, default=1200, help="a cap on steps (the budget ends runs first)")
+    parser.add_argument("--decay-steps", type=int, default=1000, help="the learning rate's cosine decay, in steps")
+    parser.add_argument("--parallel", type=int, default=2, help="runs at a time (one process and thread each)")
+    parser.add_argument("--report", action="store_true", help="only aggregate the finished runs")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="outputs/distill_quality")
     parser.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in DIAGNOSTICS],
                         choices=list(METHODS))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--token-budget", type=int, default=560_000,
-                        help="teacher tokens per run (about 970 steps of 64 samples of ~9 tokens)")
-    parser.add_argument("--num-steps", type=int, default=1200, help="a cap on steps (the budget ends runs first)")
-    parser.add_argument("--decay-steps", type=int, default=1000, help="the learning rate's cosine decay, in steps")
-    parser.add_argument("--parallel", type=int, default=2, help="runs at a time (one process and thread each)")
-    parser.add_argument("--report", action="store_true", help="only aggregate the finished runs")
+    add_sweep_arguments(parser)
     args = parser.parse_args()
     from megatron_gkd.log_setup import setup_logging
 

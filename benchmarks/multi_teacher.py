@@ -40,7 +40,7 @@ import pathlib
 import statistics
 import time
 
-from distill_quality import DEMO_CONFIG, TOP_K, common_overrides
+from distill_quality import DEMO_CONFIG, TOP_K, add_sweep_arguments, common_overrides
 
 from megatron_gkd.recipes import arithmetic, demo, multi_teacher
 from megatron_gkd.testing import runs as harness
@@ -203,13 +203,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="outputs/multi_teacher_experiment")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--token-budget", type=int, default=560_000,
-                        help="teacher tokens per run (about 920 steps of 64 samples of ~9.5 tokens), as distill_quality")
-    parser.add_argument("--num-steps", type=int, default=1200, help="a cap on steps (the budget ends runs first)")
-    parser.add_argument("--decay-steps", type=int, default=1000, help="the learning rate's cosine decay, in steps")
-    parser.add_argument("--parallel", type=int, default=2, help="runs at a time (one process and thread each)")
-    parser.add_argument("--report", action="store_true", help="only aggregate the finished runs")
+    add_sweep_arguments(parser)
     args = parser.parse_args()
     from megatron_gkd.log_setup import setup_logging
 
