@@ -1,8 +1,6 @@
-"""Which prompts each step trains on: seeded per-epoch permutations with a resumable position, and DP shards."""
+"""Which prompts each step trains on: seeded per-epoch permutations with a resumable position."""
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -80,17 +78,3 @@ class PromptSampler:
                 self._order = np.arange(self._num_items)
         return self._order
 
-
-def shard_for_rank(items: Sequence, rank: int, size: int) -> list:
-    """The contiguous block of ``items`` that data-parallel rank ``rank`` of ``size`` takes.
-
-    Raises:
-        ValueError: ``items`` does not split evenly over ``size`` ranks, or ``rank`` is not one of them.
-    """
-    if size < 1 or not 0 <= rank < size:
-        raise ValueError(f"data-parallel rank {rank} of size {size} is not a valid rank")
-    if len(items) % size:
-        raise ValueError(f"{len(items)} items do not split evenly over {size} data-parallel ranks; make the "
-                         f"global batch a multiple of the data-parallel size {size}")
-    per_rank = len(items) // size
-    return list(items[rank * per_rank:(rank + 1) * per_rank])

@@ -8,13 +8,13 @@ Public API::
                                                       teacher_logprobs, loss_type=..., tp_group=...)
     total, loss, metrics = hidden_distill_loss(student_hidden, teacher_hidden, teacher_head_shard, weights,
                                                student_weight=output_weight_shard, loss_type=..., tp_group=...)
-    scalar = aggregate_distill_loss(loss, loss_mask, sequence_weights)
 
+The losses are per token, neither masked nor averaged: the trainer weighs each token by a coefficient fixed over
+the global batch (``megatron_gkd.trainer.batch.token_coefficients``).
 TCAD: :func:`tcad_support`, :func:`vocab_parallel_topk`, :func:`tcad_sequence_weights`.
 New divergences register with :func:`register_divergence`.
 """
 
-from megatron_gkd.losses.aggregation import aggregate_distill_loss
 from megatron_gkd.losses.fused import fused_vocab_parallel_distill_loss
 from megatron_gkd.losses.hidden import hidden_distill_loss
 from megatron_gkd.losses.registry import (
@@ -30,7 +30,6 @@ from megatron_gkd.losses.vocab_parallel import vocab_parallel_distill_loss, voca
 __all__ = [
     "SupportInputs",
     "SupportTerms",
-    "aggregate_distill_loss",
     "fused_vocab_parallel_distill_loss",
     "get_divergence",
     "hidden_distill_loss",

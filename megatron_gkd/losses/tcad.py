@@ -111,8 +111,8 @@ def tcad_sequence_weights(
 
     ``c_i`` is the length-normalised teacher log-likelihood of response ``i`` (mean of the teacher's
     log-prob of each response token under the mask); ``w_i = softmax_{j in g(i)}(alpha (c_j - mean_g c))``
-    over the responses ``j`` that share ``i``'s group id. Weights of a group sum to 1; use them with
-    :func:`aggregate_distill_loss` (``sum_i w_i mean_t loss_it``). Responses may come in any order and
+    over the responses ``j`` that share ``i``'s group id. Weights of a group sum to 1; the trainer's
+    ``token_coefficients`` turns them into ``sum_i w_i mean_t loss_it``. Responses may come in any order and
     groups may span micro-batches: pass the micro-batches as lists and get a list of weights back, one
     ``[b_m]`` tensor per micro-batch. Responses without a masked-in token get weight 0 and take no part
     in their group's softmax.

@@ -264,7 +264,7 @@ def vocab_parallel_distill_loss(
 
     Returns:
         ``(per_token_loss, metrics)``: the loss ``[N]`` (or ``[s, b]``) in fp32 (fp64 for fp64
-        logits), neither masked nor averaged (see :func:`aggregate_distill_loss`), and detached per-token
+        logits), neither masked nor averaged (the trainer weighs each token), and detached per-token
         metrics of the same shape: ``teacher_mass`` and ``student_mass`` (probability on the teacher
         ids), plus ``topk_overlap`` with ``diagnostics=True``. Rows whose teacher entries are all
         padding have loss 0 and gradient 0.

@@ -1,10 +1,10 @@
-"""PromptSampler (seeded epochs, resumable position) and shard_for_rank (DP blocks)."""
+"""PromptSampler (seeded epochs, resumable position)."""
 
 import json
 
 import pytest
 
-from megatron_gkd.data import PromptSampler, shard_for_rank
+from megatron_gkd.data import PromptSampler
 
 
 def _batches(sampler, num):
@@ -90,17 +90,3 @@ def test_bad_sizes():
     with pytest.raises(ValueError, match=">= 1"):
         PromptSampler(3, 0, shuffle=True, seed=0)
 
-
-def test_shards_are_contiguous_blocks_that_cover_the_batch():
-    batch = [7, 3, 9, 1, 4, 8]
-    shards = [shard_for_rank(batch, rank, 3) for rank in range(3)]
-    assert shards == [[7, 3], [9, 1], [4, 8]]
-    assert shard_for_rank(batch, 0, 1) == batch
-    assert shard_for_rank(tuple(batch), 1, 2) == [1, 4, 8]
-
-
-def test_uneven_or_invalid_shards_name_the_sizes():
-    with pytest.raises(ValueError, match="5 items do not split evenly over 2"):
-        shard_for_rank([1, 2, 3, 4, 5], 0, 2)
-    with pytest.raises(ValueError, match="rank 2 of size 2"):
-        shard_for_rank([1, 2], 2, 2)

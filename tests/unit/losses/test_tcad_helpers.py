@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from megatron_gkd.losses import aggregate_distill_loss, tcad_sequence_weights, tcad_support
+from megatron_gkd.losses import tcad_sequence_weights, tcad_support
 
 
 def _support_loop(teacher, student, k, mode):
@@ -103,36 +103,3 @@ def test_tcad_sequence_weights_match_loop_with_groups_spanning_micro_batches(alp
     assert isinstance(split, list) and [w.shape[0] for w in split] == [4, 1, 8]
     assert torch.cat(split).tolist() == pytest.approx(expected, rel=1e-6, abs=1e-7)
     assert whole[5] == 0.0 and not whole.requires_grad
-
-
-def test_weighted_aggregation_matches_loop_and_adds_up_over_micro_batches():
-    logprobs, masks, groups = _batch(7)
-    weights = tcad_sequence_weights(torch.tensor(logprobs), torch.tensor(masks), torch.tensor(groups), 2.0)
-    generator = torch.Generator().manual_seed(0)
-    loss = torch.rand(13, 9, generator=generator, dtype=torch.float64, requires_grad=True)
-    nan_at_masked = torch.where(torch.tensor(masks).bool(), loss, torch.full_like(loss, float("nan")))
-    total = aggregate_distill_loss(nan_at_masked, torch.tensor(masks), weights)
-    expected = 0.0
-    for i in range(13):
-        tokens = [loss[i, t].item() for t in range(9) if masks[i][t]]
-        if tokens:
-            expected += weights[i].item() * sum(tokens) / len(tokens)
-    assert total.item() == pytest.approx(expected, rel=1e-6)
-    parts = sum(
-        aggregate_distill_loss(nan_at_masked[a:b], torch.tensor(masks[a:b]), weights[a:b])
-        for a, b in [(0, 6), (6, 13)]
-    )
-    assert parts.item() == pytest.approx(total.item(), rel=1e-12)
-    total.backward()
-    assert torch.isfinite(loss.grad).all()
-    assert (loss.grad[~torch.tensor(masks).bool()] == 0).all()
-
-
-def test_token_mean_aggregation_and_shape_errors():
-    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
-    mask = torch.tensor([[1, 1, 0], [0, 1, 0]])
-    assert aggregate_distill_loss(loss, mask).item() == pytest.approx((1 + 2 + 5) / 3)
-    with pytest.raises(ValueError, match=r"\[B, T\]"):
-        aggregate_distill_loss(loss, mask[:, :2])
-    with pytest.raises(ValueError, match="sequence_weights"):
-        aggregate_distill_loss(loss, mask, torch.ones(3))
