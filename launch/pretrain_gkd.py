@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(config)
         summary = trainer.train()
         if trainer.rank == 0:
-            print("megatron-gkd summary: " + json.dumps(summary, indent=2), flush=True)
+            print("megatron-gkd summary: " + json.dumps(summary), flush=True)  # one line, for scripts
     finally:
         if trainer is not None:
             trainer.close()

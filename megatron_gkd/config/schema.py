@@ -218,9 +218,21 @@ class LoggingConfig:
     wandb_project: str = "megatron-gkd"
     wandb_name: str | None = None
     progress_bar: bool = True
-    """A rank-0 progress bar with the phase breakdown (on a terminal; log lines otherwise)."""
+    """A rank-0 tqdm bar on stderr: step, loss, eval accuracy, ETA. It redraws in place on a terminal and
+    writes a line every ``progress_interval_s`` elsewhere (a log file, CI)."""
+    progress_interval_s: float = 30.0
+    """Seconds between the bar's lines when stderr is not a terminal."""
+    log_interval: int | None = 100
+    """Log the step's loss and phase times at INFO every this many steps (at DEBUG on the others);
+    ``None``: at DEBUG only. Every metric of every step is in ``metrics.jsonl`` whatever this says."""
     all_ranks: bool = False
     """Every rank logs at ``level`` (debugging); otherwise ranks > 0 log warnings only."""
+
+    def __post_init__(self):
+        if not self.progress_interval_s > 0:
+            raise ValueError(f"logging.progress_interval_s={self.progress_interval_s} must be > 0")
+        if self.log_interval is not None and self.log_interval < 1:
+            raise ValueError(f"logging.log_interval={self.log_interval} must be >= 1 (or null: DEBUG only)")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

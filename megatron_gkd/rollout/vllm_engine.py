@@ -118,7 +118,7 @@ class VLLMEngine(RolloutEngine):
 
         reload_vllm_weights(self.llm, named_tensors)
         self._weight_version = int(version)
-        logger.info("vLLM rollout engine now holds weight version %d", version)
+        logger.debug("vLLM rollout engine now holds weight version %d", version)  # every step: DEBUG
 
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         from megatron_gkd.weight_sync.verify import vllm_prompt_logprobs

@@ -27,7 +27,7 @@ from megatron_gkd.trainer.components import (build_rollout_engine, build_student
                                              build_teacher_head, check_teacher, rollout_engine_kwargs, stop_token_ids)
 from megatron_gkd.trainer.eval import Evaluator
 from megatron_gkd.trainer.flow import BatchFlow, InFlight
-from megatron_gkd.trainer.metrics import MetricsWriter, Progress, Timers
+from megatron_gkd.trainer.metrics import MetricsWriter, Progress, Timers, summary_table
 from megatron_gkd.trainer.schedulers import SCHEDULERS, BatchPipeline
 from megatron_gkd.trainer.step import LossSpec, StepRunner
 from megatron_gkd.trainer.teachers import Teachers
@@ -190,7 +190,7 @@ class Trainer:
         from megatron_gkd.config import to_dict
 
         self.writer = MetricsWriter(self.out, self.config.logging, resume_step=self.step, run_config=to_dict(self.config))
-        self.progress = Progress(self.config.trainer.num_steps, self.step, self.config.logging.progress_bar)
+        self.progress = Progress(self.config.trainer.num_steps, self.step, self.config.logging)
 
     # ------------------------------------------------------------------------------------------ train
     def train(self) -> dict:
@@ -199,6 +199,7 @@ class Trainer:
         first_eval = self._evaluate() if config.eval.at_start and self.step == 0 else {}
         if first_eval and self.rank == 0:
             self.writer.write(self.step, {**first_eval, **{f"time/{k}": v for k, v in self.timers.pop().items()}})
+            self.progress.evaluated(first_eval)
         schedule = SCHEDULERS.get(config.trainer.scheduler)
         self.pipeline = BatchPipeline(self._produce, max_staleness=schedule.max_staleness, start=self.step,
                                       num_batches=config.trainer.num_steps)
@@ -428,7 +429,7 @@ class Trainer:
             if key in last_eval:
                 summary[f"{key}_after"] = last_eval[key]
         if self.rank == 0:
-            logger.info("summary: %s", summary)
+            logger.info("summary:\n%s", summary_table(summary))
         return summary
 
     def close(self) -> None:

@@ -107,32 +107,96 @@ class MetricsWriter:
             self._wandb.finish()
 
 
-class Progress:
-    """A rank-0 progress bar over the run's steps (tqdm on a terminal, a log line per step otherwise)."""
+class _Lines:
+    """tqdm's file off a terminal: each refresh of the bar becomes one line (no carriage returns)."""
 
-    def __init__(self, total: int, initial: int, enabled: bool):
-        self._bar = None
-        self._enabled = enabled
-        if enabled and sys.stderr.isatty():
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").rstrip()
+        if text:
+            self._stream.write(text + "\n")
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+
+class Progress:
+    """Rank 0's view of the run: a tqdm bar (step, loss, eval accuracy, ETA) and the step's log line.
+
+    The bar redraws in place on a terminal (log lines print above it); elsewhere (a log file, CI) it writes
+    a line at most every ``logging.progress_interval_s`` seconds, so a long run's log stays short. The line
+    with the step's loss and phase times is logged at INFO every ``logging.log_interval`` steps and at DEBUG
+    on the others (every phase time is in ``metrics.jsonl`` too).
+
+    Args:
+        total: the run's steps.
+        initial: steps already done (a resumed run).
+        config: the ``logging`` section.
+        stream: where the bar goes (default: stderr).
+    """
+
+    def __init__(self, total: int, initial: int, config, stream=None):
+        self._total, self._interval = total, config.log_interval
+        self._accuracy: float | None = None
+        self._bar = self._redirect = None
+        if config.progress_bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=initial, desc="distill", unit="step", dynamic_ncols=True)
-        self._total = total
+            stream = stream if stream is not None else sys.stderr
+            terminal = stream.isatty()
+            # miniters=1: tqdm's monitor thread would otherwise print every 10 s whatever mininterval says.
+            self._bar = tqdm(total=total, initial=initial, desc="distill", unit="step", miniters=1,
+                             file=stream if terminal else _Lines(stream), dynamic_ncols=terminal,
+                             ncols=None if terminal else 100, ascii=not terminal,
+                             mininterval=0.1 if terminal else config.progress_interval_s)
+            if terminal:
+                from tqdm.contrib.logging import logging_redirect_tqdm
+
+                self._redirect = logging_redirect_tqdm(tqdm_class=tqdm)
+                self._redirect.__enter__()
+
+    def evaluated(self, metrics: dict) -> None:
+        """Shows the eval accuracy of ``metrics`` (an eval's results) from now on."""
+        if "eval/accuracy" in metrics:
+            self._accuracy = metrics["eval/accuracy"]
 
     def update(self, step: int, metrics: dict, phases: dict[str, float]) -> None:
-        if not self._enabled:
-            return
-        summary = {"loss": metrics.get("train/loss")}
-        summary.update({name: f"{seconds:.2f}s" for name, seconds in phases.items()})
+        self.evaluated(metrics)
+        loss = metrics.get("train/loss")
+        level = logging.INFO if self._interval and step % self._interval == 0 else logging.DEBUG
+        if logger.isEnabledFor(level):
+            logger.log(level, "step %d/%d loss %s | %s", step, self._total, "n/a" if loss is None else f"{loss:.5f}",
+                       " ".join(f"{name} {seconds:.2f}s" for name, seconds in phases.items()))
         if self._bar is not None:
-            self._bar.set_postfix({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in summary.items()
-                                   if v is not None}, refresh=False)
+            postfix = [] if loss is None else [f"loss {loss:.4f}"]
+            if self._accuracy is not None:
+                postfix.append(f"eval acc {self._accuracy:.3f}")
+            self._bar.set_postfix_str(", ".join(postfix), refresh=False)
             self._bar.update(1)
-        else:
-            loss = metrics.get("train/loss")
-            logger.info("step %d/%d loss %s | %s", step, self._total, "n/a" if loss is None else f"{loss:.5f}",
-                        " ".join(f"{name} {seconds:.2f}s" for name, seconds in phases.items()))
+            if step >= self._total:  # the bar's last line before the run's closing lines
+                self.close()
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
+
+
+def summary_table(summary: dict) -> str:
+    """The run's summary (:meth:`Trainer._summary`) as a small two-column table for the log."""
+    rows = [("steps", f"{summary['steps']}" + (" (stopped by a signal)" if summary.get("preempted") else "")),
+            ("wall time", f"{summary['wall_time_s']:.0f} s")]
+    if summary.get("final_loss") is not None:
+        rows.append(("final loss", f"{summary['final_loss']:.4f}"))
+    for key in sorted({k.rsplit("_", 1)[0] for k in summary if k.startswith("eval/")}):
+        before, after = summary.get(f"{key}_before"), summary.get(f"{key}_after")
+        rows.append((key, " -> ".join("n/a" if v is None else f"{v:.4f}" for v in (before, after))))
+    rows += [("run directory", summary["output_dir"]), ("checkpoints", summary["checkpoints"]),
+             ("HF export", summary.get("hf_export") or "none"), ("metrics", summary["metrics"])]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"  {name.ljust(width)}  {value}" for name, value in rows)

@@ -33,9 +33,12 @@ def reload_vllm_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
     pairs are consumed lazily, so a receiver can stream buckets into it. One worker per process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` or ``external_launcher``): the iterator is consumed once.
     """
+    from megatron_gkd.weight_sync.reload_logs import quiet_reload_logs
+
     weights = iter(named_tensors)
 
     def reload(worker):
+        quiet_reload_logs(worker.model_runner.get_model())  # only the warnings that say nothing (see there)
         worker.model_runner.reload_weights(weights_iterator=weights)
         _repack_cpu_moe_experts(worker.model_runner.get_model())
 
@@ -176,7 +179,7 @@ class WeightReceiver:
         if not everyone:
             raise WeightSyncError(f"weight version {self.version} reached this rollout rank but not every other one; "
                                   "the trainers will retry")
-        logger.info("weights version %d loaded in %.3f s", self.version, self.last_sync_s)
+        logger.debug("weights version %d loaded in %.3f s", self.version, self.last_sync_s)  # time/weight_sync
         if self.config.verify if verify is None else verify:
             if expected_logprobs is None:
                 size = sum(len(p) - 1 for p in self.config.verify_prompts)
@@ -192,7 +195,7 @@ class WeightReceiver:
         """Raises :class:`~megatron_gkd.weight_sync.verify.WeightSyncMismatch` unless the engine matches."""
         got = engine.prompt_logprobs(self.config.verify_prompts)
         error = check_prompt_logprobs(got, expected_logprobs, self.config.verify_tolerance, self.version)
-        logger.info("verified version %d: max |log-prob error| %.2e", self.version, error)
+        logger.debug("verified version %d: max |log-prob error| %.2e", self.version, error)  # every sync
         return error
 
 

@@ -4,6 +4,8 @@ One engine for the whole module (a vLLM start costs tens of seconds on CPU): gre
 grouped samples, rollout log-probs (1e-4), top-k ids, stop ids and the rejection of too-long prompts.
 """
 
+import logging
+
 import pytest
 import torch
 
@@ -90,3 +92,27 @@ def test_load_weights_changes_outputs_and_version(engine, model_dir, reference):
     finally:
         engine.load_weights([("lm_head.weight", original)], version=2)
     assert engine.generate(PROMPTS[:1], greedy).response(0) == reference.greedy(PROMPTS[0], 4)
+
+
+def test_a_partial_reload_names_the_layers_left_out_but_not_the_rotary_cache(engine, model_dir):
+    """vLLM warns "<layer>: Failed to load weights" for every layer a reload left out; the trainer silences
+    only the ones that say nothing (megatron_gkd/weight_sync/reload_logs.py): a real failure still shows."""
+    from safetensors.torch import load_file
+
+    from megatron_gkd.weight_sync.reload_logs import LAYERWISE_LOGGER
+
+    reported: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            reported.append(record.getMessage())
+
+    handler = Collect()
+    logging.getLogger(LAYERWISE_LOGGER).addHandler(handler)
+    try:
+        original = load_file(f"{model_dir}/model.safetensors")["lm_head.weight"]
+        engine.load_weights([("lm_head.weight", original)], version=3)  # every other layer left out
+    finally:
+        logging.getLogger(LAYERWISE_LOGGER).removeHandler(handler)
+    assert any("Linear: Failed to load weights" in line for line in reported), reported
+    assert not any(line.startswith("RotaryEmbedding") for line in reported), reported

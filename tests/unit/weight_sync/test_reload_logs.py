@@ -1,0 +1,57 @@
+"""vLLM's reload warnings: the two that say nothing are dropped, every other one still shows.
+
+The real reload (a vLLM engine, one tensor of many reloaded) is in tests/e2e/rollout/test_rollout_vllm.py.
+"""
+
+import importlib.util
+import logging
+import pathlib
+
+import pytest
+
+from megatron_gkd.weight_sync.reload_logs import FAILED_TO_LOAD, LAYERWISE_LOGGER, HarmlessReloadWarnings
+
+
+def _record(message: str, *args) -> logging.LogRecord:
+    return logging.getLogger(LAYERWISE_LOGGER).makeRecord(LAYERWISE_LOGGER, logging.WARNING, "layerwise.py", 266,
+                                                          message, args, None)
+
+
+def test_only_the_named_harmless_layers_are_dropped():
+    harmless = HarmlessReloadWarnings({"RotaryEmbedding", "ParallelLMHead"})
+    assert not harmless.filter(_record(FAILED_TO_LOAD, "RotaryEmbedding"))
+    assert not harmless.filter(_record(FAILED_TO_LOAD, "ParallelLMHead"))
+    # A layer that should have received weights and did not: a real failure, shown.
+    assert harmless.filter(_record(FAILED_TO_LOAD, "QKVParallelLinear"))
+    assert harmless.filter(_record(FAILED_TO_LOAD, "VocabParallelEmbedding"))
+    # Any other message of that logger, even naming a harmless class, is shown.
+    assert harmless.filter(_record("%s: Excessive loading", "RotaryEmbedding"))
+
+
+def test_a_real_failure_reaches_the_handlers_of_the_vllm_logger():
+    logger = logging.getLogger(LAYERWISE_LOGGER)
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    handler, harmless = Collect(), HarmlessReloadWarnings({"RotaryEmbedding"})
+    logger.addHandler(handler)
+    logger.addFilter(harmless)
+    try:
+        logger.warning(FAILED_TO_LOAD, "RotaryEmbedding")
+        logger.warning(FAILED_TO_LOAD, "RowParallelLinear")
+    finally:
+        logger.removeFilter(harmless)
+        logger.removeHandler(handler)
+    assert seen == ["RowParallelLinear: Failed to load weights"]
+
+
+def test_vllm_still_logs_the_message_the_filter_matches():
+    """A vLLM upgrade that rewords the warning would make the filter inert: fail here instead."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.skip("vLLM is not installed")
+    source = pathlib.Path(spec.origin).parent / "model_executor" / "model_loader" / "reload" / "layerwise.py"
+    assert f'logger.warning("{FAILED_TO_LOAD}", layer.__class__.__name__)' in source.read_text()
