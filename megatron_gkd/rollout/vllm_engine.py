@@ -31,6 +31,23 @@ from megatron_gkd.rollout.types import RolloutBatch, SamplingConfig, check_promp
 logger = logging.getLogger(__name__)
 
 
+class TokenizerlessWarmupWarning(logging.Filter):
+    """Drops the one start-up warning of vLLM that says nothing here: the engine is given token ids
+    (``skip_tokenizer_init=True``), so vLLM's chat-template warmup fails with "Tokenizer not available" and
+    logs it with a 15-line traceback. A warmup that fails for any other reason still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (record.msg == "Chat template warmup failed" and isinstance(error, ValueError)
+                    and "skip_tokenizer_init" in str(error))
+
+
+def _quiet_startup_logs() -> None:
+    renderer = logging.getLogger("vllm.renderers.base")  # vllm/renderers/base.py: BaseRenderer.warmup
+    if not any(isinstance(f, TokenizerlessWarmupWarning) for f in renderer.filters):
+        renderer.addFilter(TokenizerlessWarmupWarning())
+
+
 def _import_vllm():
     try:
         import vllm
@@ -85,6 +102,8 @@ class VLLMEngine(RolloutEngine):
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         super().__init__(max_model_len, weight_version)
         self._joined_world = distributed
+        if engine_kwargs.get("skip_tokenizer_init"):
+            _quiet_startup_logs()
         self.llm = vllm.LLM(model=model, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                             max_model_len=max_model_len, max_logprobs=max_logprobs,
                             gpu_memory_utilization=gpu_memory_utilization, seed=seed,

@@ -55,3 +55,17 @@ def test_vllm_still_logs_the_message_the_filter_matches():
         pytest.skip("vLLM is not installed")
     source = pathlib.Path(spec.origin).parent / "model_executor" / "model_loader" / "reload" / "layerwise.py"
     assert f'logger.warning("{FAILED_TO_LOAD}", layer.__class__.__name__)' in source.read_text()
+
+
+def test_only_the_tokenizerless_chat_template_warmup_failure_is_dropped():
+    from megatron_gkd.rollout.vllm_engine import TokenizerlessWarmupWarning
+
+    def record(error: BaseException) -> logging.LogRecord:
+        return logging.getLogger("vllm.renderers.base").makeRecord(
+            "vllm.renderers.base", logging.WARNING, "base.py", 380, "Chat template warmup failed", (),
+            (type(error), error, None))
+
+    warmup = TokenizerlessWarmupWarning()
+    assert not warmup.filter(record(ValueError("Tokenizer not available when `skip_tokenizer_init=True`")))
+    assert warmup.filter(record(ValueError("template error at line 3")))
+    assert warmup.filter(record(RuntimeError("skip_tokenizer_init")))
