@@ -28,8 +28,8 @@ class HFModelInfo:
     architecture: ArchitectureSpec
     rules: tuple
     dtype: torch.dtype = torch.float32
-    """The dtype the model was built with (``params_dtype``); the HF dtype ``save_hf`` writes by default.
-    Some modules keep their parameters in float32 regardless (the local spec's torch norms)."""
+    """The dtype the model was built with (``params_dtype``, every parameter's dtype); the HF dtype
+    ``save_hf`` writes by default."""
     source: str | None = None
     """The HF checkpoint directory it was loaded from (tokenizer files are copied from there)."""
 
@@ -126,6 +126,20 @@ def _mark_tensor_parallel_weights(model: torch.nn.Module) -> int:
 DEFAULT_SEED = 1234
 
 
+def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Casts the floating-point parameters built in another dtype to ``dtype``.
+
+    The local spec's torch norms ignore ``params_dtype`` and build float32 weights, while Transformer
+    Engine's norms follow it and Megatron's training script casts the whole model (``Float16Module``).
+    A bf16 model here is then bf16 throughout as on a GPU: the optimizer keeps the float32 main copy of
+    every weight, weight sync sends bf16, and the norms run their fused kernel (mixed input and weight
+    dtypes take a slow path). Buffers keep their dtype (DeepSeek-V3's float32 correction bias).
+    """
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+
+
 def _ensure_rng_tracker() -> None:
     """Seeds Megatron's model-parallel RNG tracker if nobody has (its forward needs the states).
 
@@ -197,6 +211,7 @@ def build_model(
             **model_kwargs,
         )
         model.hf_model_info = info
+        _cast_parameters(model, dtype)
         if not config.perform_initialization:
             _mark_tensor_parallel_weights(model)
         chunks.append(model)

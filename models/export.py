@@ -73,9 +73,9 @@ def export_hf_weights(modules, *, owner_only: bool = True) -> Iterator[tuple[str
     """``(hf_name, full tensor)`` for every HF tensor held by this rank's chunks.
 
     Every rank of the model must iterate to the end (the TP / expert-TP gathers are collectives).
-    Tensors stay on the parameters' device and dtype (which can be float32 for norms of a bfloat16
-    model: cast to the receiver's dtype); a replicated tensor may share storage with its parameter, so
-    copy before modifying.
+    Tensors stay on the parameters' device and dtype (the model's ``params_dtype``: cast where the
+    receiver wants another); a replicated tensor may share storage with its parameter, so copy before
+    modifying.
 
     Args:
         modules: this rank's chunks (``GPTModel`` built by this package, possibly wrapped).
