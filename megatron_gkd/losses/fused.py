@@ -22,6 +22,7 @@ from megatron_gkd.losses.shard_ops import (
     local_logsumexp,
     rows_per_chunk,
     write_grad_rows,
+    zero_padding_columns,
 )
 from megatron_gkd.losses.vocab_parallel import (
     backward_scales,
@@ -69,7 +70,7 @@ class _FusedDistill(torch.autograd.Function):
         for start in range(0, num_tokens, fused.chunk_size):
             stop = min(start + fused.chunk_size, num_tokens)
             logits = _chunk_logits(hidden[start:stop], weight)
-            local_lse[start:stop] = local_logsumexp(logits, temperature, dtype)
+            local_lse[start:stop] = local_logsumexp(logits[:, : layout.tokens_local], temperature, dtype)
             chunk_support = LocalSupport(support.local_index[start:stop], support.in_shard[start:stop])
             local_support_logits[start:stop] = chunk_support.gather(logits, dtype) / temperature
             del logits
@@ -104,6 +105,7 @@ class _FusedDistill(torch.autograd.Function):
                     logits[row:row_stop], shift[start + row:start + row_stop],
                     dense_scale[start + row:start + row_stop], temperature, out,
                 )
+                zero_padding_columns(out, ctx.layout.tokens_local)
                 sparse.add_to_rows(out, start + row, start + row_stop)
             grad_logits = grad_logits.to(hidden.dtype)
             torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
@@ -133,8 +135,9 @@ def fused_vocab_parallel_distill_loss(
         output_weight_shard: ``[V/tp, h]`` this rank's rows of the output-layer weight.
         teacher_topk_ids, teacher_topk_logprobs, loss_type, tp_group, temperature: as for
             :func:`vocab_parallel_distill_loss`.
-        **options: the divergence's options, plus ``chunk_size`` (tokens per chunk, default 1024) and
-            ``all_reduce_hidden_grad`` (default True) of :class:`FusedOptions`.
+        **options: the divergence's options, ``real_vocab_size`` as for :func:`vocab_parallel_distill_loss`
+            (padding rows of the weight get a zero gradient), plus ``chunk_size`` (tokens per chunk, default
+            1024) and ``all_reduce_hidden_grad`` (default True) of :class:`FusedOptions`.
 
     Returns:
         ``(per_token_loss, metrics)`` as :func:`vocab_parallel_distill_loss` (``teacher_mass``,
@@ -148,7 +151,9 @@ def fused_vocab_parallel_distill_loss(
             "diagnostics=True is not available on the fused path (the logits never exist in full); "
             "compute the overlap from vocab_parallel_topk on a logits chunk if needed"
         )
-    divergence_options, own = split_options(loss_type, options, ("chunk_size", "all_reduce_hidden_grad"))
+    divergence_options, own = split_options(loss_type, options, ("chunk_size", "all_reduce_hidden_grad",
+                                                                 "real_vocab_size"))
+    real_vocab_size = own.pop("real_vocab_size", None)
     fused = FusedOptions(**own)
     temperature = check_temperature(temperature)
     if output_weight_shard.dim() != 2 or hidden.shape[-1] != output_weight_shard.shape[1]:
@@ -161,9 +166,9 @@ def fused_vocab_parallel_distill_loss(
                          "must share a dtype")
     lead = hidden.shape[:-1]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    layout = ShardLayout.of(tp_group, output_weight_shard.shape[0])
+    layout = ShardLayout.of(tp_group, output_weight_shard.shape[0], real_vocab_size)
     teacher = prepare_teacher(
-        teacher_topk_ids, teacher_topk_logprobs, flat_hidden.shape[0], layout.vocab_size,
+        teacher_topk_ids, teacher_topk_logprobs, flat_hidden.shape[0], layout.tokens,
         compute_dtype(hidden.dtype),
     )
     loss, student_mass, teacher_mass = _FusedDistill.apply(

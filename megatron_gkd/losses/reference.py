@@ -38,15 +38,16 @@ def reference_distill_loss(
     temperature: float = 1.0,
     *,
     dtype: torch.dtype = torch.float64,
+    real_vocab_size: int | None = None,
     **options,
 ) -> torch.Tensor:
     """Per-token loss ``[N]`` from the full ``[N, V]`` logits, differentiable by autograd.
 
     Same definitions as :func:`megatron_gkd.losses.vocab_parallel_distill_loss`; rows whose teacher
-    entries are all ``-inf`` get loss 0. ``dtype`` is float64 for tests; the benchmark's naive baseline
-    passes float32.
+    entries are all ``-inf`` get loss 0; columns at or past ``real_vocab_size`` (padding rows) are dropped
+    from the student's softmax. ``dtype`` is float64 for tests; the benchmark's naive baseline passes float32.
     """
-    logits = full_logits.to(dtype)
+    logits = full_logits.to(dtype)[:, :real_vocab_size]
     lp = teacher_logprobs.to(dtype)
     valid = torch.isfinite(lp)
     has = valid.any(-1)

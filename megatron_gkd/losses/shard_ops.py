@@ -28,18 +28,30 @@ def rows_per_chunk(vocab_size_local: int) -> int:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ShardLayout:
-    """Where this rank's vocabulary shard lies: ids ``[vocab_start, vocab_start + vocab_size_local)``."""
+    """Where this rank's vocabulary shard lies: ids ``[vocab_start, vocab_start + vocab_size_local)``.
+
+    ``real_vocab_size``: ids at or past it are the padding rows of a table longer than the tokenizer
+    (Qwen3: 151,669 tokens, 151,936 rows). They are not tokens: no probability, no gradient, never a top-k
+    id. ``None``: every row is a token.
+    """
 
     tp_group: dist.ProcessGroup | None
     tp_size: int
     tp_rank: int
     vocab_size_local: int
+    real_vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.real_vocab_size is not None and not 0 < self.real_vocab_size <= self.vocab_size:
+            raise ValueError(f"real_vocab_size={self.real_vocab_size} must lie in [1, vocabulary size "
+                             f"{self.vocab_size}] (the tokenizer's size, at most the rows of the output layer)")
 
     @classmethod
-    def of(cls, tp_group: dist.ProcessGroup | None, vocab_size_local: int) -> "ShardLayout":
+    def of(cls, tp_group: dist.ProcessGroup | None, vocab_size_local: int,
+           real_vocab_size: int | None = None) -> "ShardLayout":
         if tp_group is None:
-            return cls(None, 1, 0, vocab_size_local)
-        return cls(tp_group, dist.get_world_size(tp_group), dist.get_rank(tp_group), vocab_size_local)
+            return cls(None, 1, 0, vocab_size_local, real_vocab_size)
+        return cls(tp_group, dist.get_world_size(tp_group), dist.get_rank(tp_group), vocab_size_local, real_vocab_size)
 
     @property
     def vocab_start(self) -> int:
@@ -48,6 +60,16 @@ class ShardLayout:
     @property
     def vocab_size(self) -> int:
         return self.tp_size * self.vocab_size_local
+
+    @property
+    def tokens(self) -> int:
+        """Ids that are tokens (the real vocabulary)."""
+        return self.vocab_size if self.real_vocab_size is None else self.real_vocab_size
+
+    @property
+    def tokens_local(self) -> int:
+        """Columns of this shard that are tokens: ``[0, tokens_local)``; the rest are padding rows."""
+        return max(0, min(self.vocab_size_local, self.tokens - self.vocab_start))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -113,8 +135,11 @@ def local_logsumexp_rows(
 
 
 def local_logsumexp(logits: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-    """``[N]`` ``logsumexp`` of ``logits / T`` over this shard, streamed in cache-sized row chunks."""
+    """``[N]`` ``logsumexp`` of ``logits / T`` over this shard, streamed in cache-sized row chunks
+    (``-inf`` for a shard without columns: every row of it padding)."""
     num_rows, vocab_local = logits.shape
+    if vocab_local == 0:
+        return torch.full((num_rows,), float("-inf"), dtype=dtype, device=logits.device)
     rows = rows_per_chunk(vocab_local)
     work = torch.empty(min(rows, num_rows), vocab_local, dtype=dtype, device=logits.device)
     out = torch.empty(num_rows, dtype=dtype, device=logits.device)
@@ -184,11 +209,13 @@ def logits_grad(
     sparse: SparseGrad,
     temperature: float,
     dtype: torch.dtype,
+    tokens_local: int | None = None,
 ) -> torch.Tensor:
     """The full ``[N, V/tp]`` gradient in ``logits.dtype``: dense softmax part plus the sparse support part.
 
     Written chunk by chunk straight into the result; a separate compute-dtype chunk buffer is used only
-    when the logits are in a narrower dtype (the support part is added before rounding).
+    when the logits are in a narrower dtype (the support part is added before rounding). Columns from
+    ``tokens_local`` on (padding rows) get an exact 0.
     """
     num_rows, vocab_local = logits.shape
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
@@ -206,7 +233,14 @@ def logits_grad(
         stop = min(start + rows, num_rows)
         out = grad[start:stop] if work is None else work[: stop - start]
         write_grad_rows(logits[start:stop], shift[start:stop], dense_scale[start:stop], temperature, out)
+        zero_padding_columns(out, tokens_local)
         sparse.add_to_rows(out, start, stop)
         if work is not None:
             grad[start:stop].copy_(out)
     return grad
+
+
+def zero_padding_columns(out: torch.Tensor, tokens_local: int | None) -> None:
+    """Sets the columns of ``out`` from ``tokens_local`` on (padding rows of the table) to 0."""
+    if tokens_local is not None and tokens_local < out.shape[1]:
+        out[:, tokens_local:] = 0

@@ -88,8 +88,8 @@ def prepare_teacher(
         )
     if malformed[2]:
         raise ValueError(
-            f"teacher_topk_ids has a valid entry outside [0, {vocab_size}) (vocabulary = V/tp x tp); "
-            "padding entries must carry a -inf log-prob"
+            f"teacher_topk_ids has a valid entry outside [0, {vocab_size}) (the vocabulary: V/tp x tp, or "
+            "real_vocab_size when the table has padding rows); padding entries must carry a -inf log-prob"
         )
     return TeacherSupport(ids, logprobs, valid)
 
@@ -117,9 +117,14 @@ def topk_overlap(
 
 
 def _topk(logits: torch.Tensor, k: int, layout: ShardLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    if not 0 < k <= layout.vocab_size:
-        raise ValueError(f"k={k} must lie in [1, vocabulary size {layout.vocab_size}]")
-    values, index = logits.detach().topk(min(k, layout.vocab_size_local), dim=1)
+    if not 0 < k <= layout.tokens:
+        raise ValueError(f"k={k} must lie in [1, vocabulary size {layout.tokens}]")
+    # Padding rows are never candidates: a shard offers its best min(k, V/tp) token columns, -inf after them.
+    width, usable = min(k, layout.vocab_size_local), min(k, layout.tokens_local)
+    values = logits.new_full((logits.shape[0], width), float("-inf"))
+    index = torch.zeros(logits.shape[0], width, dtype=torch.int64, device=logits.device)
+    if usable:
+        values[:, :usable], index[:, :usable] = logits.detach()[:, : layout.tokens_local].topk(usable, dim=1)
     candidates = all_gather_rows(values, layout)  # [tp, N, k']
     ids = all_gather_rows(index + layout.vocab_start, layout)
     candidates = candidates.permute(1, 0, 2).reshape(logits.shape[0], -1)
@@ -129,7 +134,7 @@ def _topk(logits: torch.Tensor, k: int, layout: ShardLayout) -> tuple[torch.Tens
 
 
 def vocab_parallel_topk(
-    student_logits: torch.Tensor, k: int, tp_group: dist.ProcessGroup | None
+    student_logits: torch.Tensor, k: int, tp_group: dist.ProcessGroup | None, real_vocab_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Global top-k of the vocab-parallel logits, on every rank.
 
@@ -137,12 +142,13 @@ def vocab_parallel_topk(
         student_logits: ``[N, V/tp]`` or ``[s, b, V/tp]`` shard of this rank.
         k: number of ids, at most the full vocabulary size.
         tp_group: tensor-parallel group (``None``: the vocabulary is not split).
+        real_vocab_size: ids at or past it (padding rows) are never chosen.
 
     Returns:
         ``(ids, values)``: ``[..., k]`` global int64 ids and their logits (input dtype), best first.
     """
     vocab_local = student_logits.shape[-1]
-    layout = ShardLayout.of(tp_group, vocab_local)
+    layout = ShardLayout.of(tp_group, vocab_local, real_vocab_size)
     ids, values = _topk(student_logits.reshape(-1, vocab_local), k, layout)
     lead = student_logits.shape[:-1]
     return ids.reshape(*lead, k), values.reshape(*lead, k)
@@ -202,13 +208,13 @@ class _VocabParallelDistill(torch.autograd.Function):
         dtype = compute_dtype(logits.dtype)
         support = LocalSupport.of(teacher.ids, teacher.valid, layout)
         local_support_logits = support.gather(logits, dtype) / temperature
-        local_lse = local_logsumexp(logits, temperature, dtype)
+        local_lse = local_logsumexp(logits[:, : layout.tokens_local], temperature, dtype)
         state, loss, metrics = finish_forward(
             local_lse, local_support_logits, teacher, support, layout, divergence_name, options
         )
         overlap = topk_overlap(logits, teacher, layout) if diagnostics else logits.new_empty(0, dtype=dtype)
         ctx.save_for_backward(logits)
-        ctx.state, ctx.temperature, ctx.dtype = state, temperature, dtype
+        ctx.state, ctx.temperature, ctx.dtype, ctx.tokens_local = state, temperature, dtype, layout.tokens_local
         ctx.mark_non_differentiable(metrics["student_mass"], metrics["teacher_mass"], overlap)
         return loss, metrics["student_mass"], metrics["teacher_mass"], overlap
 
@@ -217,7 +223,8 @@ class _VocabParallelDistill(torch.autograd.Function):
         del grad_metrics
         (logits,) = ctx.saved_tensors
         dense_scale, sparse = backward_scales(ctx.state, grad_loss, ctx.temperature)
-        grad = logits_grad(logits, ctx.state.student_lse, dense_scale, sparse, ctx.temperature, ctx.dtype)
+        grad = logits_grad(logits, ctx.state.student_lse, dense_scale, sparse, ctx.temperature, ctx.dtype,
+                           ctx.tokens_local)
         return grad, None, None, None, None, None, None
 
 
@@ -258,9 +265,11 @@ def vocab_parallel_distill_loss(
         tp_group: tensor-parallel group; ``None`` means the vocabulary is not split (TP=1).
         temperature: student probabilities are ``softmax(student_logits / temperature)``.
         **options: the divergence's options (``beta`` for ``jsd``, ``rkl_ratio`` for ``kl_rkl``,
-            ``divergence`` / ``alpha`` / ``coverage_coef`` for ``tcad``) and ``diagnostics`` (bool,
+            ``divergence`` / ``alpha`` / ``coverage_coef`` for ``tcad``), ``diagnostics`` (bool,
             default False): also compute the ``topk_overlap`` metric, which costs a vocab-parallel
-            top-k and an extra collective.
+            top-k and an extra collective, and ``real_vocab_size`` (int, default: every row): ids at or
+            past it are padding rows of the table, with no probability and no gradient (the student's
+            distribution is the softmax over the tokens), and a teacher id there is refused.
 
     Returns:
         ``(per_token_loss, metrics)``: the loss ``[N]`` (or ``[s, b]``) in fp32 (fp64 for fp64
@@ -272,14 +281,14 @@ def vocab_parallel_distill_loss(
     Raises:
         ValueError: unknown ``loss_type`` or option, bad temperature, malformed teacher tensors.
     """
-    divergence_options, own = split_options(loss_type, options, ("diagnostics",))
+    divergence_options, own = split_options(loss_type, options, ("diagnostics", "real_vocab_size"))
     temperature = check_temperature(temperature)
     vocab_local = student_logits.shape[-1]
     lead = student_logits.shape[:-1]
     logits = student_logits.reshape(-1, vocab_local)
-    layout = ShardLayout.of(tp_group, vocab_local)
+    layout = ShardLayout.of(tp_group, vocab_local, own.get("real_vocab_size"))
     teacher = prepare_teacher(
-        teacher_topk_ids, teacher_topk_logprobs, logits.shape[0], layout.vocab_size, compute_dtype(logits.dtype)
+        teacher_topk_ids, teacher_topk_logprobs, logits.shape[0], layout.tokens, compute_dtype(logits.dtype)
     )
     diagnostics = bool(own.get("diagnostics", False))
     loss, student_mass, teacher_mass, overlap = _VocabParallelDistill.apply(

@@ -9,6 +9,7 @@ autograd) evaluated on the same (dtype-rounded) logits.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ class LossCase:
     logprobs: torch.Tensor
     grad_out: torch.Tensor
     temperature: float = 1.0
+    real_vocab_size: int | None = None  # columns from it on are padding rows of the table
 
 
 def _teacher_topk(logits: torch.Tensor, k: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +123,24 @@ def make_cases(tp_size: int, seed: int = 0) -> list[LossCase]:
     x = logits(8, 1024)
     ids, lp = _teacher_topk(x, 256, generator)
     cases.append(LossCase("k256", x, ids, lp, grad_out(8)))
+
+    # A table longer than the tokenizer (Qwen3: 151,669 tokens in 151,936 rows): the padding rows hold the
+    # largest logits, so any mass or gradient left on them shows. The last shard is part padding, and at
+    # TP > 1 a second case leaves the last shard nothing but padding.
+    for name, real in padding_cases(vocab, tp_size):
+        x = logits()
+        x[:, real:] += 8.0
+        ids, lp = _teacher_topk(x[:, :real], k, generator)
+        cases.append(LossCase(name, x, ids, lp, grad_out(), temperature=0.9, real_vocab_size=real))
     return cases
+
+
+def padding_cases(vocab: int, tp_size: int) -> list[tuple[str, int]]:
+    """``(name, real_vocab_size)`` of the padded-table cases at this TP size."""
+    found = [("padding_rows", vocab - 5)]
+    if tp_size > 1:
+        found.append(("padding_shard", vocab - vocab // tp_size - 3))
+    return found
 
 
 def shard(full: torch.Tensor, rank: int, tp_size: int) -> torch.Tensor:
@@ -146,13 +165,13 @@ def check_case(case: LossCase, loss_type: str, options: dict, dtype: torch.dtype
     local = shard(rounded, rank, tp_size).clone().requires_grad_()
     loss, metrics = vocab_parallel_distill_loss(
         local, case.ids, case.logprobs, loss_type=loss_type, tp_group=group,
-        temperature=case.temperature, **options,
+        temperature=case.temperature, real_vocab_size=case.real_vocab_size, **options,
     )
     (loss.double() * case.grad_out).sum().backward()
     full = rounded.double().reshape(-1, rounded.shape[-1]).requires_grad_()
     expected = reference_distill_loss(
         full, case.ids.reshape(-1, case.ids.shape[-1]), case.logprobs.reshape(-1, case.ids.shape[-1]),
-        loss_type, case.temperature, **options,
+        loss_type, case.temperature, real_vocab_size=case.real_vocab_size, **options,
     )
     (expected * case.grad_out.reshape(-1)).sum().backward()
     expected_grad = shard(full.grad.reshape(rounded.shape), rank, tp_size)
@@ -203,42 +222,46 @@ def check_fused_against_unfused(chunk_size: int = 5, hidden_size: int = 16) -> d
     ids, lp = _teacher_topk(hidden_full @ weight_full.t(), k, generator)
     lp[3] = float("-inf")
     upstream = torch.randn(num_tokens, generator=generator, dtype=torch.float64)
+    teachers = {None: (ids, lp)}
+    for _, real in padding_cases(vocab, tp_size):  # padded tables: teacher ids among the tokens only
+        teachers[real] = _teacher_topk((hidden_full @ weight_full.t())[:, :real], k, generator)
     errors = {}
-    for loss_type, options in LOSS_CONFIGS:
-        for dtype in (torch.float64, torch.float32):
-            hidden = hidden_full.to(dtype, copy=True).requires_grad_()
-            weight = shard(weight_full.to(dtype).t(), rank, tp_size).t().contiguous().requires_grad_()
-            loss, _ = fused_vocab_parallel_distill_loss(
-                hidden, weight, ids, lp, loss_type=loss_type, tp_group=group, temperature=0.8,
-                chunk_size=chunk_size, **options,
+    for (real, (ids, lp)), (loss_type, options), dtype in itertools.product(
+            teachers.items(), LOSS_CONFIGS, (torch.float64, torch.float32)):
+        options = dict(options, real_vocab_size=real) if real is not None else options
+        hidden = hidden_full.to(dtype, copy=True).requires_grad_()
+        weight = shard(weight_full.to(dtype).t(), rank, tp_size).t().contiguous().requires_grad_()
+        loss, _ = fused_vocab_parallel_distill_loss(
+            hidden, weight, ids, lp, loss_type=loss_type, tp_group=group, temperature=0.8,
+            chunk_size=chunk_size, **options,
+        )
+        (loss.double() * upstream).sum().backward()
+        hidden_u = hidden_full.to(dtype, copy=True).requires_grad_()
+        weight_u = weight.detach().clone().requires_grad_()
+        logits = hidden_u @ weight_u.t()
+        loss_u, _ = vocab_parallel_distill_loss(
+            logits, ids, lp, loss_type=loss_type, tp_group=group, temperature=0.8, **options
+        )
+        (loss_u.double() * upstream).sum().backward()
+        grad_hidden_u = hidden_u.grad.clone()
+        if tp_size > 1:
+            dist.all_reduce(grad_hidden_u, group=group)
+        key = f"{loss_type}{options}/{dtype}"
+        errors[key] = max(
+            _relative(loss, loss_u.detach().double()),
+            _relative(hidden.grad, grad_hidden_u.double()),
+            _relative(weight.grad, weight_u.grad.double()),
+        )
+        if dtype == torch.float64:
+            hidden_r = hidden_full.detach().clone().requires_grad_()
+            weight_r = weight_full.detach().clone().requires_grad_()
+            expected = reference_distill_loss(hidden_r @ weight_r.t(), ids, lp, loss_type, 0.8, **options)
+            (expected * upstream).sum().backward()
+            errors[key + "/reference"] = max(
+                _relative(loss, expected.detach()),
+                _relative(hidden.grad, hidden_r.grad),
+                _relative(weight.grad, shard(weight_r.grad.t(), rank, tp_size).t()),
             )
-            (loss.double() * upstream).sum().backward()
-            hidden_u = hidden_full.to(dtype, copy=True).requires_grad_()
-            weight_u = weight.detach().clone().requires_grad_()
-            logits = hidden_u @ weight_u.t()
-            loss_u, _ = vocab_parallel_distill_loss(
-                logits, ids, lp, loss_type=loss_type, tp_group=group, temperature=0.8, **options
-            )
-            (loss_u.double() * upstream).sum().backward()
-            grad_hidden_u = hidden_u.grad.clone()
-            if tp_size > 1:
-                dist.all_reduce(grad_hidden_u, group=group)
-            key = f"{loss_type}{options}/{dtype}"
-            errors[key] = max(
-                _relative(loss, loss_u.detach().double()),
-                _relative(hidden.grad, grad_hidden_u.double()),
-                _relative(weight.grad, weight_u.grad.double()),
-            )
-            if dtype == torch.float64:
-                hidden_r = hidden_full.detach().clone().requires_grad_()
-                weight_r = weight_full.detach().clone().requires_grad_()
-                expected = reference_distill_loss(hidden_r @ weight_r.t(), ids, lp, loss_type, 0.8, **options)
-                (expected * upstream).sum().backward()
-                errors[key + "/reference"] = max(
-                    _relative(loss, expected.detach()),
-                    _relative(hidden.grad, hidden_r.grad),
-                    _relative(weight.grad, shard(weight_r.grad.t(), rank, tp_size).t()),
-                )
     return errors
 
 
@@ -252,7 +275,15 @@ def check_topk(k: int = 5) -> tuple[list[list[int]], list[list[int]]]:
     ids, values = vocab_parallel_topk(shard(full, rank, tp_size), k, dist.group.WORLD)
     expected_values, expected_ids = full.topk(k, dim=-1)
     assert torch.equal(values, expected_values)
-    return ids.tolist(), expected_ids.tolist()
+    found, expected = ids.tolist(), expected_ids.tolist()
+    # Padding rows holding the largest logits are never chosen, even from a shard of padding only.
+    full[:, 40:] += 10.0
+    for _, real in padding_cases(64, tp_size):
+        ids, values = vocab_parallel_topk(shard(full, rank, tp_size), k, dist.group.WORLD, real_vocab_size=real)
+        expected_values, expected_ids = full[:, :real].topk(k, dim=-1)
+        assert torch.equal(values, expected_values), real
+        found, expected = found + ids.tolist(), expected + expected_ids.tolist()
+    return found, expected
 
 
 def check_everything() -> dict:

@@ -11,7 +11,7 @@ def test_fused_matches_unfused_and_reference_tp1():
     errors = cases.check_fused_against_unfused(chunk_size=5)
     fp32 = {key: value for key, value in errors.items() if "float32" in key}
     fp64 = {key: value for key, value in errors.items() if "float64" in key}
-    assert len(fp32) == len(cases.LOSS_CONFIGS)
+    assert len(fp32) == len(cases.LOSS_CONFIGS) * (1 + len(cases.padding_cases(64, 1)))  # equal and padded tables
     assert max(fp32.values()) <= 1e-5, fp32
     assert max(fp64.values()) <= 1e-10, fp64
 
