@@ -195,6 +195,9 @@ class CheckpointConfig:
     hf_interval: int | None = None
     """Export an HF checkpoint (``hf/step_N``) every this many steps; ``None``: at the end only."""
     hf_at_end: bool = True
+    content_hashes: bool = False
+    """Also record a blake3 hash of every file in each checkpoint's ``COMPLETE`` marker, checked on resume
+    (catches a changed byte, not only a missing or truncated file; costs one more read of every file)."""
     resume: str = "auto"
     """``auto``: continue from ``<output_dir>/checkpoints`` when it holds a checkpoint; ``never``; or a
     checkpoint root to start from (its model, optimizer, data position...)."""

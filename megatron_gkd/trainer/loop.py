@@ -375,7 +375,8 @@ class Trainer:
             checkpointing.save_checkpoint(self.out / "checkpoints", self.step, model_chunks=self.student.chunks,
                                           optimizer=self.student.optimizer, scheduler=self.student.lr_scheduler,
                                           data_state=self._data_state(), parallel_state=self.state,
-                                          keep_last_n=self.config.checkpoint.keep_last_n)
+                                          keep_last_n=self.config.checkpoint.keep_last_n,
+                                          content_hashes=self.config.checkpoint.content_hashes)
 
     def _checkpoint_if_due(self) -> None:
         checkpoint = self.config.checkpoint
