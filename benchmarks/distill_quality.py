@@ -77,7 +77,8 @@ METHODS = {
     "tcad_no_coverage": [*ON_POLICY, *TCAD, "loss.options.coverage_coef=0.0"],
     "tcad_union": [*ON_POLICY, *TCAD, "loss.support_mode=union"],
     # The confidence weights' sharpness: 0 weighs each prompt's rollouts equally (a sequence mean per
-    # prompt, unlike tcad_no_confidence's token mean), 1 is configs/tcad.yaml's.
+    # prompt, unlike tcad_no_confidence's token mean), 1 was configs/tcad.yaml's until
+    # this sweep (it ships 0.3 now: docs/results.md).
     **{f"tcad_alpha_{alpha}": [*ON_POLICY, *TCAD, f"loss.confidence_alpha={alpha}"] for alpha in ("0.0", "0.1", "0.3")},
     # Diagnostics: the same divergences on the whole 16-token vocabulary (nothing outside the support).
     "reverse_kl_full_vocab": [*ON_POLICY, "loss.type=reverse_kl", "teacher.top_k=16"],

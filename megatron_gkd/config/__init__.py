@@ -1,6 +1,6 @@
 """The trainer's configuration: typed dataclass sections, YAML presets in ``configs/``, dotted overrides.
 
-    config = load_config("configs/cpu_demo.yaml", ["loss.type=tcad", "rollout.n=8"])
+    config = load_config("configs/demo_cpu.yaml", ["loss.type=tcad", "rollout.n=8"])
     text = to_yaml(config)                # what config.yaml of a run holds
 
 Unknown keys fail naming the closest valid key; inconsistent combinations fail with the fix.
