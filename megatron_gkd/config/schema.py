@@ -26,6 +26,15 @@ from megatron_gkd.weight_sync.config import WeightSyncConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 MODES = ("on_policy", "off_policy", "sft")
+_DTYPE_SPELLINGS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
+
+
+def check_dtype(key: str, value: str, *, nullable: bool = False) -> None:
+    """Raises ``ValueError`` naming ``key`` and the spelling to use unless ``value`` is one of ``DTYPES``."""
+    if value in DTYPES:
+        return
+    hint = f" (write {_DTYPE_SPELLINGS[value]!r})" if value in _DTYPE_SPELLINGS else ""
+    raise ValueError(f"{key}={value!r}; choose one of {list(DTYPES)}{' or null' if nullable else ''}{hint}")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -37,15 +46,17 @@ class StudentConfig:
     tokenizer: str | None = None
     """Tokenizer directory; default: ``checkpoint``."""
     dtype: str = "float32"
-    """Parameter dtype: ``float32``, ``bfloat16`` or ``float16`` (fp32 main weights in the optimizer)."""
+    """Precision of the parameters and the compute: ``float32``, or ``bfloat16`` / ``float16``, Megatron's
+    mixed precision (every parameter in that dtype, float32 main weights and gradients in the
+    optimizer, distributed or not). It is also what weight sync sends and, unless ``rollout.dtype`` says
+    otherwise, what the rollout engine serves. GPU presets use ``bfloat16``; the CPU ones ``float32``."""
     recompute: bool = False
     """Recompute every layer's activations in the backward (full, uniform): less memory, ~1/3 more compute."""
     use_transformer_engine: bool | None = None
     """Transformer Engine layer specs; default: when TE imports (CUDA)."""
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"student.dtype={self.dtype!r}; choose one of {list(DTYPES)}")
+        check_dtype("student.dtype", self.dtype)
 
     @property
     def tokenizer_path(self) -> str | None:
@@ -82,8 +93,8 @@ class RolloutConfig(SamplingConfig):
             raise ValueError(f"rollout.layout={self.layout!r}; choose 'colocated' or 'disaggregated'")
         if self.tensor_parallel_size < 1 or self.max_model_len < 2:
             raise ValueError("rollout.tensor_parallel_size must be >= 1 and rollout.max_model_len >= 2")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"rollout.dtype={self.dtype!r}; choose one of {list(DTYPES)} or null")
+        if self.dtype is not None:
+            check_dtype("rollout.dtype", self.dtype, nullable=True)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"rollout.gpu_memory_utilization={self.gpu_memory_utilization} must lie in (0, 1]")
         if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb < 1:
@@ -195,6 +206,9 @@ class CheckpointConfig:
     hf_interval: int | None = None
     """Export an HF checkpoint (``hf/step_N``) every this many steps; ``None``: at the end only."""
     hf_at_end: bool = True
+    hf_dtype: str | None = None
+    """Tensor dtype of the HF exports (``float32``, ``bfloat16``, ``float16``); ``None``: ``student.dtype``.
+    Checkpoints under ``checkpoints/`` always hold the training dtype and the float32 main weights."""
     content_hashes: bool = False
     """Also record a blake3 hash of every file in each checkpoint's ``COMPLETE`` marker, checked on resume
     (catches a changed byte, not only a missing or truncated file; costs one more read of every file)."""
@@ -207,6 +221,8 @@ class CheckpointConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"checkpoint.{name}={value} must be >= 1 (or null)")
+        if self.hf_dtype is not None:
+            check_dtype("checkpoint.hf_dtype", self.hf_dtype, nullable=True)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -395,8 +395,10 @@ class Trainer:
     def _export_hf(self) -> None:
         from megatron_gkd.models import save_hf
 
+        hf_dtype = self.config.checkpoint.hf_dtype
         with self.timers("hf_export"):
-            save_hf(self.student.chunks, self.out / "hf" / f"step_{self.step}", tokenizer_source=self.config.student.tokenizer_path)
+            save_hf(self.student.chunks, self.out / "hf" / f"step_{self.step}", dtype=hf_dtype and getattr(torch, hf_dtype),
+                    tokenizer_source=self.config.student.tokenizer_path)
 
     def _on_signal(self, signum, frame) -> None:
         del frame
