@@ -1,4 +1,4 @@
-"""Rollout: the student samples its own responses (DESIGN.md, step 1).
+"""Rollout: the student samples its own responses (docs/design.md, "One batch through one step").
 
 Public API::
 

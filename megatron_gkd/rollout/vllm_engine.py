@@ -1,6 +1,6 @@
 """``vllm`` rollout engine: an in-process ``vllm.LLM`` holding the student's weights.
 
-Layouts (DESIGN.md):
+Layouts (docs/design.md, "Layouts"):
 
 ``colocated``
     Every rank of the job holds a vLLM shard (``distributed_executor_backend="external_launcher"``):

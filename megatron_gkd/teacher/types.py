@@ -1,4 +1,4 @@
-"""What the trainer sends to a teacher and what it gets back (DESIGN.md "Data contracts").
+"""What the trainer sends to a teacher and what it gets back (docs/design.md, "Data contracts").
 
 Row ``t`` of every per-response array predicts response token ``t``: it is the teacher's distribution
 at position ``prompt_len + t - 1`` of ``prompt + response``. Everything here fails closed: a malformed

@@ -1,6 +1,6 @@
 """From sampled responses and teacher rows to Megatron micro-batches (pure tensor code, no collectives).
 
-Alignment (DESIGN.md "Data contracts"): a sample is ``prompt + response`` (``P + R`` tokens); the model
+Alignment (docs/design.md, "Data contracts"): a sample is ``prompt + response`` (``P + R`` tokens); the model
 reads its first ``P + R - 1`` tokens, and the logits at position ``p`` predict token ``p + 1``, so
 response token ``t`` (position ``P + t``) is predicted at position ``P + t - 1``: the loss mask covers
 positions ``P - 1 .. P + R - 2`` and the teacher row that predicts response token ``t`` sits at
