@@ -1,9 +1,9 @@
 """Tiny assets the project builds itself (nothing can be downloaded here): a word-level tokenizer, a
 random Qwen3 teacher and a smaller random Qwen3 student sharing it, and JSONL prompt files.
 
-The README's run command builds them once into ``outputs/tiny_assets`` and distils the student from
-the teacher on them: a real run of every part of the trainer on 2 CPU cores in a few minutes (the
-distillation demo replaces the random teacher with a trained one)::
+The trainer's e2e tests and benchmarks build them once into ``outputs/tiny_assets`` and distil the student
+from the teacher on them (``configs/cpu_tiny.yaml``): a real run of every part of the trainer on 2 CPU
+cores in a few minutes (the distillation demo replaces the random teacher with a trained one)::
 
     python -m megatron_gkd.recipes.tiny --out outputs/tiny_assets
 """
