@@ -271,10 +271,13 @@ def check_megatron_version() -> str:
     return version
 
 
-# Megatron-Core warns at import that it falls back to torch kernels; on the host that is the design.
+# Megatron-Core warns at import that it falls back to torch kernels; on the host that is the design. Its
+# tensor-parallel layers advise CUDA_DEVICE_MAX_CONNECTIONS=1 (a CUDA stream setting): nothing to set here.
 _EXPECTED_FALLBACK_WARNINGS = (
     "Transformer Engine and Apex are not installed",
     "Apex is not installed",
+    "When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+    "When using sequence parallelism it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
 )
 
 
