@@ -75,15 +75,16 @@ class SamplingConfig:
         """Seed of prompt ``prompt_index`` (its ``n`` samples add 0 .. n-1)."""
         return None if self.seed is None else self.seed + prompt_index * self.n
 
-    def to_vllm(self, prompt_index: int = 0):
-        """``vllm.SamplingParams`` for prompt ``prompt_index`` (log-probs of the sampled tokens always)."""
+    def to_vllm(self, prompt_index: int = 0, logit_bias: dict[int, float] | None = None):
+        """``vllm.SamplingParams`` for prompt ``prompt_index`` (log-probs of the sampled tokens always;
+        ``logit_bias``: added to those ids' logits before sampling)."""
         from vllm import SamplingParams
 
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             max_tokens=self.max_tokens, stop_token_ids=list(self.stop_token_ids),
             seed=self.prompt_seed(prompt_index), logprobs=self.logprobs_k, flat_logprobs=True,
-            detokenize=False)
+            detokenize=False, logit_bias=logit_bias)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -29,6 +29,8 @@ from megatron_gkd.rollout.registry import RolloutEngine
 from megatron_gkd.rollout.types import RolloutBatch, SamplingConfig, check_prompt_lengths
 
 logger = logging.getLogger(__name__)
+# vLLM clamps logit biases to [-100, 100]: the floor, e^-100 (about 4e-44) times a padding row's probability.
+PADDING_LOGIT_BIAS = -100.0
 
 
 class TokenizerlessWarmupWarning(logging.Filter):
@@ -72,13 +74,17 @@ class VLLMEngine(RolloutEngine):
         join_world: make the job's ranks vLLM's workers (``external_launcher``); default: when a
             ``torch.distributed`` world exists. ``False`` on a disaggregated serving rank.
         pad_token_id: padding id in the returned batches.
+        vocab_size: the tokenizer's size, when the model's tables are longer (Qwen3: 151,669 tokens in
+            151,936 rows). vLLM samples from every row, so the padding rows get a logit bias of -100 (vLLM's
+            floor), which puts them below float32's smallest normal probability: never sampled.
         engine_kwargs: further ``vllm.LLM`` keyword arguments.
     """
 
     def __init__(self, model: str, *, tensor_parallel_size: int = 1, max_model_len: int = 1024,
                  max_logprobs: int = 20, dtype: str = "float32", gpu_memory_utilization: float = 0.1,
                  seed: int = 0, weight_version: int = 0, enforce_eager: bool = True,
-                 join_world: bool | None = None, pad_token_id: int = 0, **engine_kwargs):
+                 join_world: bool | None = None, pad_token_id: int = 0, vocab_size: int | None = None,
+                 **engine_kwargs):
         vllm = _import_vllm()
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if join_world is not None:
@@ -110,11 +116,16 @@ class VLLMEngine(RolloutEngine):
                             enforce_eager=enforce_eager, logprobs_mode="raw_logprobs",
                             **parallel_kwargs, **engine_kwargs)
         self._pad_token_id = pad_token_id
+        rows = self.llm.model_config.get_vocab_size()
+        if vocab_size is not None and not 0 < vocab_size <= rows:
+            self.close()
+            raise ValueError(f"the tokenizer's {vocab_size} ids do not fit the model's {rows}-row vocabulary")
+        self._padding_bias = {i: PADDING_LOGIT_BIAS for i in range(vocab_size or rows, rows)} or None
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutBatch:
         check_prompt_lengths(prompts, sampling, self._max_model_len)
         requests = [{"prompt_token_ids": [int(t) for t in prompt]} for prompt in prompts]
-        params = [sampling.to_vllm(i) for i in range(len(prompts))]
+        params = [sampling.to_vllm(i, logit_bias=self._padding_bias) for i in range(len(prompts))]
         results = self.llm.generate(requests, params, use_tqdm=False)
         samples = _Samples()
         for group, (prompt, result) in enumerate(zip(prompts, results, strict=True)):

@@ -87,7 +87,8 @@ def rollout_engine_kwargs(config: GKDConfig, tokenizer) -> dict:
     return dict(model=config.student.checkpoint, tensor_parallel_size=rollout.tensor_parallel_size,
                 max_model_len=rollout.max_model_len, max_logprobs=max(20, rollout.logprobs_k),
                 dtype=rollout.dtype or config.student.dtype, gpu_memory_utilization=rollout.gpu_memory_utilization,
-                seed=config.trainer.seed, skip_tokenizer_init=True, pad_token_id=pad, **kwargs)
+                seed=config.trainer.seed, skip_tokenizer_init=True, pad_token_id=pad, vocab_size=len(tokenizer),
+                **kwargs)
 
 
 def build_rollout_engine(config: GKDConfig, student: Student, tokenizer):

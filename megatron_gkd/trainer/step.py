@@ -40,7 +40,8 @@ class LossSpec:
         signal: ``topk`` (teacher rows of ids and log-probs) or ``hidden`` (the teacher's hidden states: exact
             full-vocabulary divergences through the teacher's output layer, :func:`hidden_distill_loss`).
         teacher_temperature: hidden: the teacher's logits are divided by it.
-        real_vocab_size: hidden: ids at or past it are padding rows on both sides.
+        real_vocab_size: ids at or past it are padding rows of the tables (the tokenizer is shorter): no
+            probability on either side, no gradient, never a teacher id.
     """
 
     kind: str = "distill"
@@ -71,7 +72,7 @@ class LossSpec:
         return cls(loss_type=loss.type, options=dict(loss.options), temperature=loss.temperature, fused=loss.fused,
                    chunk_size=loss.chunk_size, diagnostics=loss.diagnostics, signal=signal,
                    teacher_temperature=teacher.temperature if teacher is not None else 1.0,
-                   real_vocab_size=real_vocab_size if signal == "hidden" else None)
+                   real_vocab_size=real_vocab_size)
 
     def eval_kl(self) -> "LossSpec":
         """The evaluation's forward KL on this spec's teacher signal (top-k rows, or exact from hidden states)."""
@@ -223,13 +224,13 @@ class StepRunner:
         if spec.fused:
             per_token, metrics = fused_vocab_parallel_distill_loss(
                 output, captured.weight, share.ids, share.logprobs, loss_type=spec.loss_type, tp_group=tp_group,
-                temperature=spec.temperature, chunk_size=spec.chunk_size,
+                temperature=spec.temperature, chunk_size=spec.chunk_size, real_vocab_size=spec.real_vocab_size,
                 all_reduce_hidden_grad=not captured.sequence_parallel, **spec.options)
         else:  # logits [s, b, V/tp] as the output layer made them; teacher rows and results [b, s]
             per_token, metrics = vocab_parallel_distill_loss(
                 captured.logits, share.ids.transpose(0, 1), share.logprobs.transpose(0, 1),
                 loss_type=spec.loss_type, tp_group=tp_group, temperature=spec.temperature,
-                diagnostics=spec.diagnostics, **spec.options)
+                diagnostics=spec.diagnostics, real_vocab_size=spec.real_vocab_size, **spec.options)
             per_token = per_token.transpose(0, 1)
             metrics = {key: value.transpose(0, 1) for key, value in metrics.items()}
         per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
