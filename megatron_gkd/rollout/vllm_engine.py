@@ -44,10 +44,39 @@ class TokenizerlessWarmupWarning(logging.Filter):
                     and "skip_tokenizer_init" in str(error))
 
 
+# vLLM's start-up warnings that follow from what this engine chooses on purpose (token ids in, no tokenizer;
+# eager mode) or from the CPU build of vLLM (no Triton, threads pinned by vLLM itself): per logger, the start
+# of each message. Its other warnings (libtcmalloc / libiomp advice included) still show.
+EXPECTED_STARTUP_WARNINGS = {
+    "vllm.config.vllm": ("Enforce eager set", "Inductor compilation was disabled by user settings",
+                         "Model Runner V2 requires Triton; using the V1 model runner instead."),
+    "vllm.platforms.cpu": ("Triton is not installed. triton-cpu is expected on x86 CPUs.",),
+    "vllm.triton_utils.importing": ("Triton is installed, but doesn't include CPU backend.",),
+    "vllm.v1.worker.cpu_worker": ("CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding",),
+    "vllm.renderers.base": ("Using None for EOS token id because tokenizer is not initialized",),
+}
+
+
+class ExpectedWarnings(logging.Filter):
+    """Drops the records whose message starts with one of ``prefixes``; passes every other."""
+
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(self.prefixes))
+
+
 def _quiet_startup_logs() -> None:
+    """Installs the filters above once per process (before ``import vllm``: Triton's check runs at import)."""
     renderer = logging.getLogger("vllm.renderers.base")  # vllm/renderers/base.py: BaseRenderer.warmup
     if not any(isinstance(f, TokenizerlessWarmupWarning) for f in renderer.filters):
         renderer.addFilter(TokenizerlessWarmupWarning())
+    for name, prefixes in EXPECTED_STARTUP_WARNINGS.items():
+        logger_ = logging.getLogger(name)
+        if not any(isinstance(f, ExpectedWarnings) for f in logger_.filters):
+            logger_.addFilter(ExpectedWarnings(prefixes))
 
 
 def _import_vllm():
@@ -85,6 +114,8 @@ class VLLMEngine(RolloutEngine):
                  seed: int = 0, weight_version: int = 0, enforce_eager: bool = True,
                  join_world: bool | None = None, pad_token_id: int = 0, vocab_size: int | None = None,
                  **engine_kwargs):
+        if engine_kwargs.get("skip_tokenizer_init"):  # what the trainer always passes (token ids in)
+            _quiet_startup_logs()
         vllm = _import_vllm()
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if join_world is not None:
@@ -108,8 +139,6 @@ class VLLMEngine(RolloutEngine):
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         super().__init__(max_model_len, weight_version)
         self._joined_world = distributed
-        if engine_kwargs.get("skip_tokenizer_init"):
-            _quiet_startup_logs()
         self.llm = vllm.LLM(model=model, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                             max_model_len=max_model_len, max_logprobs=max_logprobs,
                             gpu_memory_utilization=gpu_memory_utilization, seed=seed,

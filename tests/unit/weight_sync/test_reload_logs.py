@@ -69,3 +69,24 @@ def test_only_the_tokenizerless_chat_template_warmup_failure_is_dropped():
     assert not warmup.filter(record(ValueError("Tokenizer not available when `skip_tokenizer_init=True`")))
     assert warmup.filter(record(ValueError("template error at line 3")))
     assert warmup.filter(record(RuntimeError("skip_tokenizer_init")))
+
+
+def test_expected_startup_warnings_match_vllm_and_nothing_else():
+    """Each silenced start-up warning is still vLLM's wording, in the module whose logger the filter sits on."""
+    from megatron_gkd.rollout.vllm_engine import EXPECTED_STARTUP_WARNINGS, ExpectedWarnings
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.skip("vLLM is not installed")
+    root = pathlib.Path(spec.origin).parent
+    for name, prefixes in EXPECTED_STARTUP_WARNINGS.items():
+        source = " ".join((root / (name.removeprefix("vllm.").replace(".", "/") + ".py")).read_text().split())
+        for prefix in prefixes:
+            # vLLM splits long messages over adjacent string literals: compare with the quotes joined.
+            assert prefix in source.replace('" "', ""), (name, prefix)
+        expected = ExpectedWarnings(prefixes)
+        record = logging.getLogger(name).makeRecord(name, logging.WARNING, "x.py", 1, prefixes[0] + " more", (), None)
+        assert not expected.filter(record)
+        other = logging.getLogger(name).makeRecord(name, logging.WARNING, "x.py", 1, "Failed to allocate the KV cache",
+                                                   (), None)
+        assert expected.filter(other)
