@@ -17,9 +17,16 @@ from megatron_gkd.testing.memory import LiveTensorPeak
 STEP_REGION = "planner_memory.train_step"
 
 
+# Qwen3-0.6B's shape (its config.json; random weights): 28 layers, 1024 wide, 16 query and 8 key-value heads of
+# 128, SwiGLU 3072, a 151,936-row tied table: 596M parameters.
+QWEN3_0_6B_SHAPE = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=128, vocab_size=151_936, tie_word_embeddings=True,
+                        max_position_embeddings=40_960, rope_parameters=dict(rope_type="default", rope_theta=1_000_000.0))
+
+
 def tiny_hf_config(architecture: str, **overrides) -> dict:
-    """``TINY_CONFIGS[architecture]`` as a ``config.json`` dict (``architectures`` set)."""
-    return dict(TINY_CONFIGS[architecture], architectures=[architecture], **overrides)
+    """``TINY_CONFIGS[architecture]`` as a ``config.json`` dict (``architectures`` set), ``overrides`` applied."""
+    return {**TINY_CONFIGS[architecture], "architectures": [architecture], **overrides}
 
 
 def _wrap_ddp(chunks: list, use_distributed_optimizer: bool) -> list:
@@ -53,10 +60,13 @@ def measure_training(
 
     Returns:
         ``pp_rank``, ``tp_rank``, ``ep_rank``, ``parameters`` (elements of this rank's parameters),
-        ``buffers`` (elements of persistent buffers that are model state, e.g. the router bias) and
+        ``buffers`` (elements of persistent buffers that are model state, e.g. the router bias),
         ``peak_bytes`` (the largest live tensor bytes during the training steps, counted from before
-        the model was built).
+        the model was built) and ``max_rss_bytes`` (the process's peak resident set, libraries, allocator
+        caches and the profiler's records included).
     """
+    import resource
+
     from megatron_gkd import models, parallel
     from megatron_gkd.testing import mcore
 
@@ -85,6 +95,7 @@ def measure_training(
             parameters=sum(p.numel() for module in modules for p in module.parameters()),
             buffers=sum(b.numel() for module in modules for name, b in module.named_buffers() if "expert_bias" in name),
             peak_bytes=meter.peak(STEP_REGION),
+            max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
         )
     finally:
         parallel.destroy()
@@ -121,6 +132,13 @@ class MemoryCase:
     bf16: bool = False
     recompute: dict = dataclasses.field(default_factory=dict)
     """``recompute_granularity`` / ``recompute_method`` / ``recompute_num_layers`` for Megatron."""
+    hf_overrides: dict = dataclasses.field(default_factory=dict)
+    """Changes to the tiny config (a real model's shape: ``QWEN3_0_6B_SHAPE``)."""
+    num_steps: int = 2
+
+    @property
+    def hf_config(self) -> dict:
+        return tiny_hf_config(self.architecture, **self.hf_overrides)
 
     def measure(self) -> list[dict]:
         """Runs the case on ``world_size`` ranks (call from the parent process)."""
@@ -129,8 +147,9 @@ class MemoryCase:
         return run_distributed(
             measure_training,
             self.world_size,
-            args=(tiny_hf_config(self.architecture), self.parallel_sizes),
+            args=(self.hf_config, self.parallel_sizes),
             kwargs=dict(
+                num_steps=self.num_steps,
                 seq_length=self.seq_length,
                 micro_batch_size=self.micro_batch_size,
                 num_microbatches=self.num_microbatches,
@@ -161,7 +180,7 @@ class MemoryCase:
             num_microbatches=self.num_microbatches,
             loss="cross_entropy",
         )
-        return plan_student(tiny_hf_config(self.architecture), layout, batch)
+        return plan_student(self.hf_config, layout, batch)
 
 
 def compare(case: MemoryCase, measured: list[dict]) -> list[dict]:
@@ -178,6 +197,7 @@ def compare(case: MemoryCase, measured: list[dict]) -> list[dict]:
                 measured_bytes=result["peak_bytes"],
                 predicted_bytes=predicted,
                 ratio=predicted / result["peak_bytes"],
+                max_rss_bytes=result.get("max_rss_bytes"),
             )
         )
     return rows
