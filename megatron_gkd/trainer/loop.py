@@ -19,7 +19,7 @@ import torch.distributed as dist
 from megatron_gkd import parallel, platform
 from megatron_gkd.config import GKDConfig, check_layout, eval_enabled, needs_rollout, needs_teacher, to_yaml
 from megatron_gkd.data import PromptSampler, load_prompts, load_tokenizer
-from megatron_gkd.parallel.comm import broadcast_msgpack
+from megatron_gkd.parallel.comm import all_gather_msgpack, broadcast_msgpack
 from megatron_gkd.rollout.types import RolloutBatch
 from megatron_gkd.trainer import checkpointing
 from megatron_gkd.trainer.batch import token_coefficients
@@ -425,7 +425,9 @@ class Trainer:
                    "checkpoints": str((self.out / "checkpoints").resolve()),
                    "hf_export": str((self.out / "hf" / f"step_{self.step}").resolve()) if self.config.checkpoint.hf_at_end
                    and not preempted else None,
-                   "metrics": str((self.out / "metrics.jsonl").resolve())}
+                   "metrics": str((self.out / "metrics.jsonl").resolve()),
+                   # Each rank's peak resident set (libraries, a colocated engine and allocator caches included).
+                   "peak_rss_gib_per_rank": [round(gib, 3) for gib in all_gather_msgpack(_peak_rss_gib(), self.control)]}
         for key in ("eval/accuracy", "eval/kl_to_teacher"):
             if key in first_eval:
                 summary[f"{key}_before"] = first_eval[key]
@@ -449,6 +451,12 @@ class Trainer:
             except Exception:  # noqa: BLE001 - close everything else too
                 logger.exception("closing the %s failed", name)
         parallel.destroy()
+
+
+def _peak_rss_gib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def _rss_gb() -> float:
