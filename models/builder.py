@@ -65,6 +65,8 @@ def transformer_config(hf_config: dict, state, *, dtype: torch.dtype = torch.flo
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=platform.device().type == "cpu",
+        # megatron-core 0.16.1 warns that its own default, "full", is deprecated; [] is the same (the whole layer).
+        cuda_graph_scope=[],
     )
     fields.update(arch.transformer_config(hf_config))
     fields.update(state.config.transformer_config_kwargs())
