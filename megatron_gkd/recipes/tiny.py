@@ -1,5 +1,6 @@
 """Tiny assets the project builds itself (nothing can be downloaded here): a word-level tokenizer, a
-random Qwen3 teacher and a smaller random Qwen3 student sharing it, and JSONL prompt files.
+random Qwen3 teacher and a smaller random Qwen3 student sharing it (or, with ``moe=True``, a random
+Qwen3-MoE student: 4 experts, top-2), and JSONL prompt files.
 
 The trainer's e2e tests and benchmarks build them once into ``outputs/tiny_assets`` and distil the student
 from the teacher on them (``configs/cpu_tiny.yaml``): a real run of every part of the trainer on 2 CPU
@@ -40,19 +41,29 @@ def build_tokenizer(directory: str | pathlib.Path, vocab_size: int = 512):
 
 def build_checkpoint(directory: str | pathlib.Path, *, vocab_size: int = 512, hidden_size: int = 128,
                      num_layers: int = 2, num_heads: int = 2, num_kv_heads: int = 2, intermediate_size: int = 256,
-                     seed: int = 0, init_std: float = 0.2) -> pathlib.Path:
-    """A random ``Qwen3ForCausalLM`` (head_dim 64: vLLM's CPU attention needs 32/64/128) in HF format.
+                     seed: int = 0, init_std: float = 0.2, num_experts: int = 0, num_experts_per_tok: int = 2,
+                     router_aux_loss_coef: float = 0.01) -> pathlib.Path:
+    """A random ``Qwen3ForCausalLM`` (head_dim 64: vLLM's CPU attention needs 32/64/128) in HF format; with
+    ``num_experts > 0`` a ``Qwen3MoeForCausalLM`` whose every layer routes to ``num_experts_per_tok`` of
+    ``num_experts`` experts of width ``intermediate_size`` (renormalised top-k, load-balancing loss weight
+    ``router_aux_loss_coef``).
 
     A wide initialisation spreads the logits, so the distributions have structure to distil.
     """
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                         head_dim=64, max_position_embeddings=1024, initializer_range=init_std,
-                         tie_word_embeddings=False, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
-    model = Qwen3ForCausalLM(config).eval()
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                  num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                  head_dim=64, max_position_embeddings=1024, initializer_range=init_std, tie_word_embeddings=False,
+                  bos_token_id=BOS_ID, eos_token_id=EOS_ID)
+    if num_experts:
+        config = Qwen3MoeConfig(**common, num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                                moe_intermediate_size=intermediate_size, norm_topk_prob=True,
+                                router_aux_loss_coef=router_aux_loss_coef)
+        model = Qwen3MoeForCausalLM(config).eval()
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common)).eval()
     model.save_pretrained(directory)
     return pathlib.Path(directory)
 
@@ -73,15 +84,19 @@ def write_prompts(path: str | pathlib.Path, num_prompts: int, *, vocab_size: int
     return path
 
 
-def build_assets(out: str | pathlib.Path, *, vocab_size: int = 512, num_train: int = 256, num_eval: int = 32) -> pathlib.Path:
-    """``tokenizer``, ``teacher`` (4 layers, 256 wide), ``student`` (2 layers, 128 wide), ``train.jsonl``,
-    ``eval.jsonl`` under ``out`` (skipped when ``out/READY`` exists)."""
+def build_assets(out: str | pathlib.Path, *, vocab_size: int = 512, num_train: int = 256, num_eval: int = 32,
+                 moe: bool = False) -> pathlib.Path:
+    """``tokenizer``, ``teacher`` (4 layers, 256 wide), ``student`` (2 layers, 128 wide; with ``moe`` a
+    Qwen3-MoE of 4 experts 128 wide, top-2, in each layer), ``train.jsonl``, ``eval.jsonl`` under ``out``
+    (skipped when ``out/READY`` exists)."""
     out = pathlib.Path(out)
     if (out / "READY").exists():
         return out
     out.mkdir(parents=True, exist_ok=True)
+    student = dict(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=128 if moe else 256, seed=2,
+                   num_experts=4 if moe else 0)
     for name, size in (("teacher", dict(hidden_size=256, num_layers=4, num_heads=4, intermediate_size=512, seed=1)),
-                       ("student", dict(hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256, seed=2))):
+                       ("student", student)):
         build_checkpoint(out / name, vocab_size=vocab_size, **size)
         build_tokenizer(out / name, vocab_size)
     write_prompts(out / "train.jsonl", num_train, vocab_size=vocab_size, seed=3)
@@ -94,11 +109,12 @@ def build_assets(out: str | pathlib.Path, *, vocab_size: int = 512, num_train: i
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="outputs/tiny_assets")
+    parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE student (4 experts, top-2)")
     args = parser.parse_args(argv)
     from megatron_gkd.log_setup import setup_logging
 
     setup_logging("INFO")
-    build_assets(args.out)
+    build_assets(args.out, moe=args.moe)
 
 
 if __name__ == "__main__":

@@ -239,6 +239,9 @@ class MicroBatch:
     coefficients: torch.Tensor
     labels: torch.Tensor | None = None
     teachers: list[TeacherSlice] = dataclasses.field(default_factory=list)
+    padding_mask: torch.Tensor | None = None
+    """``[b, s]`` True at padding positions (past a sample's input): MoE routing statistics (the load-balancing
+    loss, expert load) leave them out, so they do not depend on how far a layout pads."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -254,6 +257,21 @@ def common_shape(samples: Sequence[Sample], plan: Sequence[Sequence[int]], pad_m
     """The ``(b, s)`` that holds every micro-batch of ``plan`` (what pipeline parallelism pads to)."""
     width = max(samples[i].input_len for indices in plan for i in indices)
     return max(len(indices) for indices in plan), -(-width // pad_multiple) * pad_multiple
+
+
+def split_to_count(plan: list[list[int]], count: int) -> list[list[int]]:
+    """``plan`` with its largest micro-batches halved (order kept) until it has ``count`` of them.
+
+    Every rank of an expert-parallel group must run the same number of micro-batches (each one's token
+    dispatch is a collective); halving keeps each within the token budget it was planned for.
+    """
+    plan = [list(indices) for indices in plan]
+    assert count <= sum(map(len, plan)), f"{sum(map(len, plan))} samples cannot fill {count} micro-batches"
+    while len(plan) < count:
+        largest = max(range(len(plan)), key=lambda k: len(plan[k]))
+        indices = plan[largest]
+        plan[largest : largest + 1] = [indices[: len(indices) // 2], indices[len(indices) // 2 :]]
+    return plan
 
 
 def plan_microbatches(lengths: Sequence[int], *, micro_batch_size: int | None = None,
@@ -323,8 +341,10 @@ def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Ten
         teachers = [TeacherShare("teacher", rows, coefficients)]
     slices = [_teacher_slice(share, samples, (b, width)) for share in teachers or []]
     position_ids = torch.arange(width, dtype=torch.int64).unsqueeze(0).expand(b, width).contiguous()
+    lengths = torch.tensor([s.input_len for s in samples] + [0] * (b - len(samples)))
+    padding_mask = position_ids >= lengths[:, None]
     return MicroBatch(tokens=tokens, position_ids=position_ids, loss_mask=loss_mask, coefficients=weights,
-                      labels=label_ids, teachers=slices)
+                      labels=label_ids, teachers=slices, padding_mask=padding_mask)
 
 
 def _teacher_slice(share: TeacherShare, samples: Sequence[Sample], shape: tuple[int, int]) -> TeacherSlice:

@@ -31,6 +31,13 @@ class Student:
         """Rows of the output layer (the logits' width over all TP shards)."""
         return int(self.hf_config["vocab_size"])
 
+    @property
+    def is_moe(self) -> bool:
+        """Whether the student routes tokens to experts (Megatron's ``num_moe_experts`` is set)."""
+        from megatron_gkd.models import unwrap
+
+        return bool(unwrap(self.chunks[0]).config.num_moe_experts)
+
 
 def build_student(config: GKDConfig) -> Student:
     """Loads the student from its HF checkpoint into this rank's layout, wraps it for training and builds

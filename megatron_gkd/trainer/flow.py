@@ -19,8 +19,8 @@ from megatron_gkd.config import needs_teacher
 from megatron_gkd.parallel.comm import agree, all_gather_msgpack, broadcast_msgpack
 from megatron_gkd.rollout.types import RolloutBatch, concat_batches, decode_batch, encode_batch
 from megatron_gkd.trainer.batch import (TCADSpec, TeacherRows, TeacherShare, build_microbatch, common_shape,
-                                        plan_microbatches, samples_from_rollout, score_batch, teacher_rows,
-                                        token_coefficients)
+                                        plan_microbatches, samples_from_rollout, score_batch, split_to_count,
+                                        teacher_rows, token_coefficients)
 from megatron_gkd.trainer.teachers import Request, Teachers
 
 
@@ -356,9 +356,28 @@ class BatchFlow:
         shares = self.shares(samples, coefficients, rows)
         multiple = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
         labels = self.loss_kind == "cross_entropy" if labels is None else labels
-        # Pipeline stages exchange activations of one shape per step (Megatron's variable_seq_lengths
-        # refuses the allgather MoE dispatcher that the CPU needs): pad every micro-batch to it.
-        shape = common_shape(samples, plan, multiple) if parallel.pipeline_model_parallel_size > 1 else None
+        shapes = [common_shape(samples, [indices], multiple) for indices in plan]
+        if parallel.expert_model_parallel_size > 1 and self.state.data_parallel_size > 1:
+            plan, shapes = self._expert_parallel_cuts(samples, plan, multiple)
+        if parallel.pipeline_model_parallel_size > 1:
+            # Pipeline stages exchange activations of one shape per step (Megatron's variable_seq_lengths
+            # refuses the allgather MoE dispatcher that the CPU needs): pad every micro-batch to it.
+            shapes = [tuple(max(column) for column in zip(*shapes))] * len(plan)
         return [build_microbatch([samples[i] for i in indices], [coefficients[i] for i in indices], pad_multiple=multiple,
                                  teachers=[share.take(indices) for share in shares], labels=labels,
-                                 pad_token_id=self.pad_id, shape=shape) for indices in plan]
+                                 pad_token_id=self.pad_id, shape=shape) for indices, shape in zip(plan, shapes)]
+
+    def _expert_parallel_cuts(self, samples, plan, multiple: int) -> tuple[list, list]:
+        """The cuts and ``(b, s)`` shapes that every data-parallel rank agrees on when experts are split over them.
+
+        The token dispatcher gathers each micro-batch's tokens over the expert-parallel group, whose ranks hold
+        other data-parallel shares: every rank must run as many micro-batches, the k-th of the same shape.
+        Dynamic batching halves micro-batches of ranks that planned fewer; padding is masked out of the loss
+        and of the routing statistics (``MicroBatch.padding_mask``).
+        """
+        count = torch.tensor([len(plan)])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
+        plan = split_to_count(plan, int(count))
+        shapes = torch.tensor([common_shape(samples, [indices], multiple) for indices in plan])
+        dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return plan, [tuple(shape) for shape in shapes.tolist()]

@@ -28,6 +28,7 @@ from megatron_gkd.trainer.components import (build_rollout_engine, build_student
 from megatron_gkd.trainer.eval import Evaluator
 from megatron_gkd.trainer.flow import BatchFlow, InFlight
 from megatron_gkd.trainer.metrics import MetricsWriter, Progress, Timers, summary_table
+from megatron_gkd.trainer.routing import RoutingStats
 from megatron_gkd.trainer.schedulers import SCHEDULERS, BatchPipeline
 from megatron_gkd.trainer.step import LossSpec, StepRunner
 from megatron_gkd.trainer.teachers import Teachers
@@ -68,6 +69,8 @@ class Trainer:
                                  tp_group=self.state.tp_group, dp_group=self._dp_gloo, dp_size=self.state.data_parallel_size,
                                  is_last_stage=self.state.is_pipeline_last_stage,
                                  teacher_heads={t.name: t.head for t in self.teachers if t.head is not None})
+        self.routing = RoutingStats(self.student.chunks, self.control, data_parallel_size=self.state.data_parallel_size) \
+            if self.student.is_moe else None
         self.loss_spec = self._loss_specs(config.trainer.mode)
         self._eval_kl_spec = {name: spec.eval_kl() for name, spec in self._loss_specs("off_policy").items()}
         self.flow = BatchFlow(config, self.state, control=self.control, dp_group=self._dp_gloo, tokenizer=self.tokenizer,
@@ -258,6 +261,8 @@ class Trainer:
         self.tokens_trained += batch.rollout.num_generated_tokens  # the whole global batch, the same on every rank
         metrics = self._batch_metrics(batch)
         metrics.update({f"train/{key}": value for key, value in optim.items()})
+        if self.routing is not None:  # MoE: load-balancing loss and expert load (collective)
+            metrics.update(self.routing.collect(len(microbatches)))
         if stats is not None:
             metrics.update(self._loss_metrics(stats))
             metrics.update(self.flow.confidence)

@@ -179,16 +179,36 @@ class StepRunner:
         device = next(model.parameters()).device
         tokens, position_ids = microbatch.tokens.to(device), microbatch.position_ids.to(device)
         spec = _first(specs)  # what the forward captures is the same for every teacher
+        routing = self._routing_padding_mask(model, microbatch, device)
         if spec.kind == "cross_entropy":
             labels = microbatch.labels.to(device) if microbatch.labels is not None else None
-            return model(tokens, position_ids, attention_mask=None, labels=labels), partial(self._loss, specs, microbatch, None)
+            return (model(tokens, position_ids, attention_mask=None, labels=labels, **routing),
+                    partial(self._loss, specs, microbatch, None))
         if spec.fused:
             with capture_output_layer(model, self.tp_group) as captured:
-                output = model(tokens, position_ids, attention_mask=None)
+                output = model(tokens, position_ids, attention_mask=None, **routing)
             return output, partial(self._loss, specs, microbatch, captured)
         with capture_logits(model) as captured:
-            output = model(tokens, position_ids, attention_mask=None)
+            output = model(tokens, position_ids, attention_mask=None, **routing)
         return output, partial(self._loss, specs, microbatch, captured)
+
+    def _routing_padding_mask(self, model, microbatch: MicroBatch, device) -> dict:
+        """``{"padding_mask": [b, s] or [b, s/tp]}`` for an MoE model (``{}`` otherwise): the router leaves padding
+        out of its load-balancing loss, which then does not depend on how far a layout pads.
+
+        ``GPTModel`` cuts the mask along the sequence for sequence parallelism on the first pipeline stage only;
+        later stages get this rank's cut from here.
+        """
+        from megatron_gkd.models import unwrap
+
+        if not getattr(model.config, "num_moe_experts", None) or microbatch.padding_mask is None:
+            return {}
+        mask = microbatch.padding_mask.to(device)
+        if model.config.sequence_parallel and not unwrap(model).pre_process:
+            size, rank = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
+            width = mask.shape[1] // size
+            mask = mask[:, rank * width : (rank + 1) * width]
+        return {"padding_mask": mask}
 
     def _loss(self, specs, microbatch: MicroBatch, captured, output: torch.Tensor):
         device = output.device

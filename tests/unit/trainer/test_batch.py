@@ -9,7 +9,7 @@ import torch
 from megatron_gkd.losses import tcad_sequence_weights, tcad_support
 from megatron_gkd.teacher import TeacherOutput
 from megatron_gkd.trainer.batch import (Sample, TCADSpec, build_microbatch, plan_microbatches, score_batch,
-                                        teacher_rows, token_coefficients)
+                                        split_to_count, teacher_rows, token_coefficients)
 
 
 def _sample(prompt, response, group=0, topk=None):
@@ -51,6 +51,22 @@ def test_rows_sit_at_the_positions_that_predict_each_response_token():
 def test_padding_to_a_multiple_for_sequence_parallelism():
     mb = build_microbatch([_sample([1, 2], [3])], [torch.ones(1)], pad_multiple=4)
     assert mb.shape == (1, 4) and mb.loss_mask.tolist() == [[False, True, False, False]]
+
+
+def test_padding_mask_marks_every_position_past_a_samples_input():
+    # The MoE router leaves these out of its load-balancing loss and the expert-load metrics.
+    mb = build_microbatch([_sample([1, 2], [3]), _sample([4], [5, 6, 7])], [torch.ones(1), torch.ones(3)], pad_multiple=2,
+                          shape=(3, 6))
+    assert mb.padding_mask.tolist() == [[False, False, True, True, True, True], [False, False, False, True, True, True],
+                                        [True] * 6]
+
+
+def test_split_to_count_halves_the_largest_micro_batches_in_order():
+    # Expert-parallel ranks must run as many micro-batches as each other; the cuts keep order and budget.
+    assert split_to_count([[0, 1, 2, 3], [4]], 4) == [[0], [1], [2, 3], [4]]
+    assert split_to_count([[0, 1]], 1) == [[0, 1]]
+    with pytest.raises(AssertionError):
+        split_to_count([[0, 1]], 3)
 
 
 def test_confidence_coefficients_weight_each_group_to_one_over_groups():
