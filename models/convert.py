@@ -128,6 +128,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 # dist_checkpointing's writer starts a spawn-method multiprocessing Manager that re-imports the main
-# module; the guard keeps that child from re-running the conversion (ENVIRONMENT.md).
+# module; the guard keeps that child from re-running the conversion (without it the save hung after common.pt).
 if __name__ == "__main__":
     main()

@@ -66,7 +66,7 @@ def _save_strategy(thread_count: int = 1):
     per file. Seen on megatron-core 0.16.1: in a daemonic rank process (the ranks of
     :func:`megatron_gkd.testing.distributed.run_distributed`) the Manager cannot start at all
     ("daemonic processes are not allowed to have children"), and under torchrun it re-imports the
-    entry script, so an unguarded script hangs after ``common.pt`` (ENVIRONMENT.md; re-seen here,
+    entry script, so an unguarded script hangs after ``common.pt`` (first seen on the development machine; re-seen here,
     and ``tests/distributed/trainer/test_checkpointing_torchrun.py`` shows such a script saving with
     this strategy). Torch's
     ``FileSystemWriter`` writes the same files (``__<rank>_<i>.distcp`` + ``.metadata``) from this

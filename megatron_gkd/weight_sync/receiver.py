@@ -29,8 +29,9 @@ def reload_vllm_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
     """Loads ``(hf_name, tensor)`` pairs into ``llm`` through vLLM's in-place reload.
 
     ``worker.model_runner.reload_weights`` reruns the backend's post-load processing, which writing
-    ``param.data`` or calling ``load_weights`` after start-up does not (see ENVIRONMENT.md). The
-    pairs are consumed lazily, so a receiver can stream buckets into it. One worker per process
+    ``param.data`` or calling ``load_weights`` after start-up does not (seen on vLLM 0.32's CPU backend, which
+    keeps its own processed copy of the weights: a write to ``param.data`` did not change generation, and a
+    second ``load_weights`` failed on the emptied parameters). The pairs are consumed lazily, so a receiver can stream buckets into it. One worker per process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` or ``external_launcher``): the iterator is consumed once.
     """
     from megatron_gkd.weight_sync.reload_logs import quiet_reload_logs

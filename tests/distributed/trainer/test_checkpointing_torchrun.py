@@ -1,7 +1,7 @@
 """Saving under torchrun from an entry script *without* an ``if __name__ == "__main__":`` guard.
 
 Megatron's default writer starts a spawn ``multiprocessing.Manager`` that re-imports the entry
-script, so such a script hung after ``common.pt`` (ENVIRONMENT.md). The in-process writer of
+script, so such a script hung after ``common.pt`` (megatron-core 0.16.1). The in-process writer of
 :mod:`megatron_gkd.trainer.checkpointing` starts no process, so the save completes.
 """
 
