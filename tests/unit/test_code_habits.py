@@ -85,3 +85,17 @@ def test_lint_catches_a_violation(tmp_path):
     # Words that merely contain the letters are not device code.
     for line in ("inputs = self.input_ids", "a = t.cuda_graphs_enabled", "x = 'npus'"):
         assert not any(p.search(line) for p in DEVICE_PATTERNS.values()), line
+
+
+# Notes that live outside the repository (the team's shared pages); a clone has none of them.
+OUTSIDE_NOTES = re.compile(r"\b(?:DESIGN|ENVIRONMENT|STYLE)\.md\b|\.\./shared\b")
+
+
+def test_nothing_cites_a_file_outside_the_repository():
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py", "*.md", "*.yaml",
+                             "*.sh"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    found = [f"{path}:{number}" for path in listed if (ROOT / path).is_file() and path != "tests/unit/test_code_habits.py"
+             for number, line in enumerate((ROOT / path).read_text(errors="replace").splitlines(), 1)
+             if OUTSIDE_NOTES.search(line)]
+    assert not found, "cite docs/design.md or state the fact instead: " + ", ".join(found)
+    assert OUTSIDE_NOTES.search("see ../shared/DESIGN.md") and not OUTSIDE_NOTES.search("see docs/design.md")
