@@ -196,6 +196,8 @@ def summary_table(summary: dict) -> str:
     for key in sorted({k.rsplit("_", 1)[0] for k in summary if k.startswith("eval/")}):
         before, after = summary.get(f"{key}_before"), summary.get(f"{key}_after")
         rows.append((key, " -> ".join("n/a" if v is None else f"{v:.4f}" for v in (before, after))))
+    if summary.get("peak_rss_gib_per_rank"):
+        rows.append(("peak RSS per rank", " ".join(f"{gib:.2f}" for gib in summary["peak_rss_gib_per_rank"]) + " GiB"))
     rows += [("run directory", summary["output_dir"]), ("checkpoints", summary["checkpoints"]),
              ("HF export", summary.get("hf_export") or "none"), ("metrics", summary["metrics"])]
     width = max(len(name) for name, _ in rows)

@@ -49,9 +49,11 @@ def test_summary_table_shows_before_and_after_and_where_outputs_are():
     table = summary_table({"steps": 30, "preempted": False, "wall_time_s": 72.4, "final_loss": 0.9037,
                            "output_dir": "/run", "checkpoints": "/run/checkpoints", "hf_export": None,
                            "metrics": "/run/metrics.jsonl", "eval/accuracy_before": 0.002,
-                           "eval/accuracy_after": 0.9, "eval/kl_to_teacher_before": 0.938})
+                           "eval/accuracy_after": 0.9, "eval/kl_to_teacher_before": 0.938,
+                           "peak_rss_gib_per_rank": [1.234, 1.5]})
     rows = dict(re.split(r"\s{2,}", line.strip(), maxsplit=1) for line in table.splitlines())
     assert rows["steps"] == "30" and rows["wall time"] == "72 s" and rows["final loss"] == "0.9037"
     assert rows["eval/accuracy"] == "0.0020 -> 0.9000"
     assert rows["eval/kl_to_teacher"] == "0.9380 -> n/a"
     assert rows["HF export"] == "none" and rows["checkpoints"] == "/run/checkpoints"
+    assert rows["peak RSS per rank"] == "1.23 1.50 GiB"
