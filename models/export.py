@@ -69,7 +69,7 @@ def holds_shard(hf_name: str, is_expert: bool, tp_dim: int | None, shard_rank: i
     return _is_first_replica(is_expert)
 
 
-def export_hf_weights(modules, *, owner_only: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(modules, *, owner_only: bool = True, all_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` for every HF tensor held by this rank's chunks.
 
     Every rank of the model must iterate to the end (the TP / expert-TP gathers are collectives).
@@ -82,7 +82,10 @@ def export_hf_weights(modules, *, owner_only: bool = True) -> Iterator[tuple[str
         owner_only: yield each tensor on one rank only (:func:`owner_shard_rank` of the group that
             splits it, in the first data-parallel replica); ``False`` yields on every rank that took
             part in the gather.
+        all_experts: with ``owner_only=False``, also gather routed experts over the expert-parallel
+            group, so that every rank yields every expert (a colocated rollout engine needs them all).
     """
+    assert not (owner_only and all_experts), "all_experts yields every expert on every rank: pass owner_only=False"
     for chunk in modules:
         model = unwrap(chunk)
         for _, tensor, rule, fields in mapped_tensors(model, model.hf_model_info.rules):
@@ -94,9 +97,34 @@ def export_hf_weights(modules, *, owner_only: bool = True) -> Iterator[tuple[str
                 piece if dim is None or size == 1 else gather_tp(piece, dim, group)
                 for piece, dim in zip(slices, rule.tp_dims)
             ]
+            if all_experts and rule.is_expert:
+                yield from _gather_experts(model, rule, fields, full)
+                continue
             for hf_name, value in zip(rule.hf_names(fields), full):
                 if not owner_only or _is_owner(hf_name, rule.is_expert, rank, size):
                     yield hf_name, value
+
+
+def _gather_experts(model, rule: WeightRule, fields: dict, full: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors of expert ``fields["expert"]`` and of the experts that the other expert-parallel ranks hold
+    at the same local index (Megatron numbers them ``ep_rank x num_local_experts + local index``)."""
+    from megatron.core import parallel_state as mpu
+
+    size = mpu.get_expert_model_parallel_world_size()
+    if size == 1:
+        yield from zip(rule.hf_names(fields), full)
+        return
+    rank, group = mpu.get_expert_model_parallel_rank(), mpu.get_expert_model_parallel_group()
+    num_local = model.config.num_moe_experts // size
+    expert = int(fields["expert"])
+    gathered = []
+    for value in full:
+        pieces = [torch.empty_like(value) for _ in range(size)]
+        dist.all_gather(pieces, value.contiguous(), group=group)
+        gathered.append(pieces)
+    for peer in range(size):
+        names = rule.hf_names({**fields, "expert": str(expert + (peer - rank) * num_local)})
+        yield from zip(names, (pieces[peer] for pieces in gathered))
 
 
 @dataclasses.dataclass(frozen=True)

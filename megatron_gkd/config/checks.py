@@ -124,11 +124,11 @@ def _check_weight_sync(config) -> None:
               f"{sync.transport!r}), or rollout.layout=disaggregated to send them to a rollout server")
     if rollout.layout == "disaggregated" and sync.transport != "distributed":
         _fail("rollout.layout=disaggregated sends weights to the rollout server: set weight_sync.transport=distributed")
-    if sync.transport == "colocated" and (parallel.pipeline_model_parallel_size > 1
-                                          or parallel.expert_model_parallel_size > 1):
-        _fail("weight_sync.transport=colocated needs parallel.pipeline_model_parallel_size=1 and "
-              "expert_model_parallel_size=1 (each rank's vLLM shard needs every layer, but a rank holds only its "
-              "stage's and experts' weights); use rollout.layout=disaggregated with weight_sync.transport=distributed")
+    if sync.transport == "colocated" and parallel.pipeline_model_parallel_size > 1:
+        # Experts split over expert parallelism are gathered for the engine; pipeline stages are not.
+        _fail("weight_sync.transport=colocated needs parallel.pipeline_model_parallel_size=1 (each rank's vLLM shard "
+              "needs every layer, but a rank holds only its stage's weights); use rollout.layout=disaggregated with "
+              "weight_sync.transport=distributed")
 
 
 def _check_inert(config) -> None:

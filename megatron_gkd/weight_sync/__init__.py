@@ -55,17 +55,17 @@ def colocated_sync(chunks, engine, plan: WeightSyncPlan, config: WeightSyncConfi
     """One sync where the trainer rank holds the rollout engine (or ``engine=None`` on ranks without one).
 
     Every trainer rank calls it (the exporter's gathers are collectives). Needs every tensor on the
-    engine's rank after the TP gathers: pipeline and expert parallel size 1.
+    engine's rank after the TP and expert-parallel gathers: pipeline parallel size 1.
 
     Returns:
         the receiver (pass it back next time) on ranks with an engine, else ``None``.
     """
     from megatron.core import parallel_state as mpu
 
-    if mpu.get_pipeline_model_parallel_world_size() > 1 or mpu.get_expert_model_parallel_world_size() > 1:
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
         raise ValueError(
-            "weight_sync.transport='colocated' needs pipeline and expert parallel size 1 (a rank holds "
-            "only its stage's and its experts' weights); use transport='distributed'"
+            "weight_sync.transport='colocated' needs pipeline parallel size 1 (a rank holds only its stage's "
+            "weights); use transport='distributed'"
         )
     sender = WeightSender(plan, None, config, owns_all=True)
     stream = sender.packed(chunks, version)

@@ -35,7 +35,7 @@ class WeightSender:
             for a colocated sender whose buckets are read by :meth:`packed`.
         config: bucket size, buffers, checksum.
         rank: this trainer rank (default: the default group's rank).
-        owns_all: colocated layout (pipeline and expert parallel size 1).
+        owns_all: colocated layout (pipeline parallel size 1; experts are gathered over expert parallelism).
     """
 
     def __init__(self, plan: WeightSyncPlan, transport, config: WeightSyncConfig, *, rank: int | None = None, owns_all: bool = False):
@@ -66,7 +66,7 @@ class WeightSender:
 
     def _slices(self, chunks) -> Iterator[tuple[str, int, torch.Tensor]]:
         if self.owns_all:
-            return ((name, 0, tensor) for name, tensor in export_hf_weights(chunks, owner_only=False))
+            return ((name, 0, tensor) for name, tensor in export_hf_weights(chunks, owner_only=False, all_experts=True))
         return self._shards(chunks)
 
     def packed(self, chunks, version: int, before_reuse=lambda slot: None) -> Iterator[tuple[BucketSpec, PartSpec | None, torch.Tensor]]:
