@@ -106,6 +106,23 @@ def _layout(parallel_state: ParallelState) -> dict:
     return {**dataclasses.asdict(parallel_state.config), "world_size": parallel_state.world_size}
 
 
+def _params_dtype(model_chunks) -> str:
+    return str(_unwrap(model_chunks[0]).config.params_dtype).removeprefix("torch.")
+
+
+def _check_same_precision(meta: dict, model_chunks, path: Path) -> None:
+    """A checkpoint resumes in the precision it was saved in: the optimizer state of a bf16 run (float32
+    main weights beside bf16 parameters) has no counterpart in a float32 run's, and the reverse; Megatron
+    would fail on it with an error about parameter ids. Checkpoints from before the dtype was recorded pass."""
+    saved, current = meta.get("params_dtype"), _params_dtype(model_chunks)
+    if saved is not None and saved != current:
+        raise ValueError(
+            f"{path} was saved by a {saved} run (student.dtype={saved}) and this run trains in {current}: resume "
+            f"with student.dtype={saved}, or start a new run in {current} from an HF export of it "
+            "(student.checkpoint=<output_dir>/hf/step_N)"
+        )
+
+
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     # The wrappers' (DDP, Float16Module) generic sharded_state_dict would prefix every name with
     # "module."; the model's own one is what load_state_dict of the model expects back.
@@ -328,6 +345,7 @@ def save_checkpoint(
     state["checkpoint"] = {
         "step": step,
         "layout": _layout(parallel_state),
+        "params_dtype": _params_dtype(model_chunks),
         "rng": rng,
         "format_version": FORMAT_VERSION,
     }
@@ -398,6 +416,7 @@ def load_checkpoint(
             f"{found.path} has checkpoint format {meta.get('format_version')}, this code reads "
             f"{FORMAT_VERSION}; convert it or load it with the version that wrote it"
         )
+    _check_same_precision(meta, model_chunks, found.path)
     same_layout = meta["layout"] == _layout(parallel_state)
     has_rng = meta["rng"]
     restore_rng = same_layout and has_rng

@@ -27,6 +27,17 @@ def test_a_bad_dtype_names_the_key_and_the_spelling_to_use(override, message):
     assert message in str(error.value)
 
 
+@pytest.mark.parametrize("overrides", [["student.dtype=bfloat16"], ["rollout.dtype=bfloat16"],
+                                       ["student.dtype=bfloat16", "rollout.dtype=float32"]])
+def test_verify_in_bf16_needs_a_tolerance_above_the_bf16_noise(overrides):
+    """vLLM and Megatron differ by up to 0.08 in bf16 with the same weights: the float32 default (1e-4)
+    would fail every sync."""
+    with pytest.raises(ValueError, match="set weight_sync.verify_tolerance=0.25"):
+        load_config(BASE, overrides + ["weight_sync.verify=true"])
+    load_config(BASE, overrides + ["weight_sync.verify=true", "weight_sync.verify_tolerance=0.25"])
+    load_config(BASE, ["weight_sync.verify=true"])  # float32 keeps the tight default
+
+
 @pytest.mark.parametrize("preset, dtype", [("qwen3_dense", "bfloat16"), ("qwen3_moe", "bfloat16"),
                                            ("deepseek_v3_671b", "bfloat16"), ("cpu_tiny", "float32"),
                                            ("demo_cpu", "float32")])
