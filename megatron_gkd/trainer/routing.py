@@ -67,7 +67,8 @@ class RoutingStats:
         tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
         aux = torch.zeros(self.num_layers, dtype=torch.float64)
         if tracker is not None:  # this rank's sum over its micro-batches, per layer (zero on other stages' layers)
-            aux += tracker["values"].detach().to("cpu", torch.float64) / num_microbatches
+            # Megatron's tracker also has rows for multi-token-prediction layers after the decoder's.
+            aux += tracker["values"][: self.num_layers].detach().to("cpu", torch.float64) / num_microbatches
             clear_aux_losses_tracker()
         has_aux = torch.tensor([float(tracker is not None)], dtype=torch.float64)
         counts = torch.cat([self._tokens.flatten(), self._valid, aux, has_aux])
