@@ -11,8 +11,11 @@ the engine's prompt log-probs equal the student's (``weight_sync.verify``: the s
 run checkpoints and exports HF weights with every expert. ``tests/e2e/weight_sync/test_vllm_moe_sync.py``
 compares each expert tensor in the engine with the trainer's.
 
-Tiers: default: EP=1 against EP=2 and the MoE metrics (two runs, about 2 minutes on 2 cores); slow: the
-4-process layouts (about 3 minutes each) and the on-policy vLLM run (about 3 minutes).
+Dynamic batching (``trainer.max_tokens_per_microbatch``) at EP=2 runs, its micro-batches evened out over the
+data-parallel ranks; it equals EP=1 before the first update and within 1e-2 after (see the test).
+
+Tiers: default: EP=1 against EP=2 and the MoE metrics (two runs, about 2 minutes on 2 quiet cores); slow: the
+4-process layouts (about 3 minutes each), dynamic batching (two runs) and the on-policy vLLM run (about 4 minutes).
 """
 
 import json
@@ -35,6 +38,8 @@ LAYOUTS = {
     "tp2ep2etp1": (4, ["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=2",
                        "parallel.expert_tensor_parallel_size=1", "parallel.sequence_parallel=true"]),
 }
+DYNAMIC = ["trainer.global_batch_size=8", "trainer.max_tokens_per_microbatch=40"]
+LAYOUTS.update({f"{name}_dynamic": (LAYOUTS[name][0], LAYOUTS[name][1] + DYNAMIC) for name in ("ep1", "ep2")})
 NUM_LAYERS = 2
 
 
@@ -86,6 +91,19 @@ def test_ep2_equals_ep1(layout_steps):
 @pytest.mark.parametrize("layout", ["tp2ep2", "tp2ep2etp1"])
 def test_tp2_ep2_equals_ep1(layout_steps, layout):
     _check_equal(layout_steps("ep1"), layout_steps(layout), layout)
+
+
+@pytest.mark.slow
+def test_dynamic_batching_at_ep2(layout_steps):
+    """Token-budget micro-batches differ in number between data-parallel ranks; at EP=2 they are evened out
+    (a rank with fewer would leave the other waiting in the token dispatcher's gather). The cuts then differ
+    from EP=1's, and Megatron's load-balancing loss is a per-micro-batch quantity: its gradient, and so the
+    later steps, differ by about the loss coefficient (0.01) times that, not 1e-5."""
+    reference, got = layout_steps("ep1_dynamic"), layout_steps("ep2_dynamic")
+    assert len(got) == 3 and [r["prompts"] for r in got] == [r["prompts"] for r in reference]
+    assert got[0]["train/loss"] == pytest.approx(reference[0]["train/loss"], abs=1e-5)  # before any update
+    assert [r["train/loss"] for r in got] == pytest.approx([r["train/loss"] for r in reference], abs=1e-2)
+    assert [r["moe/tokens_routed"] for r in got] == [r["moe/tokens_routed"] for r in reference]
 
 
 def test_moe_metrics_are_logged_every_step(layout_steps):
