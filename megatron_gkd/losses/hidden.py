@@ -70,10 +70,8 @@ class _Shard:
 
     @classmethod
     def of(cls, layout: ShardLayout, real_vocab_size: int | None) -> "_Shard":
-        real = layout.vocab_size if real_vocab_size is None else real_vocab_size
-        if not 0 < real <= layout.vocab_size:
-            raise ValueError(f"real_vocab_size={real} must lie in [1, vocabulary size {layout.vocab_size}]")
-        return cls(layout, max(0, min(layout.vocab_size_local, real - layout.vocab_start)))
+        layout = dataclasses.replace(layout, real_vocab_size=real_vocab_size)  # checks the size
+        return cls(layout, layout.tokens_local)
 
 
 def _local_max_lse(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
