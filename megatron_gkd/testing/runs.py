@@ -20,6 +20,11 @@ CONFIG = REPO / "configs" / "cpu_tiny.yaml"
 # 20 deterministic sync steps with a checkpoint after each: the reference run of the resume tests.
 SYNC_RUN = ["trainer.scheduler=sync", "trainer.num_steps=20", "trainer.deterministic=true", "eval.interval=10",
             "checkpoint.save_interval=1", "checkpoint.keep_last_n=30", "optim.lr_warmup_steps=0", "optim.lr=2e-3"]
+# 3 off-policy steps on fixed data, no eval or checkpoints: the reference run of the layout-invariance tests.
+OFF_POLICY_3_STEPS = ["trainer.mode=off_policy", "rollout.n=1", "trainer.global_batch_size=4", "trainer.micro_batch_size=1",
+                      "trainer.num_steps=3", "eval.at_start=false", "eval.at_end=false", "checkpoint.save_interval=null",
+                      "checkpoint.save_at_end=false", "checkpoint.hf_at_end=false", "optim.lr_warmup_steps=0",
+                      "optim.lr=2e-3"]
 
 
 def asset_overrides(assets: pathlib.Path) -> list[str]:

@@ -8,9 +8,7 @@ from megatron_gkd.testing import runs as harness
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
-COMMON = ["trainer.mode=off_policy", "rollout.n=1", "trainer.global_batch_size=4", "trainer.micro_batch_size=1",
-          "trainer.num_steps=3", "eval.at_start=false", "eval.at_end=false", "checkpoint.save_interval=null",
-          "checkpoint.save_at_end=false", "checkpoint.hf_at_end=false", "optim.lr_warmup_steps=0", "optim.lr=2e-3"]
+COMMON = harness.OFF_POLICY_3_STEPS
 LAYOUTS = {
     "tp1": (1, ["parallel.tensor_model_parallel_size=1"]),
     "tp2": (2, ["parallel.tensor_model_parallel_size=2"]),

@@ -26,9 +26,7 @@ from megatron_gkd.testing import runs as harness
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
-OFF_POLICY = ["trainer.mode=off_policy", "rollout.n=1", "trainer.global_batch_size=4", "trainer.micro_batch_size=1",
-              "trainer.num_steps=3", "eval.at_start=false", "eval.at_end=false", "checkpoint.save_interval=null",
-              "checkpoint.save_at_end=false", "checkpoint.hf_at_end=false", "optim.lr_warmup_steps=0", "optim.lr=2e-3"]
+OFF_POLICY = harness.OFF_POLICY_3_STEPS
 LAYOUTS = {
     "ep1": (1, ["parallel.tensor_model_parallel_size=1"]),
     "ep2": (2, ["parallel.tensor_model_parallel_size=1", "parallel.expert_model_parallel_size=2"]),
