@@ -90,7 +90,7 @@ class _FusedDistill(torch.autograd.Function):
         dense_scale, sparse = backward_scales(ctx.state, grad_loss, temperature)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
-        rows = rows_per_chunk(weight.shape[0])
+        rows = rows_per_chunk(weight.shape[0], weight.device)
         shift = (ctx.state.student_lse * temperature).unsqueeze(1)
         dense_scale = dense_scale.unsqueeze(1)
         for start in range(0, hidden.shape[0], chunk_size):

@@ -76,7 +76,7 @@ class _Shard:
 
 def _local_max_lse(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row: log-sum-exp, maximum and its column, streamed in cache-sized row blocks."""
-    rows = rows_per_chunk(logits.shape[1])
+    rows = rows_per_chunk(logits.shape[1], logits.device)
     lse = torch.empty(logits.shape[0], dtype=logits.dtype, device=logits.device)
     best = torch.empty_like(lse)
     where = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
@@ -124,7 +124,7 @@ class _Chunk:
         """Returns ``(loss [c], entropies [c, 2])``; with ``weights``, ``log_q`` becomes ``weights x dL/dz``."""
         divergence, num_rows = self.divergence, log_q.shape[0]
         sums = torch.zeros(num_rows, divergence.num_sums + 2, dtype=log_q.dtype, device=log_q.device)
-        rows = rows_per_chunk(max(1, log_q.shape[1]))
+        rows = rows_per_chunk(max(1, log_q.shape[1]), log_q.device)
         for start in range(0, num_rows if self.shard.num_real else 0, rows):
             block_q, block_p = log_q[start:start + rows], log_p[start:start + rows]
             q, p = block_q.exp(), block_p.exp()

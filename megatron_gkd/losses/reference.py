@@ -51,7 +51,7 @@ def reference_distill_loss(
     lp = teacher_logprobs.to(dtype)
     valid = torch.isfinite(lp)
     has = valid.any(-1)
-    loss = torch.zeros(logits.shape[0], dtype=dtype)
+    loss = torch.zeros(logits.shape[0], dtype=dtype, device=logits.device)
     if not bool(has.any()):
         return loss + 0 * logits.sum()
     all_rows = bool(has.all())

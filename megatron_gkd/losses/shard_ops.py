@@ -12,9 +12,14 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-# Rows per chunk are chosen so a chunk holds about this many elements (1 MiB in fp32): small enough to
-# stay in a CPU core's L2 while several passes run over it, large enough that per-op overhead is noise.
-CHUNK_ELEMENTS = 1 << 18
+# Rows per chunk are chosen so a chunk holds about this many elements. On the host 1 MiB of fp32: small
+# enough to stay in a core's L2 while several passes run over it, large enough that per-op overhead is
+# noise. On an accelerator 128 MiB: every kernel gets enough work that launch overhead is noise (at the
+# host's size a 151,936-column shard is one row a chunk, and forward KL over 4096 tokens took 137x the
+# floor on an H200, almost all of it kernel launches), and the one chunk buffer stays small beside the
+# logits themselves.
+HOST_CHUNK_ELEMENTS = 1 << 18
+ACCELERATOR_CHUNK_ELEMENTS = 1 << 25
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -22,8 +27,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def rows_per_chunk(vocab_size_local: int) -> int:
-    return max(1, CHUNK_ELEMENTS // max(1, vocab_size_local))
+def rows_per_chunk(vocab_size_local: int, device: torch.device) -> int:
+    elements = HOST_CHUNK_ELEMENTS if device.type == "cpu" else ACCELERATOR_CHUNK_ELEMENTS
+    return max(1, elements // max(1, vocab_size_local))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -140,7 +146,7 @@ def local_logsumexp(logits: torch.Tensor, temperature: float, dtype: torch.dtype
     num_rows, vocab_local = logits.shape
     if vocab_local == 0:
         return torch.full((num_rows,), float("-inf"), dtype=dtype, device=logits.device)
-    rows = rows_per_chunk(vocab_local)
+    rows = rows_per_chunk(vocab_local, logits.device)
     work = torch.empty(min(rows, num_rows), vocab_local, dtype=dtype, device=logits.device)
     out = torch.empty(num_rows, dtype=dtype, device=logits.device)
     for start in range(0, num_rows, rows):
@@ -225,7 +231,7 @@ def logits_grad(
         grad.zero_()
         sparse.add_to_rows(grad, 0, num_rows)
         return grad
-    rows = rows_per_chunk(vocab_local)
+    rows = rows_per_chunk(vocab_local, logits.device)
     work = None if grad.dtype == dtype else torch.empty(min(rows, num_rows), vocab_local, dtype=dtype,
                                                         device=logits.device)
     shift, dense_scale = (lse * temperature).unsqueeze(1), dense_scale.unsqueeze(1)
