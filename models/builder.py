@@ -128,18 +128,27 @@ def _mark_tensor_parallel_weights(model: torch.nn.Module) -> int:
 DEFAULT_SEED = 1234
 
 
-def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Casts the floating-point parameters built in another dtype to ``dtype``.
+def _place_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Casts the floating-point parameters built in another dtype to ``dtype``, and moves the model to the
+    platform's device.
 
     The local spec's torch norms ignore ``params_dtype`` and build float32 weights, while Transformer
     Engine's norms follow it and Megatron's training script casts the whole model (``Float16Module``).
     A bf16 model here is then bf16 throughout as on a GPU: the optimizer keeps the float32 main copy of
     every weight, weight sync sends bf16, and the norms run their fused kernel (mixed input and weight
     dtypes take a slow path). Buffers keep their dtype (DeepSeek-V3's float32 correction bias).
+
+    Megatron's own layers allocate on the accelerator, but the local spec's torch norms are built on the
+    host (Megatron's training script moves the whole model with ``.cuda()``): without the move a CUDA
+    forward failed in the first norm ("weight is on cpu").
     """
+    from megatron_gkd import platform
+
     for param in model.parameters():
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
+    if platform.is_set_up():
+        model.to(platform.device())
 
 
 def _ensure_rng_tracker() -> None:
@@ -213,7 +222,7 @@ def build_model(
             **model_kwargs,
         )
         model.hf_model_info = info
-        _cast_parameters(model, dtype)
+        _place_parameters(model, dtype)
         if not config.perform_initialization:
             _mark_tensor_parallel_weights(model)
         chunks.append(model)
