@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -125,6 +126,16 @@ def setup(name: str | None = None, *, mindspeed: MindSpeedConfig | None = None) 
         from megatron_gkd.platform import cpu_adaptor
 
         cpu_adaptor.install()
+    elif resolved.name == "cuda" and importlib.util.find_spec("transformer_engine") is None:
+        # Megatron-Core's fallbacks without Transformer Engine have bugs of their own (the MoE router's
+        # te_general_gemm NameError): the CPU adaptor's patches for those, and none of its host redirects.
+        if _megatron_already_imported():
+            logger.warning("megatron.core was imported before platform.setup(): without Transformer Engine "
+                           "its MoE router fails on CUDA (te_general_gemm); call setup() first")
+        else:
+            from megatron_gkd.platform import cpu_adaptor
+
+            cpu_adaptor.install(only=cpu_adaptor.WITHOUT_TRANSFORMER_ENGINE)
     elif resolved.name == "npu":
         from megatron_gkd.platform import npu
 
@@ -241,6 +252,18 @@ def synchronize() -> None:
     platform = current()
     if platform.name != "cpu":
         getattr(torch, platform.device_type).synchronize()
+
+
+def use_deterministic_algorithms() -> None:
+    """Turns on torch's deterministic algorithms, with what the platform needs for them.
+
+    On CUDA, cuBLAS is deterministic only with a fixed workspace: torch raises at the first matrix product
+    unless ``CUBLAS_WORKSPACE_CONFIG`` is ``:4096:8`` or ``:16:8``, so it is set here (before the first
+    product creates cuBLAS's handle) when the user has not chosen one.
+    """
+    if current().name == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 
 
 def manual_seed(seed: int) -> None:

@@ -14,6 +14,7 @@ with a message, because the source rewrites check literal text of that release.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.abc
 import importlib.metadata
 import logging
@@ -170,8 +171,8 @@ PATCHES: tuple[Patch, ...] = (
         upstream="sets HAVE_TE = True whenever megatron.core.extensions.transformer_engine imports, "
         "which it does without Transformer Engine (its classes are then mocks), so MLA's constructor "
         "raises TypeError on isinstance(self.linear_proj, TELinear)",
-        why_safe="Transformer Engine needs CUDA and never imports on the host; False is the value the "
-        "probe means to compute, and it only guards TE fp8/fp4 options",
+        why_safe="the adaptor installs it only where Transformer Engine does not import (the host, or a GPU "
+        "without it); False is the value the probe means to compute, and it only guards TE fp8/fp4 options",
         apply=_no_transformer_engine_in_mla,
     ),
     Patch(
@@ -245,8 +246,13 @@ def applied_patches() -> tuple[str, ...]:
     return tuple(_APPLIED)
 
 
-def _on_megatron_module_loaded(module: ModuleType) -> None:
-    for patch in PATCHES:
+# The patches that Megatron-Core needs wherever Transformer Engine does not import: on the host, and on a
+# GPU without it (seen on an H200: the MoE router raised NameError on te_general_gemm).
+WITHOUT_TRANSFORMER_ENGINE = ("missing_te_general_gemm", "sequence_parallel_torch_norm", "mla_have_te")
+
+
+def _on_megatron_module_loaded(patches: tuple[Patch, ...], module: ModuleType) -> None:
+    for patch in patches:
         if patch.target == f"{_MEGATRON_PREFIX}.*" or patch.target == module.__name__:
             patch.apply(module)
             if patch.target == module.__name__:
@@ -281,14 +287,23 @@ _EXPECTED_FALLBACK_WARNINGS = (
 )
 
 
-def install() -> None:
-    """Installs the import hook and the global patches. Megatron-Core must not be imported yet."""
+def install(only: tuple[str, ...] | None = None) -> None:
+    """Installs the import hook and the global patches. Megatron-Core must not be imported yet.
+
+    Args:
+        only: names of the patches to install; default: every one (the host). A GPU without Transformer
+            Engine installs :data:`WITHOUT_TRANSFORMER_ENGINE`.
+    """
     check_megatron_version()
-    for message in _EXPECTED_FALLBACK_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
-    logger.info("CPU adaptor: Megatron-Core will use its torch fallbacks (no Transformer Engine, no apex)")
-    sys.meta_path.insert(0, _MegatronImportHook(_on_megatron_module_loaded))
-    for patch in PATCHES:
+    patches = PATCHES if only is None else tuple(patch for patch in PATCHES if patch.name in only)
+    if only is None:
+        for message in _EXPECTED_FALLBACK_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        logger.info("CPU adaptor: Megatron-Core will use its torch fallbacks (no Transformer Engine, no apex)")
+    else:
+        logger.info("Megatron-Core adaptor: %s", ", ".join(patch.name for patch in patches))
+    sys.meta_path.insert(0, _MegatronImportHook(functools.partial(_on_megatron_module_loaded, patches)))
+    for patch in patches:
         if patch.target == "global":
             patch.apply(None)
             _APPLIED.append(patch.name)

@@ -211,3 +211,27 @@ def test_mindspeed_options_off_npu_are_inert_and_say_so(caplog):
     platform.setup("cpu", mindspeed=MindSpeedConfig(use_flash_attn=True, optimization_level=1))
     assert ("mindspeed.use_flash_attn=True, mindspeed.optimization_level=1: MindSpeed runs only on the npu platform; "
             "on cpu these options have no effect") in caplog.text
+
+
+def test_cuda_without_transformer_engine_gets_only_the_adaptors_fallback_fixes():
+    """Seen on an H200 without Transformer Engine: Megatron-Core's MoE router raised NameError on
+    te_general_gemm. setup("cuda") installs the adaptor's patches for Megatron without Transformer Engine
+    and none of its host redirects (tensors must still go to the GPU). Transformer Engine is absent here,
+    as on that machine; setup itself needs no GPU."""
+    result = _run_python(
+        """
+        import torch
+        cuda_method = torch.Tensor.cuda
+        from megatron_gkd import platform
+        platform.setup("cuda")
+        from megatron.core.transformer.moe import moe_utils
+        from megatron.core.transformer import torch_norm
+        from megatron_gkd.platform import cpu_adaptor
+        assert moe_utils.te_general_gemm is None
+        assert moe_utils.torch is torch, "the host's torch view must not be installed on cuda"
+        assert torch.Tensor.cuda is cuda_method
+        print(sorted(set(cpu_adaptor.applied_patches())))
+        """
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "['missing_te_general_gemm', 'sequence_parallel_torch_norm']"
