@@ -88,7 +88,7 @@ class Trainer:
     def _setup_process(self) -> None:
         config = self.config
         if config.trainer.deterministic:
-            torch.use_deterministic_algorithms(True)
+            platform.use_deterministic_algorithms()
         self.state = parallel.initialize(config.parallel)
         parallel.seed(config.trainer.seed)
         self.rank, self.world_size = self.state.rank, self.state.world_size
