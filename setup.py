@@ -62,7 +62,9 @@ setup(
         # The trainer: YAML presets merged with dotted overrides onto the dataclass schema
         # (megatron_gkd/config), prompt datasets from JSONL/Parquet (megatron_gkd/data), the student's
         # tokenizer and chat template, TensorBoard event files (megatron_gkd/trainer/metrics.py).
-        "omegaconf>=2.3",
+        # 2.4: the schema holds variadic tuples (weight_sync.verify_prompts); 2.3.0 refuses them
+        # ("Unsupported value type: 'Tuple[int, ...]'", seen on a GPU machine).
+        "omegaconf>=2.4",
         "pyarrow>=14",
         "transformers",
         "tensorboard",
