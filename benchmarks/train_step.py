@@ -5,10 +5,13 @@ the output layer's own layout as the distillation step takes them).
 
     python benchmarks/train_step.py                       # TP=2, V=32768, 4 x 512 tokens, k=64
     python benchmarks/train_step.py --tp 1 --vocab 65536 --top-k 256
+    python benchmarks/train_step.py --platform cuda --tp 1 --vocab 151936 --hidden 1024   # one GPU, NCCL
 
-Time: median of --repeats steps per variant, variants interleaved in one run (each rank has 1 thread).
-Memory: the peak of live tensor bytes during one step (the torch profiler's allocation events,
-``megatron_gkd.testing.memory.LiveTensorPeak``: the host analogue of ``max_memory_allocated``), rank 0.
+Time: median of --repeats steps per variant, variants interleaved in one run (each rank has 1 thread; on an
+accelerator the clock stops after the device has finished).
+Memory: the peak of live tensor bytes during one step above those live before it, rank 0: on the host from
+the torch profiler's allocation events (``megatron_gkd.testing.memory.LiveTensorPeak``: the host analogue
+of ``max_memory_allocated``), on an accelerator from its allocator's ``max_memory_allocated``.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def _body(args, checkpoint: str):
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from megatron_gkd import parallel
+    from megatron_gkd import parallel, platform
     from megatron_gkd.models import load_hf
     from megatron_gkd.testing.memory import LiveTensorPeak
     from megatron_gkd.trainer.optim import OptimizerConfig, build_lr_scheduler, build_optimizer, wrap_for_training
@@ -79,7 +82,7 @@ def _body(args, checkpoint: str):
         def forward_step(iterator, model):
             mb = next(iterator)
             with capture_logits(model) as captured:
-                output = model(mb.tokens, mb.position_ids, attention_mask=None)
+                output = model(mb.tokens.to(platform.device()), mb.position_ids.to(platform.device()), attention_mask=None)
             return output, lambda _: (captured.logits.float().mean() * len(distill), {})
 
         run_schedule(chunks, forward_step, distill, seq_length=args.seq, micro_batch_size=args.micro, forward_only=False)
@@ -92,17 +95,28 @@ def _body(args, checkpoint: str):
     times = {name: [] for name in steps}
     for _ in range(args.repeats):
         for name, step in steps.items():
+            platform.synchronize()
             dist.barrier()
             start = time.perf_counter()
             step()
+            platform.synchronize()
             dist.barrier()
             times[name].append(time.perf_counter() - start)
     memory = {}
     for name, step in steps.items():
-        with LiveTensorPeak() as meter:
-            with meter.region(name):
-                step()
-        memory[name] = meter.peak(name)
+        if platform.current().name == "cpu":
+            with LiveTensorPeak() as meter:
+                with meter.region(name):
+                    step()
+            memory[name] = meter.peak(name)
+        else:
+            accelerator = getattr(torch, platform.current().device_type)
+            platform.synchronize()
+            before = accelerator.memory_allocated()
+            accelerator.reset_peak_memory_stats()
+            step()
+            platform.synchronize()
+            memory[name] = accelerator.max_memory_allocated() - before
     parallel.destroy()
     return {name: statistics.median(values) for name, values in times.items()}, memory
 
@@ -120,6 +134,8 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=256, help="fused path: tokens per chunk")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--platform", default="cpu", choices=("cpu", "cuda", "npu"),
+                        help="where the ranks run (cuda/npu: one device per rank)")
     args = parser.parse_args()
     from megatron_gkd.recipes.tiny import build_checkpoint
 
@@ -127,9 +143,10 @@ def main() -> None:
         checkpoint = str(build_checkpoint(directory, vocab_size=args.vocab, hidden_size=args.hidden,
                                           num_layers=args.layers, num_heads=args.hidden // 64,
                                           num_kv_heads=max(args.tp, 1), intermediate_size=2 * args.hidden))
-        (times, memory), *_ = run_distributed(_body, args.tp, args=(args, checkpoint), timeout=3600)
+        (times, memory), *_ = run_distributed(_body, args.tp, args=(args, checkpoint), timeout=3600,
+                                              platform_name=args.platform)
     base, floor = times["sft_cross_entropy"], times["floor"]
-    print(f"TP={args.tp}, V={args.vocab}, {args.batch} x {args.seq} tokens ({args.batch // args.micro} micro-batches), "
+    print(f"{args.platform}, TP={args.tp}, V={args.vocab}, {args.batch} x {args.seq} tokens ({args.batch // args.micro} micro-batches), "
           f"k={args.top_k}, hidden {args.hidden}, {args.layers} layers")
     print(f"{'variant':20s} {'step s':>8s} {'/ SFT CE':>9s} {'/ floor':>8s} {'peak MiB':>9s}")
     for name in VARIANTS:

@@ -89,7 +89,7 @@ def _shard(table: torch.Tensor, layout_rank: int, tp_size: int) -> torch.Tensor:
 
 def _relative(value: torch.Tensor, reference: torch.Tensor) -> float:
     scale = float(reference.abs().max()) if reference.numel() else 0.0
-    return float((value.double() - reference).abs().max()) / max(scale, 1e-30) if value.numel() else 0.0
+    return float((value.double().cpu() - reference.cpu()).abs().max()) / max(scale, 1e-30) if value.numel() else 0.0
 
 
 def _reference(case: HiddenCase, loss_type: str, options: dict):
@@ -106,28 +106,31 @@ def _reference(case: HiddenCase, loss_type: str, options: dict):
 
 
 def check_case(case: HiddenCase, loss_type: str, options: dict, *, dtype: torch.dtype, tp_group,
-               chunk_size: int) -> dict[str, float]:
-    """Relative errors of the fused and unfused hidden paths against the reference on this rank."""
+               chunk_size: int, device: torch.device | str = "cpu") -> dict[str, float]:
+    """Relative errors of the fused and unfused hidden paths on ``device`` against the (host) reference."""
     rank, tp_size = (0, 1) if tp_group is None else (dist.get_rank(tp_group), dist.get_world_size(tp_group))
     total_ref, loss_ref, hidden_grad_ref, table_grad_ref, logits_grad_ref = _reference(case, loss_type, options)
     table_shard = _shard(case.student_table, rank, tp_size)
-    teacher_shard = _shard(case.teacher_table, rank, tp_size).to(dtype)
+    teacher_shard = _shard(case.teacher_table, rank, tp_size).to(device, dtype)
+    teacher_hidden, weights = case.teacher_hidden.to(device, dtype), case.weights.to(device)
     common = dict(loss_type=loss_type, tp_group=tp_group, temperature=case.temperature,
                   teacher_temperature=case.teacher_temperature, real_vocab_size=case.real_vocab_size,
                   chunk_size=chunk_size, **options)
     errors, counted = {}, case.weights != 0  # tokens of weight 0 are skipped: loss 0
-    hidden = case.student_hidden.to(dtype, copy=True).requires_grad_(True)
-    weight = table_shard.to(dtype, copy=True).requires_grad_(True)
-    total, loss, _ = hidden_distill_loss(hidden, case.teacher_hidden.to(dtype), teacher_shard, case.weights,
+    hidden = case.student_hidden.to(device, dtype, copy=True).requires_grad_(True)
+    weight = table_shard.to(device, dtype, copy=True).requires_grad_(True)
+    total, loss, _ = hidden_distill_loss(hidden, teacher_hidden, teacher_shard, weights,
                                          student_weight=weight, **common)
     total.backward()
+    loss = loss.cpu()
     errors["fused_total"] = _relative(total.detach(), total_ref)
     errors["fused_loss"] = _relative(loss[counted], loss_ref[counted])
     errors["fused_hidden_grad"] = _relative(hidden.grad, hidden_grad_ref)
     errors["fused_weight_grad"] = _relative(weight.grad, _shard(table_grad_ref, rank, tp_size))
-    logits = (case.student_hidden @ table_shard.t()).to(dtype, copy=True).requires_grad_(True)
-    total, loss, _ = hidden_distill_loss(logits, case.teacher_hidden.to(dtype), teacher_shard, case.weights, **common)
+    logits = (case.student_hidden @ table_shard.t()).to(device, dtype, copy=True).requires_grad_(True)
+    total, loss, _ = hidden_distill_loss(logits, teacher_hidden, teacher_shard, weights, **common)
     total.backward()
+    loss = loss.cpu()
     errors["unfused_total"] = _relative(total.detach(), total_ref)
     errors["unfused_loss"] = _relative(loss[counted], loss_ref[counted])
     errors["skipped_tokens"] = float(loss[~counted].abs().max()) if (~counted).any() else 0.0
@@ -157,9 +160,9 @@ def check_topk_equivalence(case: HiddenCase, loss_type: str, options: dict, tp_g
     return max(_relative(hidden_loss[masked], per_token.detach()[masked]), _relative(logits.grad, topk_grad))
 
 
-def check_everything(tp_size: int | None = None) -> dict:
-    """On every rank of the default group (its TP group): every case x loss x dtype x chunking, and the
-    top-k equivalence at k = V. Returns ``{"cases": {key: errors}, "topk": {key: error}}``."""
+def check_everything(tp_size: int | None = None, device: torch.device | str = "cpu") -> dict:
+    """On every rank of the default group (its TP group): every case x loss x dtype x chunking on ``device``,
+    and the top-k equivalence at k = V (host). Returns ``{"cases": {key: errors}, "topk": {key: error}}``."""
     tp_group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
     tp_size = 1 if tp_group is None else dist.get_world_size()
     results: dict = {"cases": {}, "topk": {}}
@@ -169,7 +172,8 @@ def check_everything(tp_size: int | None = None) -> dict:
             for dtype in (torch.float64, torch.float32):
                 for chunk_size in (3, 1024):
                     results["cases"][f"{key}/{dtype}/chunk{chunk_size}"] = check_case(
-                        case, loss_type, options, dtype=dtype, tp_group=tp_group, chunk_size=chunk_size)
+                        case, loss_type, options, dtype=dtype, tp_group=tp_group, chunk_size=chunk_size,
+                        device=device)
             if case.real_vocab_size == case.student_table.shape[0]:
                 results["topk"][key] = check_topk_equivalence(case, loss_type, options, tp_group)
     return results

@@ -149,7 +149,7 @@ def shard(full: torch.Tensor, rank: int, tp_size: int) -> torch.Tensor:
 
 def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
     scale = expected.abs().max().item() if expected.numel() else 0.0
-    return (actual.double() - expected).abs().max().item() / max(scale, 1e-30) if expected.numel() else 0.0
+    return (actual.double().cpu() - expected.cpu()).abs().max().item() / max(scale, 1e-30) if expected.numel() else 0.0
 
 
 def _bf16_grad_error(actual: torch.Tensor, expected: torch.Tensor, tolerance: float) -> float:
@@ -159,15 +159,19 @@ def _bf16_grad_error(actual: torch.Tensor, expected: torch.Tensor, tolerance: fl
 
 
 def check_case(case: LossCase, loss_type: str, options: dict, dtype: torch.dtype,
-               rank: int, tp_size: int, group) -> dict:
-    """Runs one case on this rank's shard; returns errors normalised so that <= 1 passes."""
+               rank: int, tp_size: int, group, device: torch.device | str = "cpu") -> dict:
+    """Runs one case on this rank's shard on ``device``; returns errors normalised so that <= 1 passes.
+
+    The reference runs on the host in float64 whatever ``device`` is.
+    """
     rounded = case.logits.to(dtype, copy=True)
-    local = shard(rounded, rank, tp_size).clone().requires_grad_()
+    local = shard(rounded, rank, tp_size).to(device).requires_grad_()
     loss, metrics = vocab_parallel_distill_loss(
-        local, case.ids, case.logprobs, loss_type=loss_type, tp_group=group,
+        local, case.ids.to(device), case.logprobs.to(device), loss_type=loss_type, tp_group=group,
         temperature=case.temperature, real_vocab_size=case.real_vocab_size, **options,
     )
-    (loss.double() * case.grad_out).sum().backward()
+    (loss.double() * case.grad_out.to(device)).sum().backward()
+    loss, grad, metrics = loss.cpu(), local.grad.cpu(), {k: v.cpu() for k, v in metrics.items()}
     full = rounded.double().reshape(-1, rounded.shape[-1]).requires_grad_()
     expected = reference_distill_loss(
         full, case.ids.reshape(-1, case.ids.shape[-1]), case.logprobs.reshape(-1, case.ids.shape[-1]),
@@ -177,24 +181,25 @@ def check_case(case: LossCase, loss_type: str, options: dict, dtype: torch.dtype
     expected_grad = shard(full.grad.reshape(rounded.shape), rank, tp_size)
     tolerance = TOLERANCES[dtype]
     if dtype == torch.bfloat16:
-        grad_error = _bf16_grad_error(local.grad, expected_grad, tolerance)
+        grad_error = _bf16_grad_error(grad, expected_grad, tolerance)
     else:
-        grad_error = _relative(local.grad, expected_grad) / tolerance
+        grad_error = _relative(grad, expected_grad) / tolerance
     return {
         "case": case.name, "loss_type": loss_type, "options": options, "dtype": str(dtype),
         "loss_error": _relative(loss.reshape(-1), expected.detach()) / tolerance,
         "grad_error": grad_error,
-        "grad_dtype_ok": local.grad.dtype == dtype and loss.shape == case.grad_out.shape,
+        "grad_dtype_ok": grad.dtype == dtype and loss.shape == case.grad_out.shape,
         "metrics_finite": all(bool(torch.isfinite(v).all()) for v in metrics.values()),
     }
 
 
-def check_all_cases(dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch.bfloat16)) -> list[dict]:
-    """Body for ``run_distributed``: every case x loss config x dtype on the default group."""
+def check_all_cases(dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch.bfloat16),
+                    device: torch.device | str = "cpu") -> list[dict]:
+    """Body for ``run_distributed``: every case x loss config x dtype on the default group, on ``device``."""
     tp_size, rank = dist.get_world_size(), dist.get_rank()
     group = dist.group.WORLD
     return [
-        check_case(case, loss_type, options, dtype, rank, tp_size, group)
+        check_case(case, loss_type, options, dtype, rank, tp_size, group, device)
         for case in make_cases(tp_size)
         for loss_type, options in LOSS_CONFIGS
         for dtype in dtypes
@@ -209,8 +214,11 @@ def failures(results: list[dict]) -> list[dict]:
     ]
 
 
-def check_fused_against_unfused(chunk_size: int = 5, hidden_size: int = 16) -> dict:
-    """Body for ``run_distributed``: fused vs unfused vs reference (fp32 and fp64), grads of hidden and W."""
+def check_fused_against_unfused(chunk_size: int = 5, hidden_size: int = 16, device: torch.device | str = "cpu") -> dict:
+    """Body for ``run_distributed``: fused vs unfused vs reference (fp32 and fp64), grads of hidden and W.
+
+    The fused and unfused losses run on ``device``, the float64 reference on the host.
+    """
     if dist.is_initialized():
         tp_size, rank, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
     else:
@@ -229,20 +237,21 @@ def check_fused_against_unfused(chunk_size: int = 5, hidden_size: int = 16) -> d
     for (real, (ids, lp)), (loss_type, options), dtype in itertools.product(
             teachers.items(), LOSS_CONFIGS, (torch.float64, torch.float32)):
         options = dict(options, real_vocab_size=real) if real is not None else options
-        hidden = hidden_full.to(dtype, copy=True).requires_grad_()
-        weight = shard(weight_full.to(dtype).t(), rank, tp_size).t().contiguous().requires_grad_()
+        on_device = ids.to(device), lp.to(device), upstream.to(device)
+        hidden = hidden_full.to(device, dtype, copy=True).requires_grad_()
+        weight = shard(weight_full.to(dtype).t(), rank, tp_size).t().contiguous().to(device).requires_grad_()
         loss, _ = fused_vocab_parallel_distill_loss(
-            hidden, weight, ids, lp, loss_type=loss_type, tp_group=group, temperature=0.8,
+            hidden, weight, *on_device[:2], loss_type=loss_type, tp_group=group, temperature=0.8,
             chunk_size=chunk_size, **options,
         )
-        (loss.double() * upstream).sum().backward()
-        hidden_u = hidden_full.to(dtype, copy=True).requires_grad_()
+        (loss.double() * on_device[2]).sum().backward()
+        hidden_u = hidden_full.to(device, dtype, copy=True).requires_grad_()
         weight_u = weight.detach().clone().requires_grad_()
         logits = hidden_u @ weight_u.t()
         loss_u, _ = vocab_parallel_distill_loss(
-            logits, ids, lp, loss_type=loss_type, tp_group=group, temperature=0.8, **options
+            logits, *on_device[:2], loss_type=loss_type, tp_group=group, temperature=0.8, **options
         )
-        (loss_u.double() * upstream).sum().backward()
+        (loss_u.double() * on_device[2]).sum().backward()
         grad_hidden_u = hidden_u.grad.clone()
         if tp_size > 1:
             dist.all_reduce(grad_hidden_u, group=group)
