@@ -58,17 +58,13 @@ def check_config(config) -> None:
         ValueError: the first inconsistency found, naming its keys and the fix.
     """
     from megatron_gkd.rollout.registry import ENGINES
-    from megatron_gkd.trainer.eval import SCORERS
-    from megatron_gkd.trainer.schedulers import SCHEDULERS
 
     trainer, rollout, loss, data = config.trainer, config.rollout, config.loss, config.data
     teachers = teacher_configs(config)
-    if trainer.scheduler not in SCHEDULERS:
-        raise SCHEDULERS.unknown(trainer.scheduler)
+    # trainer.scheduler and eval.scorer name entries of the trainer's registries: checked by
+    # megatron_gkd.trainer.checks (config/ does not import trainer/).
     if rollout.engine not in ENGINES:
         raise ENGINES.unknown(rollout.engine)
-    if config.eval.scorer not in SCORERS:
-        raise SCORERS.unknown(config.eval.scorer)
     if config.student.checkpoint is None:
         _fail("student.checkpoint is required: the HF checkpoint directory of the student's initial weights")
     if data.train_path is None:

@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from megatron_gkd.config.optim import OptimizerConfig
 from megatron_gkd.data.config import DataConfig
 from megatron_gkd.parallel.state import ParallelConfig
 from megatron_gkd.platform.npu import MindSpeedConfig
 from megatron_gkd.rollout.types import SamplingConfig
 from megatron_gkd.teacher.config import TeacherConfig, TeacherMixConfig
-from megatron_gkd.trainer.optim import OptimizerConfig
 from megatron_gkd.weight_sync.config import WeightSyncConfig
 
 DTYPES = ("float32", "bfloat16", "float16")

@@ -68,10 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
     from megatron_gkd.config import load_config
     from megatron_gkd.log_setup import setup_logging
+    from megatron_gkd.trainer.checks import check_registered_names
 
     setup_logging("INFO")
     try:
         config = load_config(args.config, list(args.overrides))
+        check_registered_names(config)
         allocation = _allocation(args)
         options = JobOptions(
             role=args.role, config_path=args.config, overrides=list(args.overrides),

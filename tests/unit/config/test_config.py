@@ -52,8 +52,11 @@ BAD = [
 
 @pytest.mark.parametrize("overrides, world_size, message", BAD, ids=[case[2][:40] for case in BAD])
 def test_bad_config_names_the_key_and_the_fix(overrides, world_size, message):
-    with pytest.raises(ValueError) as error:
+    from megatron_gkd.trainer.checks import check_registered_names
+
+    with pytest.raises(ValueError) as error:  # every check the entry point runs before it starts anything
         config = load_config(BASE, overrides)
+        check_registered_names(config)
         check_layout(config, world_size)
     assert message in str(error.value)
 
@@ -110,6 +113,11 @@ def test_entry_point_exits_2_with_one_line_and_prints_plans():
     assert "world 4 = tp 2 x pp 1 x dp 2" in plan.stdout and "rank 3: tp 1 dp 1 pp 0" in plan.stdout
     printed = run("--print-config", "rollout.n=8")
     assert printed.returncode == 0 and "'n': 8" in printed.stdout
+    # Names in the trainer's registries are checked by the entry point (config/ does not import trainer/).
+    for override, key in (("trainer.scheduler=one_stepoff", "trainer.scheduler='one_stepoff'"),
+                          ("eval.scorer=exact", "eval.scorer='exact'")):
+        bad = run("--print-config", override)
+        assert bad.returncode == 2 and bad.stderr.startswith("config error:") and key in bad.stderr, bad.stderr
 
 
 def test_support_k_is_inert_with_a_union_support_and_says_so(caplog):
