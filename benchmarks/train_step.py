@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from megatron_gkd.platform import PLATFORM_NAMES
 from megatron_gkd.testing.distributed import run_distributed
 
 VARIANTS = ("floor", "sft_cross_entropy", "distill_unfused", "distill_fused")
@@ -110,13 +111,12 @@ def _body(args, checkpoint: str):
                     step()
             memory[name] = meter.peak(name)
         else:
-            accelerator = getattr(torch, platform.current().device_type)
             platform.synchronize()
-            before = accelerator.memory_allocated()
-            accelerator.reset_peak_memory_stats()
+            before = platform.memory_allocated()
+            platform.max_memory_allocated(reset=True)
             step()
             platform.synchronize()
-            memory[name] = accelerator.max_memory_allocated() - before
+            memory[name] = platform.max_memory_allocated() - before
     parallel.destroy()
     return {name: statistics.median(values) for name, values in times.items()}, memory
 
@@ -134,8 +134,8 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=256, help="fused path: tokens per chunk")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--platform", default="cpu", choices=("cpu", "cuda", "npu"),
-                        help="where the ranks run (cuda/npu: one device per rank)")
+    parser.add_argument("--platform", default="cpu", choices=PLATFORM_NAMES,
+                        help="where the ranks run (an accelerator: one device per rank)")
     args = parser.parse_args()
     from megatron_gkd.recipes.tiny import build_checkpoint
 

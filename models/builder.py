@@ -139,8 +139,8 @@ def _place_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
     dtypes take a slow path). Buffers keep their dtype (DeepSeek-V3's float32 correction bias).
 
     Megatron's own layers allocate on the accelerator, but the local spec's torch norms are built on the
-    host (Megatron's training script moves the whole model with ``.cuda()``): without the move a CUDA
-    forward failed in the first norm ("weight is on cpu").
+    host (Megatron's training script moves the whole model to the GPU): without the move a forward on a
+    GPU failed in the first norm ("weight is on cpu").
     """
     from megatron_gkd import platform
 

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 import shlex
 import sys
 
 from megatron_gkd.launcher.nodes import Allocation, Node
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
-PRETRAIN_SCRIPT = REPO_ROOT / "launch" / "pretrain_gkd.py"
-TEACHER_SCRIPT = REPO_ROOT / "launch" / "teacher_server.py"
+TRAINER_CLI = "megatron_gkd.trainer.cli"
+"""The trainer's command line (``launch/pretrain_gkd.py`` calls it), run with ``python -m`` / ``torchrun -m``."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -48,13 +46,9 @@ def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
-def python_script(script: pathlib.Path | str, *args: str) -> list[str]:
-    return [sys.executable, str(script), *args]
-
-
-def torchrun(allocation: Allocation, script: pathlib.Path | str, args: list[str], *, port: int,
+def torchrun(allocation: Allocation, module: str, args: list[str], *, port: int,
              rdzv_backend: str = "c10d", node_rank: int | None = None) -> list[str]:
-    """``torchrun`` for ``allocation``'s nodes, its rendezvous on the first node.
+    """``torchrun -m module`` for ``allocation``'s nodes, its rendezvous on the first node.
 
     Args:
         rdzv_backend: ``c10d`` (every node runs the same command; ranks are given out at the
@@ -73,16 +67,16 @@ def torchrun(allocation: Allocation, script: pathlib.Path | str, args: list[str]
         args_ += [f"--node-rank={node_rank}", f"--master-addr={allocation.head.address}", f"--master-port={port}"]
     else:
         raise ValueError(f"unknown rendezvous backend {rdzv_backend!r}; use 'c10d' or 'static'")
-    return python_module("torch.distributed.run", *args_, str(script), *args)
+    return python_module("torch.distributed.run", *args_, "-m", module, *args)
 
 
 def trainer_args(config_path: str | None, overrides: list[str]) -> list[str]:
-    """``launch/pretrain_gkd.py``'s arguments: the config and the dotted overrides, unchanged."""
+    """The trainer's arguments: the config and the dotted overrides, unchanged."""
     return ([f"--config={config_path}"] if config_path else []) + list(overrides)
 
 
 def backend_arg_flags(backend_args: dict) -> list[str]:
-    """``--backend-arg key=value`` pairs as ``teacher_server.py`` parses them (JSON values)."""
+    """``--backend-arg key=value`` pairs as the teacher service parses them (JSON values)."""
     flags = []
     for key, value in backend_args.items():
         flags += ["--backend-arg", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
@@ -90,7 +84,7 @@ def backend_arg_flags(backend_args: dict) -> list[str]:
 
 
 def teacher_serve_args(*, frontend: str, backend: str, model: str, backend_args: dict, secret_file: str) -> list[str]:
-    """``teacher_server.py serve``: a proxy and one worker, the backend in the same process (rank 0)."""
+    """The teacher service's ``serve``: a proxy and one worker, the backend in the same process (rank 0)."""
     return ["serve", f"--frontend={frontend}", f"--backend={backend}", f"--model={model}",
             *backend_arg_flags(backend_args), f"--secret-file={secret_file}"]
 

@@ -135,7 +135,7 @@ def build_plan(options: JobOptions, config, allocation: Allocation) -> JobPlan:
 
         student_config = config if student_overrides == options.overrides else load_config(
             options.config_path, student_overrides)
-        command = commands.torchrun(student_allocation, commands.PRETRAIN_SCRIPT,
+        command = commands.torchrun(student_allocation, commands.TRAINER_CLI,
                                     commands.trainer_args(options.config_path, student_overrides),
                                     port=options.rdzv_port)
         student = Step(name="student", nodes=student_allocation.nodes, command=command, signal_target=True)

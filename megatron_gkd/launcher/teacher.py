@@ -17,6 +17,7 @@ import shlex
 from megatron_gkd.launcher import commands
 from megatron_gkd.launcher.commands import Step
 from megatron_gkd.launcher.nodes import Allocation
+from megatron_gkd.teacher.replicas import TEACHER_CLI
 
 @dataclasses.dataclass(kw_only=True)
 class RayGate:
@@ -109,7 +110,7 @@ def plan_teacher(serve, allocation: Allocation, *, secret_file: str, port: int, 
     env: dict[str, str] = {}
     if serve.backend == "megatron":
         for rank, node in enumerate(allocation.nodes):
-            command = commands.torchrun(allocation, commands.TEACHER_SCRIPT, serve_args, port=rdzv_port,
+            command = commands.torchrun(allocation, TEACHER_CLI, serve_args, port=rdzv_port,
                                         rdzv_backend="static", node_rank=rank)
             actions.append(Step(name=f"teacher-{rank}" if allocation.num_nodes > 1 else "teacher", nodes=(node,),
                                 command=command))
@@ -129,6 +130,6 @@ def plan_teacher(serve, allocation: Allocation, *, secret_file: str, port: int, 
             env["RAY_ADDRESS"] = ray_address
             notes.append(f"vLLM over Ray: head on {head.name}, {allocation.num_nodes - 1} worker node(s)")
         actions.append(Step(name="teacher", nodes=(head,),
-                            command=commands.python_script(commands.TEACHER_SCRIPT, *serve_args), env=env))
+                            command=commands.python_module(TEACHER_CLI, *serve_args), env=env))
     return TeacherDeployment(actions=actions, address=f"tcp://{head.address}:{port}", backend=serve.backend,
                              model=str(serve.model), backend_args=backend_args, notes=notes)

@@ -254,6 +254,40 @@ def synchronize() -> None:
         getattr(torch, platform.device_type).synchronize()
 
 
+def _accelerator():
+    """The torch module of this platform's device (``torch.cuda``, ``torch.npu``), ``None`` on the host."""
+    platform = current()
+    return None if platform.name == "cpu" else getattr(torch, platform.device_type)
+
+
+def memory_allocated() -> int:
+    """Bytes of device memory held by live tensors (0 on the host, where the allocator keeps no count)."""
+    accelerator = _accelerator()
+    return 0 if accelerator is None else accelerator.memory_allocated()
+
+
+def max_memory_allocated(reset: bool = False) -> int:
+    """The peak of :func:`memory_allocated` since the last reset (0 on the host); ``reset`` starts a new one."""
+    accelerator = _accelerator()
+    if accelerator is None:
+        return 0
+    if reset:
+        accelerator.reset_peak_memory_stats()
+    return accelerator.max_memory_allocated()
+
+
+def describe() -> dict[str, str]:
+    """Versions and device of this process, for benchmark reports: torch, the device runtime, the device
+    name and the collectives library (each ``"-"`` where there is none)."""
+    found = {"platform": current().name, "torch": torch.__version__, "runtime": "-", "device": "-", "collectives": "-"}
+    if current().name == "cuda":
+        found.update(runtime=f"CUDA {torch.version.cuda}", device=torch.cuda.get_device_name(),
+                     collectives="NCCL " + ".".join(map(str, torch.cuda.nccl.version())))
+    elif current().name == "npu":
+        found.update(device=torch.npu.get_device_name())
+    return found
+
+
 def use_deterministic_algorithms() -> None:
     """Turns on torch's deterministic algorithms, with what the platform needs for them.
 

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 
+from megatron_gkd.launcher.commands import TRAINER_CLI
 from megatron_gkd.recipes import arithmetic, tiny
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ def sft_command(name: str, init: pathlib.Path, task: pathlib.Path, run_dir: path
                 extra: list[str] = ()) -> list[str]:
     """The torchrun command of ``name``'s SFT run."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-            str(REPO / "launch" / "pretrain_gkd.py"), "--config", str(SFT_CONFIG), f"student.checkpoint={init}",
+            "-m", TRAINER_CLI, "--config", str(SFT_CONFIG), f"student.checkpoint={init}",
             f"data.train_path={task / 'train.jsonl'}", f"data.eval_path={task / 'eval.jsonl'}",
             f"trainer.output_dir={run_dir}", "logging.progress_bar=false", *TRAINING[name], *extra]
 

@@ -24,20 +24,24 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.2
 
 
+TEACHER_CLI = "megatron_gkd.teacher.cli"
+"""The teacher service's command line, run with ``python -m`` (``launch/teacher_server.py`` calls it)."""
+
+
 class WorkerProcesses:
     """Starts ``num_workers`` worker processes connected to ``connect`` and watches them.
 
     Args:
-        script: the ``teacher_server.py`` to run with the ``worker`` role.
         num_workers: replicas to start.
         connect: the proxy's worker address.
         worker_args: the worker options (backend, model, limits, delay ...), without role and address.
     """
 
-    def __init__(self, script: str, num_workers: int, connect: str, worker_args: list[str]):
+    def __init__(self, num_workers: int, connect: str, worker_args: list[str]):
         if num_workers < 1:
             raise ValueError(f"num_workers={num_workers} must be >= 1")
-        command = [sys.executable, script, "worker", "--connect", connect, "--exit-with-parent", *worker_args]
+        command = [sys.executable, "-m", TEACHER_CLI, "worker", "--connect", connect, "--exit-with-parent",
+                   *worker_args]
         # Output goes where this process's goes (the service log); the secret travels in the environment.
         self.processes = [subprocess.Popen(command) for _ in range(num_workers)]
         self._reported: set[int] = set()

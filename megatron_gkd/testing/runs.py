@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+from megatron_gkd.launcher.commands import TRAINER_CLI
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "cpu_tiny.yaml"
 # 20 deterministic sync steps with a checkpoint after each: the reference run of the resume tests.
@@ -35,7 +37,7 @@ def asset_overrides(assets: pathlib.Path) -> list[str]:
 
 def command(out: pathlib.Path, overrides: list[str], nproc: int = 2, config: pathlib.Path = CONFIG) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            str(REPO / "launch" / "pretrain_gkd.py"), "--config", str(config), f"trainer.output_dir={out}",
+            "-m", TRAINER_CLI, "--config", str(config), f"trainer.output_dir={out}",
             "logging.progress_bar=false", *overrides]
 
 
@@ -109,7 +111,7 @@ def wait_until(predicate, timeout_s: float) -> bool:
 
 def worker_pids(out: pathlib.Path) -> list[int]:
     """The trainer ranks of the run writing to ``out`` (not torchrun itself)."""
-    return [int(pid) for pid, cmdline in _processes() if "pretrain_gkd.py" in cmdline
+    return [int(pid) for pid, cmdline in _processes() if TRAINER_CLI in cmdline
             and f"trainer.output_dir={out}" in cmdline and "torch.distributed.run" not in cmdline]
 
 

@@ -1,17 +1,15 @@
-"""A teacher service the run starts itself: ``launch/teacher_server.py serve`` on loopback, as a child
+"""A teacher service the run starts itself: ``python -m megatron_gkd.teacher.cli serve`` on loopback, as a child
 (:class:`~megatron_gkd.child_process.ServiceProcess`: its own process group, a log file in the run
 directory, stopped at exit and when the trainer dies)."""
 
 from __future__ import annotations
 
 import json
-import pathlib
 import secrets
 import sys
 
 from megatron_gkd.child_process import ServiceProcess
-
-SERVER_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "launch" / "teacher_server.py"
+from megatron_gkd.teacher.replicas import TEACHER_CLI
 
 
 class TeacherService(ServiceProcess):
@@ -25,11 +23,8 @@ class TeacherService(ServiceProcess):
     """
 
     def __init__(self, serve, log_path, secret: str | None = None):
-        if not SERVER_SCRIPT.is_file():
-            raise FileNotFoundError(f"teacher.serve needs {SERVER_SCRIPT} (a source checkout of megatron-gkd); "
-                                    "start the service yourself and set teacher.address instead")
         self.secret = secret or secrets.token_hex(32)
-        args = [sys.executable, str(SERVER_SCRIPT), "serve", "--exit-with-parent", "--frontend", "tcp://127.0.0.1:0",
+        args = [sys.executable, "-m", TEACHER_CLI, "serve", "--exit-with-parent", "--frontend", "tcp://127.0.0.1:0",
                 "--backend", serve.backend, "--model", str(serve.model)]
         for key, value in serve.backend_args.items():
             args += ["--backend-arg", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]

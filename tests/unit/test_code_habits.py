@@ -1,5 +1,6 @@
 """Lint-as-test: device-specific calls live only in the platform package; no print in the library."""
 
+import ast
 import pathlib
 import re
 import subprocess
@@ -63,11 +64,16 @@ def test_device_calls_only_in_platform_package():
     assert not offenders, "device-specific code outside megatron_gkd/platform/:\n" + "\n".join(offenders)
 
 
+# A command line's output is its interface (the teacher service's READY line, the trainer's summary line and
+# config errors, which scripts and tests read): it prints.
+COMMAND_LINES = ("/cli.py", "/__main__.py")
+
+
 def test_no_print_in_library_code():
     offenders = [
         f"{path}:{number}: {line.strip()}"
         for path in _python_files()
-        if path.startswith(LIBRARY)
+        if path.startswith(LIBRARY) and not path.endswith(COMMAND_LINES)
         for number, line in _code_lines(path)
         if re.match(r"\s*print\(", line)
     ]
@@ -99,3 +105,49 @@ def test_nothing_cites_a_file_outside_the_repository():
              if OUTSIDE_NOTES.search(line)]
     assert not found, "cite docs/design.md or state the fact instead: " + ", ".join(found)
     assert OUTSIDE_NOTES.search("see ../shared/DESIGN.md") and not OUTSIDE_NOTES.search("see docs/design.md")
+
+
+def _imports(path: str) -> list[str]:
+    """Every module imported anywhere in ``path`` (function-level imports too)."""
+    tree = ast.parse((ROOT / path).read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append(node.module)
+    return found
+
+
+def test_config_does_not_import_the_trainer():
+    """``trainer/`` builds on ``config/``; an import back up makes a cycle (what both need lives below both)."""
+    offenders = [f"{path}: imports {module}" for path in _python_files() if path.startswith("megatron_gkd/config/")
+                 for module in _imports(path) if module == "megatron_gkd.trainer" or module.startswith("megatron_gkd.trainer.")]
+    assert not offenders, "\n".join(offenders)
+
+
+def _code_strings(path: str) -> list[tuple[int, str]]:
+    """String constants of ``path`` that are not docstrings."""
+    tree = ast.parse((ROOT / path).read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+
+
+def _names_a_script(value: str) -> bool:
+    return value.startswith("launch/") or bool(re.fullmatch(r"[\w./-]*\w\.py", value))
+
+
+def test_library_runs_modules_not_scripts_by_path():
+    """The library starts its own commands with ``python -m`` (``launch/*.py`` are thin entry points for
+    users): a path into the source tree breaks once the package is installed."""
+    offenders = [f"{path}:{line}: {value!r}" for path in _python_files() if path.startswith(LIBRARY)
+                 for line, value in _code_strings(path) if _names_a_script(value)]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_layering_lints_catch_violations():
+    assert _names_a_script("launch/pretrain_gkd.py") and _names_a_script("teacher_server.py")
+    assert not _names_a_script("megatron_gkd.trainer.cli") and not _names_a_script("a .py file")

@@ -5,7 +5,7 @@ and nowhere else) make the registrations the real packages make, run on the host
 groups, the NPU's memory is host memory), and record every request made of them with the stack that made it.
 Two runs under them:
 
-* the real entry point (``launch/pretrain_gkd.py`` under torchrun, TP=2) trains one on-policy step: a tiny
+* the real entry point (``megatron_gkd.trainer.cli``, what ``launch/pretrain_gkd.py`` runs, under torchrun, TP=2) trains one on-policy step: a tiny
   Megatron-Core student, the ``megatron`` rollout engine, a colocated Megatron teacher (``teacher.client=
   local`` with offload), the loss and the optimizer, with MindSpeed options in the config;
 * weight sync over its own HCCL groups: a trainer process sends the student to a rollout process.
@@ -125,7 +125,7 @@ def test_mindspeed_gets_the_configured_options_before_megatron(step_run):
     for adaptor in adaptors:
         assert adaptor["detail"]["megatron_imported_before"] == []
         assert adaptor["stack"][-2:] == ["megatron_gkd/platform/__init__.py", "megatron_gkd/platform/npu.py"]
-        assert adaptor["stack"][0] == "launch/pretrain_gkd.py"
+        assert adaptor["stack"][0] == "megatron_gkd/trainer/cli.py"  # launch/pretrain_gkd.py's logic, run with torchrun -m
         args = adaptor["detail"]["args"]
         assert args["use_flash_attn"] is True and args["use_fused_rmsnorm"] is True
         assert args["use_fused_swiglu"] is True and args["use_fused_rotary_pos_emb"] is True
