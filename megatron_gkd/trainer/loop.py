@@ -48,6 +48,7 @@ class Trainer:
         self.step = 0
         self.tokens_trained = 0  # response tokens of the trained batches (trainer.token_budget)
         self.writer = self.progress = None
+        self._unwritten: dict = {}  # metrics for the next record (start-up's)
         self._rollout_version = 0  # weights the rollout engine (or server) holds
         self._receiver = self._sync_plan = self.evaluator = None
         self._signal: int | None = None
@@ -58,10 +59,30 @@ class Trainer:
             raise
 
     def _build(self) -> None:
+        phase = Timers()
+        with phase("process"):
+            self._setup_process()
+        with phase("teacher_service_start"):
+            self._start_teacher_service()
+        with phase("data"):
+            self._load_data()
+        with phase("student"):
+            self._build_student()
+        # The teacher services load their models in their own processes meanwhile: the rollout engine is
+        # built before the trainer waits for them, not after.
+        with phase("rollout"):
+            self._build_rollout()
+        with phase("teacher_wait"):
+            self._connect_teacher()
+        with phase("resume"):
+            self._resume()
+        self._open_sinks()
+        self._report_startup(phase.pop())
+        for signum in PREEMPTION_SIGNALS:
+            signal.signal(signum, self._on_signal)
+
+    def _build_student(self) -> None:
         config = self.config
-        self._setup_process()
-        self._start_teacher_service()
-        self._load_data()
         self.student = build_student(config)
         for teacher in self.teachers:
             teacher.head = build_teacher_head(teacher.config, self.state, self.student, self.tokenizer)
@@ -77,12 +98,18 @@ class Trainer:
                               stop_ids=self.stop_ids, layout=self.layout, timers=self.timers,
                               loss_kind="cross_entropy" if config.trainer.mode == "sft" else "distill",
                               teachers=self.teachers)
-        self._connect_teacher()
-        self._build_rollout()
-        self._resume()
-        self._open_sinks()
-        for signum in PREEMPTION_SIGNALS:
-            signal.signal(signum, self._on_signal)
+
+    def _report_startup(self, seconds: dict[str, float]) -> None:
+        """Logs where start-up went and keeps it for the first metrics record (``time/startup/*``)."""
+        seconds["total"] = sum(seconds.values())
+        logger.info("started in %.1f s: %s", seconds["total"],
+                    ", ".join(f"{name} {value:.1f} s" for name, value in seconds.items() if name != "total"))
+        self._unwritten = {f"time/startup/{name}": value for name, value in seconds.items()}
+
+    def _write(self, step: int, metrics: dict) -> None:
+        """One metrics record (rank 0), with what start-up measured on the first."""
+        self.writer.write(step, {**self._unwritten, **metrics})
+        self._unwritten = {}
 
     # ----------------------------------------------------------------------------------------- setup
     def _setup_process(self) -> None:
@@ -201,7 +228,7 @@ class Trainer:
         config, start = self.config, time.perf_counter()
         first_eval = self._evaluate() if config.eval.at_start and self.step == 0 else {}
         if first_eval and self.rank == 0:
-            self.writer.write(self.step, {**first_eval, **{f"time/{k}": v for k, v in self.timers.pop().items()}})
+            self._write(self.step, {**first_eval, **{f"time/{k}": v for k, v in self.timers.pop().items()}})
             self.progress.evaluated(first_eval)
         schedule = SCHEDULERS.get(config.trainer.scheduler)
         self.pipeline = BatchPipeline(self._produce, max_staleness=schedule.max_staleness, start=self.step,
@@ -234,7 +261,7 @@ class Trainer:
                         len(self.pipeline.in_flight))
         last_eval = self._evaluate() if config.eval.at_end else {}
         if last_eval and self.rank == 0:
-            self.writer.write(self.step, last_eval)
+            self._write(self.step, last_eval)
         if config.checkpoint.save_at_end:
             self._save_checkpoint()
         if config.checkpoint.hf_at_end:
@@ -336,7 +363,7 @@ class Trainer:
                                         self.control)
         self.last_metrics = metrics
         if self.rank == 0:
-            self.writer.write(self.step, metrics)
+            self._write(self.step, metrics)
             self.progress.update(self.step, metrics, {k[5:]: v for k, v in metrics.items() if k.startswith("time/")})
 
     # ------------------------------------------------------------------------------------------ eval

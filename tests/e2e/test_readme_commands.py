@@ -48,6 +48,13 @@ def _check_demo(result: subprocess.CompletedProcess, out_dir: pathlib.Path, num_
     assert "eval/kl_to_teacher_before" in summary and "eval/kl_to_teacher_after" in summary
     steps = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps if "train/loss" in r] == list(range(1, num_steps + 1))
+    # Where start-up went, once: in the log and on the first record (the eval at step 0).
+    startup = {key: value for key, value in steps[0].items() if key.startswith("time/startup/")}
+    phases = {"process", "teacher_service_start", "data", "student", "rollout", "teacher_wait", "resume"}
+    assert set(startup) == {f"time/startup/{name}" for name in phases | {"total"}}, startup
+    assert startup["time/startup/total"] == pytest.approx(sum(v for k, v in startup.items() if not k.endswith("total")))
+    assert not any(key.startswith("time/startup/") for record in steps[1:] for key in record)
+    assert re.search(r"started in [0-9.]+ s: process [0-9.]+ s, .*rollout [0-9.]+ s, teacher_wait", result.stderr)
     assert (out_dir / "checkpoints" / "latest").exists()
     assert (out_dir / "hf" / f"step_{num_steps}" / "config.json").exists()
     match = re.search(r"distillation demo: eval accuracy ([0-9.]+) -> ([0-9.]+) in (\d+) steps.*teacher ([0-9.]+)",
