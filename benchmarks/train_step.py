@@ -52,8 +52,6 @@ def _microbatches(args, vocab: int):
 
 def _body(args, checkpoint: str):
     import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-
     from megatron_gkd import parallel, platform
     from megatron_gkd.models import load_hf
     from megatron_gkd.testing.memory import LiveTensorPeak
@@ -65,7 +63,7 @@ def _body(args, checkpoint: str):
     chunks = wrap_for_training(load_hf(checkpoint), config)
     optimizer = build_optimizer(config, chunks)
     runner = StepRunner(chunks, optimizer, build_lr_scheduler(config, optimizer, 1000), tp_group=state.tp_group,
-                        dp_group=mpu.get_data_parallel_group_gloo(), dp_size=1, is_last_stage=True)
+                        dp_group=state.dp_gloo_group, dp_size=1, is_last_stage=True)
     distill, sft = _microbatches(args, args.vocab)
     specs = {"sft_cross_entropy": (LossSpec(kind="cross_entropy"), sft),
              "distill_unfused": (LossSpec(loss_type="forward_kl"), distill),

@@ -187,7 +187,6 @@ def build_model(
     Raises:
         ValueError: unsupported architecture, or sizes that the layout cannot split.
     """
-    from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
 
     from megatron_gkd import parallel
@@ -216,8 +215,8 @@ def build_model(
         model = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec,
-            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            pre_process=state.is_first_stage(vp_stage),
+            post_process=state.is_last_stage(vp_stage),
             vp_stage=vp_stage,
             **model_kwargs,
         )

@@ -49,11 +49,10 @@ def owner_shard_rank(hf_name: str, size: int) -> int:
 
 
 def _is_first_replica(is_expert: bool) -> bool:
-    from megatron.core import parallel_state as mpu
+    from megatron_gkd import parallel
 
-    if is_expert:
-        return mpu.get_expert_data_parallel_rank() == 0
-    return mpu.get_data_parallel_rank(with_context_parallel=True) == 0
+    state = parallel.get_state()
+    return (state.expert_dp_rank if is_expert else state.dp_cp_rank) == 0
 
 
 def _is_owner(hf_name: str, is_expert: bool, shard_rank: int, size: int) -> bool:
@@ -108,13 +107,14 @@ def export_hf_weights(modules, *, owner_only: bool = True, all_experts: bool = F
 def _gather_experts(model, rule: WeightRule, fields: dict, full: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """The HF tensors of expert ``fields["expert"]`` and of the experts that the other expert-parallel ranks hold
     at the same local index (Megatron numbers them ``ep_rank x num_local_experts + local index``)."""
-    from megatron.core import parallel_state as mpu
+    from megatron_gkd import parallel
 
-    size = mpu.get_expert_model_parallel_world_size()
+    state = parallel.get_state()
+    size = state.ep_size
     if size == 1:
         yield from zip(rule.hf_names(fields), full)
         return
-    rank, group = mpu.get_expert_model_parallel_rank(), mpu.get_expert_model_parallel_group()
+    rank, group = state.ep_rank, state.ep_group
     num_local = model.config.num_moe_experts // size
     expert = int(fields["expert"])
     gathered = []

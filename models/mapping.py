@@ -252,16 +252,9 @@ def shard_coordinates(rule: WeightRule):
     Routed experts are split over the expert-tensor-parallel group, everything else over the
     tensor-parallel group (Megatron's parallel state must be initialised).
     """
-    from megatron.core import parallel_state as mpu
+    from megatron_gkd import parallel
 
+    state = parallel.get_state()
     if rule.is_expert:
-        return (
-            mpu.get_expert_tensor_parallel_group(),
-            mpu.get_expert_tensor_parallel_rank(),
-            mpu.get_expert_tensor_parallel_world_size(),
-        )
-    return (
-        mpu.get_tensor_model_parallel_group(),
-        mpu.get_tensor_model_parallel_rank(),
-        mpu.get_tensor_model_parallel_world_size(),
-    )
+        return state.etp_group, state.etp_rank, state.etp_size
+    return state.tp_group, state.tp_rank, state.tp_size

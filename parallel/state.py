@@ -129,7 +129,9 @@ class ParallelState:
     """The process groups and this rank's coordinates, returned by :func:`initialize`.
 
     ``groups`` is Megatron-Core's ``ProcessGroupCollection`` (``groups.tp``, ``groups.pp``,
-    ``groups.dp``, ``groups.ep``, ``groups.expt_tp`` ...), the object Megatron's own modules accept.
+    ``groups.dp``, ``groups.ep``, ``groups.expt_tp`` ...), the object Megatron's own modules accept. Code
+    outside ``parallel/`` takes every group and coordinate from here, never from Megatron's getters (a lint
+    test keeps it so).
     """
 
     config: ParallelConfig
@@ -141,6 +143,43 @@ class ParallelState:
     dp_rank: int
     ep_rank: int
     groups: object
+    dp_gloo_group: dist.ProcessGroup | None = None
+    """The data-parallel group on gloo (host tensors: batch shapes, agreement) whatever the device."""
+    dp_cp_rank: int = 0
+    """Rank in the data-and-context-parallel group (the replica index of dense weights)."""
+    expert_dp_rank: int = 0
+    """Rank in the expert-data-parallel group (the replica index of expert weights)."""
+    etp_rank: int = 0
+    """Rank in the expert-tensor-parallel group."""
+
+    @property
+    def tp_size(self) -> int:
+        return self.config.tensor_model_parallel_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.config.pipeline_model_parallel_size
+
+    @property
+    def ep_size(self) -> int:
+        return self.config.expert_model_parallel_size
+
+    @property
+    def etp_size(self) -> int:
+        return self.config.resolved_expert_tensor_parallel_size
+
+    @property
+    def mp_group(self) -> dist.ProcessGroup:
+        """Tensor and pipeline ranks of one model replica."""
+        return self.groups.mp
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        return self.groups.ep
+
+    @property
+    def etp_group(self) -> dist.ProcessGroup:
+        return self.groups.expt_tp
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
@@ -153,6 +192,15 @@ class ParallelState:
     @property
     def dp_group(self) -> dist.ProcessGroup:
         return self.groups.dp
+
+    def is_first_stage(self, vp_stage: int | None = None) -> bool:
+        """Whether model chunk ``vp_stage`` of this rank holds the embedding (Megatron's ``pre_process``)."""
+        return self.pp_rank == 0 and not vp_stage
+
+    def is_last_stage(self, vp_stage: int | None = None) -> bool:
+        """Whether model chunk ``vp_stage`` of this rank holds the output layer (Megatron's ``post_process``)."""
+        vpp = self.config.virtual_pipeline_model_parallel_size or 1
+        return self.is_pipeline_last_stage and (vp_stage is None or vpp == 1 or vp_stage == vpp - 1)
 
     @property
     def is_pipeline_first_stage(self) -> bool:
@@ -224,6 +272,10 @@ def initialize(config: ParallelConfig | None = None, **sizes) -> ParallelState:
         dp_rank=mpu.get_data_parallel_rank(),
         ep_rank=mpu.get_expert_model_parallel_rank(),
         groups=groups,
+        dp_gloo_group=mpu.get_data_parallel_group_gloo(),
+        dp_cp_rank=mpu.get_data_parallel_rank(with_context_parallel=True),
+        expert_dp_rank=mpu.get_expert_data_parallel_rank(),
+        etp_rank=mpu.get_expert_tensor_parallel_rank(),
     )
     logger.info(
         "model parallel: tp=%d pp=%d vpp=%s cp=%d ep=%d etp=%d dp=%d (world %d)",

@@ -267,7 +267,8 @@ def memory_allocated() -> int:
 
 
 def max_memory_allocated(reset: bool = False) -> int:
-    """The peak of :func:`memory_allocated` since the last reset (0 on the host); ``reset`` starts a new one."""
+    """The peak of :func:`memory_allocated` since the last reset (0 on the host: use RSS there); ``reset``
+    starts a new one."""
     accelerator = _accelerator()
     if accelerator is None:
         return 0
@@ -329,14 +330,6 @@ def empty_cache() -> None:
     platform = current()
     if platform.name != "cpu":
         getattr(torch, platform.device_type).empty_cache()
-
-
-def max_memory_allocated() -> int:
-    """Peak bytes allocated on the accelerator since the last reset (0 on the host: use RSS there)."""
-    platform = current()
-    if platform.name == "cpu":
-        return 0
-    return getattr(torch, platform.device_type).max_memory_allocated()
 
 
 def _reset_for_tests() -> None:

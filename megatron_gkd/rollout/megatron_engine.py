@@ -32,7 +32,7 @@ class MegatronEngine(RolloutEngine):
         max_model_len: longest prompt + response.
         eos_token_id: id that ends a response (besides ``stop_token_ids``); None for none.
         vocab_size: real vocabulary size (logits beyond it, Megatron's padding, are never sampled).
-        tp_group: tensor-parallel group the vocabulary is split over (default: Megatron's).
+        tp_group: tensor-parallel group the vocabulary is split over (default: the parallel state's).
         pad_token_id: padding id in the returned batch.
     """
 
@@ -40,14 +40,15 @@ class MegatronEngine(RolloutEngine):
 
     def __init__(self, chunks, *, max_model_len: int, eos_token_id: int | None = None,
                  vocab_size: int | None = None, tp_group=None, pad_token_id: int = 0):
-        from megatron.core import parallel_state as mpu
+        from megatron_gkd import parallel
 
-        if len(chunks) != 1 or mpu.get_pipeline_model_parallel_world_size() != 1:
+        state = parallel.get_state()
+        if len(chunks) != 1 or state.pp_size != 1:
             raise ValueError("rollout engine 'megatron' needs pipeline_model_parallel_size=1 (one model "
                              "chunk); use rollout engine 'vllm' for pipelined students")
         self._model = chunks[0]
         self._device = platform.device()
-        self._tp_group = tp_group if tp_group is not None else mpu.get_tensor_model_parallel_group()
+        self._tp_group = tp_group if tp_group is not None else state.tp_group
         super().__init__(max_model_len)
         self._eos, self._vocab_size = eos_token_id, vocab_size
         self._pad_token_id = pad_token_id

@@ -124,8 +124,7 @@ class MegatronScorer:
     """
 
     def __init__(self, chunks: list[torch.nn.Module], vocab: TeacherVocab, device: torch.device):
-        from megatron.core import parallel_state as mpu
-
+        from megatron_gkd import parallel
         from megatron_gkd.models import unwrap
 
         self.chunks, self.vocab, self.device = chunks, vocab, device
@@ -133,14 +132,15 @@ class MegatronScorer:
         # The last stage's output layer (None elsewhere): its input is the hidden signal.
         self._output_layer = next((unwrap(c).output_layer for c in chunks
                                    if getattr(unwrap(c), "output_layer", None) is not None), None)
-        self._tp_group = mpu.get_tensor_model_parallel_group()
+        state = parallel.get_state()
+        self._tp_group = state.tp_group
         sequence_parallel = bool(getattr(unwrap(chunks[0]).config, "sequence_parallel", False))
-        self._sequence_multiple = mpu.get_tensor_model_parallel_world_size() if sequence_parallel else 1
-        self._mp_group = mpu.get_model_parallel_group()
-        self._last_stage = mpu.is_pipeline_last_stage(ignore_virtual=True)
-        self._pipelined = mpu.get_pipeline_model_parallel_world_size() > 1
+        self._sequence_multiple = state.tp_size if sequence_parallel else 1
+        self._mp_group = state.mp_group
+        self._last_stage = state.is_pipeline_last_stage
+        self._pipelined = state.pp_size > 1
         # The model-parallel rank whose outputs every rank receives: last stage, TP rank 0.
-        owner = dist.get_rank() if self._last_stage and mpu.get_tensor_model_parallel_rank() == 0 else -1
+        owner = dist.get_rank() if self._last_stage and state.tp_rank == 0 else -1
         owner = torch.tensor([owner], dtype=torch.int64, device=device)
         dist.all_reduce(owner, op=dist.ReduceOp.MAX, group=self._mp_group)
         self._owner = int(owner.item())

@@ -87,7 +87,6 @@ def transformer_config(spec: TinyGPTSpec, state: ParallelState):
 
 def build_model_chunks(spec: TinyGPTSpec, state: ParallelState) -> list[torch.nn.Module]:
     """One DDP-wrapped ``GPTModel`` per virtual-pipeline chunk of this rank."""
-    from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -106,8 +105,8 @@ def build_model_chunks(spec: TinyGPTSpec, state: ParallelState) -> list[torch.nn
             transformer_layer_spec=layer_spec,
             vocab_size=spec.vocab_size,
             max_sequence_length=spec.seq_length,
-            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            pre_process=state.is_first_stage(stage),
+            post_process=state.is_last_stage(stage),
             position_embedding_type="rope",
             share_embeddings_and_output_weights=False,
             vp_stage=stage,

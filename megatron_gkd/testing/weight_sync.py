@@ -228,11 +228,12 @@ def trainer_experts(chunks) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch
     import re
 
     import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
 
+    from megatron_gkd import parallel
     from megatron_gkd.models import unwrap
 
-    group, size = mpu.get_expert_model_parallel_group(), mpu.get_expert_model_parallel_world_size()
+    state = parallel.get_state()
+    group, size = state.ep_group, state.ep_size
     local: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
     for name, param in unwrap(chunks[0]).named_parameters():
         match = re.fullmatch(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight", name)

@@ -103,12 +103,12 @@ def build_rollout_engine(config: GKDConfig, student: Student, tokenizer):
     from megatron_gkd.rollout import build_engine
 
     if config.rollout.engine == "megatron":
-        from megatron.core import parallel_state as mpu
+        from megatron_gkd import parallel
 
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         return build_engine("megatron", chunks=student.chunks, max_model_len=config.rollout.max_model_len,
                             eos_token_id=tokenizer.eos_token_id, vocab_size=len(tokenizer),
-                            tp_group=mpu.get_tensor_model_parallel_group(), pad_token_id=pad)
+                            tp_group=parallel.get_state().tp_group, pad_token_id=pad)
     return build_engine(config.rollout.engine, **rollout_engine_kwargs(config, tokenizer))
 
 

@@ -121,9 +121,7 @@ class Trainer:
         self.rank, self.world_size = self.state.rank, self.state.world_size
         # Control messages (agreement, metrics, batches) travel on host memory whatever the device.
         self.control = dist.new_group(backend="gloo")
-        from megatron.core import parallel_state as mpu
-
-        self._dp_gloo = mpu.get_data_parallel_group_gloo()
+        self._dp_gloo = self.state.dp_gloo_group
         self.layout = check_layout(config, self.world_size)
         last = torch.tensor([self.rank if self.state.is_pipeline_last_stage else -1])
         dist.all_reduce(last, op=dist.ReduceOp.MAX, group=self.control)

@@ -60,9 +60,9 @@ def colocated_sync(chunks, engine, plan: WeightSyncPlan, config: WeightSyncConfi
     Returns:
         the receiver (pass it back next time) on ranks with an engine, else ``None``.
     """
-    from megatron.core import parallel_state as mpu
+    from megatron_gkd import parallel
 
-    if mpu.get_pipeline_model_parallel_world_size() > 1:
+    if parallel.get_state().pp_size > 1:
         raise ValueError(
             "weight_sync.transport='colocated' needs pipeline parallel size 1 (a rank holds only its stage's "
             "weights); use transport='distributed'"

@@ -140,12 +140,11 @@ def local_entries(chunks) -> list[dict]:
 
     No communication and no copies (shapes come from the fusion applied to meta tensors).
     """
-    from megatron.core import parallel_state as mpu
-
+    from megatron_gkd import parallel
     from megatron_gkd.models.export import _is_owner, holds_shard
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    pp_rank = mpu.get_pipeline_model_parallel_rank()
+    pp_rank = parallel.get_state().pp_rank
     entries, position = [], 0
     for vpp_chunk, chunk in enumerate(chunks):
         model = unwrap(chunk)
@@ -189,9 +188,10 @@ def build_plan(chunks, group: dist.ProcessGroup | None = None) -> WeightSyncPlan
     Raises:
         RuntimeError: ranks disagree on the plan, or a tensor has no owner or two.
     """
-    from megatron.core import parallel_state as mpu
+    from megatron_gkd import parallel
 
-    is_logits_rank = mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
+    state = parallel.get_state()
+    is_logits_rank = state.is_pipeline_last_stage and state.tp_rank == 0
     mine = (local_entries(chunks), is_logits_rank)
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size(group)

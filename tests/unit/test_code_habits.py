@@ -151,3 +151,23 @@ def test_library_runs_modules_not_scripts_by_path():
 def test_layering_lints_catch_violations():
     assert _names_a_script("launch/pretrain_gkd.py") and _names_a_script("teacher_server.py")
     assert not _names_a_script("megatron_gkd.trainer.cli") and not _names_a_script("a .py file")
+
+
+def _uses_megatron_parallel_state(path: str) -> bool:
+    for node in ast.walk(ast.parse((ROOT / path).read_text())):
+        if isinstance(node, ast.Import) and any(a.name.startswith("megatron.core.parallel_state") for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module == "megatron.core" and any(
+                a.name == "parallel_state" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron.core.parallel_state"):
+            return True
+    return False
+
+
+def test_process_groups_come_from_the_parallel_state():
+    """Megatron-Core's ``parallel_state`` getters are read in ``parallel/`` (which builds the groups) and
+    ``platform/`` only; the library takes every group and coordinate from ``ParallelState``."""
+    offenders = [path for path in _python_files() if path.startswith(LIBRARY)
+                 and not path.startswith(("parallel/", "megatron_gkd/platform/")) and _uses_megatron_parallel_state(path)]
+    assert not offenders, "use megatron_gkd.parallel's ParallelState instead of Megatron's getters:\n" + "\n".join(offenders)
