@@ -33,12 +33,12 @@ def teacher_key(config, name: str) -> str:
 
 
 def needs_teacher(config) -> bool:
-    return config.trainer.mode in ("on_policy", "off_policy")
+    return config.trainer.run_mode.distills
 
 
 def needs_rollout(config) -> bool:
     """The rollout engine samples training batches (on-policy) or eval answers."""
-    return config.trainer.mode == "on_policy" or eval_enabled(config)
+    return config.trainer.run_mode.samples or eval_enabled(config)
 
 
 def eval_enabled(config) -> bool:
@@ -72,17 +72,17 @@ def check_config(config) -> None:
     if needs_teacher(config) and not teachers:
         _fail(f"trainer.mode={trainer.mode} needs a teacher: set teacher.client=zmq with teacher.address=tcp://HOST:PORT, "
               "or teacher.client=zmq with teacher.serve.model=DIR to start one on loopback, or use trainer.mode=sft")
-    if trainer.mode == "on_policy" and trainer.global_batch_size % rollout.n:
+    if trainer.run_mode.samples and trainer.global_batch_size % rollout.n:
         _fail(f"trainer.global_batch_size={trainer.global_batch_size} samples is not a multiple of rollout.n={rollout.n} "
               f"samples per prompt; use a multiple of {rollout.n}")
-    if trainer.mode != "on_policy" and rollout.n != 1:
+    if not trainer.run_mode.samples and rollout.n != 1:
         _fail(f"rollout.n={rollout.n} samples per prompt only applies to trainer.mode=on_policy ({trainer.mode} trains "
               "on one dataset response per prompt); set rollout.n=1")
     topk_teachers = any(teacher.signal == "topk" for teacher in teachers.values())
-    if loss.type == "tcad" and trainer.mode == "on_policy" and rollout.logprobs_k < 1 and topk_teachers:
+    if loss.type == "tcad" and trainer.run_mode.samples and rollout.logprobs_k < 1 and topk_teachers:
         _fail("loss.type=tcad interleaves the teacher's top-k with the student's: set rollout.logprobs_k=K (the "
               "student's top-k ids returned by the rollout engine), e.g. rollout.logprobs_k=8")
-    if loss.type == "tcad" and trainer.mode != "on_policy":
+    if loss.type == "tcad" and not trainer.run_mode.samples:
         _fail(f"loss.type=tcad needs the student's top-k ids of sampled responses, which only trainer.mode=on_policy "
               f"has (it is {trainer.mode}); use another loss.type, e.g. forward_kl")
     for name, teacher in teachers.items():
@@ -96,9 +96,9 @@ def check_config(config) -> None:
         _fail("eval.interval is set but data.eval_path is not: give held-out prompts (with answers) or set "
               "eval.interval=null")
     if trainer.max_tokens_per_microbatch is not None:
-        longest = data.max_prompt_length + (rollout.max_tokens if trainer.mode == "on_policy" else
+        longest = data.max_prompt_length + (rollout.max_tokens if trainer.run_mode.samples else
                                             data.max_response_length or 0)
-        if data.max_response_length is None and trainer.mode != "on_policy":
+        if data.max_response_length is None and not trainer.run_mode.samples:
             longest = 0  # unknown until the data is read; checked per batch
         if longest > trainer.max_tokens_per_microbatch:
             _fail(f"trainer.max_tokens_per_microbatch={trainer.max_tokens_per_microbatch} is smaller than the longest "
@@ -142,7 +142,7 @@ def _check_weight_sync(config) -> None:
 
 def _check_inert(config) -> None:
     loss, trainer, rollout = config.loss, config.trainer, config.rollout
-    if trainer.mode == "sft" and loss.type != "forward_kl":
+    if not trainer.run_mode.distills and loss.type != "forward_kl":
         logger.warning("loss.type=%s has no effect in trainer.mode=sft (cross-entropy on dataset responses)", loss.type)
     if loss.type != "tcad" and (loss.support_k is not None or loss.support_mode != "interleave"):
         logger.warning("loss.support_k / loss.support_mode have no effect with loss.type=%s (tcad only)", loss.type)
@@ -180,7 +180,7 @@ def check_layout(config, world_size: int) -> dict:
     if parallel.context_parallel_size != 1:
         _fail("parallel.context_parallel_size > 1 is not supported by the trainer yet; set it to 1")
     dp = parallel.data_parallel_size(world_size)
-    n = rollout.n if trainer.mode == "on_policy" else 1
+    n = rollout.n if trainer.run_mode.samples else 1
     prompts = trainer.global_batch_size // n
     if prompts % dp:
         _fail(f"trainer.global_batch_size={trainer.global_batch_size} ({prompts} prompts x {n} samples) does not split "
@@ -222,7 +222,7 @@ def _check_teacher(config, teacher, key: str) -> None:
         _fail(f"{key}.signal=hidden needs the teacher's final hidden states, which an OpenAI-compatible server "
               f"cannot return; use {key}.client=zmq with {key}.serve.backend=hf or megatron, or "
               f"{key}.client=local, or {key}.signal=topk")
-    if trainer.mode == "sft" and not eval_enabled(config):
+    if not trainer.run_mode.distills and not eval_enabled(config):
         logger.warning("%s.* has no effect in trainer.mode=sft without eval (it is only used for eval's KL)", key)
 
 
@@ -240,7 +240,7 @@ def _check_teacher_mix(config, teachers: dict) -> None:
                if name not in teachers]
     if unknown:
         _fail(f"teacher_mix names teacher(s) {unknown} that teachers does not define (it defines {names})")
-    if mix.mode == "route":
+    if mix.is_routed:
         if config.data.group_key is None:
             _fail("teacher_mix.mode=route sends each record to the teacher its group names: set data.group_key to the "
                   "dataset field that holds it (e.g. data.group_key=task)")

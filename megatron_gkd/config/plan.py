@@ -41,10 +41,10 @@ def layout_plan(config: GKDConfig, world_size: int | None = None) -> str:
         f"world {world_size} = tp {tp} x pp {pp} x dp {dp} (vpp {parallel.virtual_pipeline_model_parallel_size or 1}, "
         f"ep {parallel.expert_model_parallel_size}, sequence parallel {parallel.sequence_parallel})",
         f"batch: {trainer.global_batch_size} samples = {plan['prompts_per_step']} prompts x "
-        f"{rollout.n if trainer.mode == 'on_policy' else 1}; {plan['samples_per_rank']} samples per data-parallel rank, "
+        f"{rollout.n if trainer.run_mode.samples else 1}; {plan['samples_per_rank']} samples per data-parallel rank, "
         + (f"micro-batches of <= {trainer.max_tokens_per_microbatch} tokens" if trainer.max_tokens_per_microbatch
            else f"{plan['samples_per_rank'] // trainer.micro_batch_size} micro-batches of {trainer.micro_batch_size}"),
-        f"loss: {config.loss.type if trainer.mode != 'sft' else 'cross_entropy'}"
+        f"loss: {config.loss.type if trainer.run_mode.distills else 'cross_entropy'}"
         + (" (fused)" if config.loss.fused else "")
         + (f", confidence_alpha {config.loss.confidence_alpha}" if config.loss.confidence_alpha is not None else ""),
     ]

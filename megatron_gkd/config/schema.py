@@ -25,7 +25,26 @@ from megatron_gkd.teacher.config import TeacherConfig, TeacherMixConfig
 from megatron_gkd.weight_sync.config import WeightSyncConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
-MODES = ("on_policy", "off_policy", "sft")
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mode:
+    """What a ``trainer.mode`` does and needs: the one place the mode names mean something (code asks the
+    mode, ``config.trainer.run_mode``, never compares its name)."""
+
+    name: str
+    samples: bool
+    """The student samples the responses it trains on (a rollout engine during training, ``rollout.n`` a
+    prompt); otherwise the dataset's responses are trained on and the records must have them."""
+    distills: bool
+    """A teacher scores the responses and the loss is a divergence to it; otherwise cross-entropy."""
+
+    @property
+    def loss_kind(self) -> str:
+        return "distill" if self.distills else "cross_entropy"
+
+
+MODES = {mode.name: mode for mode in (Mode("on_policy", samples=True, distills=True),
+                                      Mode("off_policy", samples=False, distills=True),
+                                      Mode("sft", samples=False, distills=False))}
 _DTYPE_SPELLINGS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 
 
@@ -181,6 +200,11 @@ class TrainerConfig:
     """Deterministic kernels (``torch.use_deterministic_algorithms``): resumed runs match bit for bit."""
     output_dir: str = "outputs/run"
     """Run directory: ``config.yaml``, ``checkpoints/``, ``hf/``, ``tensorboard/``, ``metrics.jsonl``, the log."""
+
+    @property
+    def run_mode(self) -> Mode:
+        """What ``mode`` does and needs."""
+        return MODES[self.mode]
 
     def __post_init__(self):
         if self.mode not in MODES:

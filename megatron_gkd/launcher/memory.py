@@ -22,7 +22,7 @@ def planning_batch(config) -> planning.Batch:
     micro_batch = trainer.micro_batch_size
     if trainer.max_tokens_per_microbatch:
         seq_length, micro_batch = trainer.max_tokens_per_microbatch, 1
-    loss = "cross_entropy" if trainer.mode == "sft" else "fused_distill" if config.loss.fused else "distill"
+    loss = "cross_entropy" if not trainer.run_mode.distills else "fused_distill" if config.loss.fused else "distill"
     return planning.Batch(seq_length=seq_length, micro_batch_size=micro_batch,
                           num_microbatches=max(1, trainer.global_batch_size // micro_batch),
                           top_k=config.teacher.top_k, loss=loss, chunk_size=config.loss.chunk_size)

@@ -203,6 +203,11 @@ class TeacherMixConfig:
         if negative:
             raise ValueError(f"teacher_mix.weights {negative} must be >= 0")
 
+    @property
+    def is_routed(self) -> bool:
+        """Each record goes to one teacher (``route``); otherwise every teacher scores it (``mixture``)."""
+        return self.mode == "route"
+
     def teacher_of(self, group: str | None, names) -> str:
         """route: the teacher that scores a record of ``group``.
 

@@ -98,7 +98,7 @@ class BatchFlow:
         config = self.config
         prompt_indices = [record.index for record in records]
         prompt_groups = [record.group for record in records]
-        if config.trainer.mode == "on_policy":
+        if config.trainer.run_mode.samples:
             prompts, sampling = [list(r.prompt_ids) for r in records], config.rollout.sampling(self._seed(index))
             if self.remote is not None:  # sampled on the rollout server while this rank trains
                 pending = self.remote.submit(self._remote_batch, prompts, sampling, prompt_indices, prompt_groups)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megatron_gkd import parallel, platform
 from megatron_gkd.config import GKDConfig, check_layout, eval_enabled, needs_rollout, needs_teacher, to_yaml
+from megatron_gkd.config.schema import MODES
 from megatron_gkd.data import PromptSampler, load_prompts, load_tokenizer
 from megatron_gkd.parallel.comm import all_gather_msgpack, broadcast_msgpack
 from megatron_gkd.rollout.types import RolloutBatch
@@ -92,11 +93,12 @@ class Trainer:
                                  teacher_heads={t.name: t.head for t in self.teachers if t.head is not None})
         self.routing = RoutingStats(self.student.chunks, self.control, data_parallel_size=self.state.data_parallel_size) \
             if self.student.is_moe else None
-        self.loss_spec = self._loss_specs(config.trainer.mode)
-        self._eval_kl_spec = {name: spec.eval_kl() for name, spec in self._loss_specs("off_policy").items()}
+        self.loss_spec = self._loss_specs(config.trainer.run_mode)
+        # Eval KL scores greedy samples against each teacher as the distillation modes do, in every mode.
+        self._eval_kl_spec = {name: spec.eval_kl() for name, spec in self._loss_specs(MODES["off_policy"]).items()}
         self.flow = BatchFlow(config, self.state, control=self.control, dp_group=self._dp_gloo, tokenizer=self.tokenizer,
                               stop_ids=self.stop_ids, layout=self.layout, timers=self.timers,
-                              loss_kind="cross_entropy" if config.trainer.mode == "sft" else "distill",
+                              loss_kind=config.trainer.run_mode.loss_kind,
                               teachers=self.teachers)
 
     def _report_startup(self, seconds: dict[str, float]) -> None:
@@ -138,9 +140,9 @@ class Trainer:
         if needs_teacher(self.config) or eval_enabled(self.config):
             self.teachers.start_services(self.rank, self.out, self.control)
 
-    def _loss_specs(self, mode: str):
-        """The loss of ``mode``: one spec per teacher (cross-entropy in ``sft``)."""
-        if mode == "sft":
+    def _loss_specs(self, mode):
+        """The loss of ``mode``: one spec per teacher (cross-entropy where the mode does not distil)."""
+        if not mode.distills:
             return LossSpec(kind="cross_entropy")
         return {t.name: LossSpec.from_config(self.config.loss, mode, t.config, len(self.tokenizer)) for t in self.teachers}
 
@@ -150,13 +152,13 @@ class Trainer:
         self.stop_ids = stop_token_ids(config, self.tokenizer)
         show = self.rank == 0
         self.train_data = load_prompts(data.train_path, data, self.tokenizer, show_progress=show,
-                                       require_responses=config.trainer.mode != "on_policy")
+                                       require_responses=not config.trainer.run_mode.samples)
         self.eval_data, self._eval_groups = None, {}
         if eval_enabled(config):
             self.eval_data = load_prompts(data.eval_path, data, self.tokenizer, show_progress=show,
                                           limit=data.num_eval_prompts)
             self._eval_groups = {record.index: record.group for record in self.eval_data}
-        if self.teachers.several and self.teachers.mode == "route":  # every record must reach a teacher
+        if self.teachers.several and self.teachers.routed:  # every record must reach a teacher
             for dataset in filter(None, (self.train_data, self.eval_data)):
                 self.teachers.assign(sorted({record.group for record in dataset}, key=str))
         self.sampler = PromptSampler(len(self.train_data), self.layout["prompts_per_step"], shuffle=data.shuffle,
@@ -300,7 +302,7 @@ class Trainer:
         engine, remote = self.flow.engine, self.flow.remote
         if (engine is None and remote is None) or self._rollout_version == self.step:
             return
-        if self.config.trainer.mode != "on_policy" and not force:
+        if not self.config.trainer.run_mode.samples and not force:
             return
         with self.timers("weight_sync"):
             if remote is not None:

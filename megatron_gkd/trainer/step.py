@@ -64,9 +64,10 @@ class LossSpec:
             object.__setattr__(self, "coverage_coef", coverage)
 
     @classmethod
-    def from_config(cls, loss, mode: str, teacher=None, real_vocab_size: int | None = None) -> "LossSpec":
-        """The spec of ``loss`` in ``mode``; ``teacher`` (its config) chooses the signal."""
-        if mode == "sft":
+    def from_config(cls, loss, mode, teacher=None, real_vocab_size: int | None = None) -> "LossSpec":
+        """The spec of ``loss`` in ``mode`` (a :class:`~megatron_gkd.config.schema.Mode`); ``teacher`` (its
+        config) chooses the signal."""
+        if not mode.distills:
             return cls(kind="cross_entropy")
         signal = teacher.signal if teacher is not None else "topk"
         return cls(loss_type=loss.type, options=dict(loss.options), temperature=loss.temperature, fused=loss.fused,

@@ -77,10 +77,11 @@ class Teachers:
 
     def __init__(self, config):
         mix = config.teacher_mix
-        self.mode = mix.mode if len(teacher_configs(config)) > 1 else "route"
+        # Each record to one teacher; otherwise (teacher_mix.mode=mixture) every teacher scores it.
+        self.routed = mix.is_routed or len(teacher_configs(config)) <= 1
         self._mix = mix
         self.by_name: dict[str, Teacher] = {
-            name: Teacher(name, teacher, weight=mix.weights.get(name, 1.0) if self.mode == "mixture" else 1.0)
+            name: Teacher(name, teacher, weight=1.0 if self.routed else mix.weights.get(name, 1.0))
             for name, teacher in teacher_configs(config).items()}
         self._keys = {name: teacher_key(config, name) for name in self.by_name}
 
@@ -110,7 +111,7 @@ class Teachers:
             ValueError: a route mode sample's group names no teacher and there is no default.
         """
         everyone = list(range(len(groups)))
-        if len(self.by_name) == 1 or self.mode == "mixture":
+        if len(self.by_name) == 1 or not self.routed:
             return {name: everyone for name in self.by_name}
         plan: dict[str, list[int]] = {name: [] for name in self.by_name}
         for index, group in enumerate(groups):

@@ -171,3 +171,20 @@ def test_process_groups_come_from_the_parallel_state():
     offenders = [path for path in _python_files() if path.startswith(LIBRARY)
                  and not path.startswith(("parallel/", "megatron_gkd/platform/")) and _uses_megatron_parallel_state(path)]
     assert not offenders, "use megatron_gkd.parallel's ParallelState instead of Megatron's getters:\n" + "\n".join(offenders)
+
+
+_MODE_NAMES = r"(?:on_policy|off_policy|sft|route|mixture)"
+MODE_COMPARISON = re.compile(r"\bmode\s*(?:[!=]=\s*[\"']" + _MODE_NAMES + r"[\"']|(?:not\s+)?in\s*\(\s*[\"']" + _MODE_NAMES + ")")
+# The classes that own a mode's name: the trainer modes' table and the teacher mix's section.
+MODE_OWNERS = ("megatron_gkd/config/schema.py", "megatron_gkd/teacher/config.py")
+
+
+def test_modes_are_asked_not_compared():
+    """Code asks ``config.trainer.run_mode`` (samples? distils?) and ``teacher_mix.is_routed`` what a mode does;
+    only the classes that own the names compare them."""
+    offenders = [f"{path}:{number}: {line.strip()}" for path in _python_files()
+                 if path.startswith(LIBRARY) and path not in MODE_OWNERS
+                 for number, line in _code_lines(path) if MODE_COMPARISON.search(line)]
+    assert not offenders, "\n".join(offenders)
+    assert MODE_COMPARISON.search('if config.trainer.mode == "sft":') and MODE_COMPARISON.search("mode in ('on_policy',")
+    assert not MODE_COMPARISON.search('spec.mode == "union"')

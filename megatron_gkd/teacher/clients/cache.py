@@ -107,7 +107,7 @@ class CacheTeacherClient(TeacherClient):
         from megatron_gkd.config import eval_enabled
         from megatron_gkd.data import load_prompts
 
-        if config.trainer.mode == "on_policy":
+        if config.trainer.run_mode.samples:
             raise ValueError("teacher.client=cache cannot score on-policy samples (they are new every step): use "
                              "trainer.mode=off_policy, or a live teacher")
         if eval_enabled(config) and config.eval.kl:

@@ -126,3 +126,12 @@ def test_support_k_is_inert_with_a_union_support_and_says_so(caplog):
     assert "loss.support_k has no effect" not in caplog.text
     load_config(BASE, [*tcad, "loss.support_mode=union"])
     assert "loss.support_k has no effect with loss.support_mode=union" in caplog.text
+
+
+def test_each_mode_says_what_it_does():
+    from megatron_gkd.config.schema import MODES, TrainerConfig
+
+    table = {name: (mode.samples, mode.distills, mode.loss_kind) for name, mode in MODES.items()}
+    assert table == {"on_policy": (True, True, "distill"), "off_policy": (False, True, "distill"),
+                     "sft": (False, False, "cross_entropy")}
+    assert TrainerConfig(mode="off_policy").run_mode is MODES["off_policy"]

@@ -20,7 +20,7 @@ def _config(*overrides):
 
 def test_route_sends_each_sample_to_the_teacher_its_group_names():
     teachers = Teachers(_config("teacher_mix.routes={subtraction: sub}", "teacher_mix.default=add"))
-    assert teachers.names == ["add", "sub"] and teachers.several and teachers.mode == "route"
+    assert teachers.names == ["add", "sub"] and teachers.several and teachers.routed
     plan = teachers.assign(["add", "sub", "subtraction", None, "other", "sub"])
     assert plan == {"add": [0, 3, 4], "sub": [1, 2, 5]}
     assert [t.weight for t in teachers] == [1.0, 1.0]
