@@ -11,6 +11,10 @@ with (mcore-to-hf), and the two may differ (``dist_checkpointing`` reshards)::
 The Megatron checkpoint holds ``model`` (or ``model0``, ``model1``... per virtual-pipeline chunk) in
 ``dist_checkpointing`` format, plus ``hf/``: the HF ``config.json`` and tokenizer files, from which
 mcore-to-hf rebuilds the model.
+
+Either output is written whole or not at all: the ranks write into ``<out>.partial`` and rank 0 renames it
+to ``<out>`` once every rank's files are on disk, so a conversion that dies leaves no ``<out>`` that looks
+finished (a stale ``.partial`` is replaced by the next attempt). An existing ``<out>`` is refused.
 """
 
 from __future__ import annotations
@@ -58,6 +62,30 @@ def sharded_model_state(chunks) -> dict:
     return {key: chunk.sharded_state_dict() for key, chunk in zip(_model_keys(len(chunks)), chunks)}
 
 
+def _partial(out: str) -> str:
+    """Rank 0 empties ``<out>.partial`` for this attempt (collective); returns it."""
+    import torch.distributed as dist
+
+    if os.path.exists(out):
+        raise FileExistsError(f"--out {out} exists; remove it or choose another directory (nothing was written)")
+    partial = out.rstrip(os.sep) + ".partial"
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    dist.barrier()
+    return partial
+
+
+def _commit(partial: str, out: str) -> None:
+    """After every rank has written (collective): ``<out>.partial`` becomes ``<out>`` in one rename."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.rename(partial, out)
+    dist.barrier()
+
+
 def hf_to_mcore(hf_path: str, out: str, dtype: torch.dtype) -> None:
     """Loads the HF checkpoint (sliced per rank) and saves it as a Megatron dist checkpoint."""
     import torch.distributed as dist
@@ -67,9 +95,7 @@ def hf_to_mcore(hf_path: str, out: str, dtype: torch.dtype) -> None:
     from megatron_gkd.models.loading import load_hf
 
     chunks = load_hf(hf_path, dtype=dtype)
-    if dist.get_rank() == 0:
-        os.makedirs(out, exist_ok=True)
-    dist.barrier()
+    final, out = out, _partial(out)
     dist_checkpointing.save(sharded_model_state(chunks), out)
     if dist.get_rank() == 0:
         hf_dir = os.path.join(out, HF_SUBDIR)
@@ -79,8 +105,8 @@ def hf_to_mcore(hf_path: str, out: str, dtype: torch.dtype) -> None:
         for name in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(hf_path, name)):
                 shutil.copyfile(os.path.join(hf_path, name), os.path.join(hf_dir, name))
-    dist.barrier()
-    logger.info("wrote Megatron checkpoint %s from %s", out, hf_path)
+    _commit(out, final)
+    logger.info("wrote Megatron checkpoint %s from %s", final, hf_path)
 
 
 def mcore_to_hf(mcore_path: str, out: str, dtype: torch.dtype) -> None:
@@ -96,7 +122,9 @@ def mcore_to_hf(mcore_path: str, out: str, dtype: torch.dtype) -> None:
     state = dist_checkpointing.load(sharded_model_state(chunks), mcore_path)
     for key, chunk in zip(_model_keys(len(chunks)), chunks):
         chunk.load_state_dict(state[key])
-    save_hf(chunks, out)
+    partial = _partial(out)
+    save_hf(chunks, partial)
+    _commit(partial, out)
     logger.info("wrote HF checkpoint %s from %s", out, mcore_path)
 
 

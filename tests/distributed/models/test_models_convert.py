@@ -20,14 +20,15 @@ from megatron_gkd.testing.hf_models import make_tiny_checkpoint, read_safetensor
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def _torchrun(num_processes: int, *args: str) -> None:
+def _torchrun(num_processes: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={num_processes}",
         f"--master_port={free_port()}", "-m", "megatron_gkd.models.convert", *args,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", **{platform.PLATFORM_ENV: "cpu"})
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert result.returncode == 0 or not check, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
 
 
 def test_hf_to_mcore_to_hf_under_torchrun_reproduces_every_tensor(tmp_path):
@@ -40,3 +41,8 @@ def test_hf_to_mcore_to_hf_under_torchrun_reproduces_every_tensor(tmp_path):
     assert sorted(converted) == sorted(original)
     for name, tensor in original.items():
         assert converted[name].dtype == tensor.dtype and torch.equal(converted[name], tensor), name
+    # Written whole: nothing is left beside the outputs, and an existing output is refused, not overwritten.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "hf", "mcore"]
+    again = _torchrun(1, "mcore-to-hf", "--mcore", str(mcore), "--out", str(back), check=False)
+    assert again.returncode != 0 and f"--out {back} exists" in again.stderr
+    assert read_safetensors_dir(back).keys() == original.keys()
