@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 
+from megatron_gkd.teacher.clients import client_traits
+
 logger = logging.getLogger(__name__)
 
 # Teacher backends/clients that cannot score TCAD's per-row requested ids (vLLM: not on the CPU
@@ -212,14 +214,15 @@ def _check_teacher(config, teacher, key: str) -> None:
     if loss.type == "tcad" and teacher.signal == "topk" and backend in _NO_REQUESTED_IDS:
         _fail(f"loss.type=tcad scores the teacher at the student's top-k ids, which {key}.serve.backend="
               f"{backend} cannot do; use {key}.serve.backend=hf or megatron")
-    if loss.type == "tcad" and teacher.signal == "topk" and teacher.client == "openai":
-        _fail(f"loss.type=tcad scores the teacher at the student's top-k ids, which an OpenAI-compatible server "
+    traits = client_traits(teacher.client) if teacher.enabled else None
+    if loss.type == "tcad" and teacher.signal == "topk" and traits is not None and not traits.requested_ids:
+        _fail(f"loss.type=tcad scores the teacher at the student's top-k ids, which {traits.description} "
               f"cannot do; use {key}.client=zmq with an hf or megatron backend, or {key}.client=local")
     if teacher.signal == "hidden" and backend in _NO_HIDDEN:
         _fail(f"{key}.signal=hidden needs the teacher's final hidden states, which {key}.serve.backend={backend} "
               f"cannot return; use {key}.serve.backend=hf or megatron, or {key}.signal=topk")
-    if teacher.signal == "hidden" and teacher.client == "openai":
-        _fail(f"{key}.signal=hidden needs the teacher's final hidden states, which an OpenAI-compatible server "
+    if traits is not None and teacher.signal not in traits.signals:
+        _fail(f"{key}.signal={teacher.signal} needs the teacher's final hidden states, which {traits.description} "
               f"cannot return; use {key}.client=zmq with {key}.serve.backend=hf or megatron, or "
               f"{key}.client=local, or {key}.signal=topk")
     if not trainer.run_mode.distills and not eval_enabled(config):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from megatron_gkd.config.checks import check_layout, eval_enabled, needs_rollout, needs_teacher
 from megatron_gkd.config.schema import GKDConfig
+from megatron_gkd.teacher.clients import client_traits
 
 
 def rank_coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
@@ -67,7 +68,7 @@ def layout_plan(config: GKDConfig, world_size: int | None = None) -> str:
         roles = []
         if pp_rank == pp - 1:
             roles.append("loss")
-            if tp_rank == 0 and needs_teacher(config) and config.teacher.client != "local":
+            if tp_rank == 0 and needs_teacher(config) and not client_traits(config.teacher.client).collective:
                 roles.append("teacher requests")
         if rank == 0:
             roles.append("logging")

@@ -6,17 +6,12 @@ import dataclasses
 import logging
 from typing import Any
 
-from megatron_gkd.teacher.clients import CLIENTS, RetryPolicy, TeacherClient, build_client
-from megatron_gkd.teacher.clients.zmq_client import load_secret
+from megatron_gkd.teacher.clients import CLIENT_TRAITS, CLIENTS, RetryPolicy, TeacherClient, client_traits
 from megatron_gkd.teacher.types import HIDDEN_DTYPES, TEACHER_SIGNALS
 
 logger = logging.getLogger(__name__)
 
 # Options that only some clients read; setting one for another client is inert and logged.
-_CLIENT_OPTIONS = {"address": "zmq", "secret_file": "zmq", "insecure": "zmq", "base_url": "openai",
-                   "model": "openai", "teacher_tokenizer": "openai", "api_key": "openai",
-                   "checkpoint": ("local", "cache"), "offload": "local", "cache_dir": "cache"}
-
 
 NO_TEACHER = "none"
 
@@ -132,36 +127,33 @@ class TeacherConfig:
             raise ValueError(f"teacher.temperature={self.temperature} must be > 0")
         if self.split_requests < 1:
             raise ValueError(f"teacher.split_requests={self.split_requests} must be >= 1")
-        if self.split_requests > 1 and self.client != "zmq":
-            logger.warning("teacher.split_requests has no effect with client %r (only 'zmq' reads it)", self.client)
-        if self.serve.model is not None:
-            if self.client != "zmq":
-                raise ValueError(f"teacher.serve.model starts a teacher service, which the 'zmq' client talks to; "
-                                 f"set teacher.client=zmq (it is {self.client!r}) or drop teacher.serve.model")
-            if self.address:
-                raise ValueError("teacher.address and teacher.serve.model are both set: give the address of a "
-                                 "running service, or a model for the run to serve itself, not both")
-        elif self.client == "zmq" and not self.address:
-            raise ValueError("teacher.address is required for client 'zmq' (e.g. tcp://host:5555), or set "
-                             "teacher.serve.model=DIR to have the run start a teacher service on loopback")
-        if self.client == "openai" and not self.base_url:
-            raise ValueError("teacher.base_url is required for client 'openai' (e.g. http://host:8000)")
-        if self.client == "cache" and not self.cache_dir:
-            raise ValueError("teacher.cache_dir is required for client 'cache' (build one with python -m "
-                             "megatron_gkd.teacher.cache build --config CONFIG.yaml --out DIR)")
-        if self.client == "local" and not self.checkpoint:
-            raise ValueError("teacher.checkpoint is required for client 'local' (a HF checkpoint directory)")
+        if self.enabled:
+            self._check_client_options(client_traits(self.client))
         if self.signal == "hidden" and self.enabled and self.head_source is None:
             raise ValueError("teacher.signal=hidden recomputes the teacher's logits with its output layer: set "
                              "teacher.head_checkpoint=DIR (the teacher's HF checkpoint), or teacher.serve.model / "
                              "teacher.checkpoint, from which it is read")
         if self.signal == "topk" and (self.head_checkpoint is not None or self.hidden_dtype != "bfloat16"):
             logger.warning("teacher.head_checkpoint and teacher.hidden_dtype have no effect with teacher.signal=topk")
-        for option, owners in _CLIENT_OPTIONS.items():
-            owners = owners if isinstance(owners, tuple) else (owners,)
-            if self.client not in owners and getattr(self, option) not in (None, False):
-                logger.warning("teacher.%s has no effect with client %r (only %s reads it)", option,
-                               self.client, " and ".join(repr(owner) for owner in owners))
+
+    def _check_client_options(self, traits) -> None:
+        """The options the client needs are set, and those it does not read are not (a warning)."""
+        if self.serve.model is not None:
+            if traits.served_option is None:
+                raise ValueError(f"teacher.serve.model starts a teacher service, which client {self.client!r} does not "
+                                 f"talk to; set teacher.client=zmq or drop teacher.serve.model")
+            if getattr(self, traits.served_option):
+                raise ValueError(f"teacher.{traits.served_option} and teacher.serve.model are both set: give the "
+                                 "address of a running service, or a model for the run to serve itself, not both")
+        for option, hint in traits.required:
+            if not getattr(self, option) and not (option == traits.served_option and self.serve.model is not None):
+                raise ValueError(f"teacher.{option} is required for client {self.client!r}: {hint}")
+        for option in sorted({o for t in CLIENT_TRAITS.values() for o in t.options} - set(traits.options)):
+            value = getattr(self, option)
+            if value not in (None, False) and not (option == "split_requests" and value == 1):
+                readers = [name for name, t in CLIENT_TRAITS.items() if option in t.options]
+                logger.warning("teacher.%s has no effect with client %r (only %s reads it)", option, self.client,
+                               " and ".join(repr(reader) for reader in readers))
 
     @property
     def head_source(self) -> str | None:
@@ -228,17 +220,6 @@ def build_client_from_config(config: TeacherConfig, secret: bytes | None = None)
     trainer that serves the teacher itself fills it in, with the service's ``secret``)."""
     if not config.enabled:
         raise ValueError("teacher.client=none: this run has no teacher")
-    if config.client == "zmq":
-        return build_client("zmq", address=config.address,
-                            secret=secret if secret is not None else load_secret(config.secret_file),
-                            insecure=config.insecure, retry=config.retry(),
-                            max_inflight=config.max_inflight, split_requests=config.split_requests)
-    if config.client == "openai":
-        return build_client("openai", base_url=config.base_url, model=config.model,
-                            teacher_tokenizer=config.teacher_tokenizer, api_key=config.api_key,
-                            retry=config.retry(), max_inflight=config.max_inflight)
-    if config.client == "local":
-        return build_client("local", model=config.checkpoint, offload=config.offload)
-    if config.client == "cache":
-        return build_client("cache", cache_dir=config.cache_dir, max_inflight=config.max_inflight)
-    return build_client(config.client)
+    client_class = CLIENTS.get(config.client)
+    from_config = getattr(client_class, "from_config", None)
+    return from_config(config, secret) if from_config is not None else client_class()

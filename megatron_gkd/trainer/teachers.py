@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 
 from megatron_gkd.config.checks import teacher_configs, teacher_key
+from megatron_gkd.teacher.clients import client_traits
 
 SINGLE = "teacher"  # the name of the one teacher of a `teacher:` section
 
@@ -49,7 +50,7 @@ class Teacher:
     @property
     def local(self) -> bool:
         """A colocated Megatron teacher: a collective of the training ranks, asked by every rank."""
-        return self.config.client == "local"
+        return client_traits(self.config.client).collective
 
 
 @dataclasses.dataclass

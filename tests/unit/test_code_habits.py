@@ -188,3 +188,15 @@ def test_modes_are_asked_not_compared():
     assert not offenders, "\n".join(offenders)
     assert MODE_COMPARISON.search('if config.trainer.mode == "sft":') and MODE_COMPARISON.search("mode in ('on_policy',")
     assert not MODE_COMPARISON.search('spec.mode == "union"')
+
+
+CLIENT_COMPARISON = re.compile(r"\bclient\s*(?:[!=]=\s*[\"']\w+[\"']|(?:not\s+)?in\s*\(\s*[\"'])")
+
+
+def test_teacher_clients_are_asked_not_compared():
+    """What a teacher client needs and can do is declared where it is registered (``ClientTraits``); the
+    config's checks, the planner and the trainer ask ``client_traits(name)``, never compare the name."""
+    offenders = [f"{path}:{number}: {line.strip()}" for path in _python_files() if path.startswith(LIBRARY)
+                 for number, line in _code_lines(path) if CLIENT_COMPARISON.search(line)]
+    assert not offenders, "\n".join(offenders)
+    assert CLIENT_COMPARISON.search('teacher.client == "openai"') and CLIENT_COMPARISON.search("client in ('none',")

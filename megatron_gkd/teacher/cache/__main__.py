@@ -18,6 +18,8 @@ import os
 import pathlib
 import sys
 
+from megatron_gkd.teacher.clients import client_traits
+
 logger = logging.getLogger(__name__)
 
 
@@ -65,7 +67,7 @@ def build(config, out: pathlib.Path, *, records_per_shard: int, batch_size: int,
     from megatron_gkd.teacher.cache.store import dataset_records
 
     teacher = config.teacher
-    if teacher.client in ("none", "cache", "local"):
+    if not teacher.enabled or not client_traits(teacher.client).fills_cache:
         raise ValueError(f"teacher.client={teacher.client}: the cache is built through a teacher service or "
                          "server; set teacher.client=zmq with teacher.serve.model=DIR (or teacher.address), or "
                          "teacher.client=openai")

@@ -165,16 +165,72 @@ class TeacherClient(abc.ABC):
         self.close()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClientTraits:
+    """What a teacher client reads from the ``teacher`` section and what it can do, declared where it is
+    registered (the client's own module is imported only when one is built). The config's checks ask these;
+    nothing compares a client's name.
+
+    Attributes:
+        description: what the client talks to, for messages.
+        required: ``(option, hint)``: ``teacher.<option>`` must be set, the hint says how.
+        options: the ``teacher.*`` options only this client (and the others that list them) reads.
+        served_option: the option a teacher service that the run starts itself fills in (``teacher.serve.model``
+            works only with a client that has one).
+        signals: the teacher signals it carries (``topk``, ``hidden``).
+        requested_ids: it scores ids the student asks for (TCAD's support).
+        collective: it runs on the training ranks (every rank asks; no service).
+        fills_cache: a teacher cache can be built through it.
+    """
+
+    description: str
+    required: tuple[tuple[str, str], ...] = ()
+    options: tuple[str, ...] = ()
+    served_option: str | None = None
+    signals: tuple[str, ...] = ("topk", "hidden")
+    requested_ids: bool = True
+    collective: bool = False
+    fills_cache: bool = False
+
+
 CLIENTS: Registry[type[TeacherClient]] = Registry("teacher client", config_key="teacher.client")
-CLIENTS.register("zmq", "megatron_gkd.teacher.clients.zmq_client:ZmqTeacherClient")
-CLIENTS.register("openai", "megatron_gkd.teacher.clients.openai_client:OpenAITeacherClient")
-CLIENTS.register("local", "megatron_gkd.teacher.clients.local:LocalTeacherClient")
-CLIENTS.register("cache", "megatron_gkd.teacher.clients.cache:CacheTeacherClient")
+CLIENT_TRAITS: dict[str, ClientTraits] = {}
 
 
-def register_client(name: str, target: str) -> None:
-    """Registers ``"module:Class"`` under ``name`` (plugins add clients this way)."""
+def register_client(name: str, target: str, traits: ClientTraits) -> None:
+    """Registers ``"module:Class"`` under ``name`` with what it reads and can do (plugins add clients this way).
+    A class with a ``from_config(teacher_config, secret)`` classmethod is built from the ``teacher`` section;
+    otherwise with no arguments."""
     CLIENTS.register(name, target)
+    CLIENT_TRAITS[name] = traits
+
+
+def client_traits(name: str) -> ClientTraits:
+    """The traits of the client registered as ``name``.
+
+    Raises:
+        ValueError: unknown name (the message lists the registered ones).
+    """
+    if name not in CLIENT_TRAITS:
+        raise CLIENTS.unknown(name)
+    return CLIENT_TRAITS[name]
+
+
+register_client("zmq", "megatron_gkd.teacher.clients.zmq_client:ZmqTeacherClient", ClientTraits(
+    "a teacher service", required=(("address", "the service's address (e.g. tcp://host:5555), or set "
+                                    "teacher.serve.model=DIR to have the run start a teacher service on loopback"),),
+    options=("address", "secret_file", "insecure", "split_requests"), served_option="address", fills_cache=True))
+register_client("openai", "megatron_gkd.teacher.clients.openai_client:OpenAITeacherClient", ClientTraits(
+    "an OpenAI-compatible server", required=(("base_url", "the server's URL (e.g. http://host:8000)"),),
+    options=("base_url", "model", "teacher_tokenizer", "api_key"), signals=("topk",), requested_ids=False,
+    fills_cache=True))
+register_client("local", "megatron_gkd.teacher.clients.local:LocalTeacherClient", ClientTraits(
+    "the colocated Megatron teacher", required=(("checkpoint", "a HF checkpoint directory"),),
+    options=("checkpoint", "offload"), collective=True))
+register_client("cache", "megatron_gkd.teacher.clients.cache:CacheTeacherClient", ClientTraits(
+    "a teacher cache", required=(("cache_dir", "build one with python -m megatron_gkd.teacher.cache build "
+                                               "--config CONFIG.yaml --out DIR"),),
+    options=("cache_dir", "checkpoint")))
 
 
 def client_names() -> list[str]:

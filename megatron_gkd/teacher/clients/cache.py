@@ -37,6 +37,11 @@ class CacheTeacherClient(TeacherClient):
         ValueError: the directory holds no complete cache (the message says how to build or resume one).
     """
 
+    @classmethod
+    def from_config(cls, config, secret: bytes | None = None):
+        """Built from the ``teacher`` section (:class:`~megatron_gkd.teacher.config.TeacherConfig`)."""
+        return cls(cache_dir=config.cache_dir, max_inflight=config.max_inflight)
+
     def __init__(self, cache_dir: str, max_inflight: int = 2):
         super().__init__(max_inflight=max_inflight)
         self.reader = CacheReader(cache_dir)

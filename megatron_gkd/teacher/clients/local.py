@@ -81,6 +81,11 @@ class LocalTeacherClient(TeacherClient):
         max_top_k: largest k served.
     """
 
+    @classmethod
+    def from_config(cls, config, secret: bytes | None = None):
+        """Built from the ``teacher`` section (:class:`~megatron_gkd.teacher.config.TeacherConfig`)."""
+        return cls(model=config.checkpoint, offload=config.offload)
+
     def __init__(self, model: str, dtype: str = "float32", offload: bool = False, max_top_k: int = 4096):
         from megatron_gkd import platform
         from megatron_gkd.teacher.megatron_scoring import MegatronScorer, load_teacher

@@ -51,6 +51,12 @@ class OpenAITeacherClient(TeacherClient):
         max_response_bytes: longest answer body read (JSON of the echoed log-probs).
     """
 
+    @classmethod
+    def from_config(cls, config, secret: bytes | None = None):
+        """Built from the ``teacher`` section (:class:`~megatron_gkd.teacher.config.TeacherConfig`)."""
+        return cls(base_url=config.base_url, model=config.model, teacher_tokenizer=config.teacher_tokenizer,
+                   api_key=config.api_key, retry=config.retry(), max_inflight=config.max_inflight)
+
     def __init__(self, base_url: str, model: str | None = None, teacher_tokenizer: str | None = None,
                  retry: RetryPolicy | None = None, wait_ready_s: float = 60.0, api_key: str | None = None,
                  max_inflight: int = 2, max_response_bytes: int = 2**31):

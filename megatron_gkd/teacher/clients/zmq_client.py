@@ -47,6 +47,13 @@ class ZmqTeacherClient(TeacherClient):
         split_requests: sub-requests per batch (see the module docstring); 1 sends each batch whole.
     """
 
+    @classmethod
+    def from_config(cls, config, secret: bytes | None = None):
+        """Built from the ``teacher`` section (:class:`~megatron_gkd.teacher.config.TeacherConfig`)."""
+        return cls(address=config.address, secret=secret if secret is not None else load_secret(config.secret_file),
+                   insecure=config.insecure, retry=config.retry(), max_inflight=config.max_inflight,
+                   split_requests=config.split_requests)
+
     def __init__(self, address: str, secret: bytes | None = None, insecure: bool = False,
                  retry: RetryPolicy | None = None, limits: wire.Limits | None = None,
                  max_inflight: int = 2, split_requests: int = 1):
