@@ -61,7 +61,7 @@ def dense_reference():
     "world_size, sizes",
     [
         (2, dict(tensor_model_parallel_size=2)),
-        (4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)),
+        pytest.param(4, dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), marks=pytest.mark.slow),
         (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
         (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
     ],
@@ -93,6 +93,7 @@ def test_distributed_optimizer_matches_tp1(dense_reference):
     )
 
 
+@pytest.mark.slow  # suite time; EP=2 trains in the default tier's tests/e2e/trainer/test_moe.py
 def test_moe_expert_parallel_trains():
     spec = dict(num_moe_experts=4, moe_router_topk=2)
     [reference] = run_distributed(_train, 1, args=({}, spec, None))

@@ -30,9 +30,10 @@ def _count_all(architectures: list[str], sizes: dict) -> list[dict]:
 LAYOUTS = [
     (2, dict(tensor_model_parallel_size=2), sorted(TINY_CONFIGS)),
     (2, dict(pipeline_model_parallel_size=2), sorted(TINY_CONFIGS)),
-    (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), ["Qwen2ForCausalLM", *MOE]),
+    pytest.param(2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+                 ["Qwen2ForCausalLM", *MOE], marks=pytest.mark.slow),  # suite time
     (2, dict(expert_model_parallel_size=2), list(MOE)),
-    (4, dict(tensor_model_parallel_size=2, expert_model_parallel_size=2), list(MOE)),
+    pytest.param(4, dict(tensor_model_parallel_size=2, expert_model_parallel_size=2), list(MOE), marks=pytest.mark.slow),
 ]
 
 

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.distributed
 
 TOLERANCE = 0.25
 
+# Suite time: DeepSeek-V3 at EP=2 runs in the slow tier (benchmarks/planner_memory.py measures it too).
 CASES = [
     MemoryCase("tp1-llama", "LlamaForCausalLM", 1),
     MemoryCase("tp2-qwen3", "Qwen3ForCausalLM", 2, dict(tensor_model_parallel_size=2)),
@@ -23,7 +24,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case.name == "ep2-deepseekv3" else case
+                                  for case in CASES], ids=[case.name for case in CASES])
 def test_predicted_peak_within_tolerance(case):
     measured = case.measure()
     plan = case.plan()

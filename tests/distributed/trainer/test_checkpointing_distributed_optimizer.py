@@ -65,7 +65,7 @@ def reference(tmp_path_factory) -> dict:
     return {"root": root, "losses": losses[0]}
 
 
-@pytest.mark.parametrize("world_size", [2, 1], ids=["dp2", "dp1"])
+@pytest.mark.parametrize("world_size", [2, pytest.param(1, marks=pytest.mark.slow)], ids=["dp2", "dp1"])  # suite time
 def test_distributed_optimizer_resumes_into_a_fresh_optimizer(reference, world_size):
     results = run_distributed(_resume, world_size, args=(str(reference["root"]),))
     for result in results:

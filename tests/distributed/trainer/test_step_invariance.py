@@ -203,7 +203,7 @@ def _hidden_body(checkpoint: str, layout: dict, loss_type: str):
     return dist.get_rank(), results
 
 
-@pytest.mark.parametrize("loss_type", ["reverse_kl", "jsd"])
+@pytest.mark.parametrize("loss_type", ["reverse_kl", pytest.param("jsd", marks=pytest.mark.slow)])  # suite time
 def test_hidden_signal_loss_is_the_same_fused_unfused_cut_and_at_tp2(checkpoint, loss_type):
     (_, single), = run_distributed(_hidden_body, 1, args=(checkpoint, {}, loss_type))
     reference_stats, reference_grad = single[(False, "one")]

@@ -115,7 +115,7 @@ def _server_rank(path, trainer_port, sync_port, config):
     return _server(sync_port, config)
 
 
-@pytest.mark.parametrize("transfer", ["packed", "direct"])
+@pytest.mark.parametrize("transfer", ["packed", pytest.param("direct", marks=pytest.mark.slow)])  # suite time
 def test_a_corrupted_bucket_leaves_the_engine_stale_and_the_server_serving(tmp_path, transfer):
     path = make_tiny_checkpoint("LlamaForCausalLM", tmp_path / "llama", seed=5)
     config = WeightSyncConfig(bucket_size_mb=48 / 1024, transfer=transfer)

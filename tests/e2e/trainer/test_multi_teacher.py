@@ -63,6 +63,7 @@ def test_routing_sends_every_sample_to_its_teacher_and_logs_each_teacher(assets,
                 assert record[f"train/num_loss_tokens/{name}"] == scored
 
 
+@pytest.mark.slow  # suite time; tests/e2e/trainer/test_teacher_faults.py stops on a dead teacher in the default tier
 def test_one_of_two_teachers_killed_stops_the_run_naming_it(assets, two_tasks, tmp_path):
     out_dir, _ = two_tasks
     with procs.proxy_and_workers(tmp_path) as (proxy, start_worker):

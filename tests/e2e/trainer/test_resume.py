@@ -41,6 +41,7 @@ def test_kill_9_then_resume_matches_the_uninterrupted_run(sync_run, assets, tmp_
         assert mine["train/loss"] == pytest.approx(theirs["train/loss"], abs=1e-6), mine["step"]
 
 
+@pytest.mark.slow  # suite time; the kill -9 resume above stays in the default tier
 def test_sigterm_checkpoints_and_the_in_flight_batch_is_resampled(sync_run, assets, tmp_path):
     reference, _ = sync_run
     out = tmp_path / "run"

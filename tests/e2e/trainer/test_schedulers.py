@@ -39,8 +39,10 @@ LAYOUTS = {"colocated": [], "disaggregated": DISAGGREGATED,
                                                  "parallel.pipeline_model_parallel_size=2"]}
 
 
-@pytest.mark.parametrize("scheduler, layout", [("one_step_off", "colocated"), ("two_step_off", "colocated"),
-                                               ("one_step_off", "disaggregated"), ("two_step_off", "disaggregated_pp2")])
+# Suite time: two_step_off (a second batch in flight, the same code path) runs in the slow tier.
+@pytest.mark.parametrize("scheduler, layout", [
+    ("one_step_off", "colocated"), pytest.param("two_step_off", "colocated", marks=pytest.mark.slow),
+    ("one_step_off", "disaggregated"), pytest.param("two_step_off", "disaggregated_pp2", marks=pytest.mark.slow)])
 def test_off_policy_schedulers_keep_batches_in_flight(assets, tmp_path, scheduler, layout):
     out = tmp_path / "run"
     code, log = harness.run(out, harness.asset_overrides(assets) + LAYOUTS[layout] + [

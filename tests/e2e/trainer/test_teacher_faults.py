@@ -28,6 +28,7 @@ def _wait(predicate, timeout_s: float, what: str):
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # suite time; tests/e2e/teacher/test_faults.py retries past a killed worker in the default tier
 def test_a_killed_worker_is_retried_and_the_run_goes_on(proxy_and_workers, assets, tmp_path):
     proxy, start_worker = proxy_and_workers
     worker_a, markers_a = start_worker("a", assets / "teacher", delay_s=60.0)
