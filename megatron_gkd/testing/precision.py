@@ -94,7 +94,7 @@ def on_policy_rank(config_path: str, overrides: list[str]) -> dict:
     receiver_module.check_prompt_logprobs = recording_check
     trainer = Trainer(load_config(config_path, overrides))
     try:
-        engine = trainer.flow.engine
+        engine = trainer.rollout.engine
         wire: list[dict[str, str]] = []
         load_weights = engine.load_weights
 

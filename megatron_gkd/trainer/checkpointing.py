@@ -462,3 +462,74 @@ def _continue_from(found: checkpoint_dirs.Found) -> None:
     if checkpoint_dirs.read_latest(root) != found.path.name:
         checkpoint_dirs.write_latest(root, found.path.name)
 
+
+
+class RunCheckpoints:
+    """The trainer's checkpoints, as the ``checkpoint`` section asks: resume, save (at intervals, at the end, on a
+    signal, after a failed step), HF export. What a run's checkpoint holds besides the model, optimizer and
+    schedule is assembled here and read back here: the sampler's position, the tokens trained, the config.
+
+    Args:
+        config: the run's :class:`~megatron_gkd.config.GKDConfig`.
+        out: the run directory (checkpoints in ``out/checkpoints``, HF exports in ``out/hf/step_N``).
+        student: the :class:`~megatron_gkd.trainer.components.Student`.
+        parallel_state: the parallel state.
+        timers: the trainer's phase timers (``checkpoint``, ``hf_export``).
+    """
+
+    def __init__(self, config, out: Path, student, parallel_state: ParallelState, timers):
+        self.config, self.section, self.student, self.state, self.timers = config, config.checkpoint, student, \
+            parallel_state, timers
+        self.root, self.out = Path(out) / "checkpoints", Path(out)
+
+    def resume(self) -> tuple[int, dict, int] | None:
+        """Loads the checkpoint ``checkpoint.resume`` names (``auto``: the run's newest, if any) in place; returns
+        ``(step, sampler state, tokens trained)``, or None when the run starts fresh.
+
+        Raises:
+            FileNotFoundError: an explicit ``checkpoint.resume`` holds no complete checkpoint.
+        """
+        setting = self.section.resume
+        root = None if setting == "never" else self.root if setting == "auto" else Path(setting)
+        if root is None or (setting == "auto" and not root.exists()):
+            return None
+        loaded = load_checkpoint(root, model_chunks=self.student.chunks, optimizer=self.student.optimizer,
+                                 scheduler=self.student.lr_scheduler, parallel_state=self.state)
+        if loaded is None:
+            if setting != "auto":
+                raise FileNotFoundError(f"checkpoint.resume={setting}: no complete checkpoint there")
+            return None
+        step, data_state = loaded
+        return step, data_state["sampler"], int(data_state.get("tokens_trained", 0))
+
+    def save(self, step: int, sampler_state: dict, tokens_trained: int) -> None:
+        """Saves step ``step`` (``sampler_state``: where the data resumes; collective)."""
+        from megatron_gkd.config import to_yaml
+
+        data_state = {"sampler": sampler_state, "tokens_trained": tokens_trained, "config": to_yaml(self.config)}
+        with self.timers("checkpoint"):
+            save_checkpoint(self.root, step, model_chunks=self.student.chunks, optimizer=self.student.optimizer,
+                            scheduler=self.student.lr_scheduler, data_state=data_state, parallel_state=self.state,
+                            keep_last_n=self.section.keep_last_n, content_hashes=self.section.content_hashes)
+
+    def save_after_failure(self, step: int, sampler_state: dict, tokens_trained: int) -> None:
+        """After a failed step (e.g. the teacher down past its deadline): keeps the last complete step, if the run
+        saves checkpoints at all."""
+        if step and self.section.save_interval:
+            logger.error("step %d failed; saving the last complete step (%d) before stopping", step + 1, step)
+            self.save(step, sampler_state, tokens_trained)
+
+    def due(self, step: int) -> tuple[bool, bool]:
+        """Whether step ``step`` is due a checkpoint and an HF export by their intervals."""
+        section = self.section
+        return (bool(section.save_interval) and step % section.save_interval == 0,
+                bool(section.hf_interval) and step % section.hf_interval == 0)
+
+    def export_hf(self, step: int) -> None:
+        """Writes the student as an HF checkpoint to ``out/hf/step_N`` in ``checkpoint.hf_dtype`` (collective)."""
+        from megatron_gkd.models import save_hf
+
+        dtype = self.section.hf_dtype
+        with self.timers("hf_export"):
+            save_hf(self.student.chunks, self.out / "hf" / f"step_{step}", dtype=dtype and getattr(torch, dtype),
+                    tokenizer_source=self.config.student.tokenizer_path)

@@ -112,6 +112,30 @@ def build_rollout_engine(config: GKDConfig, student: Student, tokenizer):
     return build_engine(config.rollout.engine, **rollout_engine_kwargs(config, tokenizer))
 
 
+def build_rollout(config: GKDConfig, student: Student, tokenizer, *, control, out, layout: dict, stop_ids, timers):
+    """The run's :class:`~megatron_gkd.trainer.rollout.Rollout` (a colocated engine, or the rollout server this
+    builds), or None when nothing is sampled (collective over the trainer ranks)."""
+    from megatron_gkd.config import needs_rollout
+    from megatron_gkd.trainer.rollout import Rollout
+
+    if not needs_rollout(config):
+        return None
+    parts = dict(config=config, control=control, stop_ids=stop_ids, timers=timers)
+    if config.rollout.layout == "disaggregated":
+        from megatron_gkd.trainer.disaggregated import RemoteRollout
+
+        remote = RemoteRollout(config, student.chunks, rollout_engine_kwargs(config, tokenizer), out / "rollout_server.log",
+                               control)
+        return Rollout(remote=remote, **parts)
+    engine = build_rollout_engine(config, student, tokenizer)
+    plan = None
+    if not engine.shares_student_weights:
+        from megatron_gkd.weight_sync import build_plan
+
+        plan = build_plan(student.chunks)
+    return Rollout(engine=engine, sync_plan=plan, replicas=layout["rollout_replicas"], **parts)
+
+
 def build_teacher_client(teacher, address: str | None, secret: bytes | None = None):
     """The client of ``teacher`` (a teacher config section; ``address``/``secret``: of a service this run started,
     else its ``address`` and secret file)."""
@@ -122,6 +146,17 @@ def build_teacher_client(teacher, address: str | None, secret: bytes | None = No
         teacher = dataclasses.replace(teacher, address=address, serve=dataclasses.replace(teacher.serve, model=None),
                                       head_checkpoint=teacher.head_source if teacher.signal == "hidden" else None)
     return build_client_from_config(teacher, secret)
+
+
+def teacher_check(config: GKDConfig, tokenizer, student_vocab_size: int, tcad: dict):
+    """``check(teacher)``: :func:`check_teacher` of a :class:`~megatron_gkd.trainer.teachers.Teacher` whose client is
+    connected (``tcad``: the TCAD spec, or None, per teacher name)."""
+    def check(teacher) -> None:
+        check_teacher(teacher.client, config, tokenizer, student_vocab_size, tcad=tcad[teacher.name] is not None,
+                      teacher_hidden_size=None if teacher.head is None else int(teacher.head.shape[1]),
+                      teacher=teacher.config)
+
+    return check
 
 
 def check_teacher(client, config: GKDConfig, tokenizer, student_vocab_size: int, tcad: bool,

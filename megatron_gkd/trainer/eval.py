@@ -1,5 +1,5 @@
 """Held-out evaluation: greedy answers through the rollout engine, scored by a registered scorer, and a
-task-independent distillation metric, the forward KL to the teacher on those answers.
+task-independent distillation metric, the forward KL to the teacher on those answers (:class:`TeacherKL`).
 
 Scorers are ``score(response_text, answer) -> float in [0, 1]``; register more with
 ``SCORERS.register("name", fn)`` and choose one with ``eval.scorer``.
@@ -47,7 +47,7 @@ class Evaluator:
         tokenizer: the student's tokenizer (answers are compared as text).
         generate: ``generate(prompt_ids, sampling) -> RolloutBatch``, the same batch on every rank.
         kl: ``kl(rollout, prompt_indices) -> float | None``, the forward KL to the teacher on the
-            responses (``None`` when the run has no teacher or ``eval.kl`` is off).
+            responses (a :class:`TeacherKL`), or None when the run has no teacher or ``eval.kl`` is off.
         config: the ``eval`` section.
         stop_token_ids: ids that end an answer (the tokenizer's EOS at least).
     """
@@ -84,7 +84,39 @@ class Evaluator:
         for record, (text, answer) in zip(records[:2], scored[:2]):
             logger.info("eval example: %r -> %r (answer %r)", self.tokenizer.decode(list(record.prompt_ids)[-32:]),
                         text[:200], answer)
-        kl = self._kl(rollout, [r.index for r in records])
+        kl = self._kl(rollout, [r.index for r in records]) if self._kl is not None else None
         if kl is not None:
             metrics["eval/kl_to_teacher"] = kl
         return metrics
+
+
+class TeacherKL:
+    """The token-mean forward KL of the student to the teachers on eval answers: on each teacher's top-k, or over
+    the whole vocabulary with the hidden signal, in any mode (a collective of every rank; the same value on all).
+
+    Args:
+        flow: the run's :class:`~megatron_gkd.trainer.flow.BatchFlow` (teacher requests and micro-batches).
+        runner: the :class:`~megatron_gkd.trainer.step.StepRunner` (forward only).
+        specs: the KL's :class:`~megatron_gkd.trainer.step.LossSpec` per teacher.
+        groups: each eval prompt's group (``data.group_key``) by dataset index (routes it to its teacher).
+        control: a gloo group over every rank.
+        source_rank: a last-stage rank (it holds the statistics).
+    """
+
+    def __init__(self, flow, runner, specs: dict, groups: dict, control, source_rank: int):
+        self.flow, self.runner, self.specs, self.groups = flow, runner, specs, groups
+        self.control, self.source_rank = control, source_rank
+
+    def __call__(self, rollout, prompt_indices: list[int]) -> float | None:
+        import torch
+
+        from megatron_gkd import parallel
+        from megatron_gkd.parallel.comm import broadcast_msgpack
+
+        if len(prompt_indices) < self.flow.state.data_parallel_size:  # every DP rank needs a share of the prompts
+            return None
+        batch = self.flow.scoring_batch(rollout, prompt_indices, [self.groups.get(i) for i in prompt_indices])
+        microbatches = self.flow.prepare(batch, scoring=True)
+        with parallel.eval_mode(self.runner.chunks), torch.no_grad():
+            stats = self.runner.run(self.specs, microbatches, forward_only=True)
+        return broadcast_msgpack(stats["loss"] if stats else None, self.source_rank, self.control)

@@ -1,5 +1,6 @@
-"""From a step's prompts to its micro-batches: sampling (the colocated engine or the rollout server), this
-rank's teacher request, and the teacher rows and loss coefficients each micro-batch carries.
+"""From a step's prompts to its micro-batches: sampling (through the run's
+:class:`~megatron_gkd.trainer.rollout.Rollout`), this rank's teacher request, and the teacher rows and loss
+coefficients each micro-batch carries.
 
 Every rank runs the same calls in the same order (they are collectives on the control group, the TP
 group or the rollout server's group); a failure on one rank (a teacher past its deadline) stops every
@@ -16,8 +17,8 @@ import torch.distributed as dist
 
 from megatron_gkd import platform
 from megatron_gkd.config import needs_teacher
-from megatron_gkd.parallel.comm import agree, all_gather_msgpack, broadcast_msgpack
-from megatron_gkd.rollout.types import RolloutBatch, concat_batches, decode_batch, encode_batch
+from megatron_gkd.parallel.comm import agree, all_gather_msgpack
+from megatron_gkd.rollout.types import RolloutBatch
 from megatron_gkd.trainer.batch import (TCADSpec, TeacherRows, TeacherShare, build_microbatch, common_shape,
                                         plan_microbatches, samples_from_rollout, score_batch, split_to_count,
                                         teacher_rows, token_coefficients)
@@ -71,21 +72,18 @@ class BatchFlow:
         dp_group: a gloo group over the data-parallel ranks.
         tokenizer: the student's tokenizer (vocabulary size, EOS, padding).
         stop_ids: ids that end a response.
-        layout: :func:`megatron_gkd.config.check_layout`'s plan.
         timers: the trainer's phase timers.
-        loss_kind: ``distill`` (teacher rows) or ``cross_entropy``.
         teachers: the run's :class:`~megatron_gkd.trainer.teachers.Teachers` (the trainer connects their clients
             and loads their heads).
-    The trainer attaches ``engine`` (colocated) or ``remote`` (rollout server) and ``client`` (teacher).
+        rollout: the run's :class:`~megatron_gkd.trainer.rollout.Rollout` (None when nothing is sampled).
     """
 
-    def __init__(self, config, state, *, control, dp_group, tokenizer, stop_ids, layout: dict, timers, loss_kind: str,
-                 teachers: Teachers):
+    def __init__(self, config, state, *, control, dp_group, tokenizer, timers, teachers: Teachers, rollout=None):
         self.config, self.state, self.control, self.dp_group = config, state, control, dp_group
-        self.tokenizer, self.stop_ids, self.layout, self.timers, self.loss_kind = tokenizer, stop_ids, layout, timers, loss_kind
+        self.tokenizer, self.timers, self.rollout = tokenizer, timers, rollout
+        self.loss_kind = config.trainer.run_mode.loss_kind
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.rank = dist.get_rank()
-        self.engine = self.remote = None
         self.teachers = teachers
         # One rank per TP group of the last stage asks a remote teacher and sends the rows to its TP group.
         self.is_teacher_rank = state.is_pipeline_last_stage and state.tp_rank == 0
@@ -100,11 +98,12 @@ class BatchFlow:
         prompt_groups = [record.group for record in records]
         if config.trainer.run_mode.samples:
             prompts, sampling = [list(r.prompt_ids) for r in records], config.rollout.sampling(self._seed(index))
-            if self.remote is not None:  # sampled on the rollout server while this rank trains
-                pending = self.remote.submit(self._remote_batch, prompts, sampling, prompt_indices, prompt_groups)
+            if self.rollout.in_background:  # sampled on the rollout server while this rank trains
+                pending = self.rollout.generate_then(prompts, sampling,
+                                                     lambda batch: self._background_share(batch, prompt_indices, prompt_groups))
                 return InFlight(index, data_state, prompt_indices, None, None, pending=pending)
             with self.timers("rollout"):
-                rollout = self.generate(prompts, sampling)
+                rollout = self.rollout.generate(prompts, sampling)
         else:
             rollout = RolloutBatch.from_samples(
                 prompts=[list(r.prompt_ids) for r in records], responses=[list(r.response_ids) for r in records],
@@ -117,10 +116,9 @@ class BatchFlow:
                 teacher = self.request(samples)
         return InFlight(index, data_state, prompt_indices, rollout, samples, teacher)
 
-    def _remote_batch(self, prompts, sampling, prompt_indices, prompt_groups):
+    def _background_share(self, rollout, prompt_indices, prompt_groups):
         """On the rollout thread: the server's batch and this rank's teacher request for its share (a
         colocated Megatron teacher is a collective of the training ranks: it is asked in the update)."""
-        rollout = self.remote.client.generate(prompts, self._with_stop_ids(sampling))
         samples = self.my_samples(rollout, prompt_indices, prompt_groups)
         teacher = self.request(samples, local=False) if needs_teacher(self.config) else None
         return rollout, samples, teacher
@@ -128,27 +126,6 @@ class BatchFlow:
     def _seed(self, index: int) -> int | None:
         seed = self.config.rollout.seed
         return None if seed is None else seed + index * 1_000_003
-
-    def generate(self, prompts: list[list[int]], sampling) -> RolloutBatch:
-        """Samples ``prompts`` (colocated engine or rollout server); every rank returns the same batch."""
-        sampling = self._with_stop_ids(sampling)
-        if self.remote is not None:
-            return self.remote.generate(prompts, sampling)
-        replicas = self.layout["rollout_replicas"] if not self.engine.shares_student_weights else 1
-        if replicas == 1:
-            batch = self.engine.generate(prompts, sampling)
-            return decode_batch(broadcast_msgpack(encode_batch(batch) if self.rank == 0 else None, 0, self.control))
-        # Each vLLM replica samples a block of prompts, seeded as one engine would seed them all.
-        blocks = np.array_split(np.arange(len(prompts)), replicas)
-        tp = self.config.rollout.tensor_parallel_size
-        mine = blocks[self.rank // tp]
-        seed = None if sampling.seed is None else sampling.seed + int(mine[0] if len(mine) else 0) * sampling.n
-        batch = self.engine.generate([prompts[i] for i in mine], dataclasses.replace(sampling, seed=seed))
-        gathered = all_gather_msgpack(encode_batch(batch), self.control)
-        return concat_batches([decode_batch(gathered[r * tp]) for r in range(replicas)])
-
-    def _with_stop_ids(self, sampling):
-        return dataclasses.replace(sampling, stop_token_ids=tuple(sorted(set(sampling.stop_token_ids) | set(self.stop_ids))))
 
     def my_samples(self, rollout: RolloutBatch, prompt_indices: list[int], prompt_groups: list | None = None) -> list:
         """This data-parallel rank's samples: a contiguous block of whole prompt groups."""
@@ -167,7 +144,7 @@ class BatchFlow:
             width = teacher.top_k + self.config.rollout.logprobs_k
         return TCADSpec(support_k=width, mode=loss.support_mode)
 
-    def _asks(self, teacher) -> bool:
+    def asks(self, teacher) -> bool:
         """Whether this rank sends ``teacher``'s requests (one rank per TP group of the last stage asks a remote
         teacher and sends the rows to its TP group; a colocated teacher is a collective of every rank)."""
         return teacher.local or self.is_teacher_rank
@@ -180,7 +157,7 @@ class BatchFlow:
         requests = {}
         for teacher in self.teachers:
             config, indices = teacher.config, plan[teacher.name]
-            if not indices or not self._asks(teacher) or local not in (None, teacher.local) or teacher.name in skip:
+            if not indices or not self.asks(teacher) or local not in (None, teacher.local) or teacher.name in skip:
                 continue
             batch = score_batch([samples[i] for i in indices], top_k=config.top_k, temperature=config.temperature,
                                 vocab_size=len(self.tokenizer),
@@ -262,7 +239,7 @@ class BatchFlow:
         latency = torch.tensor([requests[n].latency_s or 0.0 if n in requests else 0.0 for n in names],
                                dtype=torch.float64)
         counts = torch.tensor([[sum(samples[i].response_len for i in requests[n].indices) if n in requests else 0,
-                                teacher.client.num_retries if teacher.client is not None and self._asks(teacher) else 0]
+                                teacher.client.num_retries if teacher.client is not None and self.asks(teacher) else 0]
                                for n, teacher in zip(names, self.teachers)], dtype=torch.float64)
         dist.all_reduce(latency, op=dist.ReduceOp.MAX, group=self.control)
         dist.all_reduce(counts, group=self.control)
@@ -282,24 +259,33 @@ class BatchFlow:
         return metrics
 
     # -------------------------------------------------------------------------------- micro-batches
-    def prepare(self, batch: InFlight) -> list:
-        """Waits for the batch and its teacher rows, and cuts it into micro-batches."""
+    def prepare(self, batch: InFlight, *, scoring: bool = False) -> list:
+        """Waits for the batch and its teacher rows, and cuts it into micro-batches.
+
+        ``scoring``: the micro-batches that score the batch against every teacher whatever the mode (eval's KL):
+        the teachers' own top-k (no TCAD support), no confidence weights, no labels.
+        """
         with self.timers("rollout_wait"):
             batch.resolve()
-        if needs_teacher(self.config):
+        if scoring or needs_teacher(self.config):
             asked = batch.teacher if batch.teacher is not None else {}
             # A colocated Megatron teacher is a collective of the training ranks: it is asked here, in the update.
-            asked.update(self.request(batch.samples, local=True, skip=asked))
+            asked.update(self.request(batch.samples, local=None if scoring else True, skip=asked, tcad=not scoring))
             batch.teacher = asked
         outputs = self.teacher_outputs(batch.teacher)
         with self.timers("batch"):
-            rows = self.rows(batch.samples, outputs) if self.loss_kind == "distill" else {}
-            coefficients = self.coefficients(batch, rows)
-            return self.microbatches(batch.samples, coefficients, rows)
+            rows = self.rows(batch.samples, outputs, tcad=not scoring) if scoring or self.loss_kind == "distill" else {}
+            coefficients = self.coefficients(batch, rows, confidence=not scoring)
+            return self.microbatches(batch.samples, coefficients, rows, labels=False if scoring else None)
 
-    def coefficients(self, batch: InFlight, rows: dict) -> list[torch.Tensor]:
-        """Each response token's share of the step's loss (see :mod:`.batch`), on the last stage."""
-        samples, alpha = batch.samples, self.config.loss.confidence_alpha
+    def scoring_batch(self, rollout: RolloutBatch, prompt_indices: list[int], prompt_groups: list) -> InFlight:
+        """``rollout`` (sampled elsewhere, e.g. eval answers) as a batch for :meth:`prepare` with ``scoring``."""
+        return InFlight(-1, {}, prompt_indices, rollout, self.my_samples(rollout, prompt_indices, prompt_groups))
+
+    def coefficients(self, batch: InFlight, rows: dict, *, confidence: bool = True) -> list[torch.Tensor]:
+        """Each response token's share of the step's loss (see :mod:`.batch`), on the last stage (``confidence``:
+        TCAD's confidence weights where ``loss.confidence_alpha`` asks for them)."""
+        samples, alpha = batch.samples, self.config.loss.confidence_alpha if confidence else None
         if not self.state.is_pipeline_last_stage:
             return [torch.zeros(s.response_len, dtype=torch.float64) for s in samples]
         total, groups = batch.rollout.num_generated_tokens, len(batch.prompt_indices)

@@ -8,35 +8,31 @@ decides how far batch production runs ahead of the update that trains it.
 from __future__ import annotations
 
 import logging
-import os
 import pathlib
-import signal
 import time
 
 import torch
 import torch.distributed as dist
 
 from megatron_gkd import parallel, platform
-from megatron_gkd.config import GKDConfig, check_layout, eval_enabled, needs_rollout, needs_teacher, to_yaml
+from megatron_gkd.config import GKDConfig, check_layout, eval_enabled, needs_teacher, to_yaml
 from megatron_gkd.config.schema import MODES
 from megatron_gkd.data import PromptSampler, load_prompts, load_tokenizer
 from megatron_gkd.parallel.comm import all_gather_msgpack, broadcast_msgpack
-from megatron_gkd.rollout.types import RolloutBatch
-from megatron_gkd.trainer import checkpointing
-from megatron_gkd.trainer.batch import token_coefficients
-from megatron_gkd.trainer.components import (build_rollout_engine, build_student,
-                                             build_teacher_head, check_teacher, rollout_engine_kwargs, stop_token_ids)
-from megatron_gkd.trainer.eval import Evaluator
+from megatron_gkd.trainer.checkpointing import RunCheckpoints
+from megatron_gkd.trainer.components import (build_rollout, build_student, build_teacher_head, stop_token_ids,
+                                             teacher_check)
+from megatron_gkd.trainer.eval import Evaluator, TeacherKL
 from megatron_gkd.trainer.flow import BatchFlow, InFlight
-from megatron_gkd.trainer.metrics import MetricsWriter, Progress, Timers, summary_table
+from megatron_gkd.trainer.metrics import (MetricsWriter, Progress, Timers, batch_metrics, loss_metrics, peak_rss_gib,
+                                          run_summary, startup_metrics, summary_table)
+from megatron_gkd.trainer.preemption import Preemption
 from megatron_gkd.trainer.routing import RoutingStats
 from megatron_gkd.trainer.schedulers import SCHEDULERS, BatchPipeline
-from megatron_gkd.trainer.step import LossSpec, StepRunner
+from megatron_gkd.trainer.step import StepRunner, loss_specs
 from megatron_gkd.trainer.teachers import Teachers
 
 logger = logging.getLogger(__name__)
-
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class Trainer:
@@ -48,11 +44,7 @@ class Trainer:
         self.timers = Timers()
         self.step = 0
         self.tokens_trained = 0  # response tokens of the trained batches (trainer.token_budget)
-        self.writer = self.progress = None
-        self._unwritten: dict = {}  # metrics for the next record (start-up's)
-        self._rollout_version = 0  # weights the rollout engine (or server) holds
-        self._receiver = self._sync_plan = self.evaluator = None
-        self._signal: int | None = None
+        self.writer = self.progress = self.rollout = self.evaluator = None
         try:
             self._build()
         except BaseException:
@@ -77,10 +69,11 @@ class Trainer:
             self._connect_teacher()
         with phase("resume"):
             self._resume()
+        startup = startup_metrics(phase.pop())
         self._open_sinks()
-        self._report_startup(phase.pop())
-        for signum in PREEMPTION_SIGNALS:
-            signal.signal(signum, self._on_signal)
+        if self.writer is not None:
+            self.writer.carry(startup)  # on the first record
+        self.preemption = Preemption(self.control)
 
     def _build_student(self) -> None:
         config = self.config
@@ -93,25 +86,8 @@ class Trainer:
                                  teacher_heads={t.name: t.head for t in self.teachers if t.head is not None})
         self.routing = RoutingStats(self.student.chunks, self.control, data_parallel_size=self.state.data_parallel_size) \
             if self.student.is_moe else None
-        self.loss_spec = self._loss_specs(config.trainer.run_mode)
-        # Eval KL scores greedy samples against each teacher as the distillation modes do, in every mode.
-        self._eval_kl_spec = {name: spec.eval_kl() for name, spec in self._loss_specs(MODES["off_policy"]).items()}
-        self.flow = BatchFlow(config, self.state, control=self.control, dp_group=self._dp_gloo, tokenizer=self.tokenizer,
-                              stop_ids=self.stop_ids, layout=self.layout, timers=self.timers,
-                              loss_kind=config.trainer.run_mode.loss_kind,
-                              teachers=self.teachers)
-
-    def _report_startup(self, seconds: dict[str, float]) -> None:
-        """Logs where start-up went and keeps it for the first metrics record (``time/startup/*``)."""
-        seconds["total"] = sum(seconds.values())
-        logger.info("started in %.1f s: %s", seconds["total"],
-                    ", ".join(f"{name} {value:.1f} s" for name, value in seconds.items() if name != "total"))
-        self._unwritten = {f"time/startup/{name}": value for name, value in seconds.items()}
-
-    def _write(self, step: int, metrics: dict) -> None:
-        """One metrics record (rank 0), with what start-up measured on the first."""
-        self.writer.write(step, {**self._unwritten, **metrics})
-        self._unwritten = {}
+        self.loss_spec = loss_specs(config.loss, config.trainer.run_mode, self.teachers, len(self.tokenizer))
+        self.checkpoints = RunCheckpoints(config, self.out, self.student, self.state, self.timers)
 
     # ----------------------------------------------------------------------------------------- setup
     def _setup_process(self) -> None:
@@ -140,12 +116,6 @@ class Trainer:
         if needs_teacher(self.config) or eval_enabled(self.config):
             self.teachers.start_services(self.rank, self.out, self.control)
 
-    def _loss_specs(self, mode):
-        """The loss of ``mode``: one spec per teacher (cross-entropy where the mode does not distil)."""
-        if not mode.distills:
-            return LossSpec(kind="cross_entropy")
-        return {t.name: LossSpec.from_config(self.config.loss, mode, t.config, len(self.tokenizer)) for t in self.teachers}
-
     def _load_data(self) -> None:
         config, data = self.config, self.config.data
         self.tokenizer = load_tokenizer(config.student.tokenizer_path)
@@ -168,48 +138,30 @@ class Trainer:
         config = self.config
         if not (needs_teacher(config) or (eval_enabled(config) and config.eval.kl and len(self.teachers))):
             return
-
-        def check(teacher):
-            check_teacher(teacher.client, config, self.tokenizer, self.student.vocab_size,
-                          tcad=self.flow.tcad[teacher.name] is not None,
-                          teacher_hidden_size=None if teacher.head is None else int(teacher.head.shape[1]),
-                          teacher=teacher.config)
-
-        self.teachers.connect(self.rank, self.control, self.flow._asks, check)
+        check = teacher_check(config, self.tokenizer, self.student.vocab_size, self.flow.tcad)
+        self.teachers.connect(self.rank, self.control, self.flow.asks, check)
 
     def _build_rollout(self) -> None:
         config = self.config
-        if not needs_rollout(config):
-            return
-        if config.rollout.layout == "disaggregated":
-            from megatron_gkd.trainer.disaggregated import RemoteRollout
-
-            self.flow.remote = RemoteRollout(config, self.student.chunks, rollout_engine_kwargs(config, self.tokenizer),
-                                             self.out / "rollout_server.log", self.control)
-        else:
-            self.flow.engine = build_rollout_engine(config, self.student, self.tokenizer)
-            if not self.flow.engine.shares_student_weights:
-                from megatron_gkd.weight_sync import build_plan
-
-                self._sync_plan = build_plan(self.student.chunks)
+        self.rollout = build_rollout(config, self.student, self.tokenizer, control=self.control, out=self.out,
+                                     layout=self.layout, stop_ids=self.stop_ids, timers=self.timers)
+        self.flow = BatchFlow(config, self.state, control=self.control, dp_group=self._dp_gloo, tokenizer=self.tokenizer,
+                              timers=self.timers, teachers=self.teachers, rollout=self.rollout)
         if self.eval_data is not None:
-            self.evaluator = Evaluator(self.eval_data, self.tokenizer, self.flow.generate, self._eval_kl, config.eval,
+            kl = None
+            if config.eval.kl and len(self.teachers):  # scored as the distillation modes score, in every mode
+                specs = loss_specs(config.loss, MODES["off_policy"], self.teachers, len(self.tokenizer))
+                kl = TeacherKL(self.flow, self.runner, {name: spec.eval_kl() for name, spec in specs.items()},
+                               self._eval_groups, self.control, self._metrics_rank)
+            self.evaluator = Evaluator(self.eval_data, self.tokenizer, self.rollout.generate, kl, config.eval,
                                        self.stop_ids)
 
     def _resume(self) -> None:
-        setting = self.config.checkpoint.resume
-        root = None if setting == "never" else self.out / "checkpoints" if setting == "auto" else pathlib.Path(setting)
-        if root is None or (setting == "auto" and not root.exists()):
-            return
-        loaded = checkpointing.load_checkpoint(root, model_chunks=self.student.chunks, optimizer=self.student.optimizer,
-                                               scheduler=self.student.lr_scheduler, parallel_state=self.state)
+        loaded = self.checkpoints.resume()
         if loaded is None:
-            if setting != "auto":
-                raise FileNotFoundError(f"checkpoint.resume={setting}: no complete checkpoint there")
             return
-        self.step, data_state = loaded
-        self.sampler.load_state_dict(data_state["sampler"])
-        self.tokens_trained = int(data_state.get("tokens_trained", 0))
+        self.step, sampler_state, self.tokens_trained = loaded
+        self.sampler.load_state_dict(sampler_state)
         logger.info("resumed at step %d (data epoch %d)", self.step, self.sampler.epoch)
         if self.step:
             self._sync_weights()
@@ -228,7 +180,7 @@ class Trainer:
         config, start = self.config, time.perf_counter()
         first_eval = self._evaluate() if config.eval.at_start and self.step == 0 else {}
         if first_eval and self.rank == 0:
-            self._write(self.step, {**first_eval, **{f"time/{k}": v for k, v in self.timers.pop().items()}})
+            self.writer.write(self.step, {**first_eval, **{f"time/{k}": v for k, v in self.timers.pop().items()}})
             self.progress.evaluated(first_eval)
         schedule = SCHEDULERS.get(config.trainer.scheduler)
         self.pipeline = BatchPipeline(self._produce, max_staleness=schedule.max_staleness, start=self.step,
@@ -240,7 +192,7 @@ class Trainer:
             try:
                 metrics = self._update(batch)
             except Exception:
-                self._save_after_failure()
+                self.checkpoints.save_after_failure(self.step, *self._data_position())
                 raise
             self.step += 1
             self._sync_weights()
@@ -250,10 +202,10 @@ class Trainer:
             metrics["time/step"], clock = now - clock, now  # wall time since the previous step's end
             self._log(metrics)
             self._checkpoint_if_due()
-            if self._preempted():
+            if self.preemption.requested():
                 self._save_checkpoint()
                 logger.warning("stopped by signal %s after step %d; checkpoint saved: rerun the same command to "
-                               "resume", self._signal, self.step)
+                               "resume", self.preemption.signal, self.step)
                 return self._summary(first_eval, {}, start, preempted=True)
         if self.step < config.trainer.num_steps:
             logger.info("token budget of %d reached after step %d (%d tokens trained); %d batches sampled ahead are not "
@@ -261,11 +213,11 @@ class Trainer:
                         len(self.pipeline.in_flight))
         last_eval = self._evaluate() if config.eval.at_end else {}
         if last_eval and self.rank == 0:
-            self._write(self.step, last_eval)
+            self.writer.write(self.step, last_eval)
         if config.checkpoint.save_at_end:
             self._save_checkpoint()
         if config.checkpoint.hf_at_end:
-            self._export_hf()
+            self.checkpoints.export_hf(self.step)
         return self._summary(first_eval, last_eval, start)
 
     def _finished(self) -> bool:
@@ -286,76 +238,22 @@ class Trainer:
         with self.timers("train"):
             stats, optim = self.runner.train_step(self.loss_spec, microbatches)
         self.tokens_trained += batch.rollout.num_generated_tokens  # the whole global batch, the same on every rank
-        metrics = self._batch_metrics(batch)
+        metrics = batch_metrics(batch.rollout, self.timers.pop(), step=self.step, tokens_trained=self.tokens_trained,
+                                epoch=self.sampler.epoch, batches_sampled=self.pipeline.num_sampled)
+        metrics["prompts"] = batch.prompt_indices
         metrics.update({f"train/{key}": value for key, value in optim.items()})
         if self.routing is not None:  # MoE: load-balancing loss and expert load (collective)
             metrics.update(self.routing.collect(len(microbatches)))
         if stats is not None:
-            metrics.update(self._loss_metrics(stats))
+            metrics.update(loss_metrics(stats, self.teachers.names if self.teachers.several else None))
             metrics.update(self.flow.confidence)
         metrics.update(self.flow.teacher_metrics(batch.teacher, batch.samples))
         return metrics
 
     def _sync_weights(self, force: bool = False) -> None:
-        """Puts weights version ``self.step`` into the rollout engine: every step on-policy; otherwise
-        only when ``force``d (off-policy and SFT sample nothing; eval refreshes the engine)."""
-        engine, remote = self.flow.engine, self.flow.remote
-        if (engine is None and remote is None) or self._rollout_version == self.step:
-            return
-        if not self.config.trainer.run_mode.samples and not force:
-            return
-        with self.timers("weight_sync"):
-            if remote is not None:
-                remote.sync(self.student.chunks, self.step)
-            elif engine.shares_student_weights:
-                engine.load_weights(iter(()), self.step)
-            else:
-                from megatron_gkd.weight_sync import colocated_sync
-
-                self._receiver = colocated_sync(self.student.chunks, engine, self._sync_plan, self.config.weight_sync,
-                                                version=self.step, receiver=self._receiver)
-        self._rollout_version = self.step
-
-    # --------------------------------------------------------------------------------------- metrics
-    def _batch_metrics(self, batch: InFlight) -> dict:
-        rollout = batch.rollout
-        lengths = rollout.response_lengths.float()
-        phases = self.timers.pop()
-        metrics = {f"time/{name}": seconds for name, seconds in phases.items()}
-        metrics.update({
-            "rollout/response_length_mean": float(lengths.mean()), "rollout/response_length_max": float(lengths.max()),
-            "rollout/num_tokens": float(rollout.num_generated_tokens),
-            "rollout/truncated_fraction": sum(r == "length" for r in rollout.finish_reasons) / rollout.num_samples,
-            "train/staleness": float(self.step - rollout.weight_version),
-            "train/weight_version": float(rollout.weight_version), "data/epoch": float(self.sampler.epoch),
-            "data/batches_sampled": float(self.pipeline.num_sampled), "data/batches_trained": float(self.step + 1),
-            "train/tokens_total": float(self.tokens_trained),
-        })
-        for phase, tokens in (("rollout", rollout.num_generated_tokens), ("train", rollout.num_generated_tokens)):
-            if phases.get(phase):
-                metrics[f"throughput/{phase}_tokens_per_s"] = tokens / phases[phase]
-        metrics["memory/rss_gb"] = _rss_gb()
-        if platform.max_memory_allocated():
-            metrics["memory/device_max_allocated_gb"] = platform.max_memory_allocated() / 2**30
-        metrics["prompts"] = batch.prompt_indices
-        return metrics
-
-    def _loss_metrics(self, stats: dict) -> dict:
-        """``train/*`` from the step's summed statistics (per teacher, ``KEY/NAME``, with several)."""
-        metrics = {"train/loss": stats["loss"], "train/num_loss_tokens": stats["tokens"]}
-        for suffix in [""] if not self.teachers.several else [f"/{name}" for name in self.teachers.names]:
-            tokens = max(stats.get(f"tokens{suffix}", 0.0), 1.0)
-            if suffix:
-                metrics.update({f"train/loss{suffix}": stats.get(f"loss{suffix}", 0.0),
-                                f"train/num_loss_tokens{suffix}": stats.get(f"tokens{suffix}", 0.0)})
-            for key in ("teacher_mass", "student_mass", "topk_overlap", "teacher_entropy", "student_entropy",
-                        "top1_agreement"):
-                if f"{key}{suffix}" in stats:
-                    metrics[f"train/{key}{suffix}"] = stats[f"{key}{suffix}"] / tokens
-            if f"coverage{suffix}" in stats:
-                metrics[f"train/loss_coverage{suffix}"] = stats[f"coverage{suffix}"]
-                metrics[f"train/loss_divergence{suffix}"] = stats[f"loss{suffix}"] - stats[f"coverage{suffix}"]
-        return metrics
+        """Puts weights version ``self.step`` into the rollout engine (see :meth:`Rollout.sync`)."""
+        if self.rollout is not None:
+            self.rollout.sync(self.student.chunks, self.step, force=force)
 
     def _log(self, metrics: dict) -> None:
         with self.timers("log"):
@@ -363,7 +261,7 @@ class Trainer:
                                         self.control)
         self.last_metrics = metrics
         if self.rank == 0:
-            self._write(self.step, metrics)
+            self.writer.write(self.step, metrics)
             self.progress.update(self.step, metrics, {k[5:]: v for k, v in metrics.items() if k.startswith("time/")})
 
     # ------------------------------------------------------------------------------------------ eval
@@ -377,106 +275,40 @@ class Trainer:
             logger.info("eval at step %d: %s", self.step, {k: round(v, 5) for k, v in metrics.items()})
         return metrics
 
-    def _eval_kl(self, rollout: RolloutBatch, prompt_indices: list[int]) -> float | None:
-        """Token-mean forward KL of the student to the teacher on eval responses (on the teacher's top-k, or over
-        the whole vocabulary with the hidden signal)."""
-        # The same answer on every rank: every DP rank needs a share of the eval prompts.
-        if not (self.config.eval.kl and len(self.teachers)) or len(prompt_indices) < self.state.data_parallel_size:
-            return None
-        flow = self.flow
-        samples = flow.my_samples(rollout, prompt_indices, [self._eval_groups.get(i) for i in prompt_indices])
-        rows = flow.rows(samples, flow.teacher_outputs(flow.request(samples, tcad=False)), tcad=False)
-        coefficients = token_coefficients(samples, total_tokens=rollout.num_generated_tokens,
-                                          num_groups=len(prompt_indices))
-        microbatches = flow.microbatches(samples, coefficients, rows, labels=False)
-        with parallel.eval_mode(self.student.chunks), torch.no_grad():
-            stats = self.runner.run(self._eval_kl_spec, microbatches, forward_only=True)
-        value = broadcast_msgpack(stats["loss"] if stats else None, self._metrics_rank, self.control)
-        return value
-
     # ------------------------------------------------------------------------------------ checkpoints
-    def _data_state(self) -> dict:
+    def _data_position(self) -> tuple[dict, int]:
+        """Where the data resumes (the sampler's state) and the tokens trained so far."""
         in_flight = self.pipeline.in_flight if hasattr(self, "pipeline") else []
         # Batches sampled but not trained are re-sampled after a resume: the position is the oldest one's.
-        sampler = in_flight[0][1].data_state if in_flight else self.sampler.state_dict()
-        return {"sampler": sampler, "step": self.step, "weight_version": self.step, "tokens_trained": self.tokens_trained,
-                "config": to_yaml(self.config)}
+        return (in_flight[0][1].data_state if in_flight else self.sampler.state_dict()), self.tokens_trained
 
     def _save_checkpoint(self) -> None:
-        with self.timers("checkpoint"):
-            checkpointing.save_checkpoint(self.out / "checkpoints", self.step, model_chunks=self.student.chunks,
-                                          optimizer=self.student.optimizer, scheduler=self.student.lr_scheduler,
-                                          data_state=self._data_state(), parallel_state=self.state,
-                                          keep_last_n=self.config.checkpoint.keep_last_n,
-                                          content_hashes=self.config.checkpoint.content_hashes)
+        self.checkpoints.save(self.step, *self._data_position())
 
     def _checkpoint_if_due(self) -> None:
-        checkpoint = self.config.checkpoint
-        final = self._finished()
-        if checkpoint.save_interval and self.step % checkpoint.save_interval == 0 and not final:
+        save, export = self.checkpoints.due(self.step) if not self._finished() else (False, False)
+        if save:
             self._save_checkpoint()
-        if checkpoint.hf_interval and self.step % checkpoint.hf_interval == 0 and not final:
-            self._export_hf()
-
-    def _save_after_failure(self) -> None:
-        """After a failed step (e.g. the teacher down past its deadline): keep the last complete step."""
-        if self.step and self.config.checkpoint.save_interval:
-            logger.error("step %d failed; saving the last complete step (%d) before stopping", self.step + 1, self.step)
-            self._save_checkpoint()
-
-    def _export_hf(self) -> None:
-        from megatron_gkd.models import save_hf
-
-        hf_dtype = self.config.checkpoint.hf_dtype
-        with self.timers("hf_export"):
-            save_hf(self.student.chunks, self.out / "hf" / f"step_{self.step}", dtype=hf_dtype and getattr(torch, hf_dtype),
-                    tokenizer_source=self.config.student.tokenizer_path)
-
-    def _on_signal(self, signum, frame) -> None:
-        del frame
-        if self._signal is not None:  # a second signal: stop now, as without a handler
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        logger.warning("signal %d received: the run checkpoints and stops after this step (send it again to stop "
-                       "at once)", signum)
-        self._signal = signum
-
-    def _preempted(self) -> bool:
-        flag = torch.tensor([self._signal or 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
-        if flag.item():
-            self._signal = int(flag.item())
-        return bool(flag.item())
+        if export:
+            self.checkpoints.export_hf(self.step)
 
     # ------------------------------------------------------------------------------------------- end
     def _summary(self, first_eval: dict, last_eval: dict, start: float, preempted: bool = False) -> dict:
-        summary = {"steps": self.step, "preempted": preempted, "wall_time_s": time.perf_counter() - start,
-                   "final_loss": getattr(self, "last_metrics", {}).get("train/loss"),
-                   "output_dir": str(self.out.resolve()),
-                   "checkpoints": str((self.out / "checkpoints").resolve()),
-                   "hf_export": str((self.out / "hf" / f"step_{self.step}").resolve()) if self.config.checkpoint.hf_at_end
-                   and not preempted else None,
-                   "metrics": str((self.out / "metrics.jsonl").resolve()),
-                   # Each rank's peak resident set (libraries, a colocated engine and allocator caches included).
-                   "peak_rss_gib_per_rank": [round(gib, 3) for gib in all_gather_msgpack(_peak_rss_gib(), self.control)]}
-        for key in ("eval/accuracy", "eval/kl_to_teacher"):
-            if key in first_eval:
-                summary[f"{key}_before"] = first_eval[key]
-            if key in last_eval:
-                summary[f"{key}_after"] = last_eval[key]
+        summary = run_summary(steps=self.step, preempted=preempted, wall_time_s=time.perf_counter() - start,
+                              final_loss=getattr(self, "last_metrics", {}).get("train/loss"), out=self.out,
+                              hf_export=self.config.checkpoint.hf_at_end, first_eval=first_eval, last_eval=last_eval,
+                              peak_rss_per_rank=all_gather_msgpack(peak_rss_gib(), self.control))
         if self.rank == 0:
             logger.info("summary:\n%s", summary_table(summary))
         return summary
 
     def close(self) -> None:
         """Stops the engine, the teacher client and service, and the metric sinks (every rank)."""
-        flow, teachers = getattr(self, "flow", None), getattr(self, "teachers", None)
+        teachers = getattr(self, "teachers", None)
         for name, action in (("progress", lambda: self.progress and self.progress.close()),
                              ("metrics", lambda: self.writer and self.writer.close()),
                              ("teacher clients", lambda: teachers and teachers.close_clients()),
-                             ("rollout engine", lambda: flow and flow.engine and flow.engine.close()),
-                             ("rollout server", lambda: flow and flow.remote and flow.remote.close()),
+                             ("rollout", lambda: self.rollout and self.rollout.close()),
                              ("teacher services", lambda: teachers and teachers.stop_services())):
             try:
                 action()
@@ -484,16 +316,3 @@ class Trainer:
                 logger.exception("closing the %s failed", name)
         parallel.destroy()
 
-
-def _peak_rss_gib() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
-def _rss_gb() -> float:
-    try:
-        import psutil
-    except ImportError:
-        return float("nan")
-    return psutil.Process().memory_info().rss / 2**30

@@ -64,6 +64,7 @@ class MetricsWriter:
         self.path = pathlib.Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(resume_step)
+        self._carried: dict = {}
         self._tensorboard = None
         self._wandb = None
         if config.tensorboard:
@@ -88,8 +89,13 @@ class MetricsWriter:
                 if line.strip() and json.loads(line).get("step", 0) <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
+    def carry(self, metrics: dict) -> None:
+        """Adds ``metrics`` to the next record (e.g. start-up's times to the first step's)."""
+        self._carried.update(metrics)
+
     def write(self, step: int, metrics: dict) -> None:
         """One record: ``{"step": step, **metrics}`` (non-numbers go to the JSONL file only)."""
+        metrics, self._carried = {**self._carried, **metrics}, {}
         with self.path.open("a") as handle:
             handle.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
         scalars = {key: float(value) for key, value in metrics.items() if _finite(value)}
@@ -187,8 +193,94 @@ class Progress:
             self._redirect = None
 
 
+def startup_metrics(seconds: dict[str, float]) -> dict:
+    """Logs where start-up went (seconds per phase) and returns it as ``time/startup/*`` metrics."""
+    seconds = {**seconds, "total": sum(seconds.values())}
+    logger.info("started in %.1f s: %s", seconds["total"],
+                ", ".join(f"{name} {value:.1f} s" for name, value in seconds.items() if name != "total"))
+    return {f"time/startup/{name}": value for name, value in seconds.items()}
+
+
+def batch_metrics(rollout, phases: dict[str, float], *, step: int, tokens_trained: int, epoch: int,
+                  batches_sampled: int) -> dict:
+    """A step's ``time/*``, ``rollout/*``, ``throughput/*``, ``data/*`` and ``memory/*`` metrics (``rollout``: its
+    sampled batch; ``phases``: the seconds per phase since the last step; ``step``: the steps done before it)."""
+    lengths = rollout.response_lengths.float()
+    tokens = rollout.num_generated_tokens
+    metrics = {f"time/{name}": seconds for name, seconds in phases.items()}
+    metrics.update({
+        "rollout/response_length_mean": float(lengths.mean()), "rollout/response_length_max": float(lengths.max()),
+        "rollout/num_tokens": float(tokens),
+        "rollout/truncated_fraction": sum(r == "length" for r in rollout.finish_reasons) / rollout.num_samples,
+        "train/staleness": float(step - rollout.weight_version), "train/weight_version": float(rollout.weight_version),
+        "data/epoch": float(epoch), "data/batches_sampled": float(batches_sampled),
+        "data/batches_trained": float(step + 1), "train/tokens_total": float(tokens_trained),
+    })
+    for phase in ("rollout", "train"):
+        if phases.get(phase):
+            metrics[f"throughput/{phase}_tokens_per_s"] = tokens / phases[phase]
+    metrics["memory/rss_gb"] = rss_gib()
+    if platform.max_memory_allocated():
+        metrics["memory/device_max_allocated_gb"] = platform.max_memory_allocated() / 2**30
+    return metrics
+
+
+_PER_TOKEN = ("teacher_mass", "student_mass", "topk_overlap", "teacher_entropy", "student_entropy", "top1_agreement")
+
+
+def loss_metrics(stats: dict, teacher_names: list[str] | None = None) -> dict:
+    """``train/*`` from a step's summed loss statistics (``teacher_names``: with several teachers, each one's
+    statistics as ``KEY/NAME``)."""
+    metrics = {"train/loss": stats["loss"], "train/num_loss_tokens": stats["tokens"]}
+    for suffix in [f"/{name}" for name in teacher_names] if teacher_names else [""]:
+        tokens = max(stats.get(f"tokens{suffix}", 0.0), 1.0)
+        if suffix:
+            metrics.update({f"train/loss{suffix}": stats.get(f"loss{suffix}", 0.0),
+                            f"train/num_loss_tokens{suffix}": stats.get(f"tokens{suffix}", 0.0)})
+        for key in _PER_TOKEN:
+            if f"{key}{suffix}" in stats:
+                metrics[f"train/{key}{suffix}"] = stats[f"{key}{suffix}"] / tokens
+        if f"coverage{suffix}" in stats:
+            metrics[f"train/loss_coverage{suffix}"] = stats[f"coverage{suffix}"]
+            metrics[f"train/loss_divergence{suffix}"] = stats[f"loss{suffix}"] - stats[f"coverage{suffix}"]
+    return metrics
+
+
+def rss_gib() -> float:
+    """This process's resident set now (NaN without psutil)."""
+    try:
+        import psutil
+    except ImportError:
+        return float("nan")
+    return psutil.Process().memory_info().rss / 2**30
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident set (libraries, a colocated engine and allocator caches included)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def run_summary(*, steps: int, preempted: bool, wall_time_s: float, final_loss, out: pathlib.Path, hf_export: bool,
+                peak_rss_per_rank: list[float], first_eval: dict, last_eval: dict) -> dict:
+    """What :meth:`Trainer.train` returns: steps, wall time, the final loss, the evals before and after, where the
+    outputs are, and each rank's peak RSS."""
+    summary = {"steps": steps, "preempted": preempted, "wall_time_s": wall_time_s, "final_loss": final_loss,
+               "output_dir": str(out.resolve()), "checkpoints": str((out / "checkpoints").resolve()),
+               "hf_export": str((out / "hf" / f"step_{steps}").resolve()) if hf_export and not preempted else None,
+               "metrics": str((out / "metrics.jsonl").resolve()),
+               "peak_rss_gib_per_rank": [round(gib, 3) for gib in peak_rss_per_rank]}
+    for key in ("eval/accuracy", "eval/kl_to_teacher"):
+        if key in first_eval:
+            summary[f"{key}_before"] = first_eval[key]
+        if key in last_eval:
+            summary[f"{key}_after"] = last_eval[key]
+    return summary
+
+
 def summary_table(summary: dict) -> str:
-    """The run's summary (:meth:`Trainer._summary`) as a small two-column table for the log."""
+    """The run's summary (:func:`run_summary`) as a small two-column table for the log."""
     rows = [("steps", f"{summary['steps']}" + (" (stopped by a signal)" if summary.get("preempted") else "")),
             ("wall time", f"{summary['wall_time_s']:.0f} s")]
     if summary.get("final_loss") is not None:

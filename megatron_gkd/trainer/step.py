@@ -82,6 +82,14 @@ class LossSpec:
                         chunk_size=self.chunk_size)
 
 
+def loss_specs(loss, mode, teachers, real_vocab_size: int):
+    """The loss of ``mode``: one :class:`LossSpec` per teacher by name (one cross-entropy spec where the mode does
+    not distil)."""
+    if not mode.distills:
+        return LossSpec(kind="cross_entropy")
+    return {t.name: LossSpec.from_config(loss, mode, t.config, real_vocab_size) for t in teachers}
+
+
 @contextlib.contextmanager
 def _patched_output_layer(model, captured: types.SimpleNamespace, make_forward) -> Iterator[types.SimpleNamespace]:
     """Replaces the last stage's output-layer ``forward`` by ``make_forward(layer)`` for the block

@@ -200,3 +200,21 @@ def test_teacher_clients_are_asked_not_compared():
                  for number, line in _code_lines(path) if CLIENT_COMPARISON.search(line)]
     assert not offenders, "\n".join(offenders)
     assert CLIENT_COMPARISON.search('teacher.client == "openai"') and CLIENT_COMPARISON.search("client in ('none',")
+
+
+LOOP = "megatron_gkd/trainer/loop.py"
+LOOP_MAX_LINES = 320
+# The trainer's parts are built in components.py and passed in: the loop neither sets their members nor reads
+# their private ones.
+REACHES_INTO = re.compile(r"\bself\.(?:flow|rollout|runner|checkpoints|teachers|evaluator)\.(?:_\w+|\w+\s*=(?!=))")
+
+
+def test_the_trainer_loop_stays_a_table_of_contents():
+    """``trainer/loop.py`` reads as the run's table of contents (issue 22: at most 320 lines); rollout, eval,
+    metrics and checkpoints have their owners."""
+    lines = (ROOT / LOOP).read_text().splitlines()
+    assert len(lines) <= LOOP_MAX_LINES, f"{LOOP} has {len(lines)} lines (at most {LOOP_MAX_LINES}): move a concern out"
+    offenders = [f"{LOOP}:{number}: {line.strip()}" for number, line in _code_lines(LOOP) if REACHES_INTO.search(line)]
+    assert not offenders, "pass what a part needs when it is built instead:\n" + "\n".join(offenders)
+    assert REACHES_INTO.search("self.flow.engine = build()") and REACHES_INTO.search("self.flow._asks, check")
+    assert not REACHES_INTO.search("if self.flow.engine == other") and not REACHES_INTO.search("self.flow.prepare(batch)")

@@ -1,0 +1,93 @@
+"""The run's rollout side, one owner: the colocated engine or the rollout server, sampling, and weight sync.
+
+Built by :func:`megatron_gkd.trainer.components.build_rollout` and passed to the parts that sample (the
+batch flow, the evaluator) and to the trainer, which tells it when new weights exist. Every call is a
+collective of the trainer ranks (a broadcast of the sampled batch, a weight-sync bucket).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch.distributed as dist
+
+from megatron_gkd.parallel.comm import all_gather_msgpack, broadcast_msgpack
+from megatron_gkd.rollout.types import RolloutBatch, concat_batches, decode_batch, encode_batch
+
+
+class Rollout:
+    """Samples with the student's current weights and keeps the engine's weights current.
+
+    Args:
+        config: the run's :class:`~megatron_gkd.config.GKDConfig`.
+        control: a gloo group over every trainer rank.
+        stop_ids: ids that end a response (added to every request's sampling).
+        timers: the trainer's phase timers (``weight_sync``).
+        engine: this rank's colocated engine (a vLLM shard, or the student itself), or None.
+        remote: the :class:`~megatron_gkd.trainer.disaggregated.RemoteRollout` (rollout server), or None.
+        sync_plan: the weight-sync plan of a colocated engine that holds its own copy of the weights.
+        replicas: colocated vLLM replicas (each samples a block of the prompts).
+    """
+
+    def __init__(self, config, *, control, stop_ids, timers, engine=None, remote=None, sync_plan=None, replicas: int = 1):
+        if (engine is None) == (remote is None):
+            raise ValueError("a Rollout needs exactly one of a colocated engine and a rollout server")
+        self.config, self.control, self.stop_ids, self.timers = config, control, tuple(stop_ids), timers
+        self.engine, self.remote, self._plan = engine, remote, sync_plan
+        self.replicas = 1 if engine is not None and engine.shares_student_weights else replicas
+        self.rank = dist.get_rank()
+        self.version = 0  # the student weights the engine (or server) holds
+        self._receiver = None
+
+    @property
+    def in_background(self) -> bool:
+        """Whether batches are sampled on the rollout server's thread while the trainer ranks train."""
+        return self.remote is not None
+
+    def _with_stop_ids(self, sampling):
+        return dataclasses.replace(sampling, stop_token_ids=tuple(sorted(set(sampling.stop_token_ids) | set(self.stop_ids))))
+
+    def generate(self, prompts: list[list[int]], sampling) -> RolloutBatch:
+        """Samples ``prompts``; every rank returns the same batch."""
+        sampling = self._with_stop_ids(sampling)
+        if self.remote is not None:
+            return self.remote.generate(prompts, sampling)
+        if self.replicas == 1:
+            batch = self.engine.generate(prompts, sampling)
+            return decode_batch(broadcast_msgpack(encode_batch(batch) if self.rank == 0 else None, 0, self.control))
+        # Each vLLM replica samples a block of prompts, seeded as one engine would seed them all.
+        blocks = np.array_split(np.arange(len(prompts)), self.replicas)
+        tp = self.config.rollout.tensor_parallel_size
+        mine = blocks[self.rank // tp]
+        seed = None if sampling.seed is None else sampling.seed + int(mine[0] if len(mine) else 0) * sampling.n
+        batch = self.engine.generate([prompts[i] for i in mine], dataclasses.replace(sampling, seed=seed))
+        gathered = all_gather_msgpack(encode_batch(batch), self.control)
+        return concat_batches([decode_batch(gathered[r * tp]) for r in range(self.replicas)])
+
+    def generate_then(self, prompts: list[list[int]], sampling, then):
+        """Rollout server only: a future of ``then(batch)``, sampled and run on the rollout thread, after what was
+        asked before it (weight updates included)."""
+        sampling = self._with_stop_ids(sampling)
+        return self.remote.submit(lambda: then(self.remote.client.generate(prompts, sampling)))
+
+    def sync(self, chunks, version: int, *, force: bool = False) -> None:
+        """Puts weights ``version`` into the engine: on-policy every step; otherwise only when ``force``d (off-policy
+        and SFT sample nothing, eval refreshes the engine)."""
+        if self.version == version or not (force or self.config.trainer.run_mode.samples):
+            return
+        with self.timers("weight_sync"):
+            if self.remote is not None:
+                self.remote.sync(chunks, version)
+            elif self.engine.shares_student_weights:
+                self.engine.load_weights(iter(()), version)
+            else:
+                from megatron_gkd.weight_sync import colocated_sync
+
+                self._receiver = colocated_sync(chunks, self.engine, self._plan, self.config.weight_sync, version=version,
+                                                receiver=self._receiver)
+        self.version = version
+
+    def close(self) -> None:
+        """Stops the engine or the rollout server (every rank)."""
+        (self.remote or self.engine).close()
