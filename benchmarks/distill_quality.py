@@ -93,6 +93,8 @@ DIAGNOSTICS = ("reverse_kl_full_vocab", "jsd_full_vocab")  # run on request (--m
 def common_overrides(task: pathlib.Path, budget: int, num_steps: int, decay_steps: int) -> list[str]:
     return [f"data.train_path={task / 'train.jsonl'}", f"data.eval_path={task / 'eval.jsonl'}",
             "parallel.tensor_model_parallel_size=1", "rollout.tensor_parallel_size=1", "trainer.scheduler=sync",
+            # The micro-batch these experiments were measured with (the demo's config now trains in one of 64).
+            "trainer.micro_batch_size=32",
             f"trainer.token_budget={budget}", f"trainer.num_steps={num_steps}", f"optim.lr_decay_steps={decay_steps}",
             f"teacher.top_k={TOP_K}", "eval.at_start=false", "eval.interval=250", "eval.kl=false",
             "checkpoint.save_interval=null", "checkpoint.save_at_end=false", "checkpoint.hf_at_end=true"]
