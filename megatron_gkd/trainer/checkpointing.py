@@ -478,9 +478,10 @@ class RunCheckpoints:
     """
 
     def __init__(self, config, out: Path, student, parallel_state: ParallelState, timers):
-        self.config, self.section, self.student, self.state, self.timers = config, config.checkpoint, student, \
-            parallel_state, timers
-        self.root, self.out = Path(out) / "checkpoints", Path(out)
+        self.config, self.student, self.state, self.timers = config, student, parallel_state, timers
+        self.section = config.checkpoint
+        self.out = Path(out)
+        self.root = self.out / "checkpoints"
 
     def resume(self) -> tuple[int, dict, int] | None:
         """Loads the checkpoint ``checkpoint.resume`` names (``auto``: the run's newest, if any) in place; returns

@@ -71,7 +71,6 @@ class BatchFlow:
         control: a gloo group over every rank.
         dp_group: a gloo group over the data-parallel ranks.
         tokenizer: the student's tokenizer (vocabulary size, EOS, padding).
-        stop_ids: ids that end a response.
         timers: the trainer's phase timers.
         teachers: the run's :class:`~megatron_gkd.trainer.teachers.Teachers` (the trainer connects their clients
             and loads their heads).
