@@ -217,13 +217,17 @@ class Proxy:
         try:
             messages, failure = connection.reader.feed(data), None
         except zmtp.ZmtpError as error:
-            messages, failure = [], error
+            # Only the text: the exception's traceback holds the reader's frame, and through it the
+            # partial message, in a reference cycle that only the cyclic collector would free (the
+            # proxy loop allocates too little to run it often): a flood of cut connections then
+            # held tens of times the message limit.
+            messages, failure = [], str(error)
         if side is self._front:
             # Counted before any close: _forget takes back what the reader holds now, and bytes
             # that arrived before the error in this same chunk must have been added first.
             self._partial_bytes += connection.reader.pending_bytes - before
         if failure is not None:
-            self._close(side, connection, str(failure))
+            self._close(side, connection, failure)
             return
         if connection.reader.greeted and not connection.ready_sent:
             connection.ready_sent = True
@@ -388,6 +392,8 @@ class Proxy:
             return False
         if side is self._front:
             self._partial_bytes -= connection.reader.pending_bytes
+        connection.reader.release()  # the partial message goes now, whoever still holds the reader
+        if side is self._front:
             kept = [r for r in self._queue if r.client != connection.identity]
             self._queued_bytes -= sum(r.nbytes for r in self._queue) - sum(r.nbytes for r in kept)
             self._queue = collections.deque(kept)

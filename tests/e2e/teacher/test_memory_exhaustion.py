@@ -1,10 +1,14 @@
-"""A real teacher server under a multi-frame memory attack keeps its RSS within a few message limits.
+"""A real teacher server under memory attacks keeps its RSS within its pending budget plus a constant.
 
 ZMQ's ``MAXMSGSIZE`` bounds one frame, and libzmq hands a multipart message to the application only
 once every frame has arrived: many frames just under the limit once took a server from 468 MB to
-3.69 GB. Here two unauthenticated peers each send one message of 24 frames of 7 MiB (168 MiB) against
-an 8 MiB limit; the server's peak RSS may grow by a small multiple of the limit only, and it must
-answer a valid request exactly afterwards.
+3.69 GB. In the first attack two unauthenticated peers each send one message of 24 frames of 7 MiB
+(168 MiB) against an 8 MiB limit. In the second, eight peers without the secret each send five
+messages of four frames of (limit - 1 MiB) against a 64 MiB limit, reconnecting whenever they are cut
+(a DEALER does so by itself): every connection the proxy closes for a protocol error must give its
+buffers back at once, or the server holds about 32 times its limit (+2.0-2.4 GB once). After each
+attack the server's peak RSS may exceed its baseline by its pending budget plus a constant only, its
+RSS must come back near the baseline, and it must answer a valid request exactly.
 """
 
 import pathlib
@@ -27,6 +31,13 @@ FRAMES_PER_MESSAGE = 24
 ATTACKERS = 2
 MAX_GROWTH_BYTES = 4 * LIMIT_MB * 2**20  # "a small multiple of the configured message limit"
 
+FLOOD_LIMIT_MB = 64
+FLOOD_PEERS, FLOOD_MESSAGES, FLOOD_FRAMES = 8, 5, 4
+FLOOD_FRAME_BYTES = (FLOOD_LIMIT_MB - 1) * 2**20
+FLOOD_BUDGET_BYTES = 2 * FLOOD_LIMIT_MB * 2**20  # the proxy's default max_pending_bytes
+CONSTANT_BYTES = 64 * 2**20  # allocator slack, libzmq's queues, Python's own growth
+FLOOD_S = 15.0
+
 
 def _status(pid: int, key: str) -> int:
     """A ``/proc/PID/status`` memory figure in bytes (VmRSS, VmHWM)."""
@@ -36,18 +47,44 @@ def _status(pid: int, key: str) -> int:
     raise KeyError(key)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("memory")
+def _serve(directory: pathlib.Path, limit_mb: int):
     teacher = build_tiny_teacher(directory / "teacher", num_layers=1)
     secret_file, secret = procs.write_secret(directory)
     process = procs.start(["launch/teacher_server.py", "serve", "--frontend", "tcp://127.0.0.1:0",
-                           "--model", str(teacher), "--max-message-mb", str(LIMIT_MB),
+                           "--model", str(teacher), "--max-message-mb", str(limit_mb),
                            "--secret-file", str(secret_file)],
                           "READY frontend=", 180, directory / "server.log")
     address = process.ready_line.split("frontend=")[1].split()[0]
-    yield process, address, secret, teacher
+    return process, address, secret, teacher
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    process, *rest = _serve(tmp_path_factory.mktemp("memory"), LIMIT_MB)
+    yield process, *rest
     procs.stop(process)
+
+
+@pytest.fixture(scope="module")
+def flood_server(tmp_path_factory):
+    process, *rest = _serve(tmp_path_factory.mktemp("flood"), FLOOD_LIMIT_MB)
+    yield process, *rest
+    procs.stop(process)
+
+
+def _warm_baseline(process, address, secret, batch, retry) -> int:
+    """The server's RSS after a first call (which allocates what later ones reuse); resets VmHWM."""
+    with build_client("zmq", address=address, secret=secret, retry=retry) as client:
+        client.score(batch)
+    baseline = _status(process.pid, "VmRSS")
+    pathlib.Path(f"/proc/{process.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS from here on
+    return baseline
+
+
+def _batch() -> ScoreBatch:
+    rng = np.random.default_rng(0)
+    return ScoreBatch(sequences=[SequenceRequest(token_ids=rng.integers(3, 512, 30), response_start=10)],
+                      top_k=8)
 
 
 def _attack(address: str, done: threading.Event) -> None:
@@ -66,14 +103,8 @@ def _attack(address: str, done: threading.Event) -> None:
 
 def test_rss_stays_bounded_under_a_multi_frame_attack(server):
     process, address, secret, teacher = server
-    rng = np.random.default_rng(0)
-    batch = ScoreBatch(sequences=[SequenceRequest(token_ids=rng.integers(3, 512, 30), response_start=10)],
-                       top_k=8)
-    retry = RetryPolicy(attempt_timeout_s=30, deadline_s=90, backoff_s=0.2)
-    with build_client("zmq", address=address, secret=secret, retry=retry) as client:
-        client.score(batch)  # warm: the first forward allocates what every later one reuses
-    baseline = _status(process.pid, "VmRSS")
-    pathlib.Path(f"/proc/{process.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS from here on
+    batch, retry = _batch(), RetryPolicy(attempt_timeout_s=30, deadline_s=90, backoff_s=0.2)
+    baseline = _warm_baseline(process, address, secret, batch, retry)
 
     done, peak = threading.Event(), [baseline]
     attackers = [threading.Thread(target=_attack, args=(address, done)) for _ in range(ATTACKERS)]
@@ -96,3 +127,52 @@ def test_rss_stays_bounded_under_a_multi_frame_attack(server):
           f"{LIMIT_MB} MiB)")
     assert growth <= MAX_GROWTH_BYTES, (
         f"RSS grew by {growth / 2**20:.0f} MiB under attack, more than {MAX_GROWTH_BYTES / 2**20:.0f} MiB")
+
+
+def _flood(address: str, done: threading.Event) -> None:
+    """A peer without the secret queueing messages far over the limit; its DEALER reconnects when cut."""
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.RECONNECT_IVL, 20)
+    socket.connect(address)
+    frame = zmq.Frame(b"\1" * FLOOD_FRAME_BYTES)  # one buffer, sent by reference every time
+    for _ in range(FLOOD_MESSAGES):
+        socket.send(b"", zmq.SNDMORE)
+        for index in range(FLOOD_FRAMES):
+            socket.send(frame, zmq.SNDMORE if index < FLOOD_FRAMES - 1 else 0, copy=False)
+    done.wait(FLOOD_S + 10)
+    socket.close()
+
+
+def test_rss_stays_bounded_under_a_reconnecting_flood(flood_server):
+    process, address, secret, teacher = flood_server
+    batch, retry = _batch(), RetryPolicy(attempt_timeout_s=30, deadline_s=90, backoff_s=0.2)
+    baseline = _warm_baseline(process, address, secret, batch, retry)
+
+    done, peak = threading.Event(), baseline
+    peers = [threading.Thread(target=_flood, args=(address, done)) for _ in range(FLOOD_PEERS)]
+    for thread in peers:
+        thread.start()
+    end = time.monotonic() + FLOOD_S
+    while time.monotonic() < end:
+        peak = max(peak, _status(process.pid, "VmRSS"))
+        time.sleep(0.005)
+    done.set()
+    for thread in peers:
+        thread.join()
+    time.sleep(1.0)  # the proxy sees the disconnections
+    after = _status(process.pid, "VmRSS")
+
+    with build_client("zmq", address=address, secret=secret, retry=retry) as client:
+        output = client.score(batch)[0]  # still serving, and exactly
+    ReferenceTeacher(teacher).assert_matches(output, batch.sequences[0].token_ids, 10, 8)
+    growth = max(peak, _status(process.pid, "VmHWM")) - baseline
+    print(f"server RSS {baseline / 2**20:.0f} MiB before the flood, peak growth {growth / 2**20:.1f} MiB, "
+          f"{(after - baseline) / 2**20:.1f} MiB after ({FLOOD_PEERS} reconnecting peers x {FLOOD_MESSAGES} "
+          f"messages x {FLOOD_FRAMES} frames x {FLOOD_FRAME_BYTES / 2**20:.0f} MiB, limit {FLOOD_LIMIT_MB} MiB, "
+          f"pending budget {FLOOD_BUDGET_BYTES / 2**20:.0f} MiB)")
+    assert growth <= FLOOD_BUDGET_BYTES + CONSTANT_BYTES, (
+        f"RSS grew by {growth / 2**20:.0f} MiB under the flood, more than the pending budget "
+        f"({FLOOD_BUDGET_BYTES / 2**20:.0f} MiB) plus {CONSTANT_BYTES / 2**20:.0f} MiB")
+    assert after - baseline <= CONSTANT_BYTES, (
+        f"RSS stayed {(after - baseline) / 2**20:.0f} MiB over its baseline after the flood")

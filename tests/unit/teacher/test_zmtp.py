@@ -92,3 +92,35 @@ def test_the_next_message_starts_its_own_clock():
     # the end of nothing and the start of the next message arrive in one chunk, at t=50
     assert reader.feed(bytes([zmtp.MORE, 1]) + b"y") == []
     assert reader.message_started == 50.0 and reader.pending_bytes == 1
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+@pytest.mark.parametrize("chunk", [8192, 65537])
+def test_mapped_frames_survive_any_chunking(chunk):
+    big = bytes(range(256)) * (3 * 2**20 // 256 + 1)  # over MAPPED_FRAME_BYTES: received into a mapping
+    messages = [[b"", b"mac", big, b"tail"], [b"", big[:zmtp.MAPPED_FRAME_BYTES]]]
+    reader = zmtp.FrameReader(max_frames=8, max_bytes=2**23)
+    got = _feed(reader, _stream(*messages), chunk)
+    assert [[bytes(f) for f in m] for m in got] == messages
+    assert reader.pending_bytes == 0
+
+
+def test_a_large_declared_frame_is_resident_only_as_far_as_it_arrived_and_released_at_once():
+    reader = zmtp.FrameReader(max_frames=8, max_bytes=2**30)
+    reader.feed(CLIENT_GREETING + _ready())
+    before = _rss_bytes()
+    reader.feed(bytes([zmtp.MORE, 0]) + bytes([zmtp.LONG]) + struct.pack(">Q", 2**29) + b"a" * 2**20)
+    held = _rss_bytes() - before
+    assert reader.pending_bytes == 2**20
+    assert held < 32 * 2**20, f"a 512 MiB frame with 1 MiB arrived made RSS grow by {held / 2**20:.0f} MiB"
+    reader.feed(b"b" * 2**24)
+    assert _rss_bytes() - before >= 16 * 2**20  # the bytes that arrived are held, as counted
+    reader.release()
+    assert reader.pending_bytes == 0 and reader.message_started is None
+    assert _rss_bytes() - before < 8 * 2**20, "the released frame's pages were not given back"
+    with pytest.raises(zmtp.ZmtpError, match="closed"):
+        reader.feed(b"c")
