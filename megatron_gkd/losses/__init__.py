@@ -8,6 +8,7 @@ Public API::
                                                       teacher_logprobs, loss_type=..., tp_group=...)
     total, loss, metrics = hidden_distill_loss(student_hidden, teacher_hidden, teacher_head_shard, weights,
                                                student_weight=output_weight_shard, loss_type=..., tp_group=...)
+    logprobs = hidden_token_logprobs(teacher_hidden, teacher_head_shard, token_ids, tp_group=...)  # a sample's check
 
 The losses are per token, neither masked nor averaged: the trainer weighs each token by a coefficient fixed over
 the global batch (``megatron_gkd.trainer.batch.token_coefficients``).
@@ -16,7 +17,7 @@ New divergences register with :func:`register_divergence`.
 """
 
 from megatron_gkd.losses.fused import fused_vocab_parallel_distill_loss
-from megatron_gkd.losses.hidden import hidden_distill_loss
+from megatron_gkd.losses.hidden import hidden_distill_loss, hidden_token_logprobs
 from megatron_gkd.losses.registry import (
     SupportInputs,
     SupportTerms,
@@ -33,6 +34,7 @@ __all__ = [
     "fused_vocab_parallel_distill_loss",
     "get_divergence",
     "hidden_distill_loss",
+    "hidden_token_logprobs",
     "register_divergence",
     "registered_divergences",
     "tcad_sequence_weights",

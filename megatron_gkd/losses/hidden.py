@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_gkd.losses.dense import DenseDivergence, dense_divergence
-from megatron_gkd.losses.shard_ops import ShardLayout, all_gather_rows, compute_dtype, rows_per_chunk
+from megatron_gkd.losses.shard_ops import (ShardLayout, all_gather_rows, combine_shards, compute_dtype, local_logsumexp,
+                                          rows_per_chunk)
 from megatron_gkd.losses.vocab_parallel import check_temperature
 
 DEFAULT_CHUNK_SIZE = 256
@@ -278,3 +279,57 @@ def hidden_distill_loss(
                                                 flat_weights, divergence, shard, hidden_options, needs_grad)
     named = {key: metrics[:, i].reshape(lead) for i, key in enumerate(METRIC_KEYS)}
     return total, loss.reshape(lead), named
+
+
+
+def hidden_token_logprobs(
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    tp_group: dist.ProcessGroup | None,
+    teacher_temperature: float = 1.0,
+    real_vocab_size: int | None = None,
+) -> torch.Tensor:
+    """The log-prob of ``token_ids`` under the teacher distribution that :func:`hidden_distill_loss` builds
+    (collective over TP).
+
+    The logits are made as the loss makes them (hidden states cast to the head's dtype, one matmul with this
+    rank's rows of real ids), so the result is what the loss trains towards. Each rank's log-partition and the
+    logit of the ids it owns are combined over ``tp_group`` in one all-gather of ``[N, 2]``: the vocabulary is
+    never gathered. Meant for a sample of tokens: it holds their ``[N, V/tp]`` logits at once.
+
+    Args:
+        teacher_hidden: ``[N, h_t]`` the teacher's final hidden states, the same on every rank.
+        teacher_weight: ``[V/tp, h_t]`` this rank's rows of the teacher's output layer.
+        token_ids: ``[N]`` global ids below ``real_vocab_size``, one per row.
+        tp_group: tensor-parallel group; ``None``: the vocabulary is not split.
+        teacher_temperature, real_vocab_size: see :class:`HiddenOptions`.
+
+    Returns:
+        ``[N]`` log-probs in the compute dtype (fp32, fp64 for a fp64 head), the same on every rank.
+
+    Raises:
+        ValueError: shapes that do not fit together, or an id that is not a token.
+    """
+    check_temperature(teacher_temperature)
+    hidden = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
+    ids = token_ids.reshape(-1).to(device=hidden.device, dtype=torch.int64)
+    if teacher_weight.dim() != 2 or teacher_weight.shape[1] != hidden.shape[1] or ids.numel() != hidden.shape[0]:
+        raise ValueError(f"teacher_hidden {tuple(teacher_hidden.shape)}, teacher_weight {tuple(teacher_weight.shape)} "
+                         f"and token_ids {tuple(token_ids.shape)} must be [N, h_t], [V/tp, h_t] and [N]")
+    dtype = compute_dtype(teacher_weight.dtype)
+    shard = _Shard.of(ShardLayout.of(tp_group, teacher_weight.shape[0]), real_vocab_size)
+    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < shard.layout.tokens:
+        raise ValueError(f"token_ids must be tokens, in [0, {shard.layout.tokens}); got [{int(ids.min())}, "
+                         f"{int(ids.max())}]")
+    logits = (hidden.to(teacher_weight.dtype) @ teacher_weight[:shard.num_real].t()).to(dtype)  # [N, real ids here]
+    local_lse = local_logsumexp(logits, teacher_temperature, dtype)
+    local = ids - shard.layout.vocab_start
+    owned = (local >= 0) & (local < shard.num_real)
+    token_logits = torch.zeros(ids.numel(), 1, dtype=dtype, device=hidden.device)
+    if shard.num_real:  # exactly 0 where another rank owns the id: the sum over ranks is the owner's value
+        picked = logits.gather(1, torch.where(owned, local, torch.zeros_like(local))[:, None]) / teacher_temperature
+        token_logits = torch.where(owned[:, None], picked, token_logits)
+    lse, token_logits = combine_shards(local_lse, token_logits, shard.layout)
+    return token_logits[:, 0] - lse

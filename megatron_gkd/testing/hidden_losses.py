@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gkd.losses import vocab_parallel_distill_loss
-from megatron_gkd.losses.hidden import hidden_distill_loss
+from megatron_gkd.losses.hidden import hidden_distill_loss, hidden_token_logprobs
 from megatron_gkd.losses.reference import reference_full_vocab_loss
 
 LOSS_CONFIGS: list[tuple[str, dict]] = [
@@ -29,6 +29,9 @@ LOSS_CONFIGS: list[tuple[str, dict]] = [
     ("tcad", {"divergence": "jsd", "alpha": 0.3}),
 ]
 TOLERANCES = {torch.float64: 1e-6, torch.float32: 1e-4}
+# Nats between hidden_token_logprobs and the float64 reference, by the head's dtype. bf16: the matmul's bf16
+# output rounds logits of |z| <= ~6 here by up to 2**-8 |z| (measured: 0.019 at most at TP=1).
+TOKEN_LOGPROB_TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 0.05}
 
 
 @dataclasses.dataclass
@@ -160,13 +163,31 @@ def check_topk_equivalence(case: HiddenCase, loss_type: str, options: dict, tp_g
     return max(_relative(hidden_loss[masked], per_token.detach()[masked]), _relative(logits.grad, topk_grad))
 
 
+def check_token_logprobs(case: HiddenCase, dtype: torch.dtype, tp_group, device: torch.device | str = "cpu") -> float:
+    """Largest difference in nats between :func:`hidden_token_logprobs` on this rank's head shard (in ``dtype``) and
+    the dense float64 log-prob of an id per token (every real id appears, the last one included)."""
+    rank, tp_size = (0, 1) if tp_group is None else (dist.get_rank(tp_group), dist.get_world_size(tp_group))
+    real, num_tokens = case.real_vocab_size, case.weights.numel()
+    ids = (torch.arange(num_tokens) * 7 + 3) % real
+    ids[-1] = real - 1
+    got = hidden_token_logprobs(case.teacher_hidden.to(device, dtype), _shard(case.teacher_table, rank, tp_size).to(
+        device, dtype), ids.to(device), tp_group=tp_group, teacher_temperature=case.teacher_temperature,
+        real_vocab_size=real)
+    logits = case.teacher_hidden @ case.teacher_table[:real].t()
+    reference = torch.log_softmax(logits / case.teacher_temperature, dim=-1).gather(1, ids[:, None])[:, 0]
+    return float((got.double().cpu() - reference).abs().max())
+
+
 def check_everything(tp_size: int | None = None, device: torch.device | str = "cpu") -> dict:
-    """On every rank of the default group (its TP group): every case x loss x dtype x chunking on ``device``,
-    and the top-k equivalence at k = V (host). Returns ``{"cases": {key: errors}, "topk": {key: error}}``."""
+    """On every rank of the default group (its TP group): every case x loss x dtype x chunking on ``device``, the
+    top-k equivalence at k = V (host), and the teacher's token log-probs per case and head dtype. Returns
+    ``{"cases": {key: errors}, "topk": {key: error}, "token_logprobs": {key: nats}}``."""
     tp_group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
     tp_size = 1 if tp_group is None else dist.get_world_size()
-    results: dict = {"cases": {}, "topk": {}}
+    results: dict = {"cases": {}, "topk": {}, "token_logprobs": {}}
     for case in make_cases(tp_size):
+        for dtype in TOKEN_LOGPROB_TOLERANCES:
+            results["token_logprobs"][f"{case.name}/{dtype}"] = check_token_logprobs(case, dtype, tp_group, device)
         for loss_type, options in LOSS_CONFIGS:
             key = f"{case.name}/{loss_type}/{options}"
             for dtype in (torch.float64, torch.float32):
@@ -186,4 +207,6 @@ def failures(results: dict) -> list[str]:
         tolerance = TOLERANCES[torch.float64 if "float64" in key else torch.float32]
         bad += [f"{key}: {name}={value:.3g}" for name, value in errors.items() if not value <= tolerance]
     bad += [f"topk {key}: {value:.3g}" for key, value in results["topk"].items() if not value <= 1e-9]
+    bad += [f"token_logprobs {key}: {value:.3g} nats" for key, value in results["token_logprobs"].items()
+            if not value <= TOKEN_LOGPROB_TOLERANCES[getattr(torch, key.rsplit(".", 1)[1])]]
     return bad

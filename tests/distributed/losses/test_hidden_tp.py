@@ -15,4 +15,5 @@ def test_hidden_losses_at_tp2_match_the_reference():
     for rank, result in enumerate(per_rank):
         assert len(result["cases"]) == len(cases.make_cases(2)) * len(cases.LOSS_CONFIGS) * 4
         assert len(result["topk"]) >= 3 * len(cases.LOSS_CONFIGS)
+        assert len(result["token_logprobs"]) == len(cases.make_cases(2)) * len(cases.TOKEN_LOGPROB_TOLERANCES)
         assert cases.failures(result) == [], f"rank {rank}"

@@ -13,6 +13,7 @@ def test_every_divergence_matches_the_dense_float64_reference_and_the_topk_path_
     results = cases.check_everything()
     assert len(results["cases"]) == len(cases.make_cases(1)) * len(cases.LOSS_CONFIGS) * 4
     assert len(results["topk"]) >= 3 * len(cases.LOSS_CONFIGS)
+    assert len(results["token_logprobs"]) == len(cases.make_cases(1)) * len(cases.TOKEN_LOGPROB_TOLERANCES)
     assert cases.failures(results) == []
 
 
