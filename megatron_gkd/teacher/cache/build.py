@@ -1,11 +1,13 @@
 """The scoring pass: every record of a dataset asked of a teacher once, written shard by shard.
 
 Resumable: each shard is written to a temporary name and renamed, so a shard file is either complete or
-absent; a restart of the same build (its plan, ``build.json``, must be equal: same teacher, k, temperature,
-signal, tokenizer and dataset) skips the complete shards, checks that they hold the records it expects, and
-scores the rest. The records of a shard are sent in the same batches whether or not the build was
-interrupted, and nothing in the files depends on time, so a resumed build writes the same bytes as an
-uninterrupted one (given a deterministic teacher).
+absent; its blake3 is then recorded in the build's plan (``build.json``). A
+restart of the same build (the plan must be equal: same teacher, k, temperature, signal, tokenizer and
+dataset) keeps the shards whose bytes still have their recorded hash, refuses one that changed since it was
+written (altered, or copied from another build), scores again one it had not recorded (killed between the
+rename and the record), and scores the rest. The records of a shard are sent in the same batches whether or
+not the build was interrupted, and nothing in the files depends on time, so a resumed build writes the same
+bytes as an uninterrupted one (given a deterministic teacher).
 """
 
 from __future__ import annotations
@@ -15,12 +17,10 @@ import logging
 import pathlib
 from typing import Callable, Sequence
 
-import numpy as np
 import tqdm
 
 from megatron_gkd.teacher.cache.store import (MANIFEST, PLAN, CacheManifest, CacheRecord, checkpoint_digest,
-                                              dataset_digest, encode_shard, file_digest, sequence_digest, shard_name,
-                                              write_atomically)
+                                              dataset_digest, encode_shard, file_digest, shard_name, write_atomically)
 from megatron_gkd.teacher.types import ScoreBatch, SequenceRequest, TeacherOutput
 from megatron_gkd.teacher.vocab import tokenizer_digest
 
@@ -113,14 +113,14 @@ def build_cache(client, records: Sequence[CacheRecord], out: str | pathlib.Path,
         plan: the manifest to write, without shards (teacher, tokenizer, k, temperature, signal, dataset).
         batch_size: sequences per teacher request.
         show_progress: draw a progress bar over the records.
-        on_shard: called with each shard's number once it is on disk (written or found).
+        on_shard: called with each shard's number once it is on disk and recorded (written or found).
 
     Returns:
         The complete manifest (also written to ``out/manifest.json``).
 
     Raises:
         ValueError: ``out`` holds a build (finished or not) of another plan; the message names each field
-            that differs; or a complete shard there does not hold the records this plan puts in it.
+            that differs; or a shard there changed since this build wrote it.
     """
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,7 +136,7 @@ def build_cache(client, records: Sequence[CacheRecord], out: str | pathlib.Path,
                              "choose another --out or delete it")
         logger.info("teacher cache %s is already complete (%d shards)", out, len(manifest.shards))
         return manifest
-    _adopt_plan(out, plan)
+    recorded = {entry["name"]: entry for entry in _adopt_plan(out, plan).shards}
     for stale in out.glob(".shard-*.tmp-*"):
         stale.unlink()  # a write that died before its rename
     per_shard = plan.records_per_shard
@@ -146,16 +146,18 @@ def build_cache(client, records: Sequence[CacheRecord], out: str | pathlib.Path,
         for number in range(plan.num_shards):
             chunk = records[number * per_shard:(number + 1) * per_shard]
             path = out / shard_name(number)
-            if path.is_file():
-                _check_shard(path, chunk)
-            else:
+            if not (path.is_file() and _kept(path, recorded.get(path.name))):
                 outputs = score_records(client, chunk, plan, batch_size)
                 write_atomically(path, encode_shard(chunk, outputs, signal=plan.signal, hidden_dtype=plan.hidden_dtype,
                                                     number=number))
+                # Hashed once, as written; the plan then records it (rewritten whole: a few hundred bytes a shard).
+                recorded[path.name] = _shard_entry(path)
+                shards = [recorded[shard_name(n)] for n in range(plan.num_shards) if shard_name(n) in recorded]
+                write_atomically(out / PLAN, dataclasses.replace(plan, shards=shards).to_json().encode())
             bar.update(len(chunk))
             if on_shard is not None:
                 on_shard(number)
-    manifest = dataclasses.replace(plan, shards=[_shard_entry(out / shard_name(n)) for n in range(plan.num_shards)])
+    manifest = dataclasses.replace(plan, shards=[recorded[shard_name(n)] for n in range(plan.num_shards)])
     write_atomically(done, manifest.to_json().encode())
     (out / PLAN).unlink()
     total = sum(shard["bytes"] for shard in manifest.shards)
@@ -165,32 +167,42 @@ def build_cache(client, records: Sequence[CacheRecord], out: str | pathlib.Path,
     return manifest
 
 
-def _adopt_plan(out: pathlib.Path, plan: CacheManifest) -> None:
-    """Writes the plan of a new build, or checks that an unfinished build there has the same one."""
+def _adopt_plan(out: pathlib.Path, plan: CacheManifest) -> CacheManifest:
+    """Writes the plan of a new build, or checks that an unfinished build there has the same one; returns the plan
+    there, with the shards it recorded."""
     path = out / PLAN
     if not path.is_file():
         if any(out.glob("shard-*.safetensors")):
             raise ValueError(f"{out} holds shards but no {PLAN}: not a build this command can resume; choose another "
                              "--out or delete it")
         write_atomically(path, plan.to_json().encode())
-        return
+        return plan
     found = CacheManifest.from_json(path.read_text(), str(path))
     differences = plan_differences(found, plan)
     if differences:
         raise ValueError(f"{out} holds an unfinished teacher cache of another build ({'; '.join(differences)}); "
                          "rerun it with its own config, or choose another --out")
-    logger.info("resuming the teacher cache build in %s", out)
+    logger.info("resuming the teacher cache build in %s (%d of %d shards recorded)", out, len(found.shards),
+                plan.num_shards)
+    return found
 
 
-def _check_shard(path: pathlib.Path, chunk: Sequence[CacheRecord]) -> None:
-    from safetensors import safe_open
+def _kept(path: pathlib.Path, entry: dict | None) -> bool:
+    """Whether a shard found on disk is the one this build wrote (hashed again: once per resume).
 
-    with safe_open(str(path), framework="pt") as handle:
-        digests = handle.get_tensor("digest").numpy()
-    expected = np.frombuffer(b"".join(sequence_digest(r.token_ids, r.response_start) for r in chunk),
-                             dtype=np.uint8).reshape(-1, 32)
-    if not np.array_equal(digests, expected):
-        raise ValueError(f"{path} does not hold the records this build puts in it; delete it and resume")
+    Raises:
+        ValueError: its bytes are not those whose hash the build recorded.
+    """
+    if entry is None:
+        logger.info("%s is not recorded in the build's plan (the build stopped before recording it): scoring it "
+                    "again", path)
+        return False
+    digest = file_digest(path)
+    if digest != entry["blake3"]:
+        raise ValueError(f"{path} has changed since this build wrote it (blake3 {digest[:16]}, recorded "
+                         f"{entry['blake3'][:16]}): it was altered or copied from another build; delete it and "
+                         "rerun the command to score it again")
+    return True
 
 
 def _shard_entry(path: pathlib.Path) -> dict:

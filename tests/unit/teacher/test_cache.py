@@ -1,10 +1,11 @@
 """The teacher cache in one process: a real hf teacher (in-process, behind a counting client) scores the tiny
 assets' records once; the cache then answers like the teacher did, for both signals, in any batching and for
 3 epochs with no further scoring; an interrupted build resumes to the same bytes; damage and unknown
-sequences fail loudly."""
+sequences fail loudly; a shard altered since the build wrote it is refused on resume."""
 
 import dataclasses
 import pathlib
+import shutil
 import threading
 
 import numpy as np
@@ -69,16 +70,16 @@ def teacher(assets):
     return BackendClient(build_backend("hf", model=str(assets / "teacher")))
 
 
-def _plan(teacher, assets, data, signal="topk", hidden_dtype="bfloat16"):
+def _plan(teacher, assets, data, signal="topk", hidden_dtype="bfloat16", checkpoint="teacher"):
     tokenizer, records = data
-    return make_plan(teacher.info(), {"client": "test", "model": str(assets / "teacher")},
-                     teacher_checkpoint=str(assets / "teacher"), tokenizer=tokenizer, records=records,
+    return make_plan(teacher.info(), {"client": "test", "model": str(assets / checkpoint)},
+                     teacher_checkpoint=str(assets / checkpoint), tokenizer=tokenizer, records=records,
                      data_path=str(assets / "train.jsonl"), top_k=TOP_K, temperature=TEMPERATURE, signal=signal,
                      hidden_dtype=hidden_dtype, records_per_shard=PER_SHARD)
 
 
-def _build(teacher, assets, data, out, **plan):
-    return build_cache(teacher, data[1], out, _plan(teacher, assets, data, **plan), batch_size=3)
+def _build(teacher, assets, data, out, on_shard=None, **plan):
+    return build_cache(teacher, data[1], out, _plan(teacher, assets, data, **plan), batch_size=3, on_shard=on_shard)
 
 
 def _batch(records, signal="topk", hidden_dtype="bfloat16"):
@@ -270,3 +271,65 @@ def test_cache_dir_is_required_and_a_missing_cache_is_explained(tmp_path):
         TeacherConfig(client="cache")
     with pytest.raises(ValueError, match="holds no manifest.json; build one with python -m megatron_gkd.teacher.cache"):
         build_client_from_config(TeacherConfig(client="cache", cache_dir=str(tmp_path)))
+
+
+# ------------------------------------------------------------------------------------------ resuming (#33 item 4)
+def _stop_after(last):
+    def stop(number):
+        if number == last:
+            raise Interrupt
+    return stop
+
+
+def _swap_top2(path):
+    """Swaps the teacher's two most likely ids in every row of a shard: same records, same size, wrong answers."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata, tensors = handle.metadata(), {name: handle.get_tensor(name) for name in handle.keys()}
+    tensors["topk_ids"] = tensors["topk_ids"][:, [1, 0, *range(2, TOP_K)]].contiguous()
+    size = path.stat().st_size
+    save_file(tensors, str(path), metadata=metadata)
+    assert path.stat().st_size == size
+
+
+@pytest.fixture(scope="module")
+def other_teacher(assets):
+    """Another teacher with the same tokenizer: the student's checkpoint."""
+    return BackendClient(build_backend("hf", model=str(assets / "student")))
+
+
+def test_resume_refuses_a_shard_altered_since_it_was_written(teacher, assets, data, tmp_path):
+    with pytest.raises(Interrupt):
+        _build(teacher, assets, data, tmp_path, on_shard=_stop_after(1))
+    _swap_top2(tmp_path / shard_name(0))
+    with pytest.raises(ValueError, match=f"{shard_name(0)} has changed since this build wrote it"):
+        _build(teacher, assets, data, tmp_path)
+    assert not (tmp_path / MANIFEST).exists()
+
+
+def test_resume_refuses_a_shard_copied_from_another_teachers_build(teacher, other_teacher, assets, data, tmp_path):
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    with pytest.raises(Interrupt):
+        _build(teacher, assets, data, ours, on_shard=_stop_after(1))
+    with pytest.raises(Interrupt):
+        _build(other_teacher, assets, data, theirs, on_shard=_stop_after(0), checkpoint="student")
+    shutil.copyfile(theirs / shard_name(0), ours / shard_name(0))  # the same records, another teacher's answers
+    with pytest.raises(ValueError, match=f"{shard_name(0)} has changed since this build wrote it"):
+        _build(teacher, assets, data, ours)
+    assert not (ours / MANIFEST).exists()
+
+
+def test_a_shard_the_build_did_not_record_is_scored_again(teacher, assets, data, tmp_path):
+    """A shard renamed into place whose hash the build had not recorded yet (killed in between) is not trusted."""
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    _build(teacher, assets, data, whole)
+    with pytest.raises(Interrupt):
+        _build(teacher, assets, data, broken, on_shard=_stop_after(0))
+    shutil.copyfile(whole / shard_name(1), broken / shard_name(1))  # on disk, not recorded
+    before = teacher.num_scored
+    _build(teacher, assets, data, broken)
+    assert teacher.num_scored - before == len(data[1]) - PER_SHARD
+    assert _files(broken) == _files(whole)
+
