@@ -59,17 +59,20 @@ class TeacherConfig:
         top_k: k, the number of teacher log-probs per response token.
         temperature: teacher temperature (``vllm``/``openai`` serve 1.0 only).
         address: zmq: the proxy's frontend, e.g. ``tcp://teacher-host:5555``.
-        secret_file: zmq: file with the shared HMAC secret (else $MEGATRON_GKD_TEACHER_SECRET).
+        secret_file: zmq: file with the shared HMAC secret (else $MEGATRON_GKD_TEACHER_SECRET). cache: the run's
+            secret, which checks the cache manifest's MAC (a cache built with it).
         insecure: zmq: allow a non-loopback address without a secret.
         base_url: openai: server root, e.g. ``http://teacher-host:8000``.
         model: openai: served model name (default: the server's first).
         teacher_tokenizer: openai: the teacher's tokenizer, for the vocabulary check.
         api_key: openai: bearer token, if the server wants one.
         checkpoint: local: HF checkpoint directory of the teacher (loaded with ``models.load_hf``). cache:
-            the teacher the cache must come from (its files are hashed and compared with the manifest's).
+            the teacher the cache must come from (its files are hashed and compared with the manifest's);
+            required unless the manifest's MAC verifies with the run's secret, or ``cache_trust_unverified``.
         offload: local: keep the teacher's weights in host memory between calls (inert on cpu).
         cache_dir: cache: a teacher cache directory (``python -m megatron_gkd.teacher.cache build``); a cache
             of another teacher, tokenizer, k, temperature, signal or dataset is refused at start-up.
+        cache_trust_unverified: cache: use a cache that cannot be bound to a teacher (see the field).
         attempt_timeout_s: wait for one answer before retrying.
         deadline_s: give up on a batch after this long; the step then fails, it never trains on
             partial teacher data.
@@ -104,6 +107,10 @@ class TeacherConfig:
     offload: bool = False
     cache_dir: str | None = None
     """cache: a teacher cache directory (``python -m megatron_gkd.teacher.cache build --config ... --out DIR``)."""
+    cache_trust_unverified: bool = False
+    """cache: use a cache that this run cannot bind to a teacher (no secret to check its manifest's MAC, and no
+    ``teacher.checkpoint`` to compare its teacher with), with a warning. Such a cache may be another teacher's, or
+    its manifest may have been edited (e.g. its temperature); leave false unless only you can write the cache."""
     attempt_timeout_s: float = 60.0
     deadline_s: float = 300.0
     max_attempts: int = 5

@@ -6,7 +6,9 @@ The config is the run's own (``launch/pretrain_gkd.py``): ``data`` (``train_path
 ``student.tokenizer`` give the records exactly as the trainer tokenizes them; ``teacher`` names the teacher
 (a service the command starts from ``teacher.serve.model``, or ``teacher.address`` / ``teacher.base_url``),
 ``top_k``, ``temperature``, ``signal`` and ``hidden_dtype``. Rerunning an interrupted command resumes it.
-Train from the cache with ``teacher.client=cache teacher.cache_dir=DIR`` (docs/teacher_cache.md).
+With the run's secret (``teacher.secret_file`` or $MEGATRON_GKD_TEACHER_SECRET) the manifest is signed, so runs
+holding it can check that nobody edited it (SECURITY.md). Train from the cache with ``teacher.client=cache
+teacher.cache_dir=DIR`` (docs/teacher_cache.md).
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import pathlib
 import sys
 
 from megatron_gkd.teacher.clients import client_traits
+from megatron_gkd.teacher.security import SECRET_ENV, load_secret
 
 logger = logging.getLogger(__name__)
 
@@ -71,34 +73,41 @@ def build(config, out: pathlib.Path, *, records_per_shard: int, batch_size: int,
         raise ValueError(f"teacher.client={teacher.client}: the cache is built through a teacher service or "
                          "server; set teacher.client=zmq with teacher.serve.model=DIR (or teacher.address), or "
                          "teacher.client=openai")
+    # The run's secret signs the manifest (a service this command starts gets a secret of its own, below).
+    secret = load_secret(teacher.secret_file)
+    if secret is None:
+        logger.warning("no secret (teacher.secret_file or %s): the cache's manifest is not signed, so a run can check "
+                       "it only against teacher.checkpoint", SECRET_ENV)
     tokenizer = load_tokenizer(config.student.tokenizer_path)
     dataset = load_prompts(config.data.train_path, config.data, tokenizer, require_responses=True, show_progress=True)
     records = dataset_records(dataset)
-    service = None
+    service = service_secret = None
     try:
         if teacher.serve.model is not None:
             from megatron_gkd.trainer.teacher_service import TeacherService
 
             service = TeacherService(teacher.serve, out.with_name(out.name + ".teacher_service.log"))
             address = service.wait_ready(teacher.serve.startup_timeout_s)
-            os.environ["MEGATRON_GKD_TEACHER_SECRET"] = service.secret
+            service_secret = service.secret.encode()
             teacher_checkpoint = teacher_checkpoint or teacher.serve.model
             # The client talks to the service (the hidden signal's head checkpoint is the run's business).
             teacher = dataclasses.replace(teacher, address=address,
                                           serve=dataclasses.replace(teacher.serve, model=None),
                                           head_checkpoint=teacher.head_source if teacher.signal == "hidden" else None)
         return _score(teacher, config, tokenizer, records, out, records_per_shard=records_per_shard,
-                      batch_size=batch_size, teacher_checkpoint=teacher_checkpoint)
+                      batch_size=batch_size, teacher_checkpoint=teacher_checkpoint, service_secret=service_secret,
+                      secret=secret)
     finally:
         if service is not None:
             service.stop()
 
 
-def _score(teacher, config, tokenizer, records, out, *, records_per_shard, batch_size, teacher_checkpoint):
+def _score(teacher, config, tokenizer, records, out, *, records_per_shard, batch_size, teacher_checkpoint,
+           service_secret, secret):
     from megatron_gkd.teacher.cache.build import build_cache, make_plan
     from megatron_gkd.teacher.config import build_client_from_config
 
-    client = build_client_from_config(teacher)
+    client = build_client_from_config(teacher, service_secret)
     try:
         identity = {"client": teacher.client, "model": str(teacher_checkpoint or teacher.address or teacher.base_url),
                     "backend": config.teacher.serve.backend if config.teacher.serve.model else None}
@@ -106,7 +115,7 @@ def _score(teacher, config, tokenizer, records, out, *, records_per_shard, batch
                          records=records, data_path=str(config.data.train_path), top_k=teacher.top_k,
                          temperature=teacher.temperature, signal=teacher.signal, hidden_dtype=teacher.hidden_dtype,
                          records_per_shard=records_per_shard)
-        return build_cache(client, records, out, plan, batch_size=batch_size, show_progress=True)
+        return build_cache(client, records, out, plan, batch_size=batch_size, show_progress=True, secret=secret)
     finally:
         client.close()
 

@@ -1,7 +1,7 @@
 """The scoring pass: every record of a dataset asked of a teacher once, written shard by shard.
 
 Resumable: each shard is written to a temporary name and renamed, so a shard file is either complete or
-absent; its blake3 is then recorded in the build's plan (``build.json``). A
+absent; its blake3 is then recorded in the build's plan (``build.json``, MAC-signed with the run's secret). A
 restart of the same build (the plan must be equal: same teacher, k, temperature, signal, tokenizer and
 dataset) keeps the shards whose bytes still have their recorded hash, refuses one that changed since it was
 written (altered, or copied from another build), scores again one it had not recorded (killed between the
@@ -20,7 +20,9 @@ from typing import Callable, Sequence
 import tqdm
 
 from megatron_gkd.teacher.cache.store import (MANIFEST, PLAN, CacheManifest, CacheRecord, checkpoint_digest,
-                                              dataset_digest, encode_shard, file_digest, shard_name, write_atomically)
+                                              dataset_digest, encode_shard, file_digest, shard_name, verify_mac,
+                                              write_atomically)
+from megatron_gkd.teacher.security import SECRET_ENV
 from megatron_gkd.teacher.types import ScoreBatch, SequenceRequest, TeacherOutput
 from megatron_gkd.teacher.vocab import tokenizer_digest
 
@@ -70,7 +72,7 @@ def make_plan(info, identity: dict, *, teacher_checkpoint: str | None, tokenizer
         info: the teacher client's :class:`~megatron_gkd.teacher.clients.TeacherInfo`.
         identity: how the config names the teacher (``client``, ``backend``, ``model``).
         teacher_checkpoint: the teacher's checkpoint directory, hashed into the manifest; None when it is not
-            readable here (runs then cannot check the cache is their teacher's: a warning says so).
+            readable here (runs then cannot compare the cache's teacher with theirs: a warning says so).
         tokenizer: the tokenizer that tokenized ``records`` (the student's); the teacher's must be the same.
 
     Raises:
@@ -89,8 +91,9 @@ def make_plan(info, identity: dict, *, teacher_checkpoint: str | None, tokenizer
     if records_per_shard < 1:
         raise ValueError(f"records_per_shard={records_per_shard} must be >= 1")
     if teacher_checkpoint is None:
-        logger.warning("no teacher checkpoint to hash (the teacher runs elsewhere): runs cannot check that the cache "
-                       "is their teacher's; pass --teacher-checkpoint DIR")
+        logger.warning("no teacher checkpoint to hash (the teacher runs elsewhere): runs cannot compare the cache's "
+                       "teacher with theirs, and without the run's secret (a signed manifest) they refuse it unless "
+                       "teacher.cache_trust_unverified=true; pass --teacher-checkpoint DIR")
     identity = dict(identity, info=dataclasses.asdict(info),
                     checkpoint_blake3=checkpoint_digest(teacher_checkpoint) if teacher_checkpoint else None)
     return CacheManifest(
@@ -102,8 +105,8 @@ def make_plan(info, identity: dict, *, teacher_checkpoint: str | None, tokenizer
 
 
 def build_cache(client, records: Sequence[CacheRecord], out: str | pathlib.Path, plan: CacheManifest, *,
-                batch_size: int = 16, show_progress: bool = False,
-                on_shard: Callable[[int], None] | None = None) -> CacheManifest:
+                batch_size: int = 16, show_progress: bool = False, on_shard: Callable[[int], None] | None = None,
+                secret: bytes | None = None) -> CacheManifest:
     """Scores ``records`` through ``client`` into ``out`` (resuming a build of the same plan there).
 
     Args:
@@ -114,13 +117,16 @@ def build_cache(client, records: Sequence[CacheRecord], out: str | pathlib.Path,
         batch_size: sequences per teacher request.
         show_progress: draw a progress bar over the records.
         on_shard: called with each shard's number once it is on disk and recorded (written or found).
+        secret: the run's secret: the plan and the manifest are signed with it (:func:`~.store.manifest_mac`), and
+            a resumed plan must verify with it.
 
     Returns:
         The complete manifest (also written to ``out/manifest.json``).
 
     Raises:
         ValueError: ``out`` holds a build (finished or not) of another plan; the message names each field
-            that differs; or a shard there changed since this build wrote it.
+            that differs; or a shard there changed since this build wrote it; or its plan's MAC does not
+            verify with ``secret`` (or it has one and no secret is given).
     """
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -130,13 +136,14 @@ def build_cache(client, records: Sequence[CacheRecord], out: str | pathlib.Path,
     done = out / MANIFEST
     if done.is_file():
         manifest = CacheManifest.from_json(done.read_text(), str(done))
+        verify_mac(manifest, secret, str(done))
         differences = plan_differences(manifest, plan)
         if differences:
             raise ValueError(f"{out} holds a complete teacher cache of another build ({'; '.join(differences)}); "
                              "choose another --out or delete it")
         logger.info("teacher cache %s is already complete (%d shards)", out, len(manifest.shards))
         return manifest
-    recorded = {entry["name"]: entry for entry in _adopt_plan(out, plan).shards}
+    recorded = {entry["name"]: entry for entry in _adopt_plan(out, plan, secret).shards}
     for stale in out.glob(".shard-*.tmp-*"):
         stale.unlink()  # a write that died before its rename
     per_shard = plan.records_per_shard
@@ -153,11 +160,12 @@ def build_cache(client, records: Sequence[CacheRecord], out: str | pathlib.Path,
                 # Hashed once, as written; the plan then records it (rewritten whole: a few hundred bytes a shard).
                 recorded[path.name] = _shard_entry(path)
                 shards = [recorded[shard_name(n)] for n in range(plan.num_shards) if shard_name(n) in recorded]
-                write_atomically(out / PLAN, dataclasses.replace(plan, shards=shards).to_json().encode())
+                write_atomically(out / PLAN, dataclasses.replace(plan, shards=shards).signed(secret).to_json().encode())
             bar.update(len(chunk))
             if on_shard is not None:
                 on_shard(number)
     manifest = dataclasses.replace(plan, shards=[recorded[shard_name(n)] for n in range(plan.num_shards)])
+    manifest = manifest.signed(secret)
     write_atomically(done, manifest.to_json().encode())
     (out / PLAN).unlink()
     total = sum(shard["bytes"] for shard in manifest.shards)
@@ -167,17 +175,20 @@ def build_cache(client, records: Sequence[CacheRecord], out: str | pathlib.Path,
     return manifest
 
 
-def _adopt_plan(out: pathlib.Path, plan: CacheManifest) -> CacheManifest:
-    """Writes the plan of a new build, or checks that an unfinished build there has the same one; returns the plan
-    there, with the shards it recorded."""
+def _adopt_plan(out: pathlib.Path, plan: CacheManifest, secret: bytes | None) -> CacheManifest:
+    """Writes the plan of a new build, or checks that an unfinished build there has the same one (and, with the
+    run's secret, that its plan verifies); returns the plan there, with the shards it recorded."""
     path = out / PLAN
     if not path.is_file():
         if any(out.glob("shard-*.safetensors")):
             raise ValueError(f"{out} holds shards but no {PLAN}: not a build this command can resume; choose another "
                              "--out or delete it")
-        write_atomically(path, plan.to_json().encode())
+        write_atomically(path, plan.signed(secret).to_json().encode())
         return plan
     found = CacheManifest.from_json(path.read_text(), str(path))
+    if not verify_mac(found, secret, str(path)) and found.mac is not None:
+        raise ValueError(f"{out} holds a build started with the run's secret; resume it with the same secret "
+                         f"(teacher.secret_file or {SECRET_ENV})")
     differences = plan_differences(found, plan)
     if differences:
         raise ValueError(f"{out} holds an unfinished teacher cache of another build ({'; '.join(differences)}); "

@@ -21,6 +21,8 @@ order), so the same build writes the same bytes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -31,12 +33,18 @@ import blake3
 import numpy as np
 import torch
 
+from megatron_gkd.teacher.security import MIN_SECRET_BYTES, SECRET_ENV
 from megatron_gkd.teacher.types import TeacherOutput
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "megatron-gkd-teacher-cache"
-VERSION = 1
+VERSION = 2
+"""2 added the manifest's ``mac``; version 1 manifests (no MAC) are still read, as unverified ones."""
+READABLE_VERSIONS = (1, 2)
+MAC_CONTEXT = b"megatron-gkd teacher cache manifest\0"
+"""Prefixed to what a manifest's MAC covers, so that nothing else signed with the run's secret passes for a
+manifest (the teacher protocol's MACs cover frames that start with an 8-byte length, which these bytes are not)."""
 MANIFEST = "manifest.json"
 PLAN = "build.json"
 """Written when a build starts and removed when it completes: a restart must be the same build."""
@@ -128,7 +136,10 @@ class CacheManifest:
         hidden_dtype: the hidden states' dtype (None with the top-k signal).
         dataset: ``path``, ``blake3`` (:func:`dataset_digest`), ``num_records``, ``num_response_tokens``.
         records_per_shard: records per shard (the last one may hold fewer).
-        shards: per shard ``name``, ``num_records``, ``num_rows``, ``bytes`` and ``blake3``; empty in a plan.
+        shards: per shard ``name``, ``num_records``, ``num_rows``, ``bytes`` and ``blake3``; in a build's plan
+            (``build.json``), the shards written so far.
+        mac: ``hmac-sha256:HEX`` of every other field (:func:`manifest_mac`) with the run's secret, or None when the
+            build had no secret.
     """
 
     teacher: dict[str, Any]
@@ -142,6 +153,7 @@ class CacheManifest:
     shards: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     format: str = FORMAT
     version: int = VERSION
+    mac: str | None = None
 
     @property
     def num_shards(self) -> int:
@@ -149,8 +161,12 @@ class CacheManifest:
         return (records + self.records_per_shard - 1) // self.records_per_shard
 
     def plan(self) -> "CacheManifest":
-        """This manifest without its shard list: what a build is asked to do."""
-        return dataclasses.replace(self, shards=[])
+        """This manifest without its shard list and MAC: what a build is asked to do."""
+        return dataclasses.replace(self, shards=[], mac=None)
+
+    def signed(self, secret: bytes | None) -> "CacheManifest":
+        """This manifest with the MAC of its content under ``secret`` (None: without a MAC)."""
+        return dataclasses.replace(self, mac=manifest_mac(self, secret) if secret else None)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True) + "\n"
@@ -161,11 +177,46 @@ class CacheManifest:
             values = json.loads(text)
             if values.get("format") != FORMAT:
                 raise ValueError(f"format {values.get('format')!r} is not {FORMAT!r}")
-            if values.get("version") != VERSION:
-                raise ValueError(f"version {values.get('version')!r}; this code reads version {VERSION}")
+            if values.get("version") not in READABLE_VERSIONS:
+                raise ValueError(f"version {values.get('version')!r}; this code reads versions "
+                                 f"{', '.join(map(str, READABLE_VERSIONS))}")
             return cls(**values)
         except (ValueError, TypeError) as error:
             raise ValueError(f"{source} is not a teacher cache manifest: {error}") from None
+
+
+def manifest_mac(manifest: CacheManifest, secret: bytes) -> str:
+    """HMAC-SHA256 under ``secret`` of the manifest's every field but ``mac``, as canonical JSON (sorted keys, no
+    spaces): the teacher's identity and checkpoint digest, tokenizer, signal, k, temperature, dataset digest and
+    each shard's blake3 (so the MAC covers the shards' bytes too).
+
+    Raises:
+        ValueError: ``secret`` is shorter than :data:`~megatron_gkd.teacher.security.MIN_SECRET_BYTES`.
+    """
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"the run's secret has {len(secret)} bytes; a teacher cache's MAC needs at least "
+                         f"{MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32 > FILE; chmod 600 FILE`)")
+    content = json.dumps(dataclasses.asdict(dataclasses.replace(manifest, mac=None)), sort_keys=True,
+                         separators=(",", ":")).encode()
+    return "hmac-sha256:" + hmac.new(secret, MAC_CONTEXT + content, hashlib.sha256).hexdigest()
+
+
+def verify_mac(manifest: CacheManifest, secret: bytes | None, source: str) -> bool:
+    """Whether ``manifest`` is authenticated: True when its MAC verifies with ``secret``, False without a secret
+    (nothing can be checked; the caller decides what an unverified manifest may do).
+
+    Raises:
+        ValueError: a secret is given and the manifest carries no MAC, or one that does not verify.
+    """
+    if not secret:
+        return False
+    if manifest.mac is None:
+        raise ValueError(f"{source} carries no MAC and this run has a secret (teacher.secret_file or {SECRET_ENV}): "
+                         "it was built without the secret, or its MAC was removed; rebuild it with the run's secret")
+    if not hmac.compare_digest(manifest.mac.encode(), manifest_mac(manifest, secret).encode()):
+        raise ValueError(f"{source}: its MAC does not verify with this run's secret: the manifest was edited after "
+                         "it was built, or it was built with another secret; rebuild it with the run's secret")
+    return True
 
 
 def write_atomically(path: pathlib.Path, data: bytes) -> None:
@@ -220,18 +271,26 @@ class CacheReader:
     """Reads a complete cache: its manifest, an index from :func:`sequence_digest` to (shard, record) built
     at open time from the shards' ``digest`` tensors, and each record's rows (memory-mapped slices, so a
     lookup reads only its own rows). A shard's blake3 is checked against the manifest the first time it is
-    read. Thread-safe (the client scores on a thread pool).
+    read; with the run's secret, the manifest's MAC is checked when the cache is opened (:attr:`verified`).
+    Thread-safe (the client scores on a thread pool).
 
     Args:
         directory: the cache directory.
         max_open_shards: shards kept open at once (each holds a file descriptor and a memory map).
+        secret: the run's secret (:func:`~megatron_gkd.teacher.security.load_secret`), or None.
+
+    Attributes:
+        manifest: the cache's :class:`CacheManifest`.
+        verified: whether the manifest's MAC verified with ``secret`` (its content is then what a holder of the
+            secret built: teacher, k, temperature, dataset and every shard's hash).
 
     Raises:
         ValueError: no manifest (an unfinished or missing build: the message says which command fixes it), a
-            manifest of another format, or a shard missing or of the wrong size.
+            manifest of another format, a shard missing or of the wrong size, or (with a secret) a manifest
+            without a MAC or with one that does not verify.
     """
 
-    def __init__(self, directory: str | os.PathLike, max_open_shards: int = 64):
+    def __init__(self, directory: str | os.PathLike, max_open_shards: int = 64, secret: bytes | None = None):
         import collections
         import threading
 
@@ -245,6 +304,10 @@ class CacheReader:
             raise ValueError(f"teacher cache {self.directory} holds no {MANIFEST}; build one with python -m "
                              "megatron_gkd.teacher.cache build --config CONFIG.yaml --out DIR")
         self.manifest = CacheManifest.from_json(path.read_text(), str(path))
+        self.verified = verify_mac(self.manifest, secret, str(path))
+        if not secret and self.manifest.mac is not None:
+            logger.warning("%s carries a MAC but this run has no secret to check it (teacher.secret_file or %s): "
+                           "the cache is unverified", path, SECRET_ENV)
         if len(self.manifest.shards) != self.manifest.num_shards:
             raise ValueError(f"{path} lists {len(self.manifest.shards)} shards, expected {self.manifest.num_shards}")
         self._index: dict[bytes, tuple[int, int]] = {}

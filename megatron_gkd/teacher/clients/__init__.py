@@ -230,7 +230,7 @@ register_client("local", "megatron_gkd.teacher.clients.local:LocalTeacherClient"
 register_client("cache", "megatron_gkd.teacher.clients.cache:CacheTeacherClient", ClientTraits(
     "a teacher cache", required=(("cache_dir", "build one with python -m megatron_gkd.teacher.cache build "
                                                "--config CONFIG.yaml --out DIR"),),
-    options=("cache_dir", "checkpoint")))
+    options=("cache_dir", "checkpoint", "secret_file", "cache_trust_unverified")))
 
 
 def client_names() -> list[str]:

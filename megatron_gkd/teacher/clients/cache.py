@@ -6,7 +6,9 @@ arrays the live teacher's client returned when the cache was built, validated ag
 does not hold (an on-policy sample, an eval answer, a record of another dataset) fails naming the fix.
 
 At start-up the trainer calls :meth:`CacheTeacherClient.check_run`, which refuses a cache of another teacher,
-tokenizer, k, temperature, signal or dataset (docs/teacher_cache.md).
+tokenizer, k, temperature, signal or dataset, and one it cannot bind to a teacher: a manifest whose MAC does not
+verify with the run's secret, or, without a secret, a run without ``teacher.checkpoint`` (docs/teacher_cache.md,
+SECURITY.md).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 
 from megatron_gkd.teacher.cache.store import CacheReader, checkpoint_digest, dataset_digest, dataset_records
 from megatron_gkd.teacher.clients import TeacherClient, TeacherInfo
+from megatron_gkd.teacher.security import SECRET_ENV, load_secret
 from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, TeacherError, TeacherOutput
 from megatron_gkd.teacher.vocab import tokenizer_digest
 
@@ -32,19 +35,23 @@ class CacheTeacherClient(TeacherClient):
     Args:
         cache_dir: the cache directory (``python -m megatron_gkd.teacher.cache build ... --out DIR``).
         max_inflight: batches read concurrently by ``score_async``.
+        secret: the run's secret: the manifest's MAC must verify with it.
 
     Raises:
-        ValueError: the directory holds no complete cache (the message says how to build or resume one).
+        ValueError: the directory holds no complete cache (the message says how to build or resume one), or a
+            secret is given and the manifest's MAC is missing or does not verify.
     """
 
     @classmethod
     def from_config(cls, config, secret: bytes | None = None):
-        """Built from the ``teacher`` section (:class:`~megatron_gkd.teacher.config.TeacherConfig`)."""
-        return cls(cache_dir=config.cache_dir, max_inflight=config.max_inflight)
+        """Built from the ``teacher`` section (:class:`~megatron_gkd.teacher.config.TeacherConfig`); the secret
+        from ``teacher.secret_file`` or $MEGATRON_GKD_TEACHER_SECRET unless given."""
+        return cls(cache_dir=config.cache_dir, max_inflight=config.max_inflight,
+                   secret=secret if secret is not None else load_secret(config.secret_file))
 
-    def __init__(self, cache_dir: str, max_inflight: int = 2):
+    def __init__(self, cache_dir: str, max_inflight: int = 2, secret: bytes | None = None):
         super().__init__(max_inflight=max_inflight)
-        self.reader = CacheReader(cache_dir)
+        self.reader = CacheReader(cache_dir, secret=secret)
         self.manifest = self.reader.manifest
         self._num_scored = 0
         self._count_lock = threading.Lock()
@@ -103,11 +110,14 @@ class CacheTeacherClient(TeacherClient):
 
         Compares the run's teacher checkpoint (``teacher.checkpoint`` / ``teacher.head_checkpoint``, when set),
         tokenizer, ``teacher.top_k``, ``teacher.temperature``, ``teacher.signal`` (and ``teacher.hidden_dtype``)
-        and the dataset (``data.train_path`` loaded and tokenized as the trainer does) with the manifest.
+        and the dataset (``data.train_path`` loaded and tokenized as the trainer does) with the manifest. The
+        manifest is trusted to name the cache's teacher only when its MAC verified with the run's secret; without
+        one, the run must name its teacher (``teacher.checkpoint``) or opt out (``teacher.cache_trust_unverified``).
 
         Raises:
-            ValueError: the run cannot be served from a cache (on-policy, eval KL), or it differs from the
-                cache; the message names every field that differs with the cache's and the run's value.
+            ValueError: the run cannot be served from a cache (on-policy, eval KL), it cannot bind the cache to a
+                teacher, or it differs from the cache; the message names every field that differs with the
+                cache's and the run's value.
         """
         from megatron_gkd.config import eval_enabled
         from megatron_gkd.data import load_prompts
@@ -119,6 +129,7 @@ class CacheTeacherClient(TeacherClient):
             raise ValueError("eval.kl scores the student's own eval answers, which no teacher cache holds: set "
                              "eval.kl=false, or use a live teacher")
         manifest, teacher = self.manifest, teacher if teacher is not None else config.teacher
+        self._check_bound(teacher)
         pairs = {"tokenizer_digest": (manifest.tokenizer_digest, tokenizer_digest(tokenizer)),
                  "teacher.signal": (manifest.signal, teacher.signal),
                  "teacher.temperature": (manifest.temperature, float(teacher.temperature))}
@@ -133,9 +144,6 @@ class CacheTeacherClient(TeacherClient):
                 started = time.monotonic()
                 pairs[f"teacher.{key}"] = (cached_checkpoint, checkpoint_digest(directory))
                 logger.info("teacher.%s=%s hashed in %.1f s", key, directory, time.monotonic() - started)
-        if teacher.checkpoint is None and teacher.head_checkpoint is None:
-            logger.warning("the teacher of cache %s is not checked against this run: set teacher.checkpoint=DIR (the "
-                           "teacher's checkpoint) to refuse a cache of another teacher", self.reader.directory)
         dataset = load_prompts(config.data.train_path, config.data, tokenizer, require_responses=True)
         pairs["data.train_path"] = (manifest.dataset["blake3"], dataset_digest(dataset_records(dataset)))
         mismatches = [f"{field}: {cached!r} in the cache, {wanted!r} in this run"
@@ -148,3 +156,28 @@ class CacheTeacherClient(TeacherClient):
                              "at one")
         logger.info("teacher cache %s matches this run (%d records of %s)", self.reader.directory,
                     manifest.dataset["num_records"], config.data.train_path)
+
+    def _check_bound(self, teacher) -> None:
+        """Refuses a cache this run cannot bind to a teacher, unless ``teacher.cache_trust_unverified`` is set."""
+        identity = self.manifest.teacher
+        named = f"{identity.get('model')} (checkpoint blake3 {identity.get('checkpoint_blake3')})"
+        named_by_run = teacher.checkpoint is not None or teacher.head_checkpoint is not None
+        if (named_by_run or self.reader.verified) and teacher.cache_trust_unverified:
+            logger.warning("teacher.cache_trust_unverified has no effect: this run binds cache %s to a teacher (by %s)",
+                           self.reader.directory, "teacher.checkpoint" if named_by_run else "its manifest's MAC")
+        if named_by_run:
+            return  # the manifest's checkpoint digest is compared with the run's
+        if self.reader.verified:
+            logger.info("teacher cache %s: its manifest's MAC verifies with the run's secret; its teacher is %s (set "
+                        "teacher.checkpoint=DIR to also check it is this run's)", self.reader.directory, named)
+            return
+        if teacher.cache_trust_unverified:
+            logger.warning("teacher cache %s is used UNVERIFIED (teacher.cache_trust_unverified=true): nothing checks "
+                           "that its teacher, %s, is this run's or that its manifest is unedited",
+                           self.reader.directory, named)
+            return
+        raise ValueError(f"teacher cache {self.reader.directory} cannot be bound to a teacher: this run has no secret "
+                         f"to check its manifest's MAC and no teacher.checkpoint to compare its teacher with (it names "
+                         f"{named}). Set teacher.checkpoint=DIR (the teacher's checkpoint directory), or give the "
+                         f"run's secret (teacher.secret_file or {SECRET_ENV}) if the cache was built with it, or set "
+                         "teacher.cache_trust_unverified=true to use it unchecked")

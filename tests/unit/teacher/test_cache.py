@@ -1,9 +1,11 @@
 """The teacher cache in one process: a real hf teacher (in-process, behind a counting client) scores the tiny
 assets' records once; the cache then answers like the teacher did, for both signals, in any batching and for
 3 epochs with no further scoring; an interrupted build resumes to the same bytes; damage and unknown
-sequences fail loudly; a shard altered since the build wrote it is refused on resume."""
+sequences fail loudly; a shard altered since the build wrote it is refused on resume; an edited manifest (with
+the run's secret) and a cache that cannot be bound to a teacher are refused."""
 
 import dataclasses
+import json
 import pathlib
 import shutil
 import threading
@@ -14,9 +16,10 @@ import torch
 
 from megatron_gkd.teacher.backends import build_backend
 from megatron_gkd.teacher.cache.build import build_cache, make_plan
-from megatron_gkd.teacher.cache.store import MANIFEST, PLAN, CacheReader, dataset_records, shard_name
+from megatron_gkd.teacher.cache.store import MANIFEST, PLAN, CacheReader, dataset_records, file_digest, shard_name
 from megatron_gkd.teacher.clients import TeacherClient, TeacherInfo
 from megatron_gkd.teacher.clients.cache import CacheTeacherClient
+from megatron_gkd.teacher.security import SECRET_ENV
 from megatron_gkd.teacher.types import HIDDEN_DTYPES, ScoreBatch, SequenceRequest, TeacherError
 
 TOP_K = 8
@@ -78,8 +81,9 @@ def _plan(teacher, assets, data, signal="topk", hidden_dtype="bfloat16", checkpo
                      hidden_dtype=hidden_dtype, records_per_shard=PER_SHARD)
 
 
-def _build(teacher, assets, data, out, on_shard=None, **plan):
-    return build_cache(teacher, data[1], out, _plan(teacher, assets, data, **plan), batch_size=3, on_shard=on_shard)
+def _build(teacher, assets, data, out, secret=None, on_shard=None, **plan):
+    return build_cache(teacher, data[1], out, _plan(teacher, assets, data, **plan), batch_size=3, on_shard=on_shard,
+                       secret=secret)
 
 
 def _batch(records, signal="topk", hidden_dtype="bfloat16"):
@@ -205,8 +209,13 @@ def _run_config(assets, cache, *overrides):
 
 
 def _check(assets, cache, tokenizer, *overrides):
+    """The run's own start-up: the client built from its teacher section (secret included), then checked."""
+    from megatron_gkd.teacher.config import build_client_from_config
+
     config = _run_config(assets, cache, *overrides)
-    CacheTeacherClient(str(cache)).check_run(config, tokenizer)
+    client = build_client_from_config(config.teacher)
+    client.check_run(config, tokenizer)
+    return client
 
 
 @pytest.mark.parametrize("signal", ["topk", "hidden"])
@@ -333,3 +342,102 @@ def test_a_shard_the_build_did_not_record_is_scored_again(teacher, assets, data,
     assert teacher.num_scored - before == len(data[1]) - PER_SHARD
     assert _files(broken) == _files(whole)
 
+
+# ------------------------------------------------------------------------------------------ the manifest (#33 item 6)
+SECRET = b"cache-test-secret-of-32-bytes..."
+
+
+@pytest.fixture(scope="module")
+def signed(teacher, assets, data, tmp_path_factory):
+    """A top-k cache built with the run's secret (its manifest carries an HMAC)."""
+    out = tmp_path_factory.mktemp("signed")
+    _build(teacher, assets, data, out, secret=SECRET)
+    return out
+
+
+@pytest.mark.parametrize("case", ["same secret", "no secret", "other secret", "journal re-hashed"])
+def test_a_signed_build_resumes_only_with_its_secret(teacher, signed, assets, data, tmp_path, case):
+    with pytest.raises(Interrupt):
+        _build(teacher, assets, data, tmp_path, secret=SECRET, on_shard=_stop_after(1))
+    if case == "journal re-hashed":  # a shard altered and its recorded hash replaced, without the secret
+        _swap_top2(tmp_path / shard_name(0))
+        plan = json.loads((tmp_path / PLAN).read_text())
+        plan["shards"][0]["blake3"] = file_digest(tmp_path / shard_name(0))
+        (tmp_path / PLAN).write_text(json.dumps(plan))
+    secret = {"no secret": None, "other secret": b"another-secret-of-some-length"}.get(case, SECRET)
+    message = {"no secret": "started with the run's secret", "other secret": "its MAC does not verify",
+               "journal re-hashed": "its MAC does not verify"}.get(case)
+    if message is None:
+        _build(teacher, assets, data, tmp_path, secret=SECRET)
+        assert _files(tmp_path) == _files(signed)  # the MAC included: the same bytes as an uninterrupted build
+    else:
+        with pytest.raises(ValueError, match=message):
+            _build(teacher, assets, data, tmp_path, secret=secret)
+
+
+def _edited_copy(cache, destination, edit):
+    shutil.copytree(cache, destination)
+    path = destination / MANIFEST
+    manifest = json.loads(path.read_text())
+    edit(manifest, destination)
+    path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    return destination
+
+
+def _secret_file(tmp_path, secret=SECRET):
+    path = tmp_path / "secret"
+    path.write_bytes(secret)
+    path.chmod(0o600)
+    return f"teacher.secret_file={path}"
+
+
+def test_edited_temperature_is_refused_by_a_run_with_the_secret(signed, assets, data, tmp_path, monkeypatch):
+    def to_one(manifest, _):
+        manifest["temperature"] = 1.0
+    cache = _edited_copy(signed, tmp_path / "cache", to_one)
+    monkeypatch.setenv(SECRET_ENV, SECRET.decode())
+    with pytest.raises(ValueError, match="its MAC does not verify"):
+        _check(assets, cache, data[0], "teacher.temperature=1.0")
+
+
+def test_edited_shard_with_its_entry_rehashed_is_refused_by_a_run_with_the_secret(signed, assets, data, tmp_path):
+    def swap_and_rehash(manifest, directory):
+        _swap_top2(directory / shard_name(0))
+        manifest["shards"][0]["blake3"] = file_digest(directory / shard_name(0))
+    cache = _edited_copy(signed, tmp_path / "cache", swap_and_rehash)
+    with pytest.raises(ValueError, match="its MAC does not verify"):
+        _check(assets, cache, data[0], _secret_file(tmp_path)).score(_batch(data[1][:1]))
+
+
+@pytest.fixture(scope="module")
+def other_cache(other_teacher, assets, data, tmp_path_factory):
+    """A complete cache of the same records by another teacher, without a secret."""
+    out = tmp_path_factory.mktemp("other_cache")
+    _build(other_teacher, assets, data, out, checkpoint="student")
+    return out
+
+
+def test_another_teachers_cache_without_teacher_checkpoint_is_refused(other_cache, assets, data, caplog):
+    with pytest.raises(ValueError, match=r"cannot be bound to a teacher.*teacher\.checkpoint=DIR.*"
+                                         r"teacher\.cache_trust_unverified=true"):
+        _check(assets, other_cache, data[0], "teacher.checkpoint=null")
+    # The explicit opt-out uses it, and says so.
+    _check(assets, other_cache, data[0], "teacher.checkpoint=null", "teacher.cache_trust_unverified=true")
+    assert "teacher.cache_trust_unverified=true" in caplog.text and str(assets / "student") in caplog.text
+
+
+@pytest.mark.parametrize("case", ["unsigned", "other secret", "short secret", "no secret", "right secret"])
+def test_the_secret_binds_a_cache_to_the_runs_builds(caches, signed, assets, data, tmp_path, case):
+    """With a secret, a missing or foreign MAC is refused and a verified one binds the cache to a teacher (no
+    teacher.checkpoint needed); without one, a signed cache is an unverified one."""
+    cache, secret = {"unsigned": (caches["topk"], SECRET), "other secret": (signed, b"another-secret-of-some-length"),
+                     "short secret": (signed, b"short"), "no secret": (signed, None),
+                     "right secret": (signed, SECRET)}[case]
+    overrides = ["teacher.checkpoint=null"] + ([_secret_file(tmp_path, secret)] if secret else [])
+    message = {"unsigned": "carries no MAC", "other secret": "its MAC does not verify",
+               "short secret": "MAC needs at least 16", "no secret": "cannot be bound to a teacher"}.get(case)
+    if message is None:
+        _check(assets, cache, data[0], *overrides).score(_batch(data[1][:3]))
+    else:
+        with pytest.raises(ValueError, match=message):
+            _check(assets, cache, data[0], *overrides)
