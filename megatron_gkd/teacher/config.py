@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any
 
 from megatron_gkd.teacher.clients import CLIENT_TRAITS, CLIENTS, RetryPolicy, TeacherClient, client_traits
@@ -14,6 +15,9 @@ logger = logging.getLogger(__name__)
 # Options that only some clients read; setting one for another client is inert and logged.
 
 NO_TEACHER = "none"
+# The hidden signal's options as a top-k run leaves them (another value is inert there: a warning).
+_HIDDEN_DEFAULTS = {"head_checkpoint": None, "hidden_dtype": "bfloat16", "head_check_interval": 10,
+                    "head_check_tolerance": 1.0}
 
 
 
@@ -91,6 +95,18 @@ class TeacherConfig:
         head_checkpoint: hidden: HF checkpoint directory whose output layer (``lm_head.weight``, or the
             tied ``embed_tokens.weight``) is the teacher's; default ``teacher.serve.model`` or
             ``teacher.checkpoint``. Only the output layer's rows of this rank's vocabulary shard are read.
+        head_check_interval: hidden: on the first batch, and on every batch whose step is a multiple of this, the
+            trainer recomputes the teacher's log-prob of a sample of the sampled tokens from ``hidden @ head`` and
+            compares it with the log-prob the teacher itself sent (``token_logprobs``); a disagreement past
+            ``head_check_tolerance`` stops the run, naming ``teacher.head_checkpoint``. It catches an output
+            layer of another model of the same shape and absurd (finite) hidden states, which no shape check
+            sees. 0: the first batch only. A check computes 64 tokens' logits over this rank's vocabulary shard
+            (the loss computes those of every token of every step).
+        head_check_tolerance: hidden: the largest disagreement in nats the check accepts on one token. Measured
+            on the tiny teacher: the right head at most 0.04 (bf16 hidden states, logits up to 15), 0.23 and 0.47
+            with its logits scaled up to 58 and 116 (bf16 rounding grows with ``|logit| / temperature``); the head
+            of the same model with another seed 5.5-16.6, a hidden row scaled by 1e4 2.6e4-1.4e5
+            (:mod:`megatron_gkd.trainer.head_check`).
     """
 
     client: str = NO_TEACHER
@@ -120,6 +136,8 @@ class TeacherConfig:
     signal: str = "topk"
     hidden_dtype: str = "bfloat16"
     head_checkpoint: str | None = None
+    head_check_interval: int = 10
+    head_check_tolerance: float = 1.0
 
     def __post_init__(self):
         if self.signal not in TEACHER_SIGNALS:
@@ -134,14 +152,21 @@ class TeacherConfig:
             raise ValueError(f"teacher.temperature={self.temperature} must be > 0")
         if self.split_requests < 1:
             raise ValueError(f"teacher.split_requests={self.split_requests} must be >= 1")
+        if self.head_check_interval < 0:
+            raise ValueError(f"teacher.head_check_interval={self.head_check_interval} must be >= 0 (0: the first "
+                             "batch only)")
+        if not (math.isfinite(self.head_check_tolerance) and self.head_check_tolerance > 0):
+            raise ValueError(f"teacher.head_check_tolerance={self.head_check_tolerance} must be a finite number of "
+                             "nats > 0")
         if self.enabled:
             self._check_client_options(client_traits(self.client))
         if self.signal == "hidden" and self.enabled and self.head_source is None:
             raise ValueError("teacher.signal=hidden recomputes the teacher's logits with its output layer: set "
                              "teacher.head_checkpoint=DIR (the teacher's HF checkpoint), or teacher.serve.model / "
                              "teacher.checkpoint, from which it is read")
-        if self.signal == "topk" and (self.head_checkpoint is not None or self.hidden_dtype != "bfloat16"):
-            logger.warning("teacher.head_checkpoint and teacher.hidden_dtype have no effect with teacher.signal=topk")
+        inert = [key for key, default in _HIDDEN_DEFAULTS.items() if getattr(self, key) != default]
+        if self.signal == "topk" and inert:
+            logger.warning("teacher.%s: no effect with teacher.signal=topk", ", teacher.".join(inert))
 
     def _check_client_options(self, traits) -> None:
         """The options the client needs are set, and those it does not read are not (a warning)."""

@@ -10,6 +10,7 @@ rank at the same point (:func:`megatron_gkd.parallel.comm.agree`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import torch
@@ -22,7 +23,10 @@ from megatron_gkd.rollout.types import RolloutBatch
 from megatron_gkd.trainer.batch import (TCADSpec, TeacherRows, TeacherShare, build_microbatch, common_shape,
                                         plan_microbatches, samples_from_rollout, score_batch, split_to_count,
                                         teacher_rows, token_coefficients)
+from megatron_gkd.trainer.head_check import TeacherHeadMismatch, check_due, check_teacher_head, where
 from megatron_gkd.trainer.teachers import Request, Teachers
+
+logger = logging.getLogger(__name__)
 
 
 class TeacherFailed(RuntimeError):
@@ -88,6 +92,7 @@ class BatchFlow:
         self.is_teacher_rank = state.is_pipeline_last_stage and state.tp_rank == 0
         self.confidence: dict = {}
         self.tcad = {teacher.name: self._tcad_spec(teacher.config) for teacher in teachers}
+        self._heads_checked = False  # the first batch checks every hidden-signal teacher's head
 
     # -------------------------------------------------------------------------------------- sampling
     def produce(self, index: int, records, data_state: dict, version: int) -> InFlight:
@@ -274,8 +279,34 @@ class BatchFlow:
         outputs = self.teacher_outputs(batch.teacher)
         with self.timers("batch"):
             rows = self.rows(batch.samples, outputs, tcad=not scoring) if scoring or self.loss_kind == "distill" else {}
+            self.check_heads(batch, rows, scoring=scoring)
             coefficients = self.coefficients(batch, rows, confidence=not scoring)
             return self.microbatches(batch.samples, coefficients, rows, labels=False if scoring else None)
+
+    def check_heads(self, batch: InFlight, rows: dict, *, scoring: bool = False) -> None:
+        """The hidden signal, on the first batch and every ``head_check_interval`` steps: each teacher's own token
+        log-probs against ``hidden @ head`` on a sample of tokens (:mod:`.head_check`); a mismatch stops every rank.
+        Collective over every rank when any check is due."""
+        first, self._heads_checked = not self._heads_checked, True
+        due = [t for t in self.teachers if check_due(t.config, batch.index, first=first, scoring=scoring)]
+        if not due:
+            return
+        error, tp_group = None, self.state.tp_group if dist.get_world_size(self.state.tp_group) > 1 else None
+        for teacher in due:
+            indices, found = rows.get(teacher.name, ((), None))
+            if not indices or teacher.head is None:  # not the last stage, or no sample of this rank goes to it
+                continue
+            try:
+                agreement = check_teacher_head(found, [batch.samples[i] for i in indices], teacher.head,
+                                               key=self.teachers.key(teacher.name), config=teacher.config,
+                                               tp_group=tp_group, real_vocab_size=len(self.tokenizer), step=batch.index)
+            except TeacherHeadMismatch as caught:
+                error = caught
+                break
+            if self.state.tp_rank == 0 and self.state.dp_rank == 0:
+                logger.log(logging.INFO if first else logging.DEBUG, "teacher %r head check %s: %s", teacher.name,
+                           where(batch.index), agreement.describe(teacher.config.head_check_tolerance))
+        agree(error, self.control)
 
     def scoring_batch(self, rollout: RolloutBatch, prompt_indices: list[int], prompt_groups: list) -> InFlight:
         """``rollout`` (sampled elsewhere, e.g. eval answers) as a batch for :meth:`prepare` with ``scoring``."""

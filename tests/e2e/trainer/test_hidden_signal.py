@@ -31,6 +31,7 @@ def test_hidden_signal_trains_and_tp2_equals_tp1(runs):
     reference, _ = runs["tp1"]
     got, log = runs["tp2"]
     assert "teacher head shard" in log
+    assert "head check at step 0: " in log and "tokens agree" in log  # the right head passes the head check
     assert len(reference) == 3 and [r["prompts"] for r in got] == [r["prompts"] for r in reference]
     assert reference[0]["train/loss"] != reference[2]["train/loss"]
     assert [r["train/loss"] for r in got] == pytest.approx([r["train/loss"] for r in reference], abs=1e-5)
