@@ -3,19 +3,26 @@
 Both sides are ZMQ_STREAM sockets whose bytes :class:`~megatron_gkd.teacher.zmtp.FrameReader`
 parses as they arrive (see zmtp.py for why not ROUTER): a message over the frame or byte bounds is
 refused at the frame header that crosses them and its connection closed, so no more of it is read.
-Client messages are then verified (HMAC) and checked (wire header) here, and only authenticated,
-well-formed requests are queued for a worker. Unauthenticated senders get at most
-:data:`MAX_UNSIGNED_REFUSALS` unsigned refusals per connection; every refusal is logged rate-limited.
-An unfinished client message holds only the bytes that arrived against the pending budget, and is
-cut when it is not complete ``message_timeout_s`` after its first byte: a stranger who starts a
-message and goes quiet holds neither memory nor the budget that signed requests need.
 
-A new worker connection gets a CHALLENGE (a fresh nonce) and receives requests only after it answers
-REGISTER with that nonce, signed with the shared secret: a peer that can reach the worker address
-but lacks the secret never sees a request, and a recorded registration is useless on another
-connection. Each registered worker holds one request at a time; requests wait in a bounded queue and
-go to whichever worker is idle first, so several workers are data-parallel replicas: a slow one holds
-only the request it has, and a dead one's request is reported to its client (signed ``backend_failed``),
+Every new connection, on either side, gets a CHALLENGE (a fresh nonce) and must prove that it holds
+the shared secret by answering it, signed: a client with HELLO, a worker with REGISTER. Until then it
+may send :data:`UNPROVEN_BYTES` at once, holds none of the pending budget, is closed when it has not
+answered within ``verification_timeout_s`` (clients) or ``registration_timeout_s`` (workers), and
+is the first to go when :data:`max_unproven_connections` strangers are open on its side or the side
+is full: a stranger spending bandwidth, or only sockets, can neither hold the memory nor take the
+connections that signed calls need, and a recorded answer is useless on another connection.
+
+A proven client's messages are verified (HMAC) and checked (wire header) here, and only authenticated,
+well-formed requests are queued for a worker. Unauthenticated messages get at most
+:data:`MAX_UNSIGNED_REFUSALS` unsigned refusals per connection; every refusal is logged rate-limited.
+An unfinished message holds only the bytes that arrived against the pending budget, and is cut when
+it is not complete ``message_timeout_s`` after its first byte. A proven client's message that would
+take the pending budget past its bound is read to its end without being held and answered "busy"
+(signed ``unavailable``), which its client retries after a pause.
+
+Each registered worker holds one request at a time; requests wait in a bounded queue and go to
+whichever worker is idle first, so several workers are data-parallel replicas: a slow one holds only
+the request it has, and a dead one's request is reported to its client (signed ``backend_failed``),
 which retries it on another.
 """
 
@@ -41,7 +48,8 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 100  # how often the loop looks at its stop flag and timeouts
 MAX_UNSIGNED_REFUSALS = 16  # per connection: enough for a misconfigured client to learn why
-_REGISTRATION_BYTES = 4096  # bound on what an unregistered worker connection may send at once
+UNPROVEN_BYTES = 4096  # bound on what a connection that has not answered its challenge may send at once
+_HELLO_ATTEMPTS = 3  # refused answers to a challenge before the connection is closed
 _CHUNKS_PER_TURN = 512  # chunks read from one side before the other side gets a turn
 _CLOSED_MEMORY = 4096  # identities closed here, remembered to ignore their late notifications
 _ROUTE = b"proxy"  # envelope of the proxy's own messages to a worker
@@ -61,9 +69,9 @@ class _Connection:
     reader: zmtp.FrameReader
     opened: float
     ready_sent: bool = False
-    refusals: int = 0
-    nonce: str = ""  # worker side: the challenge this connection must answer
-    registered: bool = False
+    refusals: int = 0  # unsigned refusals sent (clients), refused answers to the challenge (both)
+    nonce: str = ""  # the challenge this connection must answer
+    proven: bool = False  # answered its challenge: a client said HELLO, a worker registered
     busy: _Request | None = None
 
 
@@ -71,7 +79,11 @@ class _Connection:
 class _Side:
     name: str
     socket: zmq.Socket
+    envelope: list  # frames before a message the proxy sends on this side
+    answer: str  # the message type that answers a challenge on this side
     connections: dict = dataclasses.field(default_factory=dict)
+    # Identities of the connections that have not answered their challenge, oldest first.
+    unproven: collections.OrderedDict = dataclasses.field(default_factory=collections.OrderedDict)
 
 
 def _stream_socket(context: zmq.Context, address: str) -> tuple[zmq.Socket, str]:
@@ -95,12 +107,15 @@ class Proxy:
         secret: shared secret; required for non-loopback addresses unless ``insecure``.
         insecure: allow non-loopback addresses without a secret (logs a warning).
         limits: size limits of messages.
-        max_pending_bytes: bytes held for clients' unfinished messages and queued requests
-            together (default: twice ``limits.max_message_bytes``); a connection whose bytes would
-            pass it is closed, a request that would pass it is refused as ``unavailable``.
+        max_pending_bytes: bytes held for proven clients' unfinished messages and queued requests
+            together (default: twice ``limits.max_message_bytes``); a message or request that would
+            pass it is refused as ``unavailable`` (busy).
         max_queued_requests: requests waiting for a worker.
         max_connections: open connections per side.
+        max_unproven_connections: open connections per side that have not answered their challenge;
+            the oldest of them is closed when a new one comes (at most ``UNPROVEN_BYTES`` each).
         handshake_timeout_s: time a new connection has to complete the ZMTP handshake.
+        verification_timeout_s: time a new client connection has to answer its challenge.
         registration_timeout_s: time a new worker connection has to register.
         message_timeout_s: time a client message has from its first byte to its last; a message
             still unfinished then is cut (its connection closed, what was cut logged). Idle
@@ -110,10 +125,13 @@ class Proxy:
     def __init__(self, frontend: str, backend: str | None = None, secret: bytes | None = None,
                  insecure: bool = False, limits: wire.Limits = wire.Limits(), *,
                  max_pending_bytes: int | None = None, max_queued_requests: int = 1024,
-                 max_connections: int = 4096, handshake_timeout_s: float = 10.0,
+                 max_connections: int = 4096, max_unproven_connections: int = 256,
+                 handshake_timeout_s: float = 10.0, verification_timeout_s: float = 5.0,
                  registration_timeout_s: float = 30.0, message_timeout_s: float = 30.0):
-        if message_timeout_s <= 0:
-            raise ValueError(f"Proxy message_timeout_s={message_timeout_s} must be > 0")
+        for name, value in (("message_timeout_s", message_timeout_s), ("verification_timeout_s",
+                            verification_timeout_s), ("max_unproven_connections", max_unproven_connections)):
+            if value <= 0:
+                raise ValueError(f"Proxy {name}={value} must be > 0")
         self._private_dir = None
         if backend is None:
             self._private_dir = tempfile.mkdtemp(prefix="megatron-gkd-teacher-")  # mode 0700
@@ -123,12 +141,15 @@ class Proxy:
         self._secret, self._limits = secret, limits
         self._max_pending = max_pending_bytes or 2 * limits.max_message_bytes
         self._max_queued, self._max_connections = max_queued_requests, max_connections
+        self._max_unproven = min(max_unproven_connections, max_connections)
         self._handshake_s, self._registration_s = handshake_timeout_s, registration_timeout_s
+        self._verification_s = verification_timeout_s
         self._message_s = message_timeout_s
         context = zmq.Context.instance()
         front, self.frontend_address = _stream_socket(context, frontend)
         back, self.backend_address = _stream_socket(context, backend)
-        self._front, self._back = _Side(name="client", socket=front), _Side(name="worker", socket=back)
+        self._front = _Side(name="client", socket=front, envelope=[b""], answer=wire.HELLO)
+        self._back = _Side(name="worker", socket=back, envelope=[_ROUTE, b""], answer=wire.REGISTER)
         self._queue: collections.deque[_Request] = collections.deque()
         self._idle: collections.deque[bytes] = collections.deque()
         self._partial_bytes = self._queued_bytes = 0
@@ -201,51 +222,68 @@ class Proxy:
                     self._close(side, connection, "internal error")
 
     def _accept(self, side: _Side, identity: bytes) -> None:
+        if side.unproven and (len(side.unproven) >= self._max_unproven
+                              or len(side.connections) >= self._max_connections):
+            # The oldest stranger makes room: one who holds the secret answers its challenge within
+            # a round trip, and strangers cannot keep it out by opening connections and idling.
+            oldest = side.connections[next(iter(side.unproven))]
+            self._close(side, oldest, f"{len(side.unproven)} connections have not answered their "
+                                      "challenge; the oldest makes room for a new one")
         if len(side.connections) >= self._max_connections:
             self._refusals.refused("%s connection: %d are open already", side.name, self._max_connections)
             self._send_close(side, identity)
             return
-        if side is self._front:
-            reader = zmtp.FrameReader(self._limits.max_tensors + 3, self._limits.max_message_bytes)
-        else:
-            reader = zmtp.FrameReader(4, _REGISTRATION_BYTES)
+        reader = zmtp.FrameReader(4, UNPROVEN_BYTES)  # [delimiter or route, empty,] mac, header
         side.connections[identity] = _Connection(identity=identity, reader=reader, opened=time.monotonic())
+        side.unproven[identity] = None
         self._send(side, identity, [], raw=zmtp.SERVER_GREETING)
 
     def _receive(self, side: _Side, connection: _Connection, data: memoryview) -> None:
-        before = connection.reader.pending_bytes
-        try:
-            messages, failure = connection.reader.feed(data), None
-        except zmtp.ZmtpError as error:
-            # Only the text: the exception's traceback holds the reader's frame, and through it the
-            # partial message, in a reference cycle that only the cyclic collector would free (the
-            # proxy loop allocates too little to run it often): a flood of cut connections then
-            # held tens of times the message limit.
-            messages, failure = [], str(error)
-        if side is self._front:
-            # Counted before any close: _forget takes back what the reader holds now, and bytes
-            # that arrived before the error in this same chunk must have been added first.
-            self._partial_bytes += connection.reader.pending_bytes - before
-        if failure is not None:
-            self._close(side, connection, failure)
-            return
-        if connection.reader.greeted and not connection.ready_sent:
-            connection.ready_sent = True
-            self._send(side, connection.identity, [], raw=zmtp.ready_command(b"ROUTER"))
-            if side is self._back:
+        while data:
+            # An unproven connection is read one message at a time: the bytes after the answer to its
+            # challenge must meet the bounds that answer earns, not the stranger's few KiB.
+            proven, before = connection.proven, connection.reader.pending_bytes
+            try:
+                if proven:
+                    messages, used, failure = connection.reader.feed(data), len(data), None
+                else:
+                    (messages, used), failure = connection.reader.feed_one(data), None
+            except zmtp.ZmtpError as error:
+                # Only the text: the exception's traceback holds the reader's frame, and through it
+                # the partial message, in a reference cycle that only the cyclic collector would free
+                # (the proxy loop allocates too little to run it often): a flood of cut connections
+                # then held tens of times the message limit.
+                messages, used, failure = [], len(data), str(error)
+            if side is self._front and proven:
+                # Counted before any close: _forget takes back what the reader holds now, and bytes
+                # that arrived before the error in this same chunk must have been added first.
+                self._partial_bytes += connection.reader.pending_bytes - before
+            if failure is not None:
+                self._close(side, connection, failure)
+                return
+            if connection.reader.greeted and not connection.ready_sent:
+                connection.ready_sent = True
                 connection.nonce = secrets.token_hex(16)
-                self._send(side, connection.identity, [_ROUTE, b"", *wire.encode(
+                self._send(side, connection.identity, [], raw=zmtp.ready_command(b"ROUTER"))
+                self._send(side, connection.identity, [*side.envelope, *wire.encode(
                     wire.CHALLENGE, "challenge", {"nonce": connection.nonce}, secret=self._secret)])
-        for frames in messages:
+            for frames in messages:
+                if connection.identity not in side.connections:
+                    return
+                if side is self._front:
+                    self._from_client(connection, frames)
+                else:
+                    self._from_worker(connection, frames)
             if connection.identity not in side.connections:
                 return
-            if side is self._front:
-                self._from_client(connection, frames)
-            else:
-                self._from_worker(connection, frames)
-        if side is self._front and self._partial_bytes + self._queued_bytes > self._max_pending:
-            self._close(side, connection, f"the proxy holds {self._max_pending} bytes of unfinished "
-                                          "and queued messages already")
+            data = data[used:]
+        if (side is self._front and connection.proven
+                and self._partial_bytes + self._queued_bytes > self._max_pending):
+            # Only a proven client holds any of the budget: it holds the secret, so it is told
+            # (busy) instead of cut off; the rest of its message is read but not held.
+            before = connection.reader.pending_bytes
+            connection.reader.discard()
+            self._partial_bytes += connection.reader.pending_bytes - before
 
     def _sweep(self) -> None:
         """Closes connections that did not finish their handshake, registration or message in time."""
@@ -255,7 +293,9 @@ class Proxy:
                 age, reader = now - connection.opened, connection.reader
                 if not reader.ready and age > self._handshake_s:
                     self._close(side, connection, f"no ZMTP handshake within {self._handshake_s:.0f} s")
-                elif side is self._back and not connection.registered and age > self._registration_s:
+                elif side is self._front and not connection.proven and age > self._verification_s:
+                    self._close(side, connection, f"no answer to the challenge within {self._verification_s:g} s")
+                elif side is self._back and not connection.proven and age > self._registration_s:
                     self._close(side, connection, f"no registration within {self._registration_s:.0f} s")
                 elif (side is self._front and reader.message_started is not None
                       and now - reader.message_started > self._message_s):
@@ -272,6 +312,12 @@ class Proxy:
                                                     "empty delimiter a DEALER sends"), frames)
             return
         body = frames[1:]
+        if isinstance(frames, zmtp.Discarded):  # a proven client's message that passed the budget
+            self._busy(connection, wire.peek_request_id(body) or "unknown", sum(map(len, body)))
+            return
+        if not connection.proven:
+            self._prove(self._front, connection, body)
+            return
         try:
             message = wire.decode(body, self._limits, self._secret, expect=(wire.SCORE, wire.INFO))
         except wire.WireError as error:
@@ -282,18 +328,23 @@ class Proxy:
                 or self._partial_bytes + self._queued_bytes + nbytes > self._max_pending):
             # Logged with the figures that decided it, so that an operator can tell a full queue
             # from unfinished messages holding the budget.
-            self._refusals.refused("request %s of %d bytes as busy: %d requests (%d bytes) queued, %d bytes "
-                                   "of unfinished messages, max_pending_bytes=%d", message.request_id,
-                                   nbytes, len(self._queue), self._queued_bytes, self._partial_bytes,
-                                   self._max_pending)
-            self._send(self._front, connection.identity, [b"", *wire.error_frames(
-                message.request_id, ErrorCode.UNAVAILABLE, f"the teacher is busy ({len(self._queue)} "
-                "requests queued); retry later", self._secret)])
+            self._busy(connection, message.request_id, nbytes)
             return
         self._queue.append(_Request(client=connection.identity, request_id=message.request_id, body=body,
                                     nbytes=nbytes))
         self._queued_bytes += nbytes
         self._dispatch()
+
+    def _busy(self, connection: _Connection, request_id: str, nbytes: int) -> None:
+        # Logged with the figures that decided it, so that an operator can tell a full queue from
+        # unfinished messages holding the budget.
+        self._refusals.refused("request %s of %d bytes as busy: %d requests (%d bytes) queued, %d bytes "
+                               "of unfinished messages, max_pending_bytes=%d", request_id, nbytes,
+                               len(self._queue), self._queued_bytes, self._partial_bytes, self._max_pending)
+        self._send(self._front, connection.identity, [b"", *wire.error_frames(
+            request_id, ErrorCode.UNAVAILABLE, f"the teacher is busy ({len(self._queue)} requests queued, "
+            f"{self._queued_bytes + self._partial_bytes} of {self._max_pending} pending bytes); retry later",
+            self._secret)])
 
     def _refuse(self, connection: _Connection, error: wire.WireError, body: list) -> None:
         self._refusals.refused("client message (%s)", error)
@@ -302,6 +353,36 @@ class Proxy:
                 return  # a stranger has been told enough times; the rest is dropped unanswered
             connection.refusals += 1
         self._send(self._front, connection.identity, [b"", *wire.refusal_frames(error, body, self._secret)])
+
+    def _prove(self, side: _Side, connection: _Connection, body: list) -> wire.Message | None:
+        """Checks the answer to a connection's challenge; the message when the connection is proven now.
+
+        A refused answer is told (unsigned unless the sender is authenticated) and counted; the
+        connection is closed at the third.
+        """
+        try:
+            message = wire.decode(body, self._limits, self._secret, expect=(side.answer,))
+            nonce = message.meta.get("nonce")
+            if not (isinstance(nonce, str) and hmac.compare_digest(nonce.encode(), connection.nonce.encode())):
+                raise wire.WireError(ErrorCode.BAD_SIGNATURE, f"the {side.answer} answers another challenge")
+        except wire.WireError as error:
+            self._refusals.refused("%s connection's %s (%s)", side.name, side.answer, error)
+            connection.refusals += 1
+            detail = f"{side.answer} refused: {error.detail}"
+            if side is self._front and not error.authenticated:  # a reply with its id would be signed
+                detail += "; answer the challenge the proxy sent on this connection, signed with its secret"
+            self._send(side, connection.identity, [*side.envelope, *wire.error_frames(
+                wire.UNAUTHENTICATED_ID, error.code, detail, None)])
+            if connection.refusals >= _HELLO_ATTEMPTS:
+                self._close(side, connection, f"{_HELLO_ATTEMPTS} refused answers to the challenge")
+            return None
+        connection.proven, connection.refusals = True, 0
+        side.unproven.pop(connection.identity, None)
+        connection.reader.max_frames = self._limits.max_tensors + 3 + (side is self._back)  # + route
+        connection.reader.max_bytes = self._limits.max_message_bytes + (256 if side is self._back else 0)
+        if side is self._front:
+            self._partial_bytes += connection.reader.pending_bytes  # uncounted while unproven
+        return message
 
     def _dispatch(self) -> None:
         while self._queue and self._idle:
@@ -316,14 +397,14 @@ class Proxy:
             worker.busy = request
             self._send(self._back, worker.identity, [request.client, b"", *request.body])
         if (self._queue and time.monotonic() - self._no_worker_warned > 60
-                and not any(c.registered for c in self._back.connections.values())):
+                and not any(c.proven for c in self._back.connections.values())):
             self._no_worker_warned = time.monotonic()
             logger.warning("%d teacher requests wait and no worker is registered at %s", len(self._queue),
                            self.backend_address)
 
     # ---- workers --------------------------------------------------------------------------------
     def _from_worker(self, connection: _Connection, frames: list) -> None:
-        if not connection.registered:
+        if not connection.proven:
             self._register(connection, frames)
             return
         request = connection.busy
@@ -336,25 +417,12 @@ class Proxy:
         self._dispatch()
 
     def _register(self, connection: _Connection, frames: list) -> None:
-        try:
-            if len(frames) < 3 or frames[1]:
-                raise wire.WireError(ErrorCode.BAD_FRAME, "expected [route, empty, register message]")
-            message = wire.decode(frames[2:], self._limits, self._secret, expect=(wire.REGISTER,))
-            nonce = message.meta.get("nonce")
-            if not (isinstance(nonce, str) and hmac.compare_digest(nonce.encode(), connection.nonce.encode())):
-                raise wire.WireError(ErrorCode.BAD_SIGNATURE, "the registration answers another challenge")
-        except wire.WireError as error:
-            self._refusals.refused("worker registration (%s)", error)
-            connection.refusals += 1
-            self._send(self._back, connection.identity, [_ROUTE, b"", *wire.error_frames(
-                wire.UNAUTHENTICATED_ID, error.code, f"registration refused: {error.detail}", None)])
-            if connection.refusals >= 3:
-                self._close(self._back, connection, "three refused registrations")
+        if len(frames) < 3 or frames[1]:
+            frames = [b"", b"", b""]  # refused below as a malformed registration
+        message = self._prove(self._back, connection, frames[2:])
+        if message is None:
             return
-        connection.registered = True
         self._num_registered += 1
-        connection.reader.max_frames = self._limits.max_tensors + 4  # route + delimiter + message
-        connection.reader.max_bytes = self._limits.max_message_bytes + 256
         logger.info("teacher worker registered (%s, %d registered)", message.meta.get("name", "?"),
                     self._num_registered)
         self._idle.append(connection.identity)
@@ -390,14 +458,15 @@ class Proxy:
         """Drops the state of a connection (closed by either end); False if it was gone already."""
         if side.connections.pop(connection.identity, None) is None:
             return False
-        if side is self._front:
+        side.unproven.pop(connection.identity, None)
+        if side is self._front and connection.proven:
             self._partial_bytes -= connection.reader.pending_bytes
         connection.reader.release()  # the partial message goes now, whoever still holds the reader
         if side is self._front:
             kept = [r for r in self._queue if r.client != connection.identity]
             self._queued_bytes -= sum(r.nbytes for r in self._queue) - sum(r.nbytes for r in kept)
             self._queue = collections.deque(kept)
-        if connection.registered:
+        if side is self._back and connection.proven:
             self._num_registered -= 1
         if side is self._back and connection.busy is not None:
             # Signed, so the client trusts it and retries at once rather than after its timeout.

@@ -163,8 +163,8 @@ class Worker:
                                       f"the result has {size} bytes, over the limit of "
                                       f"{self._limits.max_message_bytes}; send smaller batches",
                                       self._secret)
+        self.num_answered += 1  # before the send: whoever holds the answer sees it counted
         self._send(envelope, reply)
-        self.num_answered += 1
 
     def _send(self, envelope: list[bytes], frames: list[bytes]) -> None:
         self._socket.send_multipart(envelope + frames, copy=False)

@@ -29,6 +29,8 @@ MAX_COMMAND_BYTES = 4096  # a READY with a socket type and an identity is ~50 by
 _COALESCE_BYTES = 1 << 16  # frames below this are copied into one buffer for sending
 _EMPTY = b""
 MAPPED_FRAME_BYTES = 1 << 20  # frames from this size on are received into a mapping of their own
+KEPT_FRAMES = 3  # a discarded message keeps its routing delimiter, MAC and header ...
+MAX_KEPT_FRAME_BYTES = 64 * 2**10  # ... each when no larger than this
 
 
 def _greeting(as_server: bool) -> bytes:
@@ -41,6 +43,11 @@ SERVER_GREETING = _greeting(True)
 
 class ZmtpError(Exception):
     """The peer broke the protocol or a bound; the connection must be closed."""
+
+
+class Discarded(list):
+    """A complete message that was parsed but not held (:meth:`FrameReader.discard`): its first
+    :data:`KEPT_FRAMES` frames when small (empty otherwise), so that its sender can be answered."""
 
 
 def _frame_header(flags: int, size: int) -> bytes:
@@ -117,6 +124,8 @@ class FrameReader:
         self._flags = 0
         self._body: bytearray | mmap.mmap | None = None
         self._filled = 0  # bytes written into a mapped body
+        self._declared_frame = 0  # size of the frame in progress
+        self._discarding = False  # the message in progress is parsed, not held (see discard)
         self._remaining = 0  # bytes of the current frame's body still to come
         self._frames: list = []
         self._arrived = self._declared = 0  # body bytes of the message in progress
@@ -143,8 +152,28 @@ class FrameReader:
         """Drops the message in progress and refuses more bytes: its connection is closed."""
         self._head, self._body, self._frames = bytearray(), None, []
         self._arrived = self._declared = 0
+        self._discarding = False
         self.message_started = None
         self._state = self._CLOSED
+
+    def discard(self) -> None:
+        """Drops the message in progress except its first :data:`KEPT_FRAMES` small frames.
+
+        The rest of it is still parsed (bounds included) but not held; once it is complete,
+        :meth:`feed` returns it as :class:`Discarded`, so that its sender can be answered.
+        """
+        if self.message_started is None:
+            return  # between messages: nothing is held, and the next message is not this one
+        self._discarding = True
+        self._frames = [frame if index < KEPT_FRAMES and len(frame) <= MAX_KEPT_FRAME_BYTES else _EMPTY
+                        for index, frame in enumerate(self._frames)]
+        if self._state == self._BODY and not self._keeps_frame_in_progress():
+            self._body = None
+        self._arrived = sum(len(frame) for frame in self._frames) + len(self._body or _EMPTY)
+
+    def _keeps_frame_in_progress(self) -> bool:
+        return (not self._discarding or self._flags & COMMAND
+                or (len(self._frames) < KEPT_FRAMES and self._declared_frame <= MAX_KEPT_FRAME_BYTES))
 
     def feed(self, data) -> list[list]:
         """Consumes ``data`` (bytes-like); returns the messages it completed (lists of frames).
@@ -152,23 +181,35 @@ class FrameReader:
         Raises:
             ZmtpError: a protocol violation or a bound crossed; nothing more may be fed.
         """
+        messages, _ = self._consume(data, stop_after_message=False)
+        return messages
+
+    def feed_one(self, data) -> tuple[list[list], int]:
+        """Like :meth:`feed`, but stops once a message is complete: (messages, bytes consumed).
+
+        For a connection whose bounds depend on what it says (a peer that has still to prove itself):
+        the bytes after its first message are parsed only once the caller has set the bounds for them.
+        """
+        return self._consume(data, stop_after_message=True)
+
+    def _consume(self, data, stop_after_message: bool) -> tuple[list[list], int]:
         if self._state == self._CLOSED:
             raise ZmtpError("the connection was closed")
         view, position, messages = memoryview(data), 0, []
-        while position < len(view):
+        while position < len(view) and not (stop_after_message and messages):
             if self._state == self._BODY:
                 take = min(self._remaining, len(view) - position)
                 if isinstance(self._body, bytearray):
                     self._body += view[position:position + take]
-                else:
+                elif self._body is not None:
                     self._body[self._filled:self._filled + take] = view[position:position + take]
                     self._filled += take
                 self._remaining -= take
-                if not self._flags & COMMAND:
+                if not self._flags & COMMAND and self._body is not None:
                     self._arrived += take
                 position += take
                 if not self._remaining:
-                    self._end_frame(self._body, messages)
+                    self._end_frame(self._body if self._body is not None else _EMPTY, messages)
                 continue
             if self._state == self._FLAGS and self.ready and self.message_started is None:
                 self.message_started = self._clock()
@@ -178,7 +219,7 @@ class FrameReader:
             if len(self._head) == self._need:
                 head, self._head = bytes(self._head), bytearray()
                 self._on_head(head, messages)
-        return messages
+        return messages, position
 
     def _on_head(self, head: bytes, messages: list) -> None:
         if self._state == self._GREETING:
@@ -210,8 +251,11 @@ class FrameReader:
                 raise ZmtpError(f"a message of more than {self.max_bytes} bytes (frame {len(self._frames)} "
                                 f"declares {size})")
             self._declared += size
+        self._declared_frame = size
         if size == 0:
             self._end_frame(_EMPTY, messages)
+        elif not self._keeps_frame_in_progress():
+            self._body, self._remaining, self._state = None, size, self._BODY  # parsed, not held
         elif size < MAPPED_FRAME_BYTES:
             # Grown as the bytes arrive (bytearray over-allocates geometrically, so appending 8 KiB
             # chunks copies little), so that memory follows what a peer sent, not what it declared.
@@ -233,6 +277,6 @@ class FrameReader:
             return
         self._frames.append(body)
         if not self._flags & MORE:
-            messages.append(self._frames)
-            self._frames, self._arrived, self._declared = [], 0, 0
+            messages.append(Discarded(self._frames) if self._discarding else self._frames)
+            self._frames, self._arrived, self._declared, self._discarding = [], 0, 0, False
             self.message_started = None

@@ -2,7 +2,10 @@
 
 Each attempt uses a fresh DEALER socket: after a timeout the old socket may still hold a half-sent
 request or a late reply for a dead worker, and a new identity guarantees the proxy cannot route stale
-answers to the retry. Attempts are bounded by count and by a per-request deadline; when the deadline
+answers to the retry. On every connection the proxy first sends a challenge; the client answers it
+(HELLO, signed) and sends its request right behind (see proxy.py for why). Attempts are bounded by
+count and by a per-request deadline; a "busy" answer does not spend an attempt, it only makes the
+client wait longer (doubling pauses up to ``backoff_max_s``) until the deadline. When the deadline
 passes the client raises TeacherError(UNAVAILABLE) and returns nothing.
 
 With ``split_requests=N`` a batch goes out as up to N sub-requests of contiguous sequences with about
@@ -32,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 # Everything else would fail the same way again. UNAVAILABLE from the proxy means busy.
 RETRYABLE = (ErrorCode.BACKEND_FAILED, ErrorCode.UNAVAILABLE)
+BUSY = ErrorCode.UNAVAILABLE
 
 
 class ZmqTeacherClient(TeacherClient):
@@ -140,16 +144,19 @@ class ZmqTeacherClient(TeacherClient):
         deadline = time.monotonic() + policy.deadline_s
         pause = policy.backoff_s
         untrusted: _Untrusted | None = None
-        for attempt in range(1, policy.max_attempts + 1):
+        attempt = busy = 0
+        while attempt < policy.max_attempts:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             message = self._attempt(request_id, frames, min(policy.attempt_timeout_s, remaining))
             if message is None:
+                attempt += 1
                 logger.warning("teacher request %s: no answer within %.1f s (attempt %d/%d); "
                                "retrying on a fresh socket", request_id, policy.attempt_timeout_s,
                                attempt, policy.max_attempts)
             elif isinstance(message, _Untrusted):
+                attempt += 1
                 untrusted = message
                 logger.warning("teacher request %s: dropped a reply that failed authentication (%s; "
                                "attempt %d/%d); retrying", request_id, message.reason, attempt,
@@ -160,7 +167,15 @@ class ZmqTeacherClient(TeacherClient):
                                            f"{message.meta.get('message', '')}")
                 if code not in RETRYABLE:
                     raise error
-                logger.warning("%s (attempt %d/%d)", error, attempt, policy.max_attempts)
+                if code == BUSY:
+                    # Answered at once, so not an attempt spent: the pause grows instead, and the
+                    # deadline, not the attempt count, bounds how long a busy teacher is waited for.
+                    busy += 1
+                    log = logger.warning if busy == 1 or busy % 10 == 0 else logger.debug
+                    log("%s (busy answer %d; next try in %.1f s)", error, busy, pause)
+                else:
+                    attempt += 1
+                    logger.warning("%s (attempt %d/%d)", error, attempt, policy.max_attempts)
             elif message.type != expect:
                 raise TeacherError(ErrorCode.BAD_OUTPUT, f"expected {expect}, got {message.type}")
             else:
@@ -171,14 +186,15 @@ class ZmqTeacherClient(TeacherClient):
         if untrusted is not None and untrusted.code == ErrorCode.BAD_SIGNATURE:
             # Unsigned, so possibly forged, and never acted on before the attempts ran out; but the
             # likely cause is this client's own secret, which is what the user must check.
-            raise TeacherError(ErrorCode.BAD_SIGNATURE, f"the teacher refused this client's signature "
-                               f"({untrusted.reason}); check that the client and the teacher share the "
-                               "same secret")
+            raise TeacherError(ErrorCode.BAD_SIGNATURE, f"authentication between this client and the teacher "
+                               f"failed ({untrusted.reason}); check that the client and the teacher share "
+                               "the same secret")
         raise TeacherError(
             ErrorCode.UNAVAILABLE,
             f"teacher at {self.address} gave no usable answer to request {request_id} within "
             f"{policy.deadline_s:.0f} s ({policy.max_attempts} attempts of up to "
-            f"{policy.attempt_timeout_s:.0f} s); is the teacher server running with workers connected?"
+            f"{policy.attempt_timeout_s:.0f} s{f', and {busy} busy answers' if busy else ''}); is the teacher "
+            "server running with workers connected?"
             + (f" The last reply failed authentication: {untrusted.reason}" if untrusted else ""))
 
     def _attempt(self, request_id: str, frames: list[bytes],
@@ -189,13 +205,17 @@ class ZmqTeacherClient(TeacherClient):
         socket.setsockopt(zmq.MAXMSGSIZE, self._limits.max_message_bytes)
         try:
             socket.connect(self.address)
-            socket.send_multipart([b"", *frames], copy=False)
             end = time.monotonic() + timeout_s
             while (left_ms := int((end - time.monotonic()) * 1000)) > 0:
                 if not socket.poll(left_ms, zmq.POLLIN):
                     break
                 message = self._decode_reply(socket.recv_multipart(copy=True))
-                if isinstance(message, _Untrusted) or (message is not None and message.request_id == request_id):
+                if isinstance(message, wire.Message) and message.type == wire.CHALLENGE:
+                    # Again after a reconnection: the request is sent again on the new connection.
+                    socket.send_multipart([b"", *wire.encode(wire.HELLO, "hello", {
+                        "nonce": message.meta.get("nonce")}, secret=self._secret)])
+                    socket.send_multipart([b"", *frames], copy=False)
+                elif isinstance(message, _Untrusted) or (message is not None and message.request_id == request_id):
                     return message
             return None
         finally:
@@ -208,10 +228,13 @@ class ZmqTeacherClient(TeacherClient):
         body = reply[1:]
         try:
             return wire.decode(body, self._limits, self._secret,
-                               expect=(wire.RESULT, wire.INFO_RESULT, wire.ERROR))
+                               expect=(wire.RESULT, wire.INFO_RESULT, wire.ERROR, wire.CHALLENGE))
         except wire.WireError as error:
             if error.authenticated:  # signed by the teacher, yet broken: a bug there, not noise
                 raise TeacherError(error.code, f"malformed reply from the teacher: {error.detail}") from None
+            if wire.peek_type(body) == wire.CHALLENGE:  # never answered: that would sign a stranger's nonce
+                return _Untrusted(reason=f"the proxy's challenge failed authentication ({error.detail})",
+                                  code=ErrorCode.BAD_SIGNATURE)
             # Never trusted: it may come from anyone who can reach this socket's peer. An unsigned
             # refusal is how the teacher tells a client whose signature it cannot verify, though.
             meta = wire.peek_meta(body)

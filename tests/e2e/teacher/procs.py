@@ -96,3 +96,30 @@ def proxy_and_workers(tmp_path: pathlib.Path):
         for process in started:
             stop(process, kill=True)
         proxy.close()
+
+
+@contextlib.contextmanager
+def service(directory: pathlib.Path, max_message_mb: int, max_request_tokens: int | None = None):
+    """Yields a dict (frontend, workers, secret, teacher, proxy, worker): a teacher proxy process and
+    one hf worker process behind it, on loopback, with a fresh secret; both are stopped at the end."""
+    from megatron_gkd.testing.tiny_teacher import build_tiny_teacher
+
+    teacher = build_tiny_teacher(directory / "teacher", num_layers=1)
+    secret_file, secret = write_secret(directory)
+    common = ["--secret-file", str(secret_file), "--max-message-mb", str(max_message_mb)]
+    proxy = start(["launch/teacher_server.py", "proxy", "--frontend", "tcp://127.0.0.1:0",
+                   "--workers", "tcp://127.0.0.1:0", *common], "READY frontend=", 120, directory / "proxy.log")
+    frontend, workers = (part.split("=", 1)[1] for part in proxy.ready_line.split()[-2:])
+    extra = [] if max_request_tokens is None else ["--max-request-tokens", str(max_request_tokens)]
+    try:
+        worker = start(["launch/teacher_server.py", "worker", "--connect", workers, "--model", str(teacher),
+                        *extra, *common], "READY worker connected", 180, directory / "worker.log")
+    except BaseException:
+        stop(proxy)
+        raise
+    try:
+        yield dict(frontend=frontend, workers=workers, secret=secret, teacher=teacher, proxy=proxy,
+                   worker=worker)
+    finally:
+        stop(worker)
+        stop(proxy)

@@ -19,9 +19,9 @@ from megatron_gkd.teacher import (RetryPolicy, ScoreBatch, SequenceRequest, Teac
                                   wire, zmtp)
 from megatron_gkd.teacher.proxy import MAX_UNSIGNED_REFUSALS
 from megatron_gkd.teacher.types import ErrorCode
-from megatron_gkd.testing.tiny_teacher import ReferenceTeacher, build_tiny_teacher
+from megatron_gkd.testing.tiny_teacher import ReferenceTeacher
 from tests.e2e.teacher import procs
-from tests.unit.teacher import malformed
+from tests.unit.teacher import malformed, peers
 
 pytestmark = pytest.mark.e2e
 
@@ -35,38 +35,25 @@ ROUND = 100  # malformed messages between two valid requests
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
     directory = tmp_path_factory.mktemp("abuse")
-    teacher = build_tiny_teacher(directory / "teacher", num_layers=1)
-    secret_file, secret = procs.write_secret(directory)
-    common = ["--secret-file", str(secret_file), "--max-message-mb", "1"]
-    proxy = procs.start(["launch/teacher_server.py", "proxy", "--frontend", "tcp://127.0.0.1:0",
-                         "--workers", "tcp://127.0.0.1:0", *common], "READY frontend=", 120,
-                        directory / "proxy.log")
-    frontend, workers = (part.split("=", 1)[1] for part in proxy.ready_line.split()[-2:])
-    try:
-        worker = procs.start(["launch/teacher_server.py", "worker", "--connect", workers, "--model",
-                              str(teacher), "--max-request-tokens", str(MAX_REQUEST_TOKENS), *common],
-                             "READY worker connected", 180, directory / "worker.log")
-    except BaseException:
-        procs.stop(proxy)
-        raise
-    retry = RetryPolicy(attempt_timeout_s=30, deadline_s=120, backoff_s=0.1)
-    client = build_client("zmq", address=frontend, secret=secret, retry=retry)
-    batch = ScoreBatch(sequences=[SequenceRequest(token_ids=np.arange(3, 40) * 7 % VOCAB, response_start=9)],
-                       top_k=16)
-    first = client.score(batch)[0]
-    ReferenceTeacher(teacher).assert_matches(first, batch.sequences[0].token_ids, 9, 16)
+    with procs.service(directory, max_message_mb=1, max_request_tokens=MAX_REQUEST_TOKENS) as running:
+        retry = RetryPolicy(attempt_timeout_s=30, deadline_s=120, backoff_s=0.1)
+        client = build_client("zmq", address=running["frontend"], secret=running["secret"], retry=retry)
+        batch = ScoreBatch(sequences=[SequenceRequest(token_ids=np.arange(3, 40) * 7 % VOCAB, response_start=9)],
+                           top_k=16)
+        first = client.score(batch)[0]
+        ReferenceTeacher(running["teacher"]).assert_matches(first, batch.sequences[0].token_ids, 9, 16)
 
-    def assert_serves_exactly():
-        output = client.score(batch)[0]
-        np.testing.assert_array_equal(output.topk_ids, first.topk_ids)
-        np.testing.assert_array_equal(output.topk_logprobs, first.topk_logprobs)
-        np.testing.assert_array_equal(output.token_logprobs, first.token_logprobs)
+        def assert_serves_exactly():
+            output = client.score(batch)[0]
+            np.testing.assert_array_equal(output.topk_ids, first.topk_ids)
+            np.testing.assert_array_equal(output.topk_logprobs, first.topk_logprobs)
+            np.testing.assert_array_equal(output.token_logprobs, first.token_logprobs)
 
-    yield dict(frontend=frontend, workers=workers, secret=secret, batch=batch, first=first,
-               assert_serves_exactly=assert_serves_exactly, proxy=proxy, worker=worker, directory=directory)
-    client.close()
-    procs.stop(worker)
-    procs.stop(proxy)
+        try:
+            yield dict(running, batch=batch, first=first, assert_serves_exactly=assert_serves_exactly,
+                       directory=directory)
+        finally:
+            client.close()
 
 
 def _dealer(address: str) -> zmq.Socket:
@@ -143,7 +130,7 @@ def test_malformed_and_replayed_client_messages(service, tmp_path):
     assert (tmp_path / "armed").exists()  # the payload kind really does create its file
     good = codec.encode_request("replayed", service["batch"], secret)  # captured once, replayed often
     rng = np.random.default_rng(0)
-    fuzz = _dealer(service["frontend"])
+    fuzz = peers.proven_dealer(service["frontend"], secret)  # holds the secret, sends junk too
     unsigned_sent = oversize = replays = 0
     codes: dict[str, ErrorCode] = {}
     try:
@@ -193,11 +180,6 @@ def _check_reply(reply: list, secret: bytes, codes: dict, first) -> None:
         assert ErrorCode(message.meta["code"]) == codes.pop(message.request_id), message.meta["message"]
 
 
-def _raw(address: str) -> socket.socket:
-    host, port = address.rsplit("/", 1)[1].rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=10)
-
-
 def _closed_by_peer(sock: socket.socket) -> bool:
     """True once the server closed the connection (EOF) within the socket's timeout."""
     try:
@@ -223,7 +205,7 @@ def test_oversized_and_raw_connections_are_closed_unread(service):
         "an oversized registration": (service["workers"], ready + bytes([zmtp.LONG]) + struct.pack(">Q", 10**6)),
     }
     for what, (address, data) in cases.items():
-        with _raw(address) as sock:
+        with peers.raw(address) as sock:
             try:
                 sock.sendall(data)
             except (BrokenPipeError, ConnectionResetError):
@@ -299,13 +281,13 @@ def test_impersonated_workers_get_no_requests(service):
     assert replayer == {wire.CHALLENGE, wire.ERROR}, "the replayed registration was not refused"
 
 
-def _half_sent_message(address: str) -> socket.socket:
-    """A stranger's connection: handshake, then 12 bytes of a message, then silence.
+def _half_sent_message(address: str, secret: bytes) -> socket.socket:
+    """A connection that answered its challenge, then sent 12 bytes of a message, then silence.
 
     An empty frame, a header declaring a frame one byte under the message limit, and one byte of it.
+    (A stranger's connection is closed at such a header: it may send only a few KiB.)
     """
-    sock = _raw(address)
-    sock.sendall(zmtp._greeting(False) + zmtp.ready_command(b"DEALER"))
+    sock = peers.proven_raw(address, secret)
     sock.sendall(bytes([zmtp.MORE, 0]) + bytes([zmtp.LONG]) + struct.pack(">Q", LIMITS.max_message_bytes - 1)
                  + b"\0")
     return sock
@@ -330,7 +312,7 @@ HOLD_S = 12.0  # signed calls made while the half-sent messages are held open; w
 def test_half_sent_messages_do_not_stall_signed_calls(service):
     # Two such connections (24 bytes in all) once held the declared 2 x (limit - 1) bytes against
     # the proxy's pending budget, and every signed call was answered "the teacher is busy".
-    strangers = [_half_sent_message(service["frontend"]) for _ in range(2)]
+    strangers = [_half_sent_message(service["frontend"], service["secret"]) for _ in range(2)]
     # One attempt per call: a call the proxy refuses as busy fails here instead of being retried.
     single = RetryPolicy(attempt_timeout_s=10, deadline_s=10, max_attempts=1)
     calls, failures = 0, []

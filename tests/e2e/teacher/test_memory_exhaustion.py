@@ -6,7 +6,10 @@ once every frame has arrived: many frames just under the limit once took a serve
 (168 MiB) against an 8 MiB limit. In the second, eight peers without the secret each send five
 messages of four frames of (limit - 1 MiB) against a 64 MiB limit, reconnecting whenever they are cut
 (a DEALER does so by itself): every connection the proxy closes for a protocol error must give its
-buffers back at once, or the server holds about 32 times its limit (+2.0-2.4 GB once). After each
+buffers back at once, or the server holds about 32 times its limit (+2.0-2.4 GB once). Strangers are
+cut at the few KiB a connection may send before it answers its challenge; the same flood from peers
+that hold the secret (a buggy client) is read up to the limit on every connection, and shows that a
+closed connection's buffers go back at once. After each
 attack the server's peak RSS may exceed its baseline by its pending budget plus a constant only, its
 RSS must come back near the baseline, and it must answer a valid request exactly.
 """
@@ -22,6 +25,7 @@ import zmq
 from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, build_client
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher, build_tiny_teacher
 from tests.e2e.teacher import procs
+from tests.unit.teacher import peers
 
 pytestmark = pytest.mark.e2e
 
@@ -129,36 +133,58 @@ def test_rss_stays_bounded_under_a_multi_frame_attack(server):
         f"RSS grew by {growth / 2**20:.0f} MiB under attack, more than {MAX_GROWTH_BYTES / 2**20:.0f} MiB")
 
 
-def _flood(address: str, done: threading.Event) -> None:
-    """A peer without the secret queueing messages far over the limit; its DEALER reconnects when cut."""
-    socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.setsockopt(zmq.RECONNECT_IVL, 20)
-    socket.connect(address)
+def _send_flood_message(socket: zmq.Socket, frame: zmq.Frame) -> None:
+    socket.send(b"", zmq.SNDMORE)
+    for index in range(FLOOD_FRAMES):
+        socket.send(frame, zmq.SNDMORE if index < FLOOD_FRAMES - 1 else 0, copy=False)
+
+
+def _flood(address: str, secret: bytes | None, done: threading.Event) -> None:
+    """A peer queueing messages far over the limit, reconnecting when cut.
+
+    Without ``secret`` its DEALER reconnects by itself and sends the rest on each new connection;
+    with it, every message goes on a fresh connection that answered its challenge first (a buggy
+    client holding the secret), so that the proxy reads each message up to the limit.
+    """
     frame = zmq.Frame(b"\1" * FLOOD_FRAME_BYTES)  # one buffer, sent by reference every time
-    for _ in range(FLOOD_MESSAGES):
-        socket.send(b"", zmq.SNDMORE)
-        for index in range(FLOOD_FRAMES):
-            socket.send(frame, zmq.SNDMORE if index < FLOOD_FRAMES - 1 else 0, copy=False)
+    sockets = []
+    if secret is None:
+        socket = zmq.Context.instance().socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RECONNECT_IVL, 20)
+        socket.connect(address)
+        sockets.append(socket)
+        for _ in range(FLOOD_MESSAGES):
+            _send_flood_message(socket, frame)
+    else:
+        for _ in range(FLOOD_MESSAGES):
+            if done.is_set():
+                break
+            sockets.append(peers.proven_dealer(address, secret))
+            _send_flood_message(sockets[-1], frame)
+            done.wait(FLOOD_S / FLOOD_MESSAGES)
     done.wait(FLOOD_S + 10)
-    socket.close()
+    for socket in sockets:
+        socket.close()
 
 
-def test_rss_stays_bounded_under_a_reconnecting_flood(flood_server):
+@pytest.mark.parametrize("with_secret", [False, True], ids=["strangers", "holding_the_secret"])
+def test_rss_stays_bounded_under_a_reconnecting_flood(flood_server, with_secret):
     process, address, secret, teacher = flood_server
     batch, retry = _batch(), RetryPolicy(attempt_timeout_s=30, deadline_s=90, backoff_s=0.2)
     baseline = _warm_baseline(process, address, secret, batch, retry)
 
     done, peak = threading.Event(), baseline
-    peers = [threading.Thread(target=_flood, args=(address, done)) for _ in range(FLOOD_PEERS)]
-    for thread in peers:
+    flooders = [threading.Thread(target=_flood, args=(address, secret if with_secret else None, done))
+                for _ in range(FLOOD_PEERS)]
+    for thread in flooders:
         thread.start()
     end = time.monotonic() + FLOOD_S
     while time.monotonic() < end:
         peak = max(peak, _status(process.pid, "VmRSS"))
         time.sleep(0.005)
     done.set()
-    for thread in peers:
+    for thread in flooders:
         thread.join()
     time.sleep(1.0)  # the proxy sees the disconnections
     after = _status(process.pid, "VmRSS")

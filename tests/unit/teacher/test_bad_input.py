@@ -11,7 +11,7 @@ import zmq
 from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, build_client, codec, wire
 from megatron_gkd.teacher.proxy import MAX_UNSIGNED_REFUSALS
 from megatron_gkd.teacher.types import ErrorCode
-from tests.unit.teacher import malformed
+from tests.unit.teacher import malformed, peers
 from tests.unit.teacher.conftest import LIMITS, SECRET
 
 NUM_MALFORMED = 1000
@@ -34,9 +34,7 @@ def test_malformed_frames_are_refused_and_nothing_is_unpickled(service, tmp_path
     good_batch = ScoreBatch(sequences=[SequenceRequest(token_ids=[5, 6, 7, 8], response_start=2)], top_k=4)
     good = codec.encode_request("fuzz", good_batch, SECRET)
     context = zmq.Context.instance()
-    fuzz = context.socket(zmq.DEALER)
-    fuzz.setsockopt(zmq.LINGER, 0)
-    fuzz.connect(proxy.frontend_address)
+    fuzz = peers.proven_dealer(proxy.frontend_address, SECRET)  # a peer with the secret, sending junk
     client = build_client("zmq", address=proxy.frontend_address, secret=SECRET,
                           retry=RetryPolicy(attempt_timeout_s=20, deadline_s=40))
     signed_sent = unsigned_sent = oversize = 0

@@ -1,4 +1,5 @@
-"""A client message left half-sent is cut at its deadline and logged; an idle connection is not."""
+"""A proven client's message left half-sent is cut at its deadline and logged; an idle proven connection
+is not. A connection that has not answered its challenge may neither start a large message nor idle."""
 
 import logging
 import socket
@@ -8,7 +9,9 @@ import time
 import pytest
 
 from megatron_gkd.teacher import zmtp
+from megatron_gkd.teacher.proxy import UNPROVEN_BYTES
 from megatron_gkd.teacher.server import Proxy
+from tests.unit.teacher import peers
 from tests.unit.teacher.conftest import LIMITS, SECRET
 
 DEADLINE_S = 1.0
@@ -20,13 +23,6 @@ def proxy():
                   message_timeout_s=DEADLINE_S).start()
     yield proxy
     proxy.close()
-
-
-def _handshaken(address: str) -> socket.socket:
-    host, port = address.rsplit("/", 1)[1].rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=10)
-    sock.sendall(zmtp._greeting(False) + zmtp.ready_command(b"DEALER"))
-    return sock
 
 
 def _closed_within(sock: socket.socket, timeout_s: float) -> bool:
@@ -44,8 +40,8 @@ def _closed_within(sock: socket.socket, timeout_s: float) -> bool:
 
 def test_a_half_sent_message_is_cut_at_its_deadline_and_logged(proxy, caplog):
     caplog.set_level(logging.INFO, logger="megatron_gkd.teacher.proxy")
-    idle = _handshaken(proxy.frontend_address)  # a client between two requests: never cut
-    half = _handshaken(proxy.frontend_address)
+    idle = peers.proven_raw(proxy.frontend_address, SECRET)  # a client between two requests: never cut
+    half = peers.proven_raw(proxy.frontend_address, SECRET)
     opened = time.monotonic()
     half.sendall(bytes([zmtp.MORE, 0]) + bytes([zmtp.LONG]) + struct.pack(">Q", LIMITS.max_message_bytes - 1)
                  + b"\0")
@@ -65,3 +61,19 @@ def test_a_half_sent_message_is_cut_at_its_deadline_and_logged(proxy, caplog):
 def test_the_deadline_must_be_positive():
     with pytest.raises(ValueError, match="message_timeout_s"):
         Proxy("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", secret=SECRET, message_timeout_s=0)
+
+
+def test_a_stranger_may_neither_start_a_large_message_nor_idle(tmp_path):
+    proxy = Proxy("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", secret=SECRET, limits=LIMITS,
+                  verification_timeout_s=DEADLINE_S).start()
+    try:
+        large = peers.handshaken(proxy.frontend_address)
+        large.sendall(bytes([zmtp.MORE, 0]) + bytes([zmtp.LONG]) + struct.pack(">Q", 2 * UNPROVEN_BYTES) + b"\0")
+        assert _closed_within(large, DEADLINE_S / 2), "a stranger's large message was not refused at its header"
+        idle, opened = peers.handshaken(proxy.frontend_address), time.monotonic()
+        assert _closed_within(idle, 10 * DEADLINE_S), "a stranger's idle connection was never closed"
+        assert time.monotonic() - opened >= DEADLINE_S * 0.9, "closed before its deadline"
+        proven = peers.proven_raw(proxy.frontend_address, SECRET)
+        assert not _closed_within(proven, 2 * DEADLINE_S), "a connection that answered its challenge was cut"
+    finally:
+        proxy.close()

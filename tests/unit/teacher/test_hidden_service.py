@@ -1,13 +1,11 @@
 """The hidden signal end to end: the hf backend against transformers, through the service, and against
 hostile peers (a worker that lies about its answer, requests past the bounds)."""
 
-import threading
 
 import msgpack
 import numpy as np
 import pytest
 import torch
-import zmq
 from transformers import AutoModelForCausalLM
 
 from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client, codec, wire
@@ -15,6 +13,7 @@ from megatron_gkd.teacher.backends import TeacherBackend, build_backend
 from megatron_gkd.teacher.clients import TeacherInfo
 from megatron_gkd.teacher.server import Proxy, Worker
 from megatron_gkd.teacher.types import HIDDEN_DTYPES, ErrorCode
+from tests.unit.teacher import peers
 from tests.unit.teacher.conftest import LIMITS, SECRET, random_sequences
 
 VOCAB, HIDDEN = 512, 128  # the tiny teacher's
@@ -173,35 +172,27 @@ def _lying_result(case: str, request_id: str, batch: ScoreBatch, outputs) -> lis
     ("oversized", ErrorCode.UNAVAILABLE, "no usable answer"),
 ])
 def test_a_lying_teacher_is_refused_by_the_client(backend, case, code, match):
-    """A fake proxy, holding the secret, answers INFO truthfully and every SCORE with a broken result."""
+    """A worker holding the secret answers INFO truthfully and every SCORE with a broken result."""
     batch = _batch(seed=7, num=2, hidden_dtype="bfloat16")
     outputs = backend.score(batch)
-    fake = zmq.Context.instance().socket(zmq.ROUTER)
-    fake.setsockopt(zmq.LINGER, 0)
-    port = fake.bind_to_random_port("tcp://127.0.0.1")
-    stop = threading.Event()
 
-    def serve():
-        while not stop.is_set():
-            if not fake.poll(50):
-                continue
-            identity, _, *frames = fake.recv_multipart()
-            request = wire.decode(frames, LIMITS, SECRET)
-            if request.type == wire.INFO:
-                reply = wire.encode(wire.INFO_RESULT, request.request_id, backend.info().to_dict(), secret=SECRET)
-            else:
-                reply = _lying_result(case, request.request_id, batch, outputs)
-            fake.send_multipart([identity, b"", *reply])
+    def answer(frames):
+        request = wire.decode(frames, LIMITS, SECRET)
+        if request.type == wire.INFO:
+            return wire.encode(wire.INFO_RESULT, request.request_id, backend.info().to_dict(), secret=SECRET)
+        return _lying_result(case, request.request_id, batch, outputs)
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
+    # The proxy forwards a registered worker's reply as it is; its own limit is roomy, so that the
+    # oversized result reaches the client, whose 256 KiB limit drops it.
+    proxy = Proxy("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", secret=SECRET,
+                  limits=wire.Limits(max_message_bytes=2**26)).start()
+    liar = peers.FakeWorker(proxy.backend_address, SECRET, answer)
     try:
-        with build_client("zmq", address=f"tcp://127.0.0.1:{port}", secret=SECRET, limits=LIMITS,
+        with build_client("zmq", address=proxy.frontend_address, secret=SECRET, limits=LIMITS,
                           retry=QUICK) as client:
             with pytest.raises(TeacherError, match=match) as info:
                 client.score(batch)
     finally:
-        stop.set()
-        thread.join()
-        fake.close()
+        liar.close()
+        proxy.close()
     assert info.value.code == code

@@ -14,6 +14,7 @@ from megatron_gkd.teacher.backends import build_backend
 from megatron_gkd.teacher.server import Proxy, Worker
 from megatron_gkd.teacher.types import ErrorCode
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher
+from tests.unit.teacher import peers
 from tests.unit.teacher.conftest import LIMITS, SECRET
 
 RETRY = RetryPolicy(attempt_timeout_s=5, deadline_s=60, max_attempts=10, backoff_s=0.05)
@@ -99,37 +100,30 @@ def test_a_worker_with_the_wrong_secret_is_refused_at_registration(teacher_dir):
 
 
 def test_the_client_retries_past_replies_that_fail_authentication(teacher_dir):
-    """A fake proxy answers the first attempt with a forged refusal and a forged result, then the truth."""
+    """A worker answers the first attempt with a forged refusal, the second with a result signed with
+    another key, the third with the truth: the client retries past both forgeries."""
     batch = _batch(0)
     outputs = build_backend("hf", model=str(teacher_dir)).score(batch)
-    context = zmq.Context.instance()
-    fake = context.socket(zmq.ROUTER)
-    fake.setsockopt(zmq.LINGER, 0)
-    port = fake.bind_to_random_port("tcp://127.0.0.1")
     attempts = []
 
-    def serve():
-        while len(attempts) < 2 and fake.poll(20_000):
-            identity, *frames = fake.recv_multipart()
-            request_id = wire.peek_request_id(frames[1:])
-            attempts.append(request_id)
-            if len(attempts) == 1:
-                forged = wire.error_frames(request_id, ErrorCode.BAD_SIGNATURE, "forged", None)
-                wrong_key = codec.encode_result(request_id, outputs, b"not-the-secret-at-all")
-                fake.send_multipart([identity, b"", *forged])
-                fake.send_multipart([identity, b"", *wrong_key])
-            else:
-                fake.send_multipart([identity, b"", *codec.encode_result(request_id, outputs, SECRET)])
+    def answer(frames):
+        request_id = wire.peek_request_id(frames)
+        attempts.append(request_id)
+        if len(attempts) == 1:
+            return wire.error_frames(request_id, ErrorCode.BAD_SIGNATURE, "forged", None)
+        if len(attempts) == 2:
+            return codec.encode_result(request_id, outputs, b"not-the-secret-at-all")
+        return codec.encode_result(request_id, outputs, SECRET)
 
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
+    proxy = Proxy("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", secret=SECRET, limits=LIMITS).start()
+    forger = peers.FakeWorker(proxy.backend_address, SECRET, answer)
     try:
-        with build_client("zmq", address=f"tcp://127.0.0.1:{port}", secret=SECRET, retry=RETRY) as client:
+        with build_client("zmq", address=proxy.frontend_address, secret=SECRET, retry=RETRY) as client:
             got = client.score(batch)
     finally:
-        thread.join()
-        fake.close()
-    assert len(attempts) == 2
+        forger.close()
+        proxy.close()
+    assert len(attempts) == 3
     np.testing.assert_array_equal(got[0].topk_ids, outputs[0].topk_ids)
 
 

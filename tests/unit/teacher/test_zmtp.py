@@ -124,3 +124,45 @@ def test_a_large_declared_frame_is_resident_only_as_far_as_it_arrived_and_releas
     assert _rss_bytes() - before < 8 * 2**20, "the released frame's pages were not given back"
     with pytest.raises(zmtp.ZmtpError, match="closed"):
         reader.feed(b"c")
+
+
+def test_feed_one_stops_after_a_message_so_the_next_bytes_meet_new_bounds():
+    # A peer that proves itself in its first message and sends a large one right behind it: the
+    # second is parsed only after the caller raised the bounds the first one earned.
+    big = [b"", b"x" * 5000]
+    data = _stream([b"", b"hello"], big)
+    reader = zmtp.FrameReader(max_frames=4, max_bytes=4096)
+    messages, used = reader.feed_one(data)
+    assert [[bytes(f) for f in m] for m in messages] == [[b"", b"hello"]]
+    reader.max_bytes = 2**20
+    assert [[bytes(f) for f in m] for m in reader.feed(data[used:])] == [big]
+    with pytest.raises(zmtp.ZmtpError, match="more than 4096 bytes"):  # all at once: refused
+        zmtp.FrameReader(max_frames=4, max_bytes=4096).feed(data)
+
+
+@pytest.mark.parametrize("cut", [3, 40, 3000, 2**21])
+def test_a_discarded_message_keeps_only_its_small_head_and_is_returned_as_such(cut):
+    head = [b"", b"m" * 32, b"h" * 200]
+    message = head + [b"a" * 2**21, b"b" * 100]
+    data = _stream(message, [b"", b"next"])
+    prefix = len(_stream())
+    reader = zmtp.FrameReader(max_frames=8, max_bytes=2**23)
+    assert reader.feed(data[:prefix + cut]) == []
+    reader.discard()
+    assert reader.pending_bytes <= sum(map(len, head))
+    got = _feed(reader, data[prefix + cut:], 8192)
+    assert isinstance(got[0], zmtp.Discarded) and not isinstance(got[1], zmtp.Discarded)
+    kept = [bytes(f) for f in got[0]]
+    assert len(kept) == len(message) and kept[3:] == [b"", b""]
+    assert all(frame in (original, b"") for frame, original in zip(kept, head))
+    if cut > sum(map(len, head)) + 20:  # the head had arrived whole: it is kept whole
+        assert kept[:3] == head
+    assert [bytes(f) for f in got[1]] == [b"", b"next"] and reader.pending_bytes == 0
+
+
+def test_discard_between_messages_does_nothing():
+    reader = zmtp.FrameReader(max_frames=8, max_bytes=2**20)
+    reader.feed(_stream([b"", b"one"]))
+    reader.discard()
+    [message] = reader.feed(b"".join(zmtp.encode([b"", b"two"])))
+    assert not isinstance(message, zmtp.Discarded) and [bytes(f) for f in message] == [b"", b"two"]
