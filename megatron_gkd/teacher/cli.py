@@ -134,7 +134,9 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print(f"READY worker connected to {args.connect}", flush=True)
         if replicas is None:
-            stop.wait()
+            while not stop.wait(1.0):
+                if worker is not None and worker.refused:
+                    raise SystemExit(f"the teacher proxy refused this worker: {worker.refused}")
         else:
             replicas.watch(stop)
             if not stop.is_set():

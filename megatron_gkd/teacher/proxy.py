@@ -40,7 +40,7 @@ import time
 
 import zmq
 
-from megatron_gkd.teacher import wire, zmtp
+from megatron_gkd.teacher import identity, wire, zmtp
 from megatron_gkd.teacher.security import RefusalLog, check_exposure
 from megatron_gkd.teacher.types import ErrorCode
 
@@ -158,6 +158,8 @@ class Proxy:
         self._refusals = RefusalLog(logger, "messages")
         self._no_worker_warned = -float("inf")  # when the last "no worker" warning was logged
         self._num_registered = 0  # an int, so other threads can read it while the loop runs
+        self._teacher: dict | None = None  # the first registered worker's INFO: every replica's must agree
+        self._told: set[str] = set()  # refusals of workers logged at ERROR already
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="teacher-proxy", daemon=True)
 
@@ -420,13 +422,40 @@ class Proxy:
         if len(frames) < 3 or frames[1]:
             frames = [b"", b"", b""]  # refused below as a malformed registration
         message = self._prove(self._back, connection, frames[2:])
-        if message is None:
+        if message is None or not self._same_teacher(connection, message):
             return
         self._num_registered += 1
         logger.info("teacher worker registered (%s, %d registered)", message.meta.get("name", "?"),
                     self._num_registered)
         self._idle.append(connection.identity)
         self._dispatch()
+
+    def _same_teacher(self, connection: _Connection, message: wire.Message) -> bool:
+        """Whether a worker serves the teacher the first registered one served; refuses it otherwise.
+
+        Replicas are interchangeable to a client (any of them answers any request), so a worker of
+        another model, tokenizer or dtype would mix two teachers' answers without notice.
+        """
+        info = message.meta.get("info")
+        problem = None
+        if not isinstance(info, dict):
+            problem = "the registration carries no INFO (a worker older than this proxy?)"
+        elif self._teacher is None:
+            self._teacher = info
+            logger.info("teacher proxy serves %s", identity.identity(info))
+        elif differences := identity.differences(self._teacher, info):
+            problem = ("it serves another teacher than the first worker registered here ("
+                       + "; ".join(differences) + "): replicas behind one proxy must be one model")
+        if problem is None:
+            return True
+        if problem not in self._told:  # once at ERROR; a worker that keeps coming back is rate-limited
+            self._told.add(problem)
+            logger.error("teacher worker %s refused: %s", message.meta.get("name", "?"), problem)
+        self._send(self._back, connection.identity, [*self._back.envelope, *wire.error_frames(
+            "register", ErrorCode.UNSUPPORTED, f"registration refused: {problem}", self._secret)])
+        connection.proven = False  # never admitted: not counted among the registered
+        self._close(self._back, connection, problem)
+        return False
 
     # ---- connections ----------------------------------------------------------------------------
     def _send(self, side: _Side, identity: bytes, frames: list, raw: bytes | None = None) -> bool:

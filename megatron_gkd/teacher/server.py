@@ -100,6 +100,7 @@ class Worker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.num_answered = 0
+        self.refused: str | None = None  # why the proxy refused this worker, which then stopped
         if backend.info().max_sequence_length is None:
             logger.warning("the %s backend does not report its context length; sequence lengths are "
                            "bounded by max_request_tokens only", backend.info().name)
@@ -133,7 +134,7 @@ class Worker:
         envelope, body = frames[:2], frames[2:]
         try:
             message = wire.decode(body, self._limits, self._secret,
-                                  expect=(wire.SCORE, wire.INFO, wire.CHALLENGE))
+                                  expect=(wire.SCORE, wire.INFO, wire.CHALLENGE, wire.ERROR))
         except wire.WireError as error:
             kind = wire.peek_type(body)
             if kind in (wire.CHALLENGE, wire.ERROR):  # the proxy's own messages: never answered
@@ -143,9 +144,19 @@ class Worker:
             self._refusals.refused("client message (%s)", error)
             self._send(envelope, wire.refusal_frames(error, body, self._secret))
             return
+        if message.type == wire.ERROR:  # the proxy's, signed: a refused registration ends this worker
+            if message.request_id != "register":
+                self._refusals.refused("the proxy's error (%s)", message.meta.get("message"))
+                return
+            self.refused = str(message.meta.get("message", "the proxy refused this worker"))
+            logger.error("teacher worker stops: %s", self.refused)
+            self._stop.set()
+            return
         if message.type == wire.CHALLENGE:
+            # With its INFO: the proxy refuses a replica of another model than its first worker's.
             self._send(envelope, wire.encode(wire.REGISTER, "register", {
-                "nonce": message.meta.get("nonce"), "name": self._name}, secret=self._secret))
+                "nonce": message.meta.get("nonce"), "name": self._name, "info": self._backend.info().to_dict()},
+                secret=self._secret))
             return
         try:
             reply = self._answer(message)

@@ -32,6 +32,9 @@ class BackendInfo:
         hidden_size: h, the width of the final hidden states the ``hidden`` signal returns, or None
             when the backend cannot return them.
         signals: the signals the backend serves (``"topk"``, ``"hidden"``).
+        model_digest: :func:`~megatron_gkd.teacher.identity.checkpoint_fingerprint` of the checkpoint
+            served, or None when it is not a local directory.
+        dtype: the dtype the model computes in (e.g. ``"float32"``).
     """
 
     name: str
@@ -44,6 +47,8 @@ class BackendInfo:
     max_sequence_length: int | None = None
     hidden_size: int | None = None
     signals: list[str] = dataclasses.field(default_factory=lambda: ["topk"])
+    model_digest: str | None = None
+    dtype: str | None = None
 
     def __post_init__(self):
         assert ("hidden" in self.signals) == (self.hidden_size is not None), (

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
+from megatron_gkd.teacher.identity import checkpoint_fingerprint
 from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, TeacherError, TeacherOutput
 from megatron_gkd.teacher.vocab import tokenizer_digest
 
@@ -49,7 +50,8 @@ class HFBackend(TeacherBackend):
             tokenizer_digest=tokenizer_digest(tokenizer), max_top_k=min(max_top_k, self._tokenizer_size),
             supports_requested_ids=True, supports_temperature=True,
             max_sequence_length=getattr(self._model.config, "max_position_embeddings", None),
-            hidden_size=int(hidden_size), signals=["topk", "hidden"])
+            hidden_size=int(hidden_size), signals=["topk", "hidden"],
+            model_digest=checkpoint_fingerprint(model), dtype=dtype)
         if self._vocab_size != self._tokenizer_size:
             logger.info("hf teacher: %d output rows, %d tokenizer ids; rows past the tokenizer are "
                         "ignored", self._vocab_size, self._tokenizer_size)

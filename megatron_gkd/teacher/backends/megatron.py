@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
+from megatron_gkd.teacher.identity import checkpoint_fingerprint
 from megatron_gkd.teacher.types import TEACHER_SIGNALS, ScoreBatch, SequenceRequest, TeacherOutput
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ class MegatronBackend(TeacherBackend):
             tokenizer_digest=vocab.tokenizer_digest, max_top_k=min(max_top_k, vocab.tokenizer_size),
             supports_requested_ids=True, supports_temperature=True,
             max_sequence_length=getattr(chunks[0], "max_sequence_length", None),
-            hidden_size=self._scorer.hidden_size, signals=["topk", "hidden"])
+            hidden_size=self._scorer.hidden_size, signals=["topk", "hidden"],
+            model_digest=checkpoint_fingerprint(model), dtype=dtype)
 
     @property
     def is_leader(self) -> bool:

@@ -26,6 +26,7 @@ import os
 import numpy as np
 
 from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
+from megatron_gkd.teacher.identity import checkpoint_fingerprint
 from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, TeacherError, TeacherOutput
 from megatron_gkd.teacher.vocab import tokenizer_digest
 
@@ -70,7 +71,8 @@ class VLLMBackend(TeacherBackend):
             name="vllm", vocab_size=model_config.get_vocab_size(), tokenizer_size=len(tokenizer),
             tokenizer_digest=tokenizer_digest(tokenizer), max_top_k=max_top_k,
             supports_requested_ids=False, supports_temperature=False,
-            max_sequence_length=model_config.max_model_len)
+            max_sequence_length=model_config.max_model_len, model_digest=checkpoint_fingerprint(model),
+            dtype=dtype)
 
     def info(self) -> BackendInfo:
         return self._info
