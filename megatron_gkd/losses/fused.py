@@ -25,6 +25,7 @@ from megatron_gkd.losses.shard_ops import (
     zero_padding_columns,
 )
 from megatron_gkd.losses.vocab_parallel import (
+    ForwardState,
     backward_scales,
     check_temperature,
     finish_forward,
@@ -59,21 +60,68 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return hidden @ weight.t()
 
 
+def fused_partials(
+    hidden: torch.Tensor, weight: torch.Tensor, support: LocalSupport, layout: ShardLayout, chunk_size: int,
+    temperature: float, dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``[N]`` log-partition and ``[N, K]`` tempered logits at the owned ids of
+    ``hidden @ weight^T``, one token chunk of logits at a time (shared by every fused term)."""
+    num_tokens = hidden.shape[0]
+    local_lse = torch.empty(num_tokens, dtype=dtype, device=hidden.device)
+    local_support_logits = torch.empty(support.local_index.shape, dtype=dtype, device=hidden.device)
+    for start in range(0, num_tokens, chunk_size):
+        stop = min(start + chunk_size, num_tokens)
+        logits = _chunk_logits(hidden[start:stop], weight)  # [c, V/tp]
+        local_lse[start:stop] = local_logsumexp(logits[:, : layout.tokens_local], temperature, dtype)
+        chunk_support = LocalSupport(support.local_index[start:stop], support.in_shard[start:stop])
+        local_support_logits[start:stop] = chunk_support.gather(logits, dtype) / temperature
+        del logits
+    return local_lse, local_support_logits
+
+
+def fused_grads(
+    hidden: torch.Tensor, weight: torch.Tensor, state: ForwardState, grad_loss: torch.Tensor, layout: ShardLayout,
+    fused: FusedOptions, temperature: float, dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``sum(grad_loss x loss)`` with respect to ``hidden`` and ``weight`` for a term whose logit
+    gradient is ``lse_coef x softmax + grad_support`` (the form of :class:`~megatron_gkd.losses.registry.SupportTerms`),
+    recomputing each chunk's logits."""
+    dense_scale, sparse = backward_scales(state, grad_loss, temperature)
+    grad_hidden = torch.empty_like(hidden)
+    grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+    rows = rows_per_chunk(weight.shape[0], weight.device)
+    shift = (state.student_lse * temperature).unsqueeze(1)
+    dense_scale = dense_scale.unsqueeze(1)
+    for start in range(0, hidden.shape[0], fused.chunk_size):
+        stop = min(start + fused.chunk_size, hidden.shape[0])
+        logits = _chunk_logits(hidden[start:stop], weight)
+        # fp32/fp64 logits become their own gradient; narrow ones need a compute-dtype copy.
+        grad_logits = logits if logits.dtype == dtype else torch.empty_like(logits, dtype=dtype)
+        for row in range(0, stop - start, rows):
+            row_stop = min(row + rows, stop - start)
+            out = grad_logits[row:row_stop]
+            write_grad_rows(
+                logits[row:row_stop], shift[start + row:start + row_stop],
+                dense_scale[start + row:start + row_stop], temperature, out,
+            )
+            zero_padding_columns(out, layout.tokens_local)
+            sparse.add_to_rows(out, start + row, start + row_stop)
+        grad_logits = grad_logits.to(hidden.dtype)
+        torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
+        grad_weight.add_(torch.mm(grad_logits.t(), hidden[start:stop]).to(dtype))
+        del logits, grad_logits
+    if fused.all_reduce_hidden_grad and layout.tp_size > 1:
+        dist.all_reduce(grad_hidden, group=layout.tp_group)
+    return grad_hidden, grad_weight.to(weight.dtype)
+
+
 class _FusedDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, teacher, layout, divergence_name, options, fused, temperature):
         dtype = compute_dtype(hidden.dtype)
-        num_tokens = hidden.shape[0]
         support = LocalSupport.of(teacher.ids, teacher.valid, layout)
-        local_lse = torch.empty(num_tokens, dtype=dtype, device=hidden.device)
-        local_support_logits = torch.empty(teacher.ids.shape, dtype=dtype, device=hidden.device)
-        for start in range(0, num_tokens, fused.chunk_size):
-            stop = min(start + fused.chunk_size, num_tokens)
-            logits = _chunk_logits(hidden[start:stop], weight)
-            local_lse[start:stop] = local_logsumexp(logits[:, : layout.tokens_local], temperature, dtype)
-            chunk_support = LocalSupport(support.local_index[start:stop], support.in_shard[start:stop])
-            local_support_logits[start:stop] = chunk_support.gather(logits, dtype) / temperature
-            del logits
+        local_lse, local_support_logits = fused_partials(hidden, weight, support, layout, fused.chunk_size,
+                                                         temperature, dtype)
         state, loss, metrics = finish_forward(
             local_lse, local_support_logits, teacher, support, layout, divergence_name, options
         )
@@ -86,34 +134,9 @@ class _FusedDistill(torch.autograd.Function):
     def backward(ctx, grad_loss, *grad_metrics):
         del grad_metrics
         hidden, weight = ctx.saved_tensors
-        dtype, temperature, chunk_size = ctx.dtype, ctx.temperature, ctx.fused.chunk_size
-        dense_scale, sparse = backward_scales(ctx.state, grad_loss, temperature)
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
-        rows = rows_per_chunk(weight.shape[0], weight.device)
-        shift = (ctx.state.student_lse * temperature).unsqueeze(1)
-        dense_scale = dense_scale.unsqueeze(1)
-        for start in range(0, hidden.shape[0], chunk_size):
-            stop = min(start + chunk_size, hidden.shape[0])
-            logits = _chunk_logits(hidden[start:stop], weight)
-            # fp32/fp64 logits become their own gradient; narrow ones need a compute-dtype copy.
-            grad_logits = logits if logits.dtype == dtype else torch.empty_like(logits, dtype=dtype)
-            for row in range(0, stop - start, rows):
-                row_stop = min(row + rows, stop - start)
-                out = grad_logits[row:row_stop]
-                write_grad_rows(
-                    logits[row:row_stop], shift[start + row:start + row_stop],
-                    dense_scale[start + row:start + row_stop], temperature, out,
-                )
-                zero_padding_columns(out, ctx.layout.tokens_local)
-                sparse.add_to_rows(out, start + row, start + row_stop)
-            grad_logits = grad_logits.to(hidden.dtype)
-            torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
-            grad_weight.add_(torch.mm(grad_logits.t(), hidden[start:stop]).to(dtype))
-            del logits, grad_logits
-        if ctx.fused.all_reduce_hidden_grad and ctx.layout.tp_size > 1:
-            dist.all_reduce(grad_hidden, group=ctx.layout.tp_group)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None
+        grad_hidden, grad_weight = fused_grads(hidden, weight, ctx.state, grad_loss, ctx.layout, ctx.fused,
+                                               ctx.temperature, ctx.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def fused_vocab_parallel_distill_loss(
