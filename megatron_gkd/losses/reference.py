@@ -1,7 +1,8 @@
-"""Dense float64 references of the distillation losses: the full vocabulary, plain formulas, autograd.
+"""Dense float64 references of the distillation and policy-gradient losses: the full vocabulary, plain formulas,
+autograd.
 
 Written for clarity, not speed, and independently of the analytic gradients in
-:mod:`megatron_gkd.losses.divergences`; tests and ``benchmarks/losses.py`` compare against them.
+:mod:`megatron_gkd.losses.divergences` and :mod:`megatron_gkd.losses.token_logprobs`; tests and ``benchmarks/losses.py`` compare against them.
 """
 
 from __future__ import annotations
@@ -121,3 +122,42 @@ def reference_full_vocab_loss(
         ratio = options.get("rkl_ratio", 0.1)
         return (1 - ratio) * _kl(log_p, log_q, valid) + ratio * _kl(log_q, log_p, valid)
     raise ValueError(f"no reference for loss_type {loss_type!r}")
+
+
+def reference_token_logprobs(
+    full_logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0, real_vocab_size: int | None = None
+) -> torch.Tensor:
+    """``[N]`` float64 ``log_softmax(logits / T)[y]`` over the real vocabulary, from the full ``[N, V]`` logits."""
+    log_q = torch.log_softmax(full_logits.double()[:, :real_vocab_size] / temperature, dim=-1)
+    return log_q.gather(1, token_ids.long()[:, None])[:, 0]
+
+
+def reference_policy_gradient_loss(
+    full_logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logprobs: torch.Tensor | None = None,
+    behaviour_logprobs: torch.Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    real_vocab_size: int | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    tis_cap: float | None = None,
+) -> torch.Tensor:
+    """Per-token policy-gradient loss ``[N]`` (float64, autograd) with the definitions of
+    :mod:`megatron_gkd.losses.policy_gradient`, written case by case on the advantage's sign as PPO's paper
+    reads (``A >= 0``: the ratio is capped above; ``A < 0``: below, and at ``clip_ratio_c`` above)."""
+    logp = reference_token_logprobs(full_logits, token_ids, temperature, real_vocab_size)
+    old = logp.detach() if old_logprobs is None else old_logprobs.double()
+    ratio = torch.exp(logp - old)
+    advantages = advantages.double()
+    upper = torch.minimum(ratio, torch.full_like(ratio, 1.0 + clip_high))
+    lower = torch.maximum(ratio, torch.full_like(ratio, 1.0 - clip_low))
+    if clip_ratio_c is not None:
+        lower = torch.minimum(lower, torch.full_like(ratio, clip_ratio_c))
+    objective = torch.where(advantages >= 0, advantages * upper, advantages * lower)
+    if tis_cap is not None:
+        objective = objective * torch.clamp(torch.exp(old - behaviour_logprobs.double()), max=tis_cap)
+    return -objective
