@@ -125,8 +125,9 @@ def group_advantages(rewards: torch.Tensor, estimator: str, *, eps: float = DEFA
         raise ValueError(f"rewards {tuple(rewards.shape)} must be [num_prompts, n]: one row per prompt group")
     if rewards.shape[1] < chosen.min_group_size:
         raise ValueError(
-            f"advantage estimator {estimator!r} needs at least {chosen.min_group_size} samples per prompt (its baseline "
-            f"comes from the group), got n={rewards.shape[1]}; sample more per prompt (rollout.n) or use 'reinforce'"
+            f"advantage estimator {estimator!r} needs at least {chosen.min_group_size} samples per prompt (its "
+            f"baseline comes from the group), got n={rewards.shape[1]}; sample more per prompt (rollout.n) or use "
+            "'reinforce'"
         )
     if not 0 <= eps:
         raise ValueError(f"eps={eps} must be >= 0")

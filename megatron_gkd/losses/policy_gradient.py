@@ -56,7 +56,8 @@ class PolicyGradientOptions:
 
     def __post_init__(self) -> None:
         if not 0 <= self.clip_low < 1:
-            raise ValueError(f"option clip_low={self.clip_low} must lie in [0, 1) (the ratio is clipped at 1 - clip_low)")
+            raise ValueError(f"option clip_low={self.clip_low} must lie in [0, 1) (the ratio is clipped at "
+                             "1 - clip_low)")
         if not self.clip_high >= 0:
             raise ValueError(f"option clip_high={self.clip_high} must be >= 0")
         if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:

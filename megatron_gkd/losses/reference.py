@@ -2,7 +2,8 @@
 autograd.
 
 Written for clarity, not speed, and independently of the analytic gradients in
-:mod:`megatron_gkd.losses.divergences` and :mod:`megatron_gkd.losses.token_logprobs`; tests and ``benchmarks/losses.py`` compare against them.
+:mod:`megatron_gkd.losses.divergences` and :mod:`megatron_gkd.losses.token_logprobs`; tests and
+``benchmarks/losses.py`` compare against them.
 """
 
 from __future__ import annotations

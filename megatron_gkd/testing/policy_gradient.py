@@ -62,17 +62,20 @@ def make_cases(tp_size: int, seed: int = 0) -> list[PGCase]:
     def case(name, *, real=None, old_spread=None, behaviour_spread=None, token_range=None, lead=(num_tokens,),
              temperature=1.0, **options) -> PGCase:
         hidden, table = randn(*lead, hidden_size), 0.5 * randn(vocab, hidden_size)
-        table[vocab if real is None else real:] += 0.5  # padding rows hold large logits: mass there would show
+        # Padding rows with 3x the norm: their largest logits lead most rows, so mass or gradient there would show.
+        table[vocab if real is None else real:] *= 3.0
         logits = (hidden @ table.t()).reshape(-1, vocab)
         tokens = real or vocab
         low, high = token_range or (0, tokens)
         probs = torch.softmax(logits[:, low:high] / temperature, dim=-1)
         ids = low + torch.multinomial(probs, 1, generator=generator)[:, 0]
         logp = reference_token_logprobs(logits, ids, temperature, real)
+
         def spread(base, width):  # ratios up to exp(+-width): inside, below and above the clip range
             if width is None:
                 return None
-            return (base + width * (2 * torch.rand(base.shape, generator=generator, dtype=torch.float64) - 1)).clamp(max=0)
+            noise = 2 * torch.rand(base.shape, generator=generator, dtype=torch.float64) - 1
+            return (base + width * noise).clamp(max=0)
 
         old = spread(logp, old_spread)
         behaviour = spread(logp if old is None else old, behaviour_spread)
@@ -102,11 +105,6 @@ def make_cases(tp_size: int, seed: int = 0) -> list[PGCase]:
     if tp_size > 1:
         cases.append(case("padding_shard", real=vocab - vocab_local - 3, old_spread=1.0, temperature=0.9))
     return cases
-
-
-def shard_rows(table: torch.Tensor, rank: int, tp_size: int) -> torch.Tensor:
-    """Rank ``rank``'s rows of a ``[V, ...]`` table (or columns of ``[..., V]`` logits with ``dim=-1``)."""
-    return table.chunk(tp_size, dim=0)[rank].contiguous()
 
 
 def relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
