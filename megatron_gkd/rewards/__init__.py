@@ -16,12 +16,17 @@ naming the reward and the record::
 from megatron_gkd.rewards.answers import final_answer, math_answer
 from megatron_gkd.rewards.config import Estimator, RewardConfig, check_reward_settings
 from megatron_gkd.rewards.kinds import REWARDS, RewardKind, build_reward, reward_name
+from megatron_gkd.rewards.runner import RewardBatch, RewardFailed, RewardOutput, RewardRunner
 
 __all__ = [
     "Estimator",
     "REWARDS",
+    "RewardBatch",
     "RewardConfig",
+    "RewardFailed",
     "RewardKind",
+    "RewardOutput",
+    "RewardRunner",
     "build_reward",
     "check_reward_settings",
     "final_answer",
