@@ -293,19 +293,6 @@ def _half_sent_message(address: str, secret: bytes) -> socket.socket:
     return sock
 
 
-def _still_open(sock: socket.socket) -> bool:
-    """True while the server has not closed the connection (reads what it sent, without waiting)."""
-    sock.setblocking(False)
-    try:
-        while sock.recv(65536):
-            pass
-    except BlockingIOError:
-        return True
-    except ConnectionResetError:
-        return False
-    return False
-
-
 HOLD_S = 12.0  # signed calls made while the half-sent messages are held open; well under their deadline
 
 
@@ -327,7 +314,7 @@ def test_half_sent_messages_do_not_stall_signed_calls(service):
                 except TeacherError as error:
                     failures.append(str(error))
                 time.sleep(0.05)
-        assert all(_still_open(sock) for sock in strangers), "a half-sent message was cut before the test ended"
+        assert all(peers.still_open(sock) for sock in strangers), "a half-sent message was cut before the test ended"
     finally:
         for sock in strangers:
             sock.close()

@@ -13,7 +13,6 @@ cut to one attempt's 60 s) and must be answered exactly; every stranger's connec
 """
 
 import dataclasses
-import socket
 import struct
 import threading
 import time
@@ -67,19 +66,6 @@ def _calls_during(service, window_s: float) -> tuple[int, list[str]]:
     return calls, failures
 
 
-def _open(sock: socket.socket) -> bool:
-    """True while the proxy has not closed ``sock`` (reads what it sent, without waiting)."""
-    sock.setblocking(False)
-    try:
-        while sock.recv(65536):
-            pass
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    return False
-
-
 class _Stranger(threading.Thread):
     """A peer without the secret: declares a frame of ``declared`` bytes, sends ``burst`` of them at once
     and then ``rate`` bytes a second, never the last one, and connects again whenever it is cut."""
@@ -103,7 +89,7 @@ class _Stranger(threading.Thread):
                             sock.sendall(bytes(step))
                             sent += step
                         self.stop.wait(0.1)
-                        if not _open(sock):
+                        if not peers.still_open(sock):
                             break
             except OSError:  # cut by the proxy: connect again, as an attacker would
                 pass
@@ -137,12 +123,12 @@ def test_thousands_of_idle_strangers_neither_block_signed_calls_nor_stay(service
     opened = time.monotonic()
     try:
         time.sleep(1.0)
-        still_open = sum(_open(sock) for sock in strangers)
+        still_open = sum(peers.still_open(sock) for sock in strangers)
         calls, failures = _calls_during(service, 3.0)
         assert calls >= 3 and not failures, f"{len(failures)}/{calls} signed calls failed: {failures[:1]}"
         assert still_open <= MAX_UNPROVEN, f"{still_open} of {IDLE_STRANGERS} idle strangers kept a connection"
         time.sleep(max(0.0, opened + VERIFICATION_S + 2.0 - time.monotonic()))
-        left = sum(_open(sock) for sock in strangers)
+        left = sum(peers.still_open(sock) for sock in strangers)
         assert left == 0, f"{left} idle strangers still connected {VERIFICATION_S + 2:.0f} s after connecting"
     finally:
         for sock in strangers:

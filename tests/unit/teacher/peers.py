@@ -47,6 +47,19 @@ def handshaken(address: str) -> socket.socket:
     return sock
 
 
+def still_open(sock: socket.socket) -> bool:
+    """True while the peer has not closed ``sock`` (reads what it sent, without waiting)."""
+    sock.setblocking(False)
+    try:
+        while sock.recv(65536):
+            pass
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def proven_raw(address: str, secret: bytes | None, timeout_s: float = 10.0) -> socket.socket:
     """A raw connection that completed the handshake and answered the challenge (HELLO sent)."""
     sock = handshaken(address)
