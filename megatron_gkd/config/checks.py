@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 
+from megatron_gkd import platform
+from megatron_gkd.planning.model import model_shape, read_config
 from megatron_gkd.teacher.clients import client_traits
 
 logger = logging.getLogger(__name__)
@@ -203,13 +205,29 @@ def check_layout(config, world_size: int) -> dict:
             _fail(f"{prompts} prompts per step do not split over {replicas} colocated vLLM replicas (world "
                   f"{world_size} / rollout.tensor_parallel_size {rollout.tensor_parallel_size}); use a multiple of "
                   f"{replicas * n} samples in trainer.global_batch_size or a larger rollout.tensor_parallel_size")
+        if replicas > 1 and platform.detect() == "cpu" and _student_is_moe(config):
+            _fail(f"an MoE student cannot sample with {replicas} colocated vLLM replicas on the CPU "
+                  f"(rollout.tensor_parallel_size={rollout.tensor_parallel_size} of world size {world_size}): vLLM's "
+                  "data parallelism dispatches experts with an all-gatherv its CPU communicator lacks, and fails at "
+                  f"the first generate; set rollout.tensor_parallel_size={world_size} (one engine over all ranks)")
     return dict(data_parallel_size=dp, samples_per_rank=per_rank, prompts_per_step=prompts,
                 prompts_per_rank=prompts // dp, rollout_replicas=replicas)
+
+
+def _student_is_moe(config) -> bool:
+    """Whether the student's HF checkpoint is a mixture of experts; False when it cannot be read yet."""
+    try:
+        return model_shape(read_config(config.student.checkpoint)).is_moe
+    except (FileNotFoundError, KeyError, ValueError):
+        return False
 
 
 def _check_teacher(config, teacher, key: str) -> None:
     """What one teacher must offer this run (``key``: its config section, ``teacher`` or ``teachers.NAME``)."""
     trainer, loss = config.trainer, config.loss
+    if config.teachers and not teacher.enabled:
+        _fail(f"{key}.client is not set (it is {teacher.client!r}): every teacher in `teachers` needs a client, e.g. "
+              f"{key}.client=zmq with {key}.address=tcp://HOST:PORT or {key}.serve.model=DIR")
     backend = teacher.serve.backend if teacher.serve.model is not None else None
     if loss.type == "tcad" and teacher.signal == "topk" and backend in _NO_REQUESTED_IDS:
         _fail(f"loss.type=tcad scores the teacher at the student's top-k ids, which {key}.serve.backend="

@@ -135,3 +135,24 @@ def test_each_mode_says_what_it_does():
     assert table == {"on_policy": (True, True, "distill"), "off_policy": (False, True, "distill"),
                      "sft": (False, False, "cross_entropy")}
     assert TrainerConfig(mode="off_policy").run_mode is MODES["off_policy"]
+
+
+def test_a_teacher_of_several_without_a_client_is_named_at_config_time():
+    # Once it passed every check and each rank raised "unknown teacher client teacher.client='none'"
+    # from inside the trainer's start-up, naming the wrong section.
+    with pytest.raises(ValueError, match=r"teachers\.add3\.client is not set .* teachers\.add3\.client=zmq"):
+        load_config(ROOT / "configs" / "multi_teacher_cpu.yaml", ["teachers.add3.client=none"])
+
+
+def test_an_moe_student_with_several_colocated_vllm_replicas_is_refused_on_the_cpu(tmp_path):
+    # vLLM's data parallelism with experts fails at the first generate on the CPU (all_gatherv).
+    from megatron_gkd.testing.hf_models import make_tiny_checkpoint
+
+    moe = make_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path / "moe")
+    replicas = ["rollout.tensor_parallel_size=1", "trainer.global_batch_size=8"]
+    config = load_config(BASE, [f"student.checkpoint={moe}", *replicas])
+    with pytest.raises(ValueError, match="set rollout.tensor_parallel_size=2 .one engine over all ranks"):
+        check_layout(config, 2)
+    assert check_layout(load_config(BASE, [f"student.checkpoint={moe}"]), 2)["rollout_replicas"] == 1
+    dense = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "dense")
+    assert check_layout(load_config(BASE, [f"student.checkpoint={dense}", *replicas]), 2)["rollout_replicas"] == 2
