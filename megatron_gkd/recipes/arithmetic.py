@@ -9,7 +9,7 @@ GSM8K-style marker ``####``::
 
 The worked part is what lets a two-layer model learn addition in minutes: every digit depends only on
 two operand digits and the carry it has just written. The answer after ``####`` is checked exactly by
-the ``final_answer`` scorer (:mod:`megatron_gkd.trainer.eval`). Train and eval problems are disjoint:
+the ``final_answer`` scorer (:mod:`megatron_gkd.rewards.answers`). Train and eval problems are disjoint:
 the eval set is drawn first and its pairs are excluded from the training draw.
 
 The multi-teacher experiment's second task, ``add3``, is the sum of three numbers in the same format,

@@ -67,7 +67,7 @@ def task_accuracy(model: str | pathlib.Path, task_dir: pathlib.Path, *,
     from megatron_gkd.data import DataConfig, load_prompts, load_tokenizer
     from megatron_gkd.data.tokenization import eos_token_id
     from megatron_gkd.rollout import SamplingConfig, build_engine
-    from megatron_gkd.trainer.eval import final_answer
+    from megatron_gkd.rewards.answers import final_answer
 
     tokenizer = load_tokenizer(str(model))
     eos = eos_token_id(tokenizer)

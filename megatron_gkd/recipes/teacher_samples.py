@@ -69,7 +69,7 @@ def sample_teacher(teacher: str | pathlib.Path, prompts_path: str | pathlib.Path
 def answer_accuracy(path: str | pathlib.Path) -> float | None:
     """Share of the samples in ``path`` whose final answer is right (the ``final_answer`` scorer); None
     when the records carry no answers."""
-    from megatron_gkd.trainer.eval import final_answer
+    from megatron_gkd.rewards.answers import final_answer
 
     records = [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
     scored = [r for r in records if "answer" in r]
