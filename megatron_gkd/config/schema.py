@@ -20,6 +20,7 @@ from megatron_gkd.config.optim import OptimizerConfig
 from megatron_gkd.data.config import DataConfig
 from megatron_gkd.parallel.state import ParallelConfig
 from megatron_gkd.platform.npu import MindSpeedConfig
+from megatron_gkd.rewards.config import RewardConfig
 from megatron_gkd.rollout.types import SamplingConfig
 from megatron_gkd.teacher.config import TeacherConfig, TeacherMixConfig
 from megatron_gkd.weight_sync.config import WeightSyncConfig
@@ -319,6 +320,9 @@ class GKDConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    """Rewards of the sampled responses (null ``reward.kind``: none); computed beside the teacher request and
+    logged as ``reward/*`` (the policy-gradient term does not train on them yet)."""
     mindspeed: MindSpeedConfig = dataclasses.field(default_factory=MindSpeedConfig)
 
     def __post_init__(self):

@@ -12,6 +12,7 @@ import logging
 import torch
 
 from megatron_gkd.config import GKDConfig
+from megatron_gkd.rewards import RewardRunner
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,12 @@ def build_rollout(config: GKDConfig, student: Student, tokenizer, *, control, ou
 
         plan = build_plan(student.chunks)
     return Rollout(engine=engine, sync_plan=plan, replicas=layout["rollout_replicas"], **parts)
+
+
+def build_reward_runner(config: GKDConfig, *, asks: bool) -> RewardRunner | None:
+    """The reward runner of a rank that asks the teacher (``asks``: one per data-parallel share, which it rewards)
+    when ``reward.kind`` is set, else None. Its worker process starts at once, in the background."""
+    return RewardRunner(config.reward) if config.reward.enabled and asks else None
 
 
 def build_teacher_client(teacher, address: str | None, secret: bytes | None = None):

@@ -23,7 +23,9 @@ from megatron_gkd.rollout.types import RolloutBatch
 from megatron_gkd.trainer.batch import (TCADSpec, TeacherRows, TeacherShare, build_microbatch, common_shape,
                                         plan_microbatches, samples_from_rollout, score_batch, split_to_count,
                                         teacher_rows, token_coefficients)
+from megatron_gkd.trainer.components import build_reward_runner
 from megatron_gkd.trainer.head_check import TeacherHeadMismatch, check_due, check_teacher_head, where
+from megatron_gkd.trainer.reward_exchange import RewardExchange
 from megatron_gkd.trainer.teachers import Request, Teachers
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,9 @@ class InFlight:
         rollout: the sampled batch (all samples of all data-parallel ranks).
         samples: this rank's data-parallel share.
         teacher: this rank's requests ``{teacher name: Request}`` (ranks that ask a teacher), or None.
-        pending: disaggregated rollout: the future of ``(rollout, samples, teacher)`` from the rollout thread.
+        pending: disaggregated rollout: the future of ``(rollout, samples, teacher, reward)`` from the rollout thread.
+        reward: the future of this rank's rewards (:mod:`.reward_exchange`; ranks that compute them), or None.
+        rewards: this rank's rewards, one per sample, once :meth:`BatchFlow.prepare` has them, or None.
     """
 
     index: int
@@ -58,11 +62,13 @@ class InFlight:
     samples: list | None
     teacher: object = None
     pending: object = None
+    reward: object = None
+    rewards: list[float] | None = None
 
     def resolve(self) -> None:
         """Waits for a rollout still running on the rollout server (a no-op otherwise)."""
         if self.pending is not None:
-            self.rollout, self.samples, self.teacher = self.pending.result()
+            self.rollout, self.samples, self.teacher, self.reward = self.pending.result()
             self.pending = None
 
 
@@ -79,9 +85,11 @@ class BatchFlow:
         teachers: the run's :class:`~megatron_gkd.trainer.teachers.Teachers` (the trainer connects their clients
             and loads their heads).
         rollout: the run's :class:`~megatron_gkd.trainer.rollout.Rollout` (None when nothing is sampled).
+        stop_ids: ids that end a response (stripped before its reward is computed).
     """
 
-    def __init__(self, config, state, *, control, dp_group, tokenizer, timers, teachers: Teachers, rollout=None):
+    def __init__(self, config, state, *, control, dp_group, tokenizer, timers, teachers: Teachers, rollout=None,
+                 stop_ids=()):
         self.config, self.state, self.control, self.dp_group = config, state, control, dp_group
         self.tokenizer, self.timers, self.rollout = tokenizer, timers, rollout
         self.loss_kind = config.trainer.run_mode.loss_kind
@@ -90,21 +98,28 @@ class BatchFlow:
         self.teachers = teachers
         # One rank per TP group of the last stage asks a remote teacher and sends the rows to its TP group.
         self.is_teacher_rank = state.is_pipeline_last_stage and state.tp_rank == 0
+        # Rewards are computed where the teacher is asked, each rank's for its share; their worker starts now.
+        self.rewards = RewardExchange(enabled=config.reward.enabled, control=control, timers=timers,
+                                      runner=build_reward_runner(config, asks=self.is_teacher_rank),
+                                      tokenizer=tokenizer, stop_token_ids=stop_ids)
         self.confidence: dict = {}
         self.tcad = {teacher.name: self._tcad_spec(teacher.config) for teacher in teachers}
         self._heads_checked = False  # the first batch checks every hidden-signal teacher's head
 
     # -------------------------------------------------------------------------------------- sampling
     def produce(self, index: int, records, data_state: dict, version: int) -> InFlight:
-        """Samples (or reads) the responses of ``records`` and sends this rank's teacher request."""
+        """Samples (or reads) the responses of ``records`` and sends this rank's teacher request (and its
+        rewards' request)."""
         config = self.config
         prompt_indices = [record.index for record in records]
         prompt_groups = [record.group for record in records]
+        fields = {record.index: {"index": record.index, "answer": record.answer, "group": record.group}
+                  for record in records}
         if config.trainer.run_mode.samples:
             prompts, sampling = [list(r.prompt_ids) for r in records], config.rollout.sampling(self._seed(index))
             if self.rollout.in_background:  # sampled on the rollout server while this rank trains
-                pending = self.rollout.generate_then(prompts, sampling,
-                                                     lambda batch: self._background_share(batch, prompt_indices, prompt_groups))
+                pending = self.rollout.generate_then(
+                    prompts, sampling, lambda batch: self._background_share(batch, prompt_indices, prompt_groups, fields))
                 return InFlight(index, data_state, prompt_indices, None, None, pending=pending)
             with self.timers("rollout"):
                 rollout = self.rollout.generate(prompts, sampling)
@@ -118,14 +133,15 @@ class BatchFlow:
         if needs_teacher(config):
             with self.timers("teacher_send"):
                 teacher = self.request(samples)
-        return InFlight(index, data_state, prompt_indices, rollout, samples, teacher)
+        reward = self.rewards.send(samples, fields)  # decoded here, computed in the reward worker meanwhile
+        return InFlight(index, data_state, prompt_indices, rollout, samples, teacher, reward=reward)
 
-    def _background_share(self, rollout, prompt_indices, prompt_groups):
-        """On the rollout thread: the server's batch and this rank's teacher request for its share (a
+    def _background_share(self, rollout, prompt_indices, prompt_groups, fields):
+        """On the rollout thread: the server's batch and this rank's teacher and reward requests for its share (a
         colocated Megatron teacher is a collective of the training ranks: it is asked in the update)."""
         samples = self.my_samples(rollout, prompt_indices, prompt_groups)
         teacher = self.request(samples, local=False) if needs_teacher(self.config) else None
-        return rollout, samples, teacher
+        return rollout, samples, teacher, self.rewards.send(samples, fields)
 
     def _seed(self, index: int) -> int | None:
         seed = self.config.rollout.seed
@@ -235,6 +251,10 @@ class BatchFlow:
             dist.broadcast(tensor, src=source, group=self.state.tp_group)
         return TeacherRows(*(tensor.cpu() for tensor in tensors))
 
+    def annotation_metrics(self, batch: InFlight) -> dict:
+        """The teachers' and the rewards' metrics of a trained batch (collective over every rank)."""
+        return {**self.teacher_metrics(batch.teacher, batch.samples), **self.rewards.metrics(batch.rewards)}
+
     def teacher_metrics(self, requests: dict[str, Request] | None, samples) -> dict[str, float]:
         """Per teacher: request latency (the slowest rank's), response tokens scored and attempts retried so far
         (summed over the ranks that ask it). Collective over every rank."""
@@ -277,6 +297,8 @@ class BatchFlow:
             asked.update(self.request(batch.samples, local=None if scoring else True, skip=asked, tcad=not scoring))
             batch.teacher = asked
         outputs = self.teacher_outputs(batch.teacher)
+        if not scoring:  # computed meanwhile; waited for after the teacher's rows (a no-op without rewards)
+            batch.rewards = self.rewards.receive(batch.reward)
         with self.timers("batch"):
             rows = self.rows(batch.samples, outputs, tcad=not scoring) if scoring or self.loss_kind == "distill" else {}
             self.check_heads(batch, rows, scoring=scoring)

@@ -44,7 +44,7 @@ class Trainer:
         self.timers = Timers()
         self.step = 0
         self.tokens_trained = 0  # response tokens of the trained batches (trainer.token_budget)
-        self.writer = self.progress = self.rollout = self.evaluator = None
+        self.writer = self.progress = self.rollout = self.evaluator = self.flow = None
         try:
             self._build()
         except BaseException:
@@ -67,6 +67,7 @@ class Trainer:
             self._build_rollout()
         with phase("teacher_wait"):
             self._connect_teacher()
+            self.flow.rewards.wait_ready()  # the reward worker started with the flow (a no-op without rewards)
         with phase("resume"):
             self._resume()
         startup = startup_metrics(phase.pop())
@@ -146,7 +147,7 @@ class Trainer:
         self.rollout = build_rollout(config, self.student, self.tokenizer, control=self.control, out=self.out,
                                      layout=self.layout, stop_ids=self.stop_ids, timers=self.timers)
         self.flow = BatchFlow(config, self.state, control=self.control, dp_group=self._dp_gloo, tokenizer=self.tokenizer,
-                              timers=self.timers, teachers=self.teachers, rollout=self.rollout)
+                              timers=self.timers, teachers=self.teachers, rollout=self.rollout, stop_ids=self.stop_ids)
         if self.eval_data is not None:
             kl = None
             if config.eval.kl and len(self.teachers):  # scored as the distillation modes score, in every mode
@@ -247,7 +248,7 @@ class Trainer:
         if stats is not None:
             metrics.update(loss_metrics(stats, self.teachers.names if self.teachers.several else None))
             metrics.update(self.flow.confidence)
-        metrics.update(self.flow.teacher_metrics(batch.teacher, batch.samples))
+        metrics.update(self.flow.annotation_metrics(batch))
         return metrics
 
     def _sync_weights(self, force: bool = False) -> None:
@@ -308,6 +309,7 @@ class Trainer:
         for name, action in (("progress", lambda: self.progress and self.progress.close()),
                              ("metrics", lambda: self.writer and self.writer.close()),
                              ("teacher clients", lambda: teachers and teachers.close_clients()),
+                             ("reward runner", lambda: self.flow and self.flow.rewards.close()),
                              ("rollout", lambda: self.rollout and self.rollout.close()),
                              ("teacher services", lambda: teachers and teachers.stop_services())):
             try:

@@ -1,0 +1,121 @@
+"""A batch's rewards, as one more annotation of its samples: sent beside the teacher request, waited for
+before the step trains, and measured over the global batch.
+
+| when | what :class:`RewardExchange` does | collective |
+|---|---|---|
+| start-up | :meth:`wait_ready`: the worker has built the reward (a user module that does not import fails here) | every rank |
+| sampling | :meth:`send`: the decoded prompts, responses and records of this rank's share go to the worker | no |
+| update | :meth:`receive`: waits (timer ``reward_wait``); a :class:`~megatron_gkd.rewards.RewardFailed` on any rank stops every rank | every rank |
+| update | :meth:`metrics`: ``reward/mean``, ``reward/min``, ``reward/max`` over every data-parallel share | every rank |
+
+Rewards are computed on the ranks that ask the teacher (one per data-parallel share: the last pipeline stage's
+TP rank 0), each for its own share; the other ranks hold no runner and take part in the collectives only. A
+failure follows the teacher's path: the error is shared by :func:`~megatron_gkd.parallel.comm.agree`, the update
+raises, and the trainer keeps the last complete step (``RunCheckpoints.save_after_failure``); no step is trained
+on a missing reward. Without ``reward.kind`` nothing here runs and no collective is added.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_gkd.parallel.comm import agree
+from megatron_gkd.rewards import RewardBatch, RewardRunner
+
+logger = logging.getLogger(__name__)
+
+
+class RewardExchange:
+    """Sends each batch's rewards to the runner and shares their outcome over the ranks.
+
+    Args:
+        enabled: rewards are computed in this run (``reward.kind`` is set; the same on every rank).
+        runner: this rank's :class:`~megatron_gkd.rewards.RewardRunner`, or None on the ranks that compute none.
+        tokenizer: the student's tokenizer (prompts and responses are rewarded as text).
+        stop_token_ids: ids that end a response; stripped before decoding, as the evaluator does.
+        control: a gloo group over every rank.
+        timers: the trainer's phase timers.
+    """
+
+    def __init__(self, *, enabled: bool, runner: RewardRunner | None, tokenizer, stop_token_ids: Sequence[int],
+                 control, timers):
+        assert runner is None or enabled
+        self.enabled, self.runner, self.tokenizer, self.control, self.timers = enabled, runner, tokenizer, control, timers
+        self._stop = set(stop_token_ids)
+        if enabled:
+            logger.info("rewards are computed and logged (reward/*); the step does not train on them yet")
+
+    def wait_ready(self) -> None:
+        """Collective: returns when every rank's worker has built the reward, else raises on every rank."""
+        if not self.enabled:
+            return
+        error = None
+        if self.runner is not None:
+            try:
+                self.runner.wait_ready()
+            except Exception as caught:  # noqa: BLE001 - shared with every rank below
+                error = caught
+        agree(error, self.control)
+
+    def batch(self, samples, records: dict) -> RewardBatch:
+        """``samples`` as text (``records``: each prompt's record by its dataset row)."""
+        prompts, responses, fields = [], [], []
+        for sample in samples:
+            ids = sample.tokens.tolist()
+            prompt, response = ids[:sample.prompt_len], ids[sample.prompt_len:]
+            while response and response[-1] in self._stop:
+                response.pop()
+            prompts.append(self.tokenizer.decode(prompt, skip_special_tokens=True))
+            responses.append(self.tokenizer.decode(response, skip_special_tokens=True))
+            fields.append(records[sample.prompt_index])
+        return RewardBatch(prompts, responses, fields)
+
+    def send(self, samples, records: dict) -> concurrent.futures.Future | None:
+        """The rewards of ``samples`` as a Future, computed while the caller goes on; None on a rank without a
+        runner. ``records``: ``{dataset row: {"index": ..., "answer": ..., "group": ...}}``."""
+        if self.runner is None:
+            return None
+        return self.runner.submit(self.batch(samples, records))
+
+    def receive(self, future: concurrent.futures.Future | None) -> list[float] | None:
+        """Collective when rewards are on: this rank's rewards (None on a rank without a runner); raises on every
+        rank when any rank's rewards failed (the failing rank's :class:`RewardFailed` names the reward and record)."""
+        if not self.enabled:
+            return None
+        values, error = None, None
+        with self.timers("reward_wait"):
+            if future is not None:
+                try:
+                    values = future.result().values
+                except Exception as caught:  # noqa: BLE001 - shared with every rank below
+                    error = caught
+            elif self.runner is not None:
+                error = RuntimeError("a batch reached its update without its rewards (an internal error)")
+            agree(error, self.control)
+        return values
+
+    def metrics(self, values: list[float] | None) -> dict[str, float]:
+        """``reward/mean``, ``reward/min``, ``reward/max`` over every rank's rewards (collective when rewards are on)."""
+        if not self.enabled:
+            return {}
+        values = values or []
+        # [sum, count, -min, max]: one MAX-reduce cannot sum, so sums and extremes go in two reductions.
+        sums = torch.tensor([sum(values), float(len(values))], dtype=torch.float64)
+        extremes = torch.tensor([-min(values, default=float("inf")), max(values, default=float("-inf"))],
+                                dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size(self.control) > 1:
+            dist.all_reduce(sums, group=self.control)
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.control)
+        count = float(sums[1])
+        assert count > 0, "rewards are on but no rank computed any"
+        return {"reward/mean": float(sums[0]) / count, "reward/min": -float(extremes[0]),
+                "reward/max": float(extremes[1]), "reward/count": count}
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()

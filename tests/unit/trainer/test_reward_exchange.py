@@ -1,0 +1,99 @@
+"""The reward exchange with a fake runner (one process, no torch.distributed): a batch's samples go to the
+runner as text with their records, the rewards come back under the ``reward_wait`` timer, a failure raises
+the runner's RewardFailed, and a run without rewards adds nothing."""
+
+import concurrent.futures
+
+import pytest
+import torch
+
+from megatron_gkd.rewards import RewardFailed, RewardOutput
+from megatron_gkd.trainer.batch import Sample
+from megatron_gkd.trainer.metrics import Timers
+from megatron_gkd.trainer.reward_exchange import RewardExchange
+
+EOS = 9
+
+
+class Tokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        assert skip_special_tokens
+        return " ".join(map(str, ids))
+
+
+class Runner:
+    """Answers each batch with ``values`` (or raises ``error``) and keeps what it was sent."""
+
+    def __init__(self, values=None, error=None, ready_error=None):
+        self.values, self.error, self.ready_error, self.sent = values, error, ready_error, []
+
+    def wait_ready(self):
+        if self.ready_error is not None:
+            raise self.ready_error
+
+    def submit(self, batch):
+        self.sent.append(batch)
+        future = concurrent.futures.Future()
+        if self.error is not None:
+            future.set_exception(self.error)
+        else:
+            future.set_result(RewardOutput(list(self.values), 0.0, 0.0))
+        return future
+
+
+def sample(prompt, response, prompt_index):
+    return Sample(tokens=torch.tensor(prompt + response), prompt_len=len(prompt), group=0, prompt_index=prompt_index)
+
+
+SAMPLES = [sample([1, 2], [3, 4, EOS], 17), sample([5], [6, EOS, EOS], 4), sample([5], [EOS, 7], 4)]
+RECORDS = {17: {"index": 17, "answer": "34", "group": None}, 4: {"index": 4, "answer": "6", "group": "add"}}
+
+
+def exchange(runner, enabled=True):
+    return RewardExchange(enabled=enabled, runner=runner, tokenizer=Tokenizer(), stop_token_ids=(EOS,), control=None,
+                          timers=Timers())
+
+
+def test_samples_go_as_text_with_their_records_and_rewards_come_back_timed():
+    runner = Runner(values=[1.0, 0.0, 0.5])
+    rewards = exchange(runner)
+    future = rewards.send(SAMPLES, RECORDS)
+    (batch,) = runner.sent
+    assert batch.prompts == ["1 2", "5", "5"]
+    assert batch.responses == ["3 4", "6", "9 7"]  # trailing stop ids go; one inside the response stays
+    assert batch.records == [RECORDS[17], RECORDS[4], RECORDS[4]]
+    assert rewards.receive(future) == [1.0, 0.0, 0.5]
+    assert "reward_wait" in rewards.timers.pop()
+    assert rewards.metrics([1.0, 0.0, 0.5]) == {"reward/mean": 0.5, "reward/min": 0.0, "reward/max": 1.0,
+                                                "reward/count": 3.0}
+
+
+def test_a_failed_reward_raises_its_error_naming_the_reward_and_the_record():
+    error = RewardFailed("pkg.mod:fn", "raised ValueError: x on record 1 of 3 (id 4, prompt '5')", record=1)
+    rewards = exchange(Runner(error=error))
+    with pytest.raises(RewardFailed, match=r"reward 'pkg.mod:fn' raised ValueError: x on record 1 of 3 \(id 4"):
+        rewards.receive(rewards.send(SAMPLES, RECORDS))
+
+
+def test_a_batch_without_its_rewards_on_a_rank_that_computes_them_fails():
+    with pytest.raises(RuntimeError, match="without its rewards"):
+        exchange(Runner(values=[])).receive(None)
+
+
+def test_a_worker_that_cannot_start_fails_at_start_up():
+    rewards = exchange(Runner(ready_error=RewardFailed("pkg.mod:fn", "could not start: No module named 'pkg'")))
+    with pytest.raises(RewardFailed, match="could not start: No module named 'pkg'"):
+        rewards.wait_ready()
+
+
+def test_a_rank_without_a_runner_sends_nothing_and_gets_no_rewards():
+    rewards = exchange(None)
+    assert rewards.send(SAMPLES, RECORDS) is None
+    rewards.wait_ready()
+    assert rewards.receive(None) is None
+
+
+def test_without_rewards_nothing_is_waited_for_or_logged():
+    rewards = exchange(None, enabled=False)
+    assert rewards.receive(None) is None and rewards.metrics(None) == {}
+    assert rewards.timers.pop() == {}
