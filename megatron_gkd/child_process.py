@@ -25,6 +25,10 @@ logger = logging.getLogger(__name__)
 _WORLD_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK")
 _handed_out: set[int] = set()
+# (this process, its parent) when this module was imported, early in a child's start-up: a parent that dies
+# while the child is still loading (before it calls exit_with_parent) must be noticed too, and by then
+# os.getppid() already names the process that adopted the orphan.
+_STARTED_AS = (os.getpid(), os.getppid())
 
 
 def exit_with_parent() -> None:
@@ -32,7 +36,9 @@ def exit_with_parent() -> None:
 
     Call it from the child's main thread once its signal handlers are installed.
     """
-    parent = os.getppid()
+    pid, parent = _STARTED_AS
+    if pid != os.getpid():  # a fork of the process that imported this module: its parent is that process
+        parent = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
     if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGTERM)

@@ -1,0 +1,48 @@
+"""A child started with exit_with_parent stops when its parent dies, even while it was still loading."""
+
+import os
+import subprocess
+import sys
+import time
+
+# The child imports the module, says so, then "loads" for 2 s; its parent exits as soon as it has heard.
+CHILD = ("import sys, time, megatron_gkd.child_process as c; print('imported', flush=True); sys.stdout.close(); "
+         "time.sleep(2); c.exit_with_parent(); time.sleep(30)")
+PARENT = ("import subprocess, sys; child = subprocess.Popen([sys.executable, '-c', sys.argv[1]], "
+          "stdout=subprocess.PIPE, stderr=subprocess.DEVNULL); child.stdout.readline(); print(child.pid, flush=True)")
+
+
+def test_a_parent_that_dies_while_the_child_loads_still_stops_the_child():
+    # Once os.getppid() was read inside exit_with_parent: the child, already adopted, took its new
+    # parent for the one that started it and lived on (an orphaned teacher server held 560 MB for 2 h).
+    parent = subprocess.run([sys.executable, "-c", PARENT, CHILD], capture_output=True, text=True, check=True,
+                            env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    child = int(parent.stdout.split()[0])
+    end = time.monotonic() + 20
+    while time.monotonic() < end and _alive(child):
+        time.sleep(0.2)
+    alive = _alive(child)
+    if alive:
+        os.kill(child, 9)
+    assert not alive, "the orphaned child outlived its parent"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_fork_of_the_importing_process_takes_that_process_as_its_parent():
+    # A fork inherits the import-time record of its parent's parent; it must not mistake that for a death.
+    script = ("import os, sys, time, megatron_gkd.child_process as c\n"
+              "pid = os.fork()\n"
+              "if pid == 0:\n"
+              "    c.exit_with_parent(); time.sleep(0.5); os._exit(7)\n"
+              "_, status = os.waitpid(pid, 0)\n"
+              "print(os.waitstatus_to_exitcode(status))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert done.stdout.strip() == "7", f"the fork was stopped: exit code {done.stdout.strip()}"
