@@ -139,6 +139,20 @@ class _FusedDistill(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
+def check_hidden_and_weight(hidden: torch.Tensor, output_weight_shard: torch.Tensor) -> None:
+    """A fused path's inputs fit together: ``[..., h]`` hidden states and a ``[V/tp, h]`` weight of one dtype.
+
+    Raises:
+        ValueError: they do not.
+    """
+    if output_weight_shard.dim() != 2 or hidden.shape[-1] != output_weight_shard.shape[1]:
+        raise ValueError(f"output_weight_shard {tuple(output_weight_shard.shape)} must be [V/tp, h] with h = "
+                         f"hidden.shape[-1] = {hidden.shape[-1]}")
+    if hidden.dtype != output_weight_shard.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and output_weight_shard ({output_weight_shard.dtype}) "
+                         "must share a dtype")
+
+
 def fused_vocab_parallel_distill_loss(
     hidden: torch.Tensor,
     output_weight_shard: torch.Tensor,
@@ -179,14 +193,7 @@ def fused_vocab_parallel_distill_loss(
     real_vocab_size = own.pop("real_vocab_size", None)
     fused = FusedOptions(**own)
     temperature = check_temperature(temperature)
-    if output_weight_shard.dim() != 2 or hidden.shape[-1] != output_weight_shard.shape[1]:
-        raise ValueError(
-            f"output_weight_shard {tuple(output_weight_shard.shape)} must be [V/tp, h] with h = "
-            f"hidden.shape[-1] = {hidden.shape[-1]}"
-        )
-    if hidden.dtype != output_weight_shard.dtype:
-        raise ValueError(f"hidden ({hidden.dtype}) and output_weight_shard ({output_weight_shard.dtype}) "
-                         "must share a dtype")
+    check_hidden_and_weight(hidden, output_weight_shard)
     lead = hidden.shape[:-1]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     layout = ShardLayout.of(tp_group, output_weight_shard.shape[0], real_vocab_size)

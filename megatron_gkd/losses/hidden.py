@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_gkd.losses.dense import DenseDivergence, dense_divergence
-from megatron_gkd.losses.shard_ops import (ShardLayout, all_gather_rows, combine_shards, compute_dtype, local_logsumexp,
-                                          rows_per_chunk)
+from megatron_gkd.losses.shard_ops import ShardLayout, all_gather_rows, compute_dtype, rows_per_chunk
+from megatron_gkd.losses.token_logprobs import vocab_parallel_token_logprobs
 from megatron_gkd.losses.vocab_parallel import check_temperature
 
 DEFAULT_CHUNK_SIZE = 256
@@ -314,22 +314,11 @@ def hidden_token_logprobs(
     """
     check_temperature(teacher_temperature)
     hidden = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
-    ids = token_ids.reshape(-1).to(device=hidden.device, dtype=torch.int64)
-    if teacher_weight.dim() != 2 or teacher_weight.shape[1] != hidden.shape[1] or ids.numel() != hidden.shape[0]:
+    if teacher_weight.dim() != 2 or teacher_weight.shape[1] != hidden.shape[1] or token_ids.numel() != hidden.shape[0]:
         raise ValueError(f"teacher_hidden {tuple(teacher_hidden.shape)}, teacher_weight {tuple(teacher_weight.shape)} "
                          f"and token_ids {tuple(token_ids.shape)} must be [N, h_t], [V/tp, h_t] and [N]")
-    dtype = compute_dtype(teacher_weight.dtype)
-    shard = _Shard.of(ShardLayout.of(tp_group, teacher_weight.shape[0]), real_vocab_size)
-    if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < shard.layout.tokens:
-        raise ValueError(f"token_ids must be tokens, in [0, {shard.layout.tokens}); got [{int(ids.min())}, "
-                         f"{int(ids.max())}]")
-    logits = (hidden.to(teacher_weight.dtype) @ teacher_weight[:shard.num_real].t()).to(dtype)  # [N, real ids here]
-    local_lse = local_logsumexp(logits, teacher_temperature, dtype)
-    local = ids - shard.layout.vocab_start
-    owned = (local >= 0) & (local < shard.num_real)
-    token_logits = torch.zeros(ids.numel(), 1, dtype=dtype, device=hidden.device)
-    if shard.num_real:  # exactly 0 where another rank owns the id: the sum over ranks is the owner's value
-        picked = logits.gather(1, torch.where(owned, local, torch.zeros_like(local))[:, None]) / teacher_temperature
-        token_logits = torch.where(owned[:, None], picked, token_logits)
-    lse, token_logits = combine_shards(local_lse, token_logits, shard.layout)
-    return token_logits[:, 0] - lse
+    # The loss's logits: a matmul in the head's dtype, widened to the compute dtype; padding rows are left
+    # out by real_vocab_size below, as the loss leaves them out.
+    logits = (hidden.to(teacher_weight.dtype) @ teacher_weight.t()).to(compute_dtype(teacher_weight.dtype))
+    return vocab_parallel_token_logprobs(logits, token_ids, tp_group, temperature=teacher_temperature,
+                                         real_vocab_size=real_vocab_size)

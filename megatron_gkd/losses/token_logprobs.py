@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_gkd.losses.fused import FusedOptions, fused_grads, fused_partials
+from megatron_gkd.losses.fused import FusedOptions, check_hidden_and_weight, fused_grads, fused_partials
 from megatron_gkd.losses.shard_ops import (
     LocalSupport,
     ShardLayout,
@@ -176,12 +176,7 @@ def fused_vocab_parallel_token_logprobs(
     temperature = check_temperature(temperature)
     fused = FusedOptions(all_reduce_hidden_grad=all_reduce_hidden_grad) if chunk_size is None else \
         FusedOptions(chunk_size=chunk_size, all_reduce_hidden_grad=all_reduce_hidden_grad)
-    if output_weight_shard.dim() != 2 or hidden.shape[-1] != output_weight_shard.shape[1]:
-        raise ValueError(f"output_weight_shard {tuple(output_weight_shard.shape)} must be [V/tp, h] with h = "
-                         f"hidden.shape[-1] = {hidden.shape[-1]}")
-    if hidden.dtype != output_weight_shard.dtype:
-        raise ValueError(f"hidden ({hidden.dtype}) and output_weight_shard ({output_weight_shard.dtype}) must share "
-                         "a dtype")
+    check_hidden_and_weight(hidden, output_weight_shard)
     lead = hidden.shape[:-1]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     layout = ShardLayout.of(tp_group, output_weight_shard.shape[0], real_vocab_size)
