@@ -7,15 +7,16 @@ Trainer-side use::
     client.align_vocab(student_tokenizer, student_vocab_size)
     future = client.score_async(ScoreBatch(sequences=[...], top_k=64))
     outputs = future.result()          # list[TeacherOutput], validated, or an exception
+    samples = client.generate(GenerateBatch(prompts=[...], num_samples=4, max_tokens=64, stop_ids=(eos,)))
 
 Server side: ``launch/teacher_server.py`` (see docs/teacher_protocol.md).
 """
 
 from megatron_gkd.teacher.clients import RetryPolicy, TeacherClient, build_client, client_names
-from megatron_gkd.teacher.types import (ErrorCode, ScoreBatch, SequenceRequest, TeacherError,
-                                        TeacherOutput, TeacherOutputError)
+from megatron_gkd.teacher.types import (ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, SequenceRequest,
+                                        TeacherError, TeacherOutput, TeacherOutputError)
 
 __all__ = [
-    "ErrorCode", "RetryPolicy", "ScoreBatch", "SequenceRequest", "TeacherClient", "TeacherError",
-    "TeacherOutput", "TeacherOutputError", "build_client", "client_names",
+    "ErrorCode", "GenerateBatch", "GeneratedSample", "RetryPolicy", "ScoreBatch", "SequenceRequest", "TeacherClient",
+    "TeacherError", "TeacherOutput", "TeacherOutputError", "build_client", "client_names",
 ]

@@ -16,8 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_gkd.teacher import wire
-from megatron_gkd.teacher.types import (HIDDEN_DTYPES, TEACHER_SIGNALS, ErrorCode, ScoreBatch,
-                                        SequenceRequest, TeacherError, TeacherOutput, TeacherOutputError)
+from megatron_gkd.teacher.types import (HIDDEN_DTYPES, MAX_STOP_IDS, TEACHER_SIGNALS, ErrorCode, GenerateBatch,
+                                        GeneratedSample, ScoreBatch, SequenceRequest, TeacherError, TeacherOutput,
+                                        TeacherOutputError, check_generated)
 
 MAX_SEQUENCES = 65536
 MAX_TOP_K = 65536
@@ -26,6 +27,13 @@ _REQUEST_DTYPES = {"token_ids": "int32", "lengths": "int64", "response_starts": 
                    "requested_ids": "int32"}
 _SCORE_META = {"top_k", "temperature"}
 _HIDDEN_META = {"signal", "hidden_dtype"}  # present together, in hidden requests only
+_GENERATE_META = {"num_samples", "temperature", "top_p", "top_k", "max_tokens", "seed", "score_top_k",
+                  "score_temperature"}
+_GENERATE_TENSORS = {"prompt_ids": "int32", "prompt_lengths": "int64", "stop_ids": "int32"}
+_GENERATED_DTYPES = {"response_ids": "int32", "topk_ids": "int32", "topk_logprobs": "float32",
+                     "token_logprobs": "float32"}
+MAX_SAMPLES = 1024  # responses per prompt; the worker's own bounds (WorkLimits) are tighter
+MAX_NEW_TOKENS = 2**20
 
 
 def result_row_bytes(batch: ScoreBatch, hidden_size: int | None = None) -> int:
@@ -202,3 +210,118 @@ def decode_result(message: wire.Message, batch: ScoreBatch,
                                        hidden_size=hidden_size))
         offset += rows
     return outputs
+
+
+# ---- generate ------------------------------------------------------------------------------------
+# A GENERATE request carries the prompts packed like a SCORE's sequences and the sampling parameters in
+# its meta; the GENERATED reply carries the responses packed (``response_lengths`` per response, prompt
+# by prompt) and, when ``score_top_k`` was asked, their rows as a top-k RESULT would.
+
+
+def encode_generate_request(request_id: str, batch: GenerateBatch, secret: bytes | None) -> list[bytes]:
+    """Frames of a GENERATE request for ``batch``."""
+    tensors = {"prompt_ids": _ids_to_wire(np.concatenate(batch.prompts)),
+               "prompt_lengths": np.array([len(p) for p in batch.prompts], dtype=np.int64),
+               "stop_ids": _ids_to_wire(np.array(batch.stop_ids, dtype=np.int64))}
+    meta = {name: getattr(batch, name) for name in sorted(_GENERATE_META)}
+    return wire.encode(wire.GENERATE, request_id, meta, tensors, secret)
+
+
+def decode_generate_request(message: wire.Message) -> GenerateBatch:
+    """Validates a GENERATE message and rebuilds its GenerateBatch; raises WireError(BAD_REQUEST)."""
+    meta, tensors = message.meta, message.tensors
+    if set(meta) != _GENERATE_META:
+        raise _bad(f"generate meta keys {sorted(map(str, meta))} != {sorted(_GENERATE_META)}")
+    if set(tensors) != set(_GENERATE_TENSORS):
+        raise _bad(f"generate tensors {sorted(tensors)} != {sorted(_GENERATE_TENSORS)}")
+    for key, array in tensors.items():
+        if array.dtype != wire.DTYPES[_GENERATE_TENSORS[key]] or array.ndim != 1:
+            raise _bad(f"{key} must be a 1-D {_GENERATE_TENSORS[key]} tensor, got {array.dtype} {array.shape}")
+    # type() rather than isinstance: True is an int to Python. Wire-level sanity only: the worker's
+    # WorkLimits bound the work itself.
+    for key, low, high in (("num_samples", 1, MAX_SAMPLES), ("max_tokens", 1, MAX_NEW_TOKENS),
+                           ("top_k", 0, 2**31 - 1)):
+        if not (type(meta[key]) is int and low <= meta[key] <= high):
+            raise _bad(f"{key}={meta[key]!r} must be an int in [{low}, {high}]")
+    for key in ("temperature", "top_p", "score_temperature"):
+        if type(meta[key]) not in (int, float):
+            raise _bad(f"{key}={meta[key]!r} must be a number")
+    if meta["score_top_k"] is not None and not (type(meta["score_top_k"]) is int
+                                                and 1 <= meta["score_top_k"] <= MAX_TOP_K):
+        raise _bad(f"score_top_k={meta['score_top_k']!r} must be null or an int in [1, {MAX_TOP_K}]")
+    prompt_ids, lengths, stop_ids = tensors["prompt_ids"], tensors["prompt_lengths"], tensors["stop_ids"]
+    if not 1 <= len(lengths) <= MAX_SEQUENCES:
+        raise _bad(f"a request holds 1..{MAX_SEQUENCES} prompts, got {len(lengths)}")
+    # Bounding every length by N first keeps the int64 sum from wrapping (as for SCORE).
+    if lengths.min() < 1 or lengths.max() > len(prompt_ids) or int(lengths.sum()) != len(prompt_ids):
+        raise _bad("prompt_lengths must be >= 1 and sum to len(prompt_ids)")
+    if len(stop_ids) > MAX_STOP_IDS:
+        raise _bad(f"at most {MAX_STOP_IDS} stop ids, got {len(stop_ids)}")
+    if prompt_ids.min() < 0 or (stop_ids.size and stop_ids.min() < 0):
+        raise _bad("token ids must be >= 0")
+    bounds = np.cumsum(lengths)[:-1]
+    try:  # a ValueError here is the request's fault: it must not pass for a backend failure
+        return GenerateBatch(prompts=np.split(prompt_ids.astype(np.int64), bounds),
+                             stop_ids=tuple(stop_ids.tolist()), **meta)
+    except ValueError as error:
+        raise _bad(str(error)) from None
+
+
+def encode_generated(request_id: str, samples: list[GeneratedSample], secret: bytes | None) -> list[bytes]:
+    """Frames of a GENERATED message holding ``samples`` (with their rows when they carry them)."""
+    tensors = {"response_lengths": np.array([len(s.response_ids) for s in samples], dtype=np.int64),
+               "response_ids": _ids_to_wire(np.concatenate([s.response_ids for s in samples]))}
+    if samples[0].output is not None:
+        outputs = [s.output for s in samples]
+        tensors |= {"topk_ids": _ids_to_wire(np.concatenate([o.topk_ids for o in outputs])),
+                    "topk_logprobs": np.concatenate([o.topk_logprobs for o in outputs]).astype(np.float32),
+                    "token_logprobs": np.concatenate([o.token_logprobs for o in outputs]).astype(np.float32)}
+    return wire.encode(wire.GENERATED, request_id, {}, tensors, secret)
+
+
+def decode_generated(message: wire.Message, batch: GenerateBatch, vocab_size: int) -> list[GeneratedSample]:
+    """Splits a GENERATED reply into validated samples (:func:`~megatron_gkd.teacher.types.check_generated`).
+
+    Args:
+        message: the decoded GENERATED.
+        batch: the request it answers.
+        vocab_size: the teacher's tokenizer size (its INFO): ids at or past it are refused.
+
+    Raises:
+        TeacherOutputError: naming the request and what is wrong; nothing partial is returned.
+    """
+    tensors, name = message.tensors, f"generate request {message.request_id}"
+    expected = {"response_lengths", "response_ids"}
+    if batch.score_top_k is not None:
+        expected |= {"topk_ids", "topk_logprobs", "token_logprobs"}
+    if set(tensors) != expected:
+        raise TeacherOutputError(f"{name}: reply tensors {sorted(tensors)} != {sorted(expected)}")
+    lengths, ids = tensors["response_lengths"], tensors["response_ids"]
+    if lengths.dtype != np.int64 or lengths.shape != (batch.num_responses,):
+        raise TeacherOutputError(f"{name}: {lengths.shape[0] if lengths.ndim else 0} responses for "
+                                 f"{len(batch.prompts)} prompts x num_samples={batch.num_samples}; "
+                                 f"expected {batch.num_responses}")
+    if (lengths < 1).any() or (lengths > batch.max_tokens).any():
+        index = int(np.argmax((lengths < 1) | (lengths > batch.max_tokens)))
+        raise TeacherOutputError(f"{name}: response {index} has {int(lengths[index])} tokens; a response has "
+                                 f"1..max_tokens={batch.max_tokens}")
+    total = int(lengths.sum())  # bounded by max_tokens each: no wrap
+    for key in sorted(expected - {"response_lengths"}):
+        dtype, array = _GENERATED_DTYPES[key], tensors[key]
+        if array.shape[:1] != (total,) or array.dtype != wire.DTYPES[dtype]:
+            raise TeacherOutputError(f"{name}: {key} is {array.dtype} {array.shape}, expected {total} rows of "
+                                     f"{dtype}")
+    if ids.ndim != 1:
+        raise TeacherOutputError(f"{name}: response_ids must be [sum T], got shape {ids.shape}")
+    samples, offset = [], 0
+    for index, length in enumerate(lengths.tolist()):
+        part = slice(offset, offset + length)
+        output = None
+        if batch.score_top_k is not None:
+            output = TeacherOutput(topk_ids=tensors["topk_ids"][part].astype(np.int64),
+                                   topk_logprobs=tensors["topk_logprobs"][part].copy(),
+                                   token_logprobs=tensors["token_logprobs"][part].copy())
+        samples.append(GeneratedSample(prompt_index=index // batch.num_samples,
+                                       response_ids=ids[part].astype(np.int64), output=output))
+        offset += length
+    return check_generated(samples, batch, vocab_size, name=name)

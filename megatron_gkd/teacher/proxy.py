@@ -321,7 +321,7 @@ class Proxy:
             self._prove(self._front, connection, body)
             return
         try:
-            message = wire.decode(body, self._limits, self._secret, expect=(wire.SCORE, wire.INFO))
+            message = wire.decode(body, self._limits, self._secret, expect=wire.REQUEST_TYPES)
         except wire.WireError as error:
             self._refuse(connection, error, body)
             return

@@ -13,13 +13,15 @@ import logging
 import socket
 import threading
 
+import numpy as np
 import zmq
 
 from megatron_gkd.teacher import codec, wire
 from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
 from megatron_gkd.teacher.proxy import Proxy  # noqa: F401 - re-exported
 from megatron_gkd.teacher.security import RefusalLog, check_exposure, is_loopback  # noqa: F401 - re-exported
-from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, TeacherError
+from megatron_gkd.teacher.types import (ErrorCode, GenerateBatch, ScoreBatch, SequenceRequest, TeacherError,
+                                        check_generated)
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +37,22 @@ class WorkLimits:
     ``max_message_bytes``) are bounded too; those limits come from the backend and the wire.
 
     Attributes:
-        max_request_tokens: tokens (prompt + response) of all sequences of one request.
+        max_request_tokens: tokens (prompt + response) of all sequences of one request; for a generate
+            request every response counts as its prompt plus ``max_tokens``.
+        max_generate_prompts: prompts of one generate request.
+        max_new_tokens: ``max_tokens`` (the longest response) a generate request may ask for.
     """
 
     max_request_tokens: int = 2**21
+    max_generate_prompts: int = 4096
+    max_new_tokens: int = 8192
 
     def __post_init__(self):
         if self.max_request_tokens < 2:
             raise ValueError(f"WorkLimits.max_request_tokens={self.max_request_tokens} must be >= 2")
+        if self.max_generate_prompts < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"WorkLimits.max_generate_prompts={self.max_generate_prompts} and max_new_tokens="
+                             f"{self.max_new_tokens} must be >= 1")
 
 
 def result_bytes(batch: ScoreBatch, hidden_size: int | None = None) -> int:
@@ -54,6 +64,13 @@ def result_bytes(batch: ScoreBatch, hidden_size: int | None = None) -> int:
 
 def check_work(batch: ScoreBatch, info: BackendInfo, work: WorkLimits, limits: wire.Limits) -> None:
     """Refuses, with a typed TeacherError, a request whose work or answer would pass a bound."""
+    if batch.num_requested is not None and not info.supports_requested_ids:
+        raise TeacherError(ErrorCode.UNSUPPORTED, f"the {info.name} backend cannot score "
+                           "requested ids (TCAD); use the hf or megatron backend")
+    if batch.temperature != 1.0 and not info.supports_temperature:
+        raise TeacherError(ErrorCode.UNSUPPORTED, f"the {info.name} backend scores at temperature 1.0 "
+                           f"only, got {batch.temperature}; set teacher.temperature=1.0, or serve this "
+                           "teacher with the hf or megatron backend")
     if batch.signal not in info.signals:
         raise TeacherError(ErrorCode.UNSUPPORTED, f"the {info.name} backend serves the signals {info.signals}, "
                            f"not {batch.signal!r}; use the hf or megatron backend for hidden states")
@@ -72,6 +89,45 @@ def check_work(batch: ScoreBatch, info: BackendInfo, work: WorkLimits, limits: w
     if size > limits.max_message_bytes:
         raise TeacherError(ErrorCode.TOO_LARGE, f"the result would have {size} bytes, over the limit "
                            f"of {limits.max_message_bytes}; send smaller batches")
+
+
+def check_generate_work(batch: GenerateBatch, info: BackendInfo, work: WorkLimits, limits: wire.Limits) -> None:
+    """Refuses, with a typed TeacherError, a generate request whose work or answer would pass a bound
+    (before any token is sampled): too many prompts, too long responses, more tokens than a request may
+    hold, longer than the context, ids outside the vocabulary, a reply over the message limit, or scored
+    rows the backend cannot give."""
+    if not info.supports_generate:
+        raise TeacherError(ErrorCode.UNSUPPORTED, f"the {info.name} teacher backend cannot generate; serve the "
+                           "teacher with the hf, vllm or megatron backend")
+    if len(batch.prompts) > work.max_generate_prompts:
+        raise TeacherError(ErrorCode.TOO_LARGE, f"the request holds {len(batch.prompts)} prompts, over this "
+                           f"worker's max_generate_prompts={work.max_generate_prompts}; send fewer prompts")
+    if batch.max_tokens > work.max_new_tokens:
+        raise TeacherError(ErrorCode.TOO_LARGE, f"max_tokens={batch.max_tokens} is over this worker's "
+                           f"max_new_tokens={work.max_new_tokens}")
+    longest = max(len(p) for p in batch.prompts) + batch.max_tokens
+    if info.max_sequence_length is not None and longest > info.max_sequence_length:
+        raise TeacherError(ErrorCode.BAD_REQUEST, f"a prompt plus max_tokens={batch.max_tokens} makes {longest} "
+                           f"tokens, longer than the teacher's context of {info.max_sequence_length} tokens")
+    tokens = batch.num_samples * (sum(len(p) for p in batch.prompts) + len(batch.prompts) * batch.max_tokens)
+    if tokens > work.max_request_tokens:
+        raise TeacherError(ErrorCode.TOO_LARGE, f"the request may hold {tokens} tokens (num_samples="
+                           f"{batch.num_samples} x (prompts + max_tokens={batch.max_tokens} each)), over this "
+                           f"worker's max_request_tokens={work.max_request_tokens}; send smaller batches")
+    for what, ids in (("prompt", np.concatenate(batch.prompts)), ("stop", np.array(batch.stop_ids, np.int64))):
+        if ids.size and int(ids.max()) >= info.tokenizer_size:
+            raise TeacherError(ErrorCode.BAD_REQUEST, f"{what} id {int(ids.max())} is outside the teacher's "
+                               f"vocabulary of {info.tokenizer_size}")
+    row_bytes = 4  # the response id
+    if batch.score_top_k is not None:
+        scored = ScoreBatch(sequences=[SequenceRequest(token_ids=[0, 0], response_start=1)],
+                            top_k=batch.score_top_k, temperature=batch.score_temperature)
+        check_work(scored, info, work, limits)  # what the backend can score (k, temperature)
+        row_bytes += codec.result_row_bytes(scored)
+    size = batch.num_responses * (batch.max_tokens * row_bytes + 8) + _RESULT_OVERHEAD
+    if size > limits.max_message_bytes:
+        raise TeacherError(ErrorCode.TOO_LARGE, f"the reply may have {size} bytes, over the limit of "
+                           f"{limits.max_message_bytes}; send fewer prompts or a smaller max_tokens")
 
 
 class Worker:
@@ -134,7 +190,7 @@ class Worker:
         envelope, body = frames[:2], frames[2:]
         try:
             message = wire.decode(body, self._limits, self._secret,
-                                  expect=(wire.SCORE, wire.INFO, wire.CHALLENGE, wire.ERROR))
+                                  expect=(*wire.REQUEST_TYPES, wire.CHALLENGE, wire.ERROR))
         except wire.WireError as error:
             kind = wire.peek_type(body)
             if kind in (wire.CHALLENGE, wire.ERROR):  # the proxy's own messages: never answered
@@ -184,20 +240,32 @@ class Worker:
         if message.type == wire.INFO:
             return wire.encode(wire.INFO_RESULT, message.request_id, self._backend.info().to_dict(),
                                secret=self._secret)
+        if message.type == wire.GENERATE:
+            return self._generate(message)
         batch = codec.decode_request(message)
+        outputs = self._score(batch, message.request_id)
+        return codec.encode_result(message.request_id, outputs, self._secret, batch.hidden_dtype)
+
+    def _score(self, batch: ScoreBatch, request_id: str) -> list:
         info = self._backend.info()
-        if batch.num_requested is not None and not info.supports_requested_ids:
-            raise TeacherError(ErrorCode.UNSUPPORTED, f"the {info.name} backend cannot score "
-                               "requested ids (TCAD); use the hf or megatron backend")
-        if batch.temperature != 1.0 and not info.supports_temperature:
-            raise TeacherError(ErrorCode.UNSUPPORTED, f"the {info.name} backend scores at temperature 1.0 "
-                               f"only, got {batch.temperature}; set teacher.temperature=1.0, or serve this "
-                               "teacher with the hf or megatron backend")
         check_work(batch, info, self._work, self._limits)
         outputs = self._backend.score(batch)
         hidden_size = info.hidden_size if batch.is_hidden else None
         for index, (output, sequence) in enumerate(zip(outputs, batch.sequences, strict=True)):
             output.validate(sequence.num_response_tokens, batch.top_k, batch.num_requested,
-                            name=f"sequence {index} of request {message.request_id}", sequence=sequence,
+                            name=f"sequence {index} of request {request_id}", sequence=sequence,
                             hidden_size=hidden_size)
-        return codec.encode_result(message.request_id, outputs, self._secret, batch.hidden_dtype)
+        return outputs
+
+    def _generate(self, message: wire.Message) -> list[bytes]:
+        """Samples the responses and, when asked, scores them in the same request (one round trip)."""
+        batch = codec.decode_generate_request(message)
+        info = self._backend.info()
+        check_generate_work(batch, info, self._work, self._limits)
+        samples = self._backend.generate(batch)
+        if batch.score_top_k is not None:
+            outputs = self._score(batch.score_batch(samples), message.request_id)
+            samples = [dataclasses.replace(s, output=o) for s, o in zip(samples, outputs, strict=True)]
+        # A backend that breaks the contract is a bug here, not the client's to find.
+        check_generated(samples, batch, info.tokenizer_size, name=f"generate request {message.request_id}")
+        return codec.encode_generated(message.request_id, samples, self._secret)

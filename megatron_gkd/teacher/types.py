@@ -288,3 +288,166 @@ def _check_agreement(fail, topk_ids: np.ndarray, topk_logprobs: np.ndarray, ids:
         row, column = (int(i) for i in np.argwhere(above)[0])
         fail(f"{key} row {row} gives id {int(ids[row, column])} log-prob {float(logprobs[row, column])}, "
              f"above the k-th top-k entry {float(floor[row, 0])}, yet the id is not in the top-k")
+
+
+MAX_STOP_IDS = 64  # stop ids per generate request: end-of-turn tokens, never a list to scan at length
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class GenerateBatch:
+    """Prompts the teacher answers with its own samples (sequence-level KD, GKD's teacher data).
+
+    Every prompt gets ``num_samples`` responses, sampled from ``softmax(logits / temperature)`` of the
+    teacher restricted by ``top_k`` and ``top_p``. A response ends with the first stop id it samples
+    (kept: the student must learn to end) or after ``max_tokens`` tokens; it has at least one token.
+
+    Attributes:
+        prompts: ``[P_i]`` int64 token ids per prompt, in the teacher's (= the student's) vocabulary.
+        num_samples: responses per prompt (``n``).
+        temperature: sampling temperature; 0 samples greedily (the arg-max, ties to the lowest id).
+        top_p: nucleus sampling: the smallest set of most likely ids whose probability reaches it (1: all).
+        top_k: sample among the k most likely ids only (0: the whole vocabulary).
+        max_tokens: longest response.
+        stop_ids: ids that end a response (e.g. the tokenizer's end-of-sequence id); none: only
+            ``max_tokens`` ends it.
+        seed: makes a backend's samples repeat: the same request to the same teacher gives the same
+            responses. Sample ``j`` of prompt ``i`` draws from its own stream, seeded with
+            ``(seed, i, j)``, so it does not depend on how the backend groups rows. None: fresh entropy.
+        score_top_k: also return each response's scored rows (k per row, as a :class:`ScoreBatch` of
+            prompt + response would), in the same round trip; None: responses only.
+        score_temperature: the temperature of those rows (the loss's teacher temperature, not the
+            sampling one).
+    """
+
+    prompts: list[np.ndarray]
+    num_samples: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    stop_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    score_top_k: int | None = None
+    score_temperature: float = 1.0
+
+    def __post_init__(self):
+        if not self.prompts:
+            raise ValueError("GenerateBatch.prompts is empty; send at least one prompt")
+        self.prompts = [np.ascontiguousarray(p, dtype=np.int64) for p in self.prompts]
+        for index, prompt in enumerate(self.prompts):
+            if prompt.ndim != 1 or len(prompt) < 1 or (prompt < 0).any():
+                raise ValueError(f"GenerateBatch.prompts[{index}] must be 1-D, non-empty ids >= 0, got shape "
+                                 f"{prompt.shape}")
+        for name in ("num_samples", "max_tokens"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:  # type(): True is an int to Python
+                raise ValueError(f"GenerateBatch.{name}={value!r} must be a positive int")
+        if type(self.top_k) is not int or self.top_k < 0:
+            raise ValueError(f"GenerateBatch.top_k={self.top_k!r} must be an int >= 0 (0: the whole vocabulary)")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"GenerateBatch.temperature={self.temperature!r} must be finite and >= 0 (0: greedy)")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"GenerateBatch.top_p={self.top_p!r} must be in (0, 1]")
+        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        self.stop_ids = tuple(int(i) for i in self.stop_ids)
+        if len(self.stop_ids) > MAX_STOP_IDS or any(i < 0 for i in self.stop_ids):
+            raise ValueError(f"GenerateBatch.stop_ids={self.stop_ids!r} must be at most {MAX_STOP_IDS} ids >= 0")
+        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed < 2**63):
+            raise ValueError(f"GenerateBatch.seed={self.seed!r} must be None or an int in [0, 2**63)")
+        if self.score_top_k is not None and (type(self.score_top_k) is not int or self.score_top_k < 1):
+            raise ValueError(f"GenerateBatch.score_top_k={self.score_top_k!r} must be None or a positive int")
+        if not (isinstance(self.score_temperature, (int, float)) and math.isfinite(self.score_temperature)
+                and self.score_temperature > 0):
+            raise ValueError(f"GenerateBatch.score_temperature={self.score_temperature!r} must be finite and > 0")
+        self.score_temperature = float(self.score_temperature)
+
+    @property
+    def num_responses(self) -> int:
+        """Responses the teacher returns: ``len(prompts) * num_samples``."""
+        return len(self.prompts) * self.num_samples
+
+    def score_batch(self, samples: list["GeneratedSample"]) -> ScoreBatch:
+        """The ScoreBatch of each sample's prompt + response, whose rows ``score_top_k`` asks for."""
+        assert self.score_top_k is not None, "only a batch that asks for scored rows has a ScoreBatch"
+        return ScoreBatch(sequences=[sample.sequence(self.prompts[sample.prompt_index]) for sample in samples],
+                          top_k=self.score_top_k, temperature=self.score_temperature)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class GeneratedSample:
+    """One teacher response to one prompt of a :class:`GenerateBatch`.
+
+    Responses come back prompt by prompt: ``num_samples`` for prompt 0, then for prompt 1, and so on.
+
+    Attributes:
+        prompt_index: which prompt of the batch it answers.
+        response_ids: ``[T]`` int64, ``1 <= T <= max_tokens``; the last id is a stop id when the
+            response stopped, and no earlier id is one.
+        output: the scored rows of prompt + response (``[T, score_top_k]``) when the batch asked for
+            them, else None.
+    """
+
+    prompt_index: int
+    response_ids: np.ndarray
+    output: TeacherOutput | None = None
+
+    def sequence(self, prompt: np.ndarray) -> SequenceRequest:
+        """Prompt + this response, as a sequence to score."""
+        return SequenceRequest(token_ids=np.concatenate([prompt, self.response_ids]), response_start=len(prompt))
+
+    def finish_reason(self, stop_ids: tuple[int, ...]) -> str:
+        """``"stop"`` when the response ends with one of ``stop_ids``, else ``"length"``."""
+        return "stop" if len(self.response_ids) and int(self.response_ids[-1]) in stop_ids else "length"
+
+
+def check_generated(samples: list[GeneratedSample], batch: GenerateBatch, vocab_size: int,
+                    name: str = "generate request") -> list[GeneratedSample]:
+    """Checks teacher responses against the request; returns them, or raises naming what is wrong.
+
+    Args:
+        samples: the responses, in the order :class:`GeneratedSample` describes.
+        batch: the request they answer.
+        vocab_size: ids at or past it are not tokens (the teacher's tokenizer size).
+        name: how errors name the request.
+
+    Raises:
+        TeacherOutputError: a response is missing or extra, out of order, empty, longer than
+            ``max_tokens``, holds an id outside ``[0, vocab_size)``, goes on past a stop id, ends short of
+            ``max_tokens`` without one, or its scored rows break the TeacherOutput contract.
+    """
+    if len(samples) != batch.num_responses:
+        raise TeacherOutputError(f"{name}: {len(samples)} responses for {len(batch.prompts)} prompts x "
+                                 f"num_samples={batch.num_samples}; expected {batch.num_responses}")
+    stops = np.array(batch.stop_ids, dtype=np.int64)
+    for index, sample in enumerate(samples):
+        where = f"{name}: response {index} (prompt {index // batch.num_samples}, sample {index % batch.num_samples})"
+
+        def fail(what: str):
+            raise TeacherOutputError(f"{where}: {what}")
+
+        if sample.prompt_index != index // batch.num_samples:
+            fail(f"answers prompt {sample.prompt_index}: responses must come prompt by prompt")
+        ids = sample.response_ids
+        if not isinstance(ids, np.ndarray) or ids.dtype != np.int64 or ids.ndim != 1:
+            fail(f"response_ids must be a 1-D int64 array, got {getattr(ids, 'dtype', type(ids).__name__)}")
+        if not 1 <= len(ids) <= batch.max_tokens:
+            fail(f"has {len(ids)} tokens; a response has 1..max_tokens={batch.max_tokens}")
+        outside = (ids < 0) | (ids >= vocab_size)
+        if outside.any():
+            position = int(np.argmax(outside))
+            fail(f"token {position} is id {int(ids[position])}, outside the teacher's vocabulary of {vocab_size} ids")
+        stopped = np.isin(ids[:-1], stops)
+        if stopped.any():
+            fail(f"goes on after stop id {int(ids[int(np.argmax(stopped))])} at token {int(np.argmax(stopped))}")
+        if sample.finish_reason(batch.stop_ids) == "length" and len(ids) != batch.max_tokens:
+            fail(f"ends after {len(ids)} tokens without a stop id, short of max_tokens={batch.max_tokens}")
+        if batch.score_top_k is None:
+            if sample.output is not None:
+                fail("carries scored rows although none were asked for")
+        elif sample.output is None:
+            fail(f"has no scored rows although score_top_k={batch.score_top_k} was asked for")
+        else:
+            sample.output.validate(len(ids), batch.score_top_k, name=where,
+                                   sequence=sample.sequence(batch.prompts[sample.prompt_index]))
+    return samples

@@ -31,12 +31,15 @@ from megatron_gkd.teacher.types import ErrorCode, TeacherError
 PROTOCOL_VERSION = 1
 MAC_BYTES = 32
 
-# Message types. A client sends SCORE or INFO; a worker answers RESULT, INFO_RESULT or ERROR. On every
-# new connection the proxy sends a CHALLENGE (a fresh nonce): a client answers HELLO, a worker
-# REGISTER (the nonce, signed), and only then may it send requests (client) or get them (worker).
+# Message types. A client sends SCORE, GENERATE or INFO; a worker answers RESULT, GENERATED,
+# INFO_RESULT or ERROR. On every new connection the proxy sends a CHALLENGE (a fresh nonce): a client
+# answers HELLO, a worker REGISTER (the nonce, signed), and only then may it send requests (client) or
+# get them (worker).
 SCORE, RESULT, INFO, INFO_RESULT, ERROR = "score", "result", "info", "info_result", "error"
+GENERATE, GENERATED = "generate", "generated"
 CHALLENGE, REGISTER, HELLO = "challenge", "register", "hello"
-MESSAGE_TYPES = (SCORE, RESULT, INFO, INFO_RESULT, ERROR, CHALLENGE, REGISTER, HELLO)
+MESSAGE_TYPES = (SCORE, RESULT, INFO, INFO_RESULT, ERROR, CHALLENGE, REGISTER, HELLO, GENERATE, GENERATED)
+REQUEST_TYPES = (SCORE, GENERATE, INFO)  # what a proven client may send, and the proxy queues for a worker
 UNAUTHENTICATED_ID = "unauthenticated"  # the id of every refusal sent to an unauthenticated sender
 
 # Little-endian only, so the bytes mean the same on every host. uint16 is not a dtype of its own on

@@ -1,6 +1,8 @@
 """Teacher backends behind the server, chosen by name (``--backend hf|vllm|megatron``).
 
-A backend turns a :class:`~megatron_gkd.teacher.types.ScoreBatch` into one TeacherOutput per sequence.
+A backend turns a :class:`~megatron_gkd.teacher.types.ScoreBatch` into one TeacherOutput per sequence and,
+when it can sample (``supports_generate``), a :class:`~megatron_gkd.teacher.types.GenerateBatch` into the
+teacher's responses; one that cannot refuses generate requests with a typed UNSUPPORTED naming itself.
 Implementations are imported lazily, so ``vllm`` is only needed when the ``vllm`` backend is chosen.
 """
 
@@ -12,7 +14,7 @@ import time
 from typing import Any
 
 from megatron_gkd.registry import Registry
-from megatron_gkd.teacher.types import ScoreBatch, TeacherOutput
+from megatron_gkd.teacher.types import ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError, TeacherOutput
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -35,6 +37,7 @@ class BackendInfo:
         model_digest: :func:`~megatron_gkd.teacher.identity.checkpoint_fingerprint` of the checkpoint
             served, or None when it is not a local directory.
         dtype: the dtype the model computes in (e.g. ``"float32"``).
+        supports_generate: whether the backend answers generate requests (samples responses itself).
     """
 
     name: str
@@ -49,6 +52,7 @@ class BackendInfo:
     signals: list[str] = dataclasses.field(default_factory=lambda: ["topk"])
     model_digest: str | None = None
     dtype: str | None = None
+    supports_generate: bool = False
 
     def __post_init__(self):
         assert ("hidden" in self.signals) == (self.hidden_size is not None), (
@@ -68,6 +72,12 @@ class TeacherBackend(abc.ABC):
     @abc.abstractmethod
     def score(self, batch: ScoreBatch) -> list[TeacherOutput]:
         """One TeacherOutput per sequence; raise TeacherError(UNSUPPORTED) for what it cannot do."""
+
+    def generate(self, batch: GenerateBatch) -> list[GeneratedSample]:
+        """The teacher's responses, ``num_samples`` per prompt in prompt order, without scored rows (the
+        worker scores them with :meth:`score` when the request asks). The default refuses."""
+        raise TeacherError(ErrorCode.UNSUPPORTED, f"the {self.info().name} teacher backend cannot generate; "
+                           "serve the teacher with the hf, vllm or megatron backend")
 
     def close(self) -> None:
         """Releases the model; the default has nothing to release."""
@@ -95,6 +105,10 @@ class DelayedBackend(TeacherBackend):
     def score(self, batch: ScoreBatch) -> list[TeacherOutput]:
         time.sleep(self._delay_s)
         return self._backend.score(batch)
+
+    def generate(self, batch: GenerateBatch) -> list[GeneratedSample]:
+        time.sleep(self._delay_s)
+        return self._backend.generate(batch)
 
     def close(self) -> None:
         self._backend.close()

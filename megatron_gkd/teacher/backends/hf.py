@@ -3,6 +3,11 @@
 The hidden signal is the input of the model's output layer (``get_output_embeddings()``), captured by
 a forward pre-hook during the same forward pass that gives the token log-probs: the final hidden state
 after the last norm, whatever the architecture names it.
+
+Generation is a sampling loop over the model's KV cache (:mod:`megatron_gkd.teacher.sampling` picks the
+tokens), not ``model.generate``: the sampling parameters are exactly the request's, never defaults from
+the checkpoint's ``generation_config``. Rows are left-padded with an attention mask and explicit
+positions, grouped so that rows x (longest prompt + max_tokens) stays within ``max_batch_tokens``.
 """
 
 from __future__ import annotations
@@ -12,17 +17,19 @@ import logging
 import numpy as np
 import torch
 
+from megatron_gkd.teacher import sampling
 from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
 from megatron_gkd.teacher.identity import checkpoint_fingerprint
-from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, TeacherError, TeacherOutput
+from megatron_gkd.teacher.types import (ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError,
+                                        TeacherOutput)
 from megatron_gkd.teacher.vocab import tokenizer_digest
 
 logger = logging.getLogger(__name__)
 
 
 class HFBackend(TeacherBackend):
-    """Scores with ``AutoModelForCausalLM`` on the host; supports temperature, requested ids and both
-    signals (top-k and hidden).
+    """Scores with ``AutoModelForCausalLM`` on the host; supports temperature, requested ids, both
+    signals (top-k and hidden) and generation.
 
     Log-softmax runs over the tokenizer's ids only: rows of a padded embedding table past the
     tokenizer are not real tokens and get no probability.
@@ -31,7 +38,8 @@ class HFBackend(TeacherBackend):
         model: path of a HF checkpoint directory (with its tokenizer).
         dtype: torch dtype name of the weights (``float32`` keeps alignment tests exact).
         max_top_k: largest k served.
-        max_batch_tokens: padded tokens per forward pass (bounds the ``[b, L, V]`` logits).
+        max_batch_tokens: padded tokens per forward pass (bounds the ``[b, L, V]`` logits; in generation,
+            rows x (longest prompt + max_tokens) of one group, which bounds its KV cache).
     """
 
     def __init__(self, model: str, dtype: str = "float32", max_top_k: int = 4096,
@@ -51,7 +59,7 @@ class HFBackend(TeacherBackend):
             supports_requested_ids=True, supports_temperature=True,
             max_sequence_length=getattr(self._model.config, "max_position_embeddings", None),
             hidden_size=int(hidden_size), signals=["topk", "hidden"],
-            model_digest=checkpoint_fingerprint(model), dtype=dtype)
+            model_digest=checkpoint_fingerprint(model), dtype=dtype, supports_generate=True)
         if self._vocab_size != self._tokenizer_size:
             logger.info("hf teacher: %d output rows, %d tokenizer ids; rows past the tokenizer are "
                         "ignored", self._vocab_size, self._tokenizer_size)
@@ -136,3 +144,62 @@ class HFBackend(TeacherBackend):
         return TeacherOutput(topk_ids=topk.indices.numpy().astype(np.int64),
                              topk_logprobs=topk.values.numpy(),
                              token_logprobs=token_logprobs, requested_logprobs=requested)
+
+    @torch.no_grad()
+    def generate(self, batch: GenerateBatch) -> list[GeneratedSample]:
+        longest = max(len(p) for p in batch.prompts) + batch.max_tokens
+        if longest > self._max_batch_tokens:
+            raise TeacherError(ErrorCode.TOO_LARGE, f"a prompt plus max_tokens={batch.max_tokens} makes {longest} "
+                               f"tokens, over this backend's max_batch_tokens={self._max_batch_tokens}")
+        for prompt in batch.prompts:
+            self._check_ids(prompt, "prompt id")
+        rows = [(prompt, sample) for prompt in range(len(batch.prompts)) for sample in range(batch.num_samples)]
+        generators = sampling.row_generators(batch)
+        samples = []
+        for group in self._generate_groups(rows, batch):
+            responses = self._generate_group([batch.prompts[rows[r][0]] for r in group], batch,
+                                             [generators[r] for r in group])
+            samples += [GeneratedSample(prompt_index=rows[r][0], response_ids=ids) for r, ids in zip(group, responses)]
+        return samples
+
+    def _generate_groups(self, rows, batch: GenerateBatch):
+        """Consecutive rows (indices) whose padded length x count stays within ``max_batch_tokens``."""
+        group, longest = [], 0
+        for index, (prompt, _) in enumerate(rows):
+            length = len(batch.prompts[prompt]) + batch.max_tokens
+            if group and max(longest, length) * (len(group) + 1) > self._max_batch_tokens:
+                yield group
+                group, longest = [], 0
+            group.append(index)
+            longest = max(longest, length)
+        if group:
+            yield group
+
+    def _generate_group(self, prompts, batch: GenerateBatch, generators) -> list[np.ndarray]:
+        """Response ids of each prompt (one row each), sampled over the KV cache."""
+        rows, longest = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.zeros(rows, longest, dtype=torch.long)
+        mask = torch.zeros(rows, longest, dtype=torch.long)
+        for row, prompt in enumerate(prompts):  # left padding: every row's next token is the last column
+            input_ids[row, longest - len(prompt):] = torch.from_numpy(prompt)
+            mask[row, longest - len(prompt):] = 1
+        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
+        out = self._model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                          logits_to_keep=1)
+        stops = torch.tensor(batch.stop_ids, dtype=torch.long)
+        tokens = torch.zeros(rows, batch.max_tokens, dtype=torch.long)
+        lengths = torch.full((rows,), batch.max_tokens)
+        done = torch.zeros(rows, dtype=torch.bool)
+        position = positions[:, -1:]
+        for step in range(batch.max_tokens):
+            # Rows past the tokenizer (a padded embedding table) are not tokens: never sampled.
+            picked = sampling.sample_next(out.logits[:, -1, :self._tokenizer_size], batch, generators)
+            tokens[:, step] = picked
+            stopped = ~done & torch.isin(picked, stops)
+            lengths[stopped], done = step + 1, done | stopped
+            if done.all() or step + 1 == batch.max_tokens:
+                break
+            mask, position = torch.cat([mask, torch.ones(rows, 1, dtype=torch.long)], dim=1), position + 1
+            out = self._model(input_ids=picked[:, None], attention_mask=mask, position_ids=position,
+                              past_key_values=out.past_key_values, use_cache=True)
+        return [tokens[row, :lengths[row]].numpy().astype(np.int64) for row in range(rows)]

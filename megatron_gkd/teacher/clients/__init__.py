@@ -1,7 +1,9 @@
 """Teacher clients: what the trainer calls to score a batch, chosen by name.
 
 Every client offers ``score(batch) -> list[TeacherOutput]`` (blocking) and ``score_async(batch) ->
-Future`` so schedulers can overlap teacher scoring with training. Outputs are validated before they are
+Future`` so schedulers can overlap teacher scoring with training, and ``generate(batch) ->
+list[GeneratedSample]`` (``generate_async``) for the teacher's own responses where its teacher can sample
+(a client that cannot refuses with UNSUPPORTED naming itself). Outputs are validated before they are
 returned; a failure raises and never yields partial data.
 """
 
@@ -15,7 +17,8 @@ import threading
 from typing import Any
 
 from megatron_gkd.registry import Registry
-from megatron_gkd.teacher.types import ScoreBatch, TeacherOutput
+from megatron_gkd.teacher.types import (ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError,
+                                        TeacherOutput)
 from megatron_gkd.teacher.vocab import VocabAlignment, check_vocab, restrict_to_vocab
 
 logger = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ class TeacherInfo:
     supports_temperature: bool
     hidden_size: int | None = None
     signals: list[str] = dataclasses.field(default_factory=lambda: ["topk"])
+    supports_generate: bool = False  # False for a server that predates generate requests
 
     def __post_init__(self):
         # type() rather than isinstance: True is an int to Python.
@@ -138,6 +142,31 @@ class TeacherClient(abc.ABC):
     def score_async(self, batch: ScoreBatch) -> concurrent.futures.Future:
         """Like :meth:`score`, returning a Future of the outputs (its exception on failure)."""
         return self._pool.submit(self.score, batch)
+
+    def _generate(self, batch: GenerateBatch) -> list[GeneratedSample]:
+        """Samples and validates one batch (subclasses whose teacher can sample); the default refuses."""
+        raise TeacherError(ErrorCode.UNSUPPORTED, f"the {type(self).__name__} teacher client cannot ask its "
+                           "teacher for responses; use teacher.client=zmq (a teacher service with the hf, vllm "
+                           "or megatron backend)")
+
+    def generate(self, batch: GenerateBatch) -> list[GeneratedSample]:
+        """The teacher's responses to ``batch``: ``num_samples`` per prompt, prompt by prompt, each checked
+        (:func:`~megatron_gkd.teacher.types.check_generated`: count, order, length, ids in the teacher's
+        vocabulary, stop ids) and, when ``score_top_k`` is set, with its scored rows.
+
+        Raises:
+            TeacherError: the teacher refused (too large, unsupported), failed, is unreachable past the
+                deadline, or answered outside the contract (``bad_output``, naming the response).
+        """
+        samples = self._generate(batch)
+        if self._alignment is not None and batch.score_top_k is not None:
+            real = self._alignment.real_vocab_size
+            samples = [dataclasses.replace(s, output=restrict_to_vocab(s.output, real)) for s in samples]
+        return samples
+
+    def generate_async(self, batch: GenerateBatch) -> concurrent.futures.Future:
+        """Like :meth:`generate`, returning a Future of the samples (its exception on failure)."""
+        return self._pool.submit(self.generate, batch)
 
     def align_vocab(self, student_tokenizer: Any, student_vocab_size: int) -> VocabAlignment:
         """Start-up check against the student's tokenizer; later outputs drop padded ids.

@@ -12,6 +12,9 @@ With ``split_requests=N`` a batch goes out as up to N sub-requests of contiguous
 equal tokens, all at once, so that N teacher replicas behind the proxy score it together; the outputs
 are put back in the batch's order. Each sub-request retries on its own; if one still fails, the batch
 fails and the other sub-requests' outputs are dropped: a step never trains on part of its teacher data.
+
+``generate`` sends one GENERATE request (signed and retried like a score) and checks the reply against
+the request and the teacher's vocabulary from its INFO, asked once.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import zmq
 from megatron_gkd.teacher import codec, wire
 from megatron_gkd.teacher.clients import RetryPolicy, TeacherClient, TeacherInfo
 from megatron_gkd.teacher.security import SECRET_ENV, check_exposure, load_secret  # noqa: F401 - re-exported
-from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, TeacherError, TeacherOutput
+from megatron_gkd.teacher.types import (ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError,
+                                        TeacherOutput)
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ class ZmqTeacherClient(TeacherClient):
         self._retry = retry or RetryPolicy()
         self._limits = limits or wire.Limits()
         self._context = zmq.Context.instance()
-        self._info: TeacherInfo | None = None  # asked once, at the first hidden-signal batch
+        self._info: TeacherInfo | None = None  # asked once, at the first hidden-signal or generate batch
         self._info_lock = threading.Lock()
 
     def info(self) -> TeacherInfo:
@@ -95,11 +99,36 @@ class ZmqTeacherClient(TeacherClient):
         """The teacher's h for a hidden-signal batch (from its INFO, asked once); None for top-k."""
         if not batch.is_hidden:
             return None
+        info = self._cached_info()
+        info.check_signal(batch, f"the teacher at {self.address}")
+        return info.hidden_size
+
+    def _cached_info(self) -> TeacherInfo:
         with self._info_lock:
             if self._info is None:
                 self._info = self.info()
-        self._info.check_signal(batch, f"the teacher at {self.address}")
-        return self._info.hidden_size
+            return self._info
+
+    def _generate(self, batch: GenerateBatch) -> list[GeneratedSample]:
+        info = self._cached_info()
+        if not info.supports_generate:
+            raise TeacherError(ErrorCode.UNSUPPORTED, f"the teacher at {self.address} cannot generate (a backend "
+                               "without sampling, or a server older than generate requests); serve it with the hf, "
+                               "vllm or megatron backend")
+        row_bytes = 4 + (0 if batch.score_top_k is None else 8 * batch.score_top_k + 4)
+        reply_bytes = batch.num_responses * batch.max_tokens * row_bytes
+        if reply_bytes > self._limits.max_message_bytes:
+            raise ValueError(f"the teacher's answer to this generate batch may take {reply_bytes} bytes "
+                             f"({batch.num_responses} responses of up to {batch.max_tokens} tokens), over the message "
+                             f"limit of {self._limits.max_message_bytes}; send fewer prompts or a smaller max_tokens")
+        request_id = uuid.uuid4().hex
+        frames = codec.encode_generate_request(request_id, batch, self._secret)
+        if (request_bytes := sum(len(frame) for frame in frames)) > self._limits.max_message_bytes:
+            raise ValueError(f"this generate batch takes {request_bytes} bytes on the wire, over the message "
+                             f"limit of {self._limits.max_message_bytes}; send fewer prompts")
+        message = self._call(request_id, frames, expect=wire.GENERATED)
+        vocab = info.tokenizer_size if info.tokenizer_size is not None else info.vocab_size
+        return codec.decode_generated(message, batch, vocab)
 
     def close(self) -> None:
         super().close()
@@ -228,7 +257,7 @@ class ZmqTeacherClient(TeacherClient):
         body = reply[1:]
         try:
             return wire.decode(body, self._limits, self._secret,
-                               expect=(wire.RESULT, wire.INFO_RESULT, wire.ERROR, wire.CHALLENGE))
+                               expect=(wire.RESULT, wire.GENERATED, wire.INFO_RESULT, wire.ERROR, wire.CHALLENGE))
         except wire.WireError as error:
             if error.authenticated:  # signed by the teacher, yet broken: a bug there, not noise
                 raise TeacherError(error.code, f"malformed reply from the teacher: {error.detail}") from None

@@ -1,0 +1,56 @@
+"""The teacher's sampling policy for backends that sample themselves (``hf``, ``megatron``).
+
+One function picks the next token of every row from its scores, so both backends sample the same
+distribution for the same :class:`~megatron_gkd.teacher.types.GenerateBatch`: scores divided by the
+temperature, cut to the ``top_k`` most likely ids, then to the smallest set whose probability reaches
+``top_p``, renormalised. Temperature 0 is the arg-max (ties to the lowest column).
+
+Every response draws from its own ``torch.Generator``, seeded from ``(seed, prompt, sample)``, so a
+seeded request repeats whatever rows a backend runs together (up to float ties of padded batches).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megatron_gkd.teacher.types import GenerateBatch
+
+
+def row_generators(batch: GenerateBatch) -> list[torch.Generator]:
+    """One generator per response, in response order (prompt by prompt, ``num_samples`` each)."""
+    generators = []
+    for prompt in range(len(batch.prompts)):
+        for sample in range(batch.num_samples):
+            entropy = None if batch.seed is None else [batch.seed, prompt, sample]
+            state = np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0]
+            generators.append(torch.Generator().manual_seed(int(state)))
+    return generators
+
+
+def sample_next(scores: torch.Tensor, batch: GenerateBatch, generators: list[torch.Generator]) -> torch.Tensor:
+    """The column picked in each row of ``scores``.
+
+    Args:
+        scores: ``[b, V']`` logits or log-probs of the next token (any shift per row gives the same
+            samples); ``-inf`` marks columns that cannot be picked.
+        batch: the sampling parameters.
+        generators: one per row.
+
+    Returns:
+        ``[b]`` int64 column indices into ``scores``.
+    """
+    assert len(generators) == scores.shape[0], (len(generators), scores.shape)
+    scores = scores.float()
+    if batch.temperature == 0:
+        return scores.argmax(dim=-1)  # the first maximum: the lowest column among ties
+    ordered, order = torch.sort(scores / batch.temperature, dim=-1, descending=True, stable=True)
+    if 0 < batch.top_k < ordered.shape[-1]:
+        ordered[:, batch.top_k:] = -torch.inf
+    probs = torch.softmax(ordered, dim=-1)
+    if batch.top_p < 1.0:
+        # Keep an entry while the mass before it is below top_p: the first one always stays.
+        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= batch.top_p, 0.0)
+    picks = torch.stack([torch.multinomial(row, 1, generator=generator)[0]
+                         for row, generator in zip(probs, generators)])
+    return order.gather(1, picks[:, None])[:, 0]
