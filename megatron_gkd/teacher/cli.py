@@ -68,7 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--delay-s", type=float, default=0.0,
                         help="latency added to every request (benchmarks of a slow teacher; default 0)")
     parser.add_argument("--max-request-tokens", type=int, default=WorkLimits().max_request_tokens,
-                        help="tokens of all sequences of one request a worker accepts")
+                        help="tokens of all sequences of one request a worker accepts (a generate request "
+                             "counts each response as its prompt plus max_tokens)")
+    parser.add_argument("--max-generate-prompts", type=int, default=WorkLimits().max_generate_prompts,
+                        help="prompts of one generate request a worker accepts")
+    parser.add_argument("--max-new-tokens", type=int, default=WorkLimits().max_new_tokens,
+                        help="the largest max_tokens (longest response) a generate request may ask for")
     parser.add_argument("--num-workers", type=int, default=1,
                         help="serve role: worker replicas behind the proxy; 1 scores in this process, more "
                              "start that many worker processes (each loads the model)")
@@ -78,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _worker_args(args: argparse.Namespace) -> list[str]:
     """The options a worker process of ``serve --num-workers N`` needs (all but role and address)."""
     options = ["--backend", args.backend, "--model", args.model, "--max-message-mb", str(args.max_message_mb),
-               "--delay-s", str(args.delay_s), "--max-request-tokens", str(args.max_request_tokens)]
+               "--delay-s", str(args.delay_s), "--max-request-tokens", str(args.max_request_tokens),
+               "--max-generate-prompts", str(args.max_generate_prompts), "--max-new-tokens", str(args.max_new_tokens)]
     options += [item for pair in args.backend_arg for item in ("--backend-arg", pair)]
     options += [item for module in args.backend_module for item in ("--backend-module", module)]
     if args.secret_file:
@@ -124,7 +130,9 @@ def main(argv: list[str] | None = None) -> None:
         if backend is not None:
             connect = proxy.backend_address if proxy else args.connect
             worker = Worker(connect, backend, secret, args.insecure, limits,
-                            WorkLimits(max_request_tokens=args.max_request_tokens)).start()
+                            WorkLimits(max_request_tokens=args.max_request_tokens,
+                                       max_generate_prompts=args.max_generate_prompts,
+                                       max_new_tokens=args.max_new_tokens)).start()
         elif args.role == "serve":
             replicas = WorkerProcesses(args.num_workers, proxy.backend_address, _worker_args(args))
             replicas.wait_registered(lambda: proxy.num_workers, stop)

@@ -17,14 +17,26 @@ import torch
 from megatron_gkd.teacher.types import GenerateBatch
 
 
+def row_seeds(batch: GenerateBatch) -> list[int | None]:
+    """The seed of each response's stream, in response order (prompt by prompt, ``num_samples`` each):
+    63 bits from ``(seed, prompt, sample)``, or None for every response of an unseeded batch."""
+    if batch.seed is None:
+        return [None] * batch.num_responses
+    return [int(np.random.SeedSequence([batch.seed, prompt, sample]).generate_state(1, dtype=np.uint64)[0] >> 1)
+            for prompt in range(len(batch.prompts)) for sample in range(batch.num_samples)]
+
+
 def row_generators(batch: GenerateBatch) -> list[torch.Generator]:
-    """One generator per response, in response order (prompt by prompt, ``num_samples`` each)."""
+    """One generator per response, in response order, seeded with :func:`row_seeds` (fresh entropy when
+    the batch has no seed)."""
     generators = []
-    for prompt in range(len(batch.prompts)):
-        for sample in range(batch.num_samples):
-            entropy = None if batch.seed is None else [batch.seed, prompt, sample]
-            state = np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0]
-            generators.append(torch.Generator().manual_seed(int(state)))
+    for seed in row_seeds(batch):
+        generator = torch.Generator()
+        if seed is None:
+            generator.seed()  # a non-deterministic seed of its own
+        else:
+            generator.manual_seed(seed)
+        generators.append(generator)
     return generators
 
 

@@ -10,6 +10,11 @@ The request crosses ranks as plain tensors (a fixed header, the token ids, the r
 as pickled objects. Requests the backend refuses are refused on rank 0 before the broadcast; a failure
 inside the forward after it (e.g. out of memory on one rank) leaves the ranks out of step, and the
 server must be restarted (clients retry on other workers meanwhile).
+
+Generation is a simple loop on the leader: each step scores every unfinished response with one more
+(placeholder) token through :meth:`MegatronBackend.score`, so the followers take part as in any score,
+and samples the next token from that row's top ``max_top_k`` (:mod:`megatron_gkd.teacher.sampling`). It
+runs a full forward per token (no KV cache): for tests and small teachers; serve large ones with vllm.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_gkd.teacher import sampling
 from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
 from megatron_gkd.teacher.identity import checkpoint_fingerprint
-from megatron_gkd.teacher.types import TEACHER_SIGNALS, ScoreBatch, SequenceRequest, TeacherOutput
+from megatron_gkd.teacher.types import (TEACHER_SIGNALS, ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch,
+                                        SequenceRequest, TeacherError, TeacherOutput)
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +80,7 @@ class MegatronBackend(TeacherBackend):
             supports_requested_ids=True, supports_temperature=True,
             max_sequence_length=getattr(chunks[0], "max_sequence_length", None),
             hidden_size=self._scorer.hidden_size, signals=["topk", "hidden"],
-            model_digest=checkpoint_fingerprint(model), dtype=dtype)
+            model_digest=checkpoint_fingerprint(model), dtype=dtype, supports_generate=True)
 
     @property
     def is_leader(self) -> bool:
@@ -89,6 +96,37 @@ class MegatronBackend(TeacherBackend):
         self._scorer.check(batch, self._info.max_top_k)
         self._send(batch)
         return self._scorer.score(batch)
+
+    def generate(self, batch: GenerateBatch) -> list[GeneratedSample]:
+        """Leader only: the simple loop of the module docstring."""
+        width, vocab = self._info.max_top_k, self._info.tokenizer_size
+        if batch.temperature == 0:
+            width = 1
+        elif 0 < batch.top_k <= width:
+            width = batch.top_k
+        elif width < vocab:
+            raise TeacherError(ErrorCode.UNSUPPORTED, f"the megatron backend samples from the top max_top_k={width} "
+                               f"ids of each row, fewer than the vocabulary of {vocab}: ask for top_k <= {width} or "
+                               f"temperature 0, or restart it with --backend-arg max_top_k={vocab}")
+        rows = [prompt for prompt in range(len(batch.prompts)) for _ in range(batch.num_samples)]
+        generators = sampling.row_generators(batch)
+        responses: list[list[int]] = [[] for _ in rows]
+        live = list(range(len(rows)))
+        for _ in range(batch.max_tokens):
+            # Row 0 of prompt + response + [placeholder] is the distribution of the next token.
+            sequences = [SequenceRequest(token_ids=np.concatenate([batch.prompts[rows[r]], np.array(responses[r] + [0], np.int64)]),
+                                         response_start=len(batch.prompts[rows[r]]) + len(responses[r]))
+                         for r in live]
+            outputs = self.score(ScoreBatch(sequences=sequences, top_k=width))
+            scores = torch.from_numpy(np.stack([output.topk_logprobs[0] for output in outputs]))  # [live, width]
+            columns = sampling.sample_next(scores, batch, [generators[r] for r in live])
+            for r, output, column in zip(live, outputs, columns.tolist()):
+                responses[r].append(int(output.topk_ids[0, column]))
+            live = [r for r in live if responses[r][-1] not in batch.stop_ids]
+            if not live:
+                break
+        return [GeneratedSample(prompt_index=prompt, response_ids=np.array(ids, dtype=np.int64))
+                for prompt, ids in zip(rows, responses)]
 
     def follow(self) -> None:
         """Followers: score every batch the leader sends until it closes."""

@@ -16,6 +16,12 @@ engine built as a pooling model (``runner="pooling"``, ``convert="embed"``, the 
 which drops the output layer: that engine gives neither log-probs nor the top-k, so the hidden
 signal's token log-probs would need a second engine or a host copy of the output layer
 (docs/teacher_protocol.md "Backends"). Hidden requests get UNSUPPORTED from the worker.
+
+Generation is vLLM's own sampler: each response is one request with ``n=1`` and its own seed
+(:func:`megatron_gkd.teacher.sampling.row_seeds`), ``stop_token_ids`` the request's stop ids and
+``ignore_eos`` (only the request's stop ids end a response, as on every backend), restricted to the
+tokenizer's ids when the embedding table is padded. Scored rows, when asked, come from :meth:`score`
+(prompt log-probs at temperature 1.0), as for any backend.
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ import os
 
 import numpy as np
 
+from megatron_gkd.teacher import sampling
 from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
 from megatron_gkd.teacher.identity import checkpoint_fingerprint
-from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, TeacherError, TeacherOutput
+from megatron_gkd.teacher.types import (ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError,
+                                        TeacherOutput)
 from megatron_gkd.teacher.vocab import tokenizer_digest
 
 logger = logging.getLogger(__name__)
@@ -72,7 +80,7 @@ class VLLMBackend(TeacherBackend):
             tokenizer_digest=tokenizer_digest(tokenizer), max_top_k=max_top_k,
             supports_requested_ids=False, supports_temperature=False,
             max_sequence_length=model_config.max_model_len, model_digest=checkpoint_fingerprint(model),
-            dtype=dtype)
+            dtype=dtype, supports_generate=True)
 
     def info(self) -> BackendInfo:
         return self._info
@@ -96,6 +104,20 @@ class VLLMBackend(TeacherBackend):
         results = self._llm.generate(prompts, params, use_tqdm=False)
         return [_to_output(result.prompt_logprobs, sequence, batch.top_k, f"sequence {i}")
                 for i, (result, sequence) in enumerate(zip(results, batch.sequences, strict=True))]
+
+    def generate(self, batch: GenerateBatch) -> list[GeneratedSample]:
+        info = self._info
+        # A padded embedding table has rows that are no tokens: vLLM must not sample them.
+        allowed = list(range(info.tokenizer_size)) if info.vocab_size > info.tokenizer_size else None
+        rows = [prompt for prompt in range(len(batch.prompts)) for _ in range(batch.num_samples)]
+        params = [self._vllm.SamplingParams(
+            n=1, temperature=batch.temperature, top_p=batch.top_p, top_k=batch.top_k, max_tokens=batch.max_tokens,
+            stop_token_ids=list(batch.stop_ids), ignore_eos=True, seed=seed, allowed_token_ids=allowed,
+            detokenize=False) for seed in sampling.row_seeds(batch)]
+        prompts = [{"prompt_token_ids": batch.prompts[prompt].tolist()} for prompt in rows]
+        results = self._llm.generate(prompts, params, use_tqdm=False)
+        return [GeneratedSample(prompt_index=prompt, response_ids=np.asarray(result.outputs[0].token_ids, np.int64))
+                for prompt, result in zip(rows, results, strict=True)]
 
     def close(self) -> None:
         del self._llm

@@ -7,6 +7,14 @@ involved, and ``max_tokens=1`` keeps generation to a single throw-away token. Po
 echoed ``logprobs.top_logprobs`` is the distribution that predicts token ``p``, so response row ``t`` is
 position ``response_start + t``. Each position holds the top-k plus, when it is not among them, the
 scored token; vLLM writes ``-inf`` as ``-9999.0``, which is turned back into ``-inf`` here.
+
+``generate`` uses the same endpoint without echo: ``n`` samples per prompt with vLLM's extensions
+(``top_k``, ``stop_token_ids``, ``ignore_eos`` so that only the request's stop ids end a response, and
+``return_token_ids`` for the ids themselves, so no detokenisation is involved). Scored rows, when asked,
+are the sampled tokens' ``logprobs`` (top-k, at temperature 1.0) of the same call. A seeded batch sends one
+call per prompt, seeded from ``(seed, prompt, 0)`` (vLLM seeds sample j with that seed + j); an unseeded
+one sends a single call. The ids are checked against the teacher's tokenizer, so ``teacher_tokenizer``
+is required to generate.
 """
 
 from __future__ import annotations
@@ -19,11 +27,12 @@ import time
 
 import numpy as np
 
+from megatron_gkd.teacher import sampling
 from megatron_gkd.teacher.clients import RetryPolicy, TeacherClient, TeacherInfo
 from megatron_gkd.teacher.clients.http_call import (DeadlineExceeded, HttpEndpoint, Response,
                                                     ResponseTooLarge)
-from megatron_gkd.teacher.types import (ErrorCode, ScoreBatch, SequenceRequest, TeacherError,
-                                        TeacherOutput, TeacherOutputError)
+from megatron_gkd.teacher.types import (ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, SequenceRequest,
+                                        TeacherError, TeacherOutput, TeacherOutputError, check_generated)
 from megatron_gkd.teacher.vocab import tokenizer_digest
 
 logger = logging.getLogger(__name__)
@@ -68,6 +77,7 @@ class OpenAITeacherClient(TeacherClient):
         self._http = HttpEndpoint(self.base_url, headers, max_response_bytes)
         self._retry = retry or RetryPolicy()
         self._teacher_tokenizer = teacher_tokenizer
+        self._vocab: int | None = None  # the tokenizer's size, read at the first generate
         self._wait_healthy(wait_ready_s)
         models = self._get("/v1/models")
         try:
@@ -191,6 +201,37 @@ class OpenAITeacherClient(TeacherClient):
                     sequence.num_response_tokens, batch.top_k, None, name=f"sequence {i}", sequence=sequence)
                 for i, (choice, sequence) in enumerate(zip(choices, batch.sequences))]
 
+    def _generate(self, batch: GenerateBatch) -> list[GeneratedSample]:
+        if self._teacher_tokenizer is None:
+            raise ValueError("the openai client checks generated ids against the teacher's vocabulary: pass "
+                             "teacher_tokenizer (teacher.teacher_tokenizer) to generate")
+        if batch.score_top_k is not None and batch.score_temperature != 1.0:
+            raise TeacherError(ErrorCode.UNSUPPORTED, "OpenAI-compatible log-probs are at temperature 1.0 only, got "
+                               f"score_temperature={batch.score_temperature}")
+        if batch.score_top_k is not None and self.max_logprobs is not None and batch.score_top_k > self.max_logprobs:
+            raise TeacherError(ErrorCode.UNSUPPORTED, f"score_top_k={batch.score_top_k} exceeds the server's "
+                               f"max_logprobs={self.max_logprobs}")
+        if self._vocab is None:
+            self._vocab = self.info().tokenizer_size
+        vocab = self._vocab
+        payload = {"model": self.model, "n": batch.num_samples, "temperature": batch.temperature,
+                   "top_p": batch.top_p, "top_k": batch.top_k, "max_tokens": batch.max_tokens,
+                   "stop_token_ids": list(batch.stop_ids), "ignore_eos": True, "return_token_ids": True}
+        if batch.score_top_k is not None:
+            payload |= {"logprobs": batch.score_top_k, "return_tokens_as_token_ids": True}
+        prompts = [prompt.tolist() for prompt in batch.prompts]
+        if batch.seed is None:
+            choices = _choices(self._post(payload | {"prompt": prompts}), batch.num_responses)
+        else:
+            seeds = sampling.row_seeds(batch)[::batch.num_samples]  # sample 0 of each prompt
+            choices = [choice for prompt, seed in zip(prompts, seeds)
+                       for choice in _choices(self._post(payload | {"prompt": [prompt], "seed": seed}),
+                                              batch.num_samples)]
+        name = f"generate request to {self.base_url}"
+        samples = [_parse_sample(choice, batch, index, f"{name}: response {index}")
+                   for index, choice in enumerate(choices)]
+        return check_generated(samples, batch, vocab, name=name)
+
 
 def _choices(response, count: int) -> list[dict]:
     """``response["choices"]`` ordered by index; raises TeacherOutputError unless exactly 0..count-1."""
@@ -255,13 +296,42 @@ def _parse_row(entries, position: int, name: str) -> dict[int, float]:
 def _parse_choice(choice: dict, sequence: SequenceRequest, top_k: int, name: str) -> TeacherOutput:
     """TeacherOutput of one echoed prompt; raises TeacherOutputError naming ``name`` when malformed."""
     top = _echoed(choice, sequence, name)
-    start, rows = sequence.response_start, sequence.num_response_tokens
+    start = sequence.response_start
+    return _parse_rows(top[start:start + sequence.num_response_tokens], sequence.response_ids, top_k, name, start)
+
+
+def _parse_sample(choice: dict, batch: GenerateBatch, index: int, name: str) -> GeneratedSample:
+    """The response (and its rows, when asked) of one generated choice; raises TeacherOutputError."""
+    token_ids = choice.get("token_ids")
+    if not (isinstance(token_ids, list) and all(type(t) is int and 0 <= t < 2**31 for t in token_ids)):
+        raise TeacherOutputError(f"{name}: token_ids {str(token_ids)[:80]!r} are not a list of ids >= 0; the server "
+                                 "must support return_token_ids (vLLM)")
+    prompt_index = index // batch.num_samples
+    if choice.get("prompt_token_ids") not in (None, batch.prompts[prompt_index].tolist()):
+        raise TeacherOutputError(f"{name}: the server answered another prompt than the ids sent (an added BOS, or "
+                                 "re-tokenisation?)")
+    response = np.array(token_ids, dtype=np.int64)
+    output = None
+    if batch.score_top_k is not None:
+        logprobs = choice.get("logprobs")
+        top = logprobs.get("top_logprobs") if isinstance(logprobs, dict) else None
+        tokens = logprobs.get("tokens") if isinstance(logprobs, dict) else None
+        if not isinstance(top, list) or tokens != [f"token_id:{t}" for t in token_ids] or len(top) != len(token_ids):
+            raise TeacherOutputError(f"{name}: logprobs.tokens and top_logprobs do not match the {len(token_ids)} "
+                                     "response tokens")
+        output = _parse_rows(top, response, batch.score_top_k, name, 0)
+    return GeneratedSample(prompt_index=prompt_index, response_ids=response, output=output)
+
+
+def _parse_rows(top: list, tokens: np.ndarray, top_k: int, name: str, first_position: int) -> TeacherOutput:
+    """The rows of ``tokens``: ``top[t]`` is the top-k map of the position that predicts ``tokens[t]``."""
+    rows = len(tokens)
     topk_ids = np.zeros((rows, top_k), dtype=np.int64)
     topk_logprobs = np.full((rows, top_k), -np.inf, dtype=np.float32)
     token_logprobs = np.zeros(rows, dtype=np.float32)
     for t in range(rows):
-        position, token = start + t, int(sequence.token_ids[start + t])
-        parsed = _parse_row(top[position], position, f"{name} row {t}")
+        position, token = first_position + t, int(tokens[t])
+        parsed = _parse_row(top[t], position, f"{name} row {t}")
         if token not in parsed:
             raise TeacherOutputError(f"{name}: row {t} lacks the log-prob of its own token {token}")
         token_logprobs[t] = parsed[token]

@@ -1,11 +1,12 @@
-"""``launch/teacher_server.py --backend megatron`` under torchrun (TP=2): rank 0 serves, rank 1 follows; both signals."""
+"""``launch/teacher_server.py --backend megatron`` under torchrun (TP=2): rank 0 serves, rank 1 follows; both signals
+and generation."""
 
 import dataclasses
 
 import numpy as np
 import pytest
 
-from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, build_client
+from megatron_gkd.teacher import GenerateBatch, RetryPolicy, ScoreBatch, SequenceRequest, build_client
 from megatron_gkd.teacher.backends import build_backend
 from megatron_gkd.testing.distributed import free_port
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher, build_tiny_teacher
@@ -39,7 +40,20 @@ def test_torchrun_megatron_server_matches_transformers(tmp_path):
                                                  for ids, start in sequences], top_k=1, signal="hidden")
             hidden = client.score(hidden_batch)
             assert [o.topk_ids.tolist() for o in client.score(batch)] == [o.topk_ids.tolist() for o in outputs]
-        hf = build_backend("hf", model=str(teacher)).score(dataclasses.replace(hidden_batch, hidden_dtype="float32"))
+            # Generation: the leader's loop scores through the followers at every token.
+            sampled = GenerateBatch(prompts=[ids[:start] for ids, start in sequences[:3]], num_samples=2,
+                                    max_tokens=5, seed=4, score_top_k=4)
+            greedy = dataclasses.replace(sampled, num_samples=1, temperature=0)
+            generated = [client.generate(sampled), client.generate(greedy)]
+            assert [o.topk_ids.tolist() for o in client.score(batch)] == [o.topk_ids.tolist() for o in outputs]
+        hf_backend = build_backend("hf", model=str(teacher))
+        for got, request in zip(generated, (sampled, greedy)):
+            # One sampling policy and per-response seeds: the same responses as the hf backend samples.
+            want = hf_backend.generate(request)
+            assert [s.response_ids.tolist() for s in got] == [s.response_ids.tolist() for s in want]
+        for sample in generated[1]:
+            np.testing.assert_array_equal(sample.response_ids, sample.output.topk_ids[:, 0])
+        hf = hf_backend.score(dataclasses.replace(hidden_batch, hidden_dtype="float32"))
         for got, want in zip(hidden, hf, strict=True):
             # bf16 on the wire: within half a bf16 ulp (2**-9 relative) of the float32 values.
             np.testing.assert_allclose(got.hidden, want.hidden, rtol=2**-8, atol=1e-5)

@@ -10,7 +10,7 @@ import socket
 import numpy as np
 import pytest
 
-from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client
+from megatron_gkd.teacher import GenerateBatch, RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client
 from megatron_gkd.teacher.types import ErrorCode
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher, build_tiny_teacher
 from tests.e2e.teacher import procs
@@ -115,3 +115,36 @@ def test_requested_ids_are_a_typed_error_on_vllm(zmq_client, openai_client):
         with pytest.raises(TeacherError) as info:
             client.score(tcad)
         assert info.value.code == ErrorCode.UNSUPPORTED
+
+
+def _prompts(seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 512, length) for length in (1, 7, 12)]
+
+
+def test_vllm_and_openai_generate_valid_responses_scored_in_the_same_call(zmq_client, openai_client, reference):
+    batch = GenerateBatch(prompts=_prompts(), num_samples=2, max_tokens=12, temperature=1.2, top_k=40, seed=5,
+                          score_top_k=8)
+    for client in (zmq_client, openai_client):
+        samples = client.generate(batch)  # checked by the client: count, order, lengths, ids, stop ids
+        assert [s.prompt_index for s in samples] == [0, 0, 1, 1, 2, 2]
+        assert len({s.response_ids.tobytes() for s in samples}) == len(samples)
+        for sample in samples:
+            prompt = batch.prompts[sample.prompt_index]
+            reference.assert_matches(sample.output, np.concatenate([prompt, sample.response_ids]), len(prompt), 8)
+        again = client.generate(batch)  # the seed repeats the samples
+        assert all(np.array_equal(a.response_ids, b.response_ids) for a, b in zip(samples, again))
+
+
+def test_vllm_and_openai_greedy_agree_and_stop_at_stop_ids(zmq_client, openai_client):
+    greedy = GenerateBatch(prompts=_prompts(1), temperature=0, max_tokens=10, score_top_k=1)
+    from_service, from_openai = zmq_client.generate(greedy), openai_client.generate(greedy)
+    for a, b in zip(from_service, from_openai, strict=True):
+        np.testing.assert_array_equal(a.response_ids, b.response_ids)  # one engine behind both
+        np.testing.assert_array_equal(a.response_ids, a.output.topk_ids[:, 0])  # the teacher's arg-max
+    stop = int(from_service[1].response_ids[3])
+    first = int(np.argmax(from_service[1].response_ids == stop))
+    stopped = GenerateBatch(prompts=greedy.prompts[1:2], temperature=0, max_tokens=10, stop_ids=(stop,))
+    for client in (zmq_client, openai_client):
+        np.testing.assert_array_equal(client.generate(stopped)[0].response_ids,
+                                      from_service[1].response_ids[:first + 1])

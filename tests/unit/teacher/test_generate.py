@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_gkd.teacher import (GenerateBatch, GeneratedSample, RetryPolicy, TeacherClient, TeacherError,
-                                  build_client, codec, sampling, wire)
+                                  build_client, cli, codec, sampling, wire)
 from megatron_gkd.teacher.backends import TeacherBackend, build_backend
 from megatron_gkd.teacher.server import Proxy, Worker, WorkLimits
 from megatron_gkd.teacher.types import ErrorCode
@@ -166,6 +166,13 @@ def test_oversized_generate_requests_are_refused_before_sampling(bounded, case, 
         assert info.value.code == code
         assert backend.calls == calls  # refused before the backend sampled anything
         assert client.generate(GenerateBatch(prompts=_prompts(1), max_tokens=2))  # the worker still serves
+
+
+def test_generation_bounds_of_the_command_line_reach_worker_processes():
+    args = cli.build_parser().parse_args(["serve", "--model", "m", "--max-generate-prompts", "3",
+                                          "--max-new-tokens", "7"])
+    worker = cli.build_parser().parse_args(["worker", *cli._worker_args(args)])
+    assert (worker.max_generate_prompts, worker.max_new_tokens) == (3, 7)
 
 
 def test_client_refuses_a_reply_that_cannot_fit_before_sending(client):
