@@ -14,7 +14,8 @@ import time
 from typing import Any
 
 from megatron_gkd.registry import Registry
-from megatron_gkd.teacher.types import ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError, TeacherOutput
+from megatron_gkd.teacher.types import (ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError,
+                                        TeacherOutput)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

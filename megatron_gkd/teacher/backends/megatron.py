@@ -114,9 +114,11 @@ class MegatronBackend(TeacherBackend):
         live = list(range(len(rows)))
         for _ in range(batch.max_tokens):
             # Row 0 of prompt + response + [placeholder] is the distribution of the next token.
-            sequences = [SequenceRequest(token_ids=np.concatenate([batch.prompts[rows[r]], np.array(responses[r] + [0], np.int64)]),
-                                         response_start=len(batch.prompts[rows[r]]) + len(responses[r]))
-                         for r in live]
+            sequences = []
+            for r in live:
+                prompt = batch.prompts[rows[r]]
+                ids = np.concatenate([prompt, np.array(responses[r] + [0], dtype=np.int64)])
+                sequences.append(SequenceRequest(token_ids=ids, response_start=len(prompt) + len(responses[r])))
             outputs = self.score(ScoreBatch(sequences=sequences, top_k=width))
             scores = torch.from_numpy(np.stack([output.topk_logprobs[0] for output in outputs]))  # [live, width]
             columns = sampling.sample_next(scores, batch, [generators[r] for r in live])
