@@ -107,8 +107,45 @@ def check_config(config) -> None:
         if longest > trainer.max_tokens_per_microbatch:
             _fail(f"trainer.max_tokens_per_microbatch={trainer.max_tokens_per_microbatch} is smaller than the longest "
                   f"possible sample ({longest} tokens: data.max_prompt_length + the response limit); raise it")
+    _check_rl(config, teachers)
     _check_weight_sync(config)
     _check_inert(config)
+
+
+def _check_rl(config, teachers: dict) -> None:
+    """The policy-gradient term against the mode, the rewards, the sampling and the teachers."""
+    from megatron_gkd.losses.advantages import get_advantage_estimator
+    from megatron_gkd.rewards.config import check_reward_settings
+
+    rl = config.rl
+    combination = rl.combination
+    if combination is None:
+        return
+    if not config.trainer.run_mode.samples:
+        _fail(f"rl.combine={rl.combine!r} trains on the student's own samples with their rewards, which only "
+              f"trainer.mode=on_policy has (it is {config.trainer.mode}); set trainer.mode=on_policy or rl.combine=null")
+    if combination.uses_reward:
+        if not config.reward.enabled:
+            _fail(f"rl.combine={rl.combine!r} trains on rewards but reward.kind is null (a reward without a verifier): "
+                  "set reward.kind (final_answer, math_answer, regex, or function with reward.function=module:function),"
+                  " or rl.combine=teacher for the teacher's signal alone")
+        check_reward_settings(config.reward, config.rollout.n, get_advantage_estimator(rl.advantage),
+                              advantage_key="rl.advantage")
+    elif config.reward.enabled:
+        logger.warning("rl.combine=teacher trains on the teacher's signal alone: reward.kind=%r is computed and "
+                       "logged (reward/*), not trained on", config.reward.kind)
+    if combination.teacher_in_advantage:
+        if not combination.uses_reward and rl.kd_coef == 0:
+            _fail(f"rl.combine={rl.combine!r} with rl.kd_coef=0 trains on nothing (reward 0, the teacher weighed 0): "
+                  "set rl.kd_coef > 0, e.g. 1.0")
+        for name, teacher in teachers.items():
+            if not client_traits(teacher.client).token_logprobs:
+                _fail(f"rl.combine={rl.combine!r} reads the teacher's log-prob of each sampled token, which "
+                      f"{teacher_key(config, name)}.client={teacher.client!r} does not return: use rl.combine=loss "
+                      "(the divergence over its rows) or a client that returns token log-probs (zmq, openai)")
+    if rl.tis_cap is not None and config.rollout.temperature != 1.0:
+        _fail(f"rl.tis_cap weighs by pi_train / pi_rollout with the rollout engine's raw (temperature 1) log-probs, "
+              f"but rollout.temperature={config.rollout.temperature}: set rollout.temperature=1 or rl.tis_cap=null")
 
 
 # weight_sync.verify's least tolerance for a bf16/fp16 student or engine: 3x the largest |vLLM - Megatron|

@@ -14,6 +14,7 @@ section validates itself in ``__post_init__``; checks that span sections live in
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from megatron_gkd.config.optim import OptimizerConfig
@@ -173,6 +174,77 @@ class LossConfig:
                              "turn one of them off")
 
 
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RLConfig:
+    """The policy-gradient term: the student trains on its samples' rewards with the teacher's signal
+    (:mod:`megatron_gkd.losses.combinations`). Null ``combine``: no policy gradient, the loss is the divergence."""
+
+    combine: str | None = None
+    """``loss`` (``pg + kd_coef x divergence``; ``kd_coef: 0`` is reward only), ``advantage`` (``A_t = A_reward -
+    kd_coef x k(y_t)``, the teacher's log-prob of the sampled token only) or ``teacher`` (reward 0, ``A_t = -kd_coef x
+    k(y_t)``); null: distillation only."""
+    kd_coef: float = 1.0
+    """The teacher's weight in the combination, ``>= 0``."""
+    advantage: str = "grpo"
+    """Advantage from each prompt's rewards: ``grpo``, ``rloo``, ``dr_grpo`` (need ``rollout.n >= 2``) or
+    ``reinforce``."""
+    aggregation: str = "token_mean"
+    """How the per-token policy-gradient loss is averaged: ``token_mean``, ``sequence_mean`` or ``group_constant``
+    (divides by ``rollout.max_tokens``)."""
+    kl_estimator: str = "k1"
+    """The per-token estimate of ``KL(student || teacher)`` in the advantage: ``k1`` or ``k3``."""
+    clip_low: float = 0.2
+    """PPO's ratio clip below (``1 - clip_low``). One update per rollout keeps the ratio at 1 unless ``tis_cap``."""
+    clip_high: float = 0.2
+    """PPO's ratio clip above (``1 + clip_high``)."""
+    clip_ratio_c: float | None = None
+    """Dual clip for negative advantages (``> 1``); null: off."""
+    tis_cap: float | None = None
+    """Truncated importance sampling: each token's policy-gradient loss is weighted by ``min(pi_train / pi_rollout,
+    tis_cap)`` (the rollout engine's log-probs; needs ``rollout.temperature=1``, the engine reports raw
+    log-probs). Null: off; the mismatch is still logged (``mismatch/*``)."""
+    advantage_eps: float = 1e-6
+    """Added to the group's standard deviation (``grpo``)."""
+
+    def __post_init__(self):
+        from megatron_gkd.losses import PolicyGradientOptions
+        from megatron_gkd.losses.advantages import get_advantage_estimator, get_aggregation
+        from megatron_gkd.losses.combinations import get_combination
+        from megatron_gkd.losses.sampled_kl import KL_ESTIMATORS
+
+        if self.combine is not None:
+            get_combination(self.combine)
+        get_advantage_estimator(self.advantage)
+        get_aggregation(self.aggregation)
+        KL_ESTIMATORS.get(self.kl_estimator)
+        try:
+            PolicyGradientOptions.of(self.options)
+        except ValueError as error:
+            raise ValueError(str(error).replace("option ", "rl.", 1)) from None
+        if not (self.kd_coef >= 0 and math.isfinite(self.kd_coef)):
+            raise ValueError(f"rl.kd_coef={self.kd_coef} must be a finite number >= 0")
+        if not self.advantage_eps >= 0:
+            raise ValueError(f"rl.advantage_eps={self.advantage_eps} must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        """The step has a policy-gradient term."""
+        return self.combine is not None
+
+    @property
+    def combination(self):
+        """The :class:`~megatron_gkd.losses.combinations.Combination` of ``combine`` (None without one)."""
+        from megatron_gkd.losses.combinations import get_combination
+
+        return get_combination(self.combine) if self.combine is not None else None
+
+    @property
+    def options(self) -> dict:
+        """The clipping and importance-sampling options of the policy-gradient loss."""
+        return {"clip_low": self.clip_low, "clip_high": self.clip_high, "clip_ratio_c": self.clip_ratio_c,
+                "tis_cap": self.tis_cap}
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class TrainerConfig:
     """What one run does: the mode, the schedule, the batch and how it is cut into micro-batches."""
@@ -322,7 +394,8 @@ class GKDConfig:
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     """Rewards of the sampled responses (null ``reward.kind``: none); computed beside the teacher request and
-    logged as ``reward/*`` (the policy-gradient term does not train on them yet)."""
+    logged as ``reward/*``; ``rl`` says how the step trains on them."""
+    rl: RLConfig = dataclasses.field(default_factory=RLConfig)
     mindspeed: MindSpeedConfig = dataclasses.field(default_factory=MindSpeedConfig)
 
     def __post_init__(self):

@@ -62,7 +62,7 @@ class AdvantageEstimator:
     fn: Callable[[torch.Tensor, float], torch.Tensor]
 
 
-ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", config_key="rl.advantage")
 
 
 def _register_advantage(name: str, min_group_size: int):
@@ -175,7 +175,7 @@ class Aggregation:
     coefficient: Callable[[int, BatchCounts], float]
 
 
-AGGREGATIONS: Registry[Aggregation] = Registry("policy-gradient aggregation")
+AGGREGATIONS: Registry[Aggregation] = Registry("policy-gradient aggregation", config_key="rl.aggregation")
 AGGREGATIONS.register("token_mean", Aggregation("token_mean", False, lambda length, c: 1.0 / c.num_tokens))
 AGGREGATIONS.register("sequence_mean", Aggregation("sequence_mean", False,
                                                    lambda length, c: 1.0 / (c.num_sequences * length)))

@@ -145,14 +145,19 @@ def policy_gradient_terms(
     return loss, metrics
 
 
-def _finish(
+def policy_gradient_from_logprobs(
     logprobs: torch.Tensor,
     advantages: torch.Tensor,
     old_logprobs: torch.Tensor | None,
     behaviour_logprobs: torch.Tensor | None,
     options: PolicyGradientOptions,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Validates the per-token inputs and applies :func:`policy_gradient_terms` to the flat log-probs."""
+    """The per-token loss from log-probs already taken (e.g. once for the loss and the advantage of the same pass):
+    validates the inputs (any shape, one value per token) and applies :func:`policy_gradient_terms`.
+
+    Returns:
+        As :func:`vocab_parallel_policy_gradient_loss`, in the shape of ``logprobs``.
+    """
     lead, flat = logprobs.shape, logprobs.reshape(-1)
     advantages, old, behaviour = (_per_token(name, value, flat.numel(), flat.dtype, flat.device) for name, value in
                                   (("advantages", advantages), ("old_logprobs", old_logprobs),
@@ -201,7 +206,7 @@ def vocab_parallel_policy_gradient_loss(
     built = PolicyGradientOptions.of(options)
     logprobs = vocab_parallel_token_logprobs(logits_shard, token_ids, tp_group, temperature=temperature,
                                              real_vocab_size=real_vocab_size)
-    return _finish(logprobs, advantages, old_logprobs, behaviour_logprobs, built)
+    return policy_gradient_from_logprobs(logprobs, advantages, old_logprobs, behaviour_logprobs, built)
 
 
 def fused_vocab_parallel_policy_gradient_loss(
@@ -236,4 +241,4 @@ def fused_vocab_parallel_policy_gradient_loss(
         hidden, output_weight_shard, token_ids, tp_group, temperature=temperature, real_vocab_size=real_vocab_size,
         chunk_size=chunk_size, all_reduce_hidden_grad=all_reduce_hidden_grad,
     )
-    return _finish(logprobs, advantages, old_logprobs, behaviour_logprobs, built)
+    return policy_gradient_from_logprobs(logprobs, advantages, old_logprobs, behaviour_logprobs, built)

@@ -34,7 +34,7 @@ class KLEstimator:
     fn: Callable[[torch.Tensor], torch.Tensor]
 
 
-KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator", config_key="rl.kl_estimator")
 KL_ESTIMATORS.register("k1", KLEstimator("k1", lambda log_ratio: -log_ratio))
 KL_ESTIMATORS.register("k3", KLEstimator("k3", lambda log_ratio: torch.expm1(log_ratio) - log_ratio))
 

@@ -35,6 +35,7 @@ class Sample:
         prompt_index: the prompt's row in its dataset (what was trained, for logs and resume checks).
         student_topk: ``[R, k]`` int64 student top-k ids per response position (TCAD), or None.
         data_group: the record's ``data.group_key`` value (its task: it routes the sample to a teacher), or None.
+        logprobs: ``[R]`` float32 the rollout engine's (raw) log-probs of the response tokens, or None.
     """
 
     tokens: torch.Tensor
@@ -43,6 +44,7 @@ class Sample:
     prompt_index: int
     student_topk: torch.Tensor | None = None
     data_group: str | None = None
+    logprobs: torch.Tensor | None = None
 
     @property
     def response_len(self) -> int:
@@ -225,6 +227,63 @@ class TeacherSlice:
                                          for t in (self.coefficients, self.ids, self.logprobs, self.hidden)))
 
 
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PolicyShare:
+    """The policy-gradient term's inputs of a list of samples, as :func:`build_microbatch` places them.
+
+    Attributes:
+        advantages: per sample, its reward advantage (every token of it carries it).
+        coefficients: per sample ``[R_i]`` the token's coefficient in the policy-gradient loss (its aggregation).
+        teacher_logprobs: per sample ``[R_i]`` the teacher's log-prob of each response token, or None where the
+            combination does not read it.
+    """
+
+    advantages: Sequence[float]
+    coefficients: Sequence[torch.Tensor]
+    teacher_logprobs: Sequence[torch.Tensor] | None = None
+
+    def take(self, indices: Sequence[int]) -> "PolicyShare":
+        teacher = None if self.teacher_logprobs is None else [self.teacher_logprobs[i] for i in indices]
+        return PolicyShare([self.advantages[i] for i in indices], [self.coefficients[i] for i in indices], teacher)
+
+
+@dataclasses.dataclass(slots=True)
+class PolicySlice:
+    """The policy-gradient term's tensors in a micro-batch, ``[b, s]`` at the positions that predict each response
+    token: the sampled ``token_ids``, the reward ``advantages`` (float64), the tokens' ``coefficients`` (float64), the
+    rollout engine's ``behaviour`` log-probs and the teacher's ``teacher_logprobs`` (float32, or None)."""
+
+    token_ids: torch.Tensor
+    advantages: torch.Tensor
+    coefficients: torch.Tensor
+    behaviour: torch.Tensor
+    teacher_logprobs: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> "PolicySlice":
+        return PolicySlice(*(None if t is None else t.to(device) for t in (
+            self.token_ids, self.advantages, self.coefficients, self.behaviour, self.teacher_logprobs)))
+
+
+def _policy_slice(share: PolicyShare, samples: Sequence[Sample], shape: tuple[int, int]) -> PolicySlice:
+    """The policy-gradient inputs at the positions that predict each response token (0 elsewhere)."""
+    b, width = shape
+    token_ids = torch.zeros(b, width, dtype=torch.int64)
+    advantages = torch.zeros(b, width, dtype=torch.float64)
+    coefficients = torch.zeros(b, width, dtype=torch.float64)
+    behaviour = torch.zeros(b, width, dtype=torch.float32)
+    teacher = None if share.teacher_logprobs is None else torch.zeros(b, width, dtype=torch.float32)
+    for i, sample in enumerate(samples):
+        start, length = sample.prompt_len - 1, sample.response_len
+        token_ids[i, start : start + length] = sample.tokens[sample.prompt_len:]
+        advantages[i, start : start + length] = float(share.advantages[i])
+        coefficients[i, start : start + length] = share.coefficients[i]
+        assert sample.logprobs is not None, "the policy gradient needs the rollout engine's log-probs"
+        behaviour[i, start : start + length] = sample.logprobs
+        if teacher is not None:
+            teacher[i, start : start + length] = share.teacher_logprobs[i]
+    return PolicySlice(token_ids, advantages, coefficients, behaviour, teacher)
+
 @dataclasses.dataclass(slots=True)
 class MicroBatch:
     """One micro-batch in Megatron's ``[b, s]`` layout (``s``: the longest input, padded to a multiple).
@@ -242,6 +301,8 @@ class MicroBatch:
     padding_mask: torch.Tensor | None = None
     """``[b, s]`` True at padding positions (past a sample's input): MoE routing statistics (the load-balancing
     loss, expert load) leave them out, so they do not depend on how far a layout pads."""
+    policy: PolicySlice | None = None
+    """The policy-gradient term's inputs (``rl.combine``; last stage only)."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -305,7 +366,7 @@ def plan_microbatches(lengths: Sequence[int], *, micro_batch_size: int | None = 
 def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Tensor], *, pad_multiple: int = 1,
                      rows: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, labels: bool = False,
                      pad_token_id: int = 0, shape: tuple[int, int] | None = None,
-                     teachers: Sequence[TeacherShare] | None = None) -> MicroBatch:
+                     teachers: Sequence[TeacherShare] | None = None, policy: PolicyShare | None = None) -> MicroBatch:
     """The ``[b, s]`` tensors of ``samples`` (right padding; positions past a sample carry no loss).
 
     Args:
@@ -319,6 +380,7 @@ def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Ten
         labels: also build next-token labels (cross-entropy).
         shape: pad to this ``(b, s)`` (extra rows are all padding): pipeline stages exchange activations
             of one fixed shape per step.
+        policy: the policy-gradient term's inputs of ``samples`` (``rl.combine``; ranks with a loss).
     """
     width = max(s.input_len for s in samples)
     width = -(-width // pad_multiple) * pad_multiple
@@ -344,7 +406,8 @@ def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Ten
     lengths = torch.tensor([s.input_len for s in samples] + [0] * (b - len(samples)))
     padding_mask = position_ids >= lengths[:, None]
     return MicroBatch(tokens=tokens, position_ids=position_ids, loss_mask=loss_mask, coefficients=weights,
-                      labels=label_ids, teachers=slices, padding_mask=padding_mask)
+                      labels=label_ids, teachers=slices, padding_mask=padding_mask,
+                      policy=None if policy is None else _policy_slice(policy, samples, (b, width)))
 
 
 def _teacher_slice(share: TeacherShare, samples: Sequence[Sample], shape: tuple[int, int]) -> TeacherSlice:
@@ -379,6 +442,7 @@ def samples_from_rollout(batch, indices: Sequence[int], prompt_indices: Sequence
         group = int(batch.group_ids[i])
         samples.append(Sample(tokens=torch.tensor(prompt + response, dtype=torch.int64), prompt_len=len(prompt),
                               group=group, prompt_index=int(prompt_indices[group]), student_topk=batch.topk(i),
-                              data_group=prompt_groups[group] if prompt_groups is not None else None))
+                              data_group=prompt_groups[group] if prompt_groups is not None else None,
+                              logprobs=batch.logprobs(i).float()))
     return samples
 

@@ -25,6 +25,7 @@ from megatron_gkd.trainer.batch import (TCADSpec, TeacherRows, TeacherShare, bui
                                         teacher_rows, token_coefficients)
 from megatron_gkd.trainer.components import build_reward_runner
 from megatron_gkd.trainer.head_check import TeacherHeadMismatch, check_due, check_teacher_head, where
+from megatron_gkd.trainer.policy import policy_share, tp_rewards
 from megatron_gkd.trainer.reward_exchange import RewardExchange
 from megatron_gkd.trainer.teachers import Request, Teachers
 
@@ -303,7 +304,25 @@ class BatchFlow:
             rows = self.rows(batch.samples, outputs, tcad=not scoring) if scoring or self.loss_kind == "distill" else {}
             self.check_heads(batch, rows, scoring=scoring)
             coefficients = self.coefficients(batch, rows, confidence=not scoring)
-            return self.microbatches(batch.samples, coefficients, rows, labels=False if scoring else None)
+            policy = None if scoring else self.policy(batch, rows)
+            if policy is not None and not self.config.rl.combination.uses_divergence:
+                rows = {}  # the teacher is in the advantage only: no divergence term
+            elif policy is not None:  # rl.combine=loss: the divergence weighs rl.kd_coef beside the policy gradient
+                coefficients = [c * self.config.rl.kd_coef for c in coefficients]
+            return self.microbatches(batch.samples, coefficients, rows, labels=False if scoring else None,
+                                     policy=policy)
+
+    def policy(self, batch: InFlight, rows: dict):
+        """The policy-gradient inputs of this rank's share (:mod:`.policy`) on the last stage; None elsewhere or
+        without ``rl.combine``. Collective over the last stage's TP group when it trains on rewards."""
+        rl = self.config.rl
+        if not rl.enabled or not self.state.is_pipeline_last_stage:
+            return None
+        samples = batch.samples
+        rewards = tp_rewards(batch.rewards, len(samples), self.state.tp_group) if rl.combination.uses_reward else None
+        weights = {teacher.name: teacher.weight for teacher in self.teachers}
+        return policy_share(self.config, samples, rewards, rows, weights, num_tokens=batch.rollout.num_generated_tokens,
+                            num_sequences=batch.rollout.num_samples)
 
     def check_heads(self, batch: InFlight, rows: dict, *, scoring: bool = False) -> None:
         """The hidden signal, on the first batch and every ``head_check_interval`` steps: each teacher's own token
@@ -386,8 +405,9 @@ class BatchFlow:
                  for i in range(len(samples))]))
         return shares
 
-    def microbatches(self, samples, coefficients, rows: dict, *, labels: bool | None = None) -> list:
-        """The micro-batches of ``samples`` (every rank of a pipeline plans the same cuts)."""
+    def microbatches(self, samples, coefficients, rows: dict, *, labels: bool | None = None, policy=None) -> list:
+        """The micro-batches of ``samples`` (every rank of a pipeline plans the same cuts; ``policy``: the
+        policy-gradient inputs of ``samples``, a :class:`~megatron_gkd.trainer.batch.PolicyShare`)."""
         trainer, parallel = self.config.trainer, self.config.parallel
         plan = plan_microbatches([s.input_len for s in samples], micro_batch_size=trainer.micro_batch_size,
                                  max_tokens=trainer.max_tokens_per_microbatch)
@@ -403,7 +423,9 @@ class BatchFlow:
             shapes = [tuple(max(column) for column in zip(*shapes))] * len(plan)
         return [build_microbatch([samples[i] for i in indices], [coefficients[i] for i in indices], pad_multiple=multiple,
                                  teachers=[share.take(indices) for share in shares], labels=labels,
-                                 pad_token_id=self.pad_id, shape=shape) for indices, shape in zip(plan, shapes)]
+                                 pad_token_id=self.pad_id, shape=shape,
+                                 policy=None if policy is None else policy.take(indices))
+                for indices, shape in zip(plan, shapes)]
 
     def _expert_parallel_cuts(self, samples, plan, multiple: int) -> tuple[list, list]:
         """The cuts and ``(b, s)`` shapes that every data-parallel rank agrees on when experts are split over them.

@@ -29,7 +29,7 @@ from megatron_gkd.trainer.metrics import (MetricsWriter, Progress, Timers, batch
 from megatron_gkd.trainer.preemption import Preemption
 from megatron_gkd.trainer.routing import RoutingStats
 from megatron_gkd.trainer.schedulers import SCHEDULERS, BatchPipeline
-from megatron_gkd.trainer.step import StepRunner, loss_specs
+from megatron_gkd.trainer.step import PolicySpec, StepRunner, loss_specs
 from megatron_gkd.trainer.teachers import Teachers
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,8 @@ class Trainer:
         self.runner = StepRunner(self.student.chunks, self.student.optimizer, self.student.lr_scheduler,
                                  tp_group=self.state.tp_group, dp_group=self._dp_gloo, dp_size=self.state.data_parallel_size,
                                  is_last_stage=self.state.is_pipeline_last_stage,
-                                 teacher_heads={t.name: t.head for t in self.teachers if t.head is not None})
+                                 teacher_heads={t.name: t.head for t in self.teachers if t.head is not None},
+                                 policy=PolicySpec.from_config(config, len(self.tokenizer)))
         self.routing = RoutingStats(self.student.chunks, self.control, data_parallel_size=self.state.data_parallel_size) \
             if self.student.is_moe else None
         self.loss_spec = loss_specs(config.loss, config.trainer.run_mode, self.teachers, len(self.tokenizer))
@@ -233,8 +234,7 @@ class Trainer:
         return self.flow.produce(index, records, data_state, version=self.step)
 
     def _update(self, batch: InFlight) -> dict:
-        """Waits for the batch and its teacher rows, runs forward/backward over its micro-batches, steps
-        the optimizer."""
+        """Waits for the batch and its teacher rows, runs forward/backward over its micro-batches, steps the optimizer."""
         microbatches = self.flow.prepare(batch)
         with self.timers("train"):
             stats, optim = self.runner.train_step(self.loss_spec, microbatches)

@@ -242,7 +242,27 @@ def loss_metrics(stats: dict, teacher_names: list[str] | None = None) -> dict:
                 metrics[f"train/{key}{suffix}"] = stats[f"{key}{suffix}"] / tokens
         if f"coverage{suffix}" in stats:
             metrics[f"train/loss_coverage{suffix}"] = stats[f"coverage{suffix}"]
-            metrics[f"train/loss_divergence{suffix}"] = stats[f"loss{suffix}"] - stats[f"coverage{suffix}"]
+            divergence = stats.get("kd/loss", stats["loss"]) if not suffix else stats[f"loss{suffix}"]
+            metrics[f"train/loss_divergence{suffix}"] = divergence - stats[f"coverage{suffix}"]
+    metrics.update(policy_metrics(stats))
+    return metrics
+
+
+def policy_metrics(stats: dict) -> dict:
+    """The policy-gradient term's figures (``rl.combine``) from a step's summed statistics: its loss, the teacher's
+    part of the loss (``train/kd_loss``), per-token means (advantage, clipped share, the teacher's KL estimate, the
+    importance weight) and the rollout-trainer mismatch: ``KL(rollout || trainer)`` by k1 and k3, the largest
+    ``pi_train / pi_rollout`` and ``pi_rollout / pi_train`` over the sampled tokens."""
+    if "pg/tokens" not in stats:
+        return {}
+    tokens = max(stats["pg/tokens"], 1.0)
+    metrics = {"pg/loss": stats["pg/loss"], "train/kd_loss": stats.get("kd/loss", 0.0)}
+    for key in ("advantage", "clipped", "teacher_kl", "tis_weight"):
+        if f"pg/{key}" in stats:
+            metrics[f"pg/{key}"] = stats[f"pg/{key}"] / tokens
+    metrics.update({"mismatch/kl_k1": stats["mismatch/k1"] / tokens, "mismatch/kl_k3": stats["mismatch/k3"] / tokens,
+                    "mismatch/max_ratio": stats["mismatch/max_ratio"],
+                    "mismatch/max_inverse_ratio": stats["mismatch/max_inverse_ratio"]})
     return metrics
 
 

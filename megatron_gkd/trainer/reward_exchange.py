@@ -48,7 +48,7 @@ class RewardExchange:
         self.enabled, self.runner, self.tokenizer, self.control, self.timers = enabled, runner, tokenizer, control, timers
         self._stop = set(stop_token_ids)
         if enabled:
-            logger.info("rewards are computed and logged (reward/*); the step does not train on them yet")
+            logger.info("rewards are computed and logged (reward/*)")
 
     def wait_ready(self) -> None:
         """Collective: returns when every rank's worker has built the reward, else raises on every rank."""

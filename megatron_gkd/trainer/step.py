@@ -82,6 +82,43 @@ class LossSpec:
                         chunk_size=self.chunk_size)
 
 
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PolicySpec:
+    """The policy-gradient term of the step (``rl``; :mod:`megatron_gkd.losses.combinations`).
+
+    Attributes:
+        combination: how the reward and the teacher combine.
+        kd_coef: the teacher's weight; estimator: ``k1`` or ``k3`` (the teacher in the advantage).
+        options: :class:`~megatron_gkd.losses.PolicyGradientOptions` keywords (clipping, ``tis_cap``).
+        temperature: the policy is ``softmax(logits / temperature)``, the rollout's sampling temperature.
+        fused, chunk_size: the log-probs from the hidden states and the output weight, as the divergence's.
+        real_vocab_size: ids at or past it are padding rows.
+    """
+
+    combination: object
+    kd_coef: float = 1.0
+    estimator: str = "k1"
+    options: dict = dataclasses.field(default_factory=dict)
+    temperature: float = 1.0
+    fused: bool = False
+    chunk_size: int = 1024
+    real_vocab_size: int | None = None
+
+    @classmethod
+    def from_config(cls, config, real_vocab_size: int) -> "PolicySpec | None":
+        """The run's term, or None without ``rl.combine``."""
+        rl = config.rl
+        if not rl.enabled:
+            return None
+        return cls(combination=rl.combination, kd_coef=rl.kd_coef, estimator=rl.kl_estimator, options=rl.options,
+                   temperature=config.rollout.temperature, fused=config.loss.fused, chunk_size=config.loss.chunk_size,
+                   real_vocab_size=real_vocab_size)
+
+
+# Statistics reduced by their maximum over micro-batches and ranks (the others are sums).
+MAX_STATS = ("mismatch/max_ratio", "mismatch/max_inverse_ratio")
+
 def loss_specs(loss, mode, teachers, real_vocab_size: int):
     """The loss of ``mode``: one :class:`LossSpec` per teacher by name (one cross-entropy spec where the mode does
     not distil)."""
@@ -168,15 +205,17 @@ class StepRunner:
         is_last_stage: whether this rank computes the loss.
         teacher_heads: ``{teacher name: [V/tp, h_t]}`` this rank's shards of the output layers of the teachers that
             send hidden states (``teacher`` for a single teacher).
+        policy: the policy-gradient term of micro-batches that carry its inputs (``rl.combine``), or None.
     """
 
     def __init__(self, chunks, optimizer, lr_scheduler, *, tp_group, dp_group, dp_size: int, is_last_stage: bool,
-                 teacher_heads: dict[str, torch.Tensor] | None = None):
+                 teacher_heads: dict[str, torch.Tensor] | None = None, policy: PolicySpec | None = None):
         from megatron.core.distributed import finalize_model_grads
 
         self.chunks, self.optimizer, self.lr_scheduler = chunks, optimizer, lr_scheduler
         self.tp_group, self.dp_group, self.dp_size, self.is_last_stage = tp_group, dp_group, dp_size, is_last_stage
         self.teacher_heads = dict(teacher_heads or {})
+        self.policy = policy
         for chunk in chunks:
             chunk.config.finalize_model_grads_func = finalize_model_grads
             if chunk.config.fp16:
@@ -239,6 +278,12 @@ class StepRunner:
                     stats[f"tokens{suffix}"] = (mask & (share.coefficients.to(device) != 0)).sum().double()
             if several:
                 stats["loss"] = contribution.detach().double()
+        if microbatch.policy is not None and self.policy is not None:
+            stats["kd/loss"] = contribution.detach().double()
+            part, part_stats = self._policy_loss(self.policy, microbatch.policy.to(device), captured, output, mask)
+            contribution = contribution + part
+            stats.update(part_stats)
+            stats["loss"] = contribution.detach().double()
         stats.setdefault("loss", contribution.detach().double())
         # Undo the schedule's division by the number of micro-batches and DDP's average over DP ranks.
         return contribution * self._scale, {key: value.detach().cpu() for key, value in stats.items()}
@@ -294,6 +339,57 @@ class StepRunner:
             metrics = {key: value.transpose(0, 1) for key, value in metrics.items()}
         return contribution, {"loss": contribution.detach().double(), **self._token_metrics(metrics, weights != 0)}
 
+    def _policy_loss(self, spec: PolicySpec, policy, captured, output, mask):
+        """The policy-gradient term ``sum(coefficient x pg loss)`` over the micro-batch and its statistics: the
+        sampled tokens' log-probs from the same logit shards (or hidden states) as the divergence, no gather."""
+        from megatron_gkd.losses import fused_vocab_parallel_token_logprobs, vocab_parallel_token_logprobs
+        from megatron_gkd.losses.combinations import token_advantages
+        from megatron_gkd.losses.policy_gradient import PolicyGradientOptions, policy_gradient_from_logprobs
+        from megatron_gkd.losses.sampled_kl import KL_ESTIMATORS
+
+        tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
+        common = dict(real_vocab_size=spec.real_vocab_size)
+
+        def logprobs_at(temperature: float) -> torch.Tensor:  # [b, s]
+            if spec.fused:  # hidden [b, s, h] as the model returned it
+                return fused_vocab_parallel_token_logprobs(
+                    output, captured.weight, policy.token_ids, tp_group, temperature=temperature,
+                    chunk_size=spec.chunk_size, all_reduce_hidden_grad=not captured.sequence_parallel, **common)
+            return vocab_parallel_token_logprobs(captured.logits, policy.token_ids.transpose(0, 1), tp_group,
+                                                 temperature=temperature, **common).transpose(0, 1)
+
+        logprobs = logprobs_at(spec.temperature)
+        if spec.temperature == 1.0:
+            raw = logprobs.detach()
+        else:  # the rollout engine reports raw (temperature 1) log-probs: compare like with like
+            with torch.no_grad():
+                raw = logprobs_at(1.0)
+        advantages, kl = token_advantages(spec.combination, policy.advantages, logprobs.detach(),
+                                          policy.teacher_logprobs, kd_coef=spec.kd_coef, estimator=spec.estimator)
+        options = PolicyGradientOptions.of(spec.options)
+        behaviour = policy.behaviour.to(logprobs.dtype) if options.tis_cap is not None else None
+        per_token, metrics = policy_gradient_from_logprobs(logprobs, torch.where(mask, advantages, 0.0), None,
+                                                           behaviour, options)
+        zero = torch.zeros_like(per_token)
+        per_token = torch.where(mask, per_token, zero)
+        contribution = (per_token * policy.coefficients.to(per_token.dtype)).sum()
+
+        def total(value: torch.Tensor) -> torch.Tensor:
+            return torch.where(mask, value.to(zero.dtype), zero).sum().double()
+
+        log_ratio = torch.where(mask, raw.double() - policy.behaviour.double(), 0.0)  # log pi_train - log pi_rollout
+        stats = {"pg/loss": contribution.detach().double(), "pg/tokens": mask.sum().double(),
+                 "pg/advantage": total(advantages), "pg/clipped": total(metrics["clipped"]),
+                 "mismatch/k1": total(KL_ESTIMATORS.get("k1").fn(log_ratio)),
+                 "mismatch/k3": total(KL_ESTIMATORS.get("k3").fn(log_ratio)),
+                 "mismatch/max_ratio": torch.where(mask, log_ratio, -torch.inf).max().exp(),
+                 "mismatch/max_inverse_ratio": torch.where(mask, -log_ratio, -torch.inf).max().exp()}
+        if kl is not None:
+            stats["pg/teacher_kl"] = total(kl)
+        if "tis_weight" in metrics:
+            stats["pg/tis_weight"] = total(metrics["tis_weight"])
+        return contribution, stats
+
     @staticmethod
     def _token_metrics(metrics: dict, mask: torch.Tensor) -> dict:
         return {key: torch.where(mask, value, torch.zeros_like(value)).sum().double() for key, value in metrics.items()}
@@ -315,14 +411,22 @@ class StepRunner:
         if not self.is_last_stage:
             return None
         keys = sorted({key for stats in outputs for key in stats})  # the same on every DP rank
-        totals = torch.zeros(len(keys), dtype=torch.float64)
+        summed, largest = [k for k in keys if k not in MAX_STATS], [k for k in keys if k in MAX_STATS]
+        totals = torch.zeros(len(summed), dtype=torch.float64)
+        maxima = torch.full((len(largest),), -torch.inf, dtype=torch.float64)
         for stats in outputs:
-            for index, key in enumerate(keys):
+            for index, key in enumerate(summed):
                 if key in stats:
                     totals[index] += stats[key]
+            for index, key in enumerate(largest):
+                if key in stats:
+                    maxima[index] = torch.maximum(maxima[index], stats[key].double())
         if self.dp_size > 1:
             dist.all_reduce(totals, group=self.dp_group)
-        return {key: float(totals[index]) for index, key in enumerate(keys)}
+            if largest:
+                dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return {**{key: float(totals[index]) for index, key in enumerate(summed)},
+                **{key: float(maxima[index]) for index, key in enumerate(largest)}}
 
     def train_step(self, spec: LossSpec, microbatches: Sequence[MicroBatch]) -> tuple[dict[str, float] | None, dict]:
         """One optimizer step; returns the loss statistics (last stage) and ``{grad_norm, lr}``.

@@ -210,6 +210,8 @@ class ClientTraits:
         requested_ids: it scores ids the student asks for (TCAD's support).
         collective: it runs on the training ranks (every rank asks; no service).
         fills_cache: a teacher cache can be built through it.
+        token_logprobs: it returns the teacher's log-prob of each response token (the advantage-side and
+            teacher-only forms of ``rl.combine`` read nothing else).
     """
 
     description: str
@@ -220,6 +222,7 @@ class ClientTraits:
     requested_ids: bool = True
     collective: bool = False
     fills_cache: bool = False
+    token_logprobs: bool = True
 
 
 CLIENTS: Registry[type[TeacherClient]] = Registry("teacher client", config_key="teacher.client")

@@ -47,6 +47,18 @@ BAD = [
     (["mindspeed.optimization_level=3"], None, "mindspeed.optimization_level=3; choose 0, 1 or 2"),
     (["mindspeed.extra_args=[--use-flash-attn]"], None, "which mindspeed.use_flash_attn owns"),
     (["mindspeed.extra_args=[use-cp-send-recv-overlap]"], None, "mindspeed.extra_args must start with a flag"),
+    # rewards with the teacher (rl.*)
+    (["rl.combine=los"], None, "rl.combine='los'; did you mean 'loss'"),
+    (["rl.combine=loss"], None, "trains on rewards but reward.kind is null"),
+    (["rl.combine=advantage", "reward.kind=final_answer", "rollout.n=1"], None, "needs rollout.n >= 2"),
+    (["rl.combine=loss", "reward.kind=final_answer", "rl.advantage=grp"], None, "rl.advantage='grp'; did you mean"),
+    (["rl.combine=loss", "reward.kind=final_answer", "trainer.mode=off_policy", "rollout.n=1"], None,
+     "which only trainer.mode=on_policy has"),
+    (["rl.combine=teacher", "rl.kd_coef=0"], None, "trains on nothing"),
+    (["rl.combine=teacher", "rl.tis_cap=2", "rollout.temperature=0.7"], None, "set rollout.temperature=1 or rl.tis_cap"),
+    (["rl.clip_low=1.0"], None, "rl.clip_low=1.0 must lie in [0, 1)"),
+    (["rl.kl_estimator=k2"], None, "rl.kl_estimator='k2'"),
+    (["rl.aggregation=token_sum"], None, "rl.aggregation='token_sum'"),
 ]
 
 
@@ -156,3 +168,20 @@ def test_an_moe_student_with_several_colocated_vllm_replicas_is_refused_on_the_c
     assert check_layout(load_config(BASE, [f"student.checkpoint={moe}"]), 2)["rollout_replicas"] == 1
     dense = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "dense")
     assert check_layout(load_config(BASE, [f"student.checkpoint={dense}", *replicas]), 2)["rollout_replicas"] == 2
+
+
+def test_the_advantage_forms_refuse_a_teacher_client_without_token_log_probs():
+    from megatron_gkd.teacher.clients import CLIENT_TRAITS, CLIENTS, ClientTraits, register_client
+
+    register_client("no_token_logprobs", "megatron_gkd.teacher.clients.zmq_client:ZmqTeacherClient",
+                    ClientTraits("a scorer of top-k rows only", required=(("address", "tcp://HOST:PORT"),),
+                                 token_logprobs=False))
+    try:
+        common = ["teacher.client=no_token_logprobs", "teacher.serve.model=null", "teacher.address=tcp://127.0.0.1:1",
+                  "reward.kind=final_answer"]
+        with pytest.raises(ValueError, match="teacher.client='no_token_logprobs' does not return: use rl.combine=loss"):
+            load_config(BASE, common + ["rl.combine=advantage"])
+        load_config(BASE, common + ["rl.combine=loss"])  # the divergence over its rows needs no token log-probs
+    finally:
+        CLIENTS._entries.pop("no_token_logprobs")
+        CLIENT_TRAITS.pop("no_token_logprobs")

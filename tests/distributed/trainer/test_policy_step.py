@@ -1,0 +1,225 @@
+"""The policy-gradient step (``rl.combine``) on a real Megatron student: its loss and gradients do not depend on
+the layout (TP=2, PP=2, DP=2, EP=2 against one rank) or on the micro-batch cut, for each of the three combinations,
+fused and unfused; and its figures are the ones the batch defines (at ratio 1 the policy-gradient loss is
+``-sum(coefficient x advantage)``, GRPO's advantages computed here by hand)."""
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_gkd.testing.distributed import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+VOCAB = 512
+REAL_VOCAB = VOCAB - 3  # the table has padding rows past it
+NUM_GROUPS, N = 4, 3  # an even split over two data-parallel ranks: expert parallelism runs as many micro-batches
+TOP_K = 8
+KD_COEF = 0.5
+
+
+def _batch():
+    """Samples (with the rollout engine's log-probs), their rewards and their teacher outputs (top-k rows)."""
+    from megatron_gkd.teacher import TeacherOutput
+    from megatron_gkd.trainer.batch import Sample
+
+    rng = np.random.default_rng(5)
+    samples, outputs = [], []
+    rewards = rng.integers(0, 2, NUM_GROUPS * N).astype(float)
+    rewards[:N] = 1.0  # a group of equal rewards: advantages 0
+    for group in range(NUM_GROUPS):
+        prompt = rng.integers(3, REAL_VOCAB, rng.integers(2, 6)).tolist()
+        for _ in range(N):
+            response = rng.integers(3, REAL_VOCAB, rng.integers(1, 9)).tolist()
+            behaviour = torch.from_numpy(rng.uniform(-7.0, -5.0, len(response))).float()
+            samples.append(Sample(tokens=torch.tensor(prompt + response), prompt_len=len(prompt), group=group,
+                                  prompt_index=group, logprobs=behaviour))
+            logits = rng.normal(size=(len(response), REAL_VOCAB)) * 2
+            logprobs = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+            order = np.argsort(-logprobs, axis=1)[:, :TOP_K]
+            outputs.append(TeacherOutput(
+                topk_ids=order.astype(np.int64), topk_logprobs=np.take_along_axis(logprobs, order, 1).astype(np.float32),
+                token_logprobs=logprobs[np.arange(len(response)), response].astype(np.float32)))
+    return samples, rewards, outputs
+
+
+def _config(combine: str, tis_cap=None):
+    from megatron_gkd.config.schema import RLConfig
+
+    return types.SimpleNamespace(rl=RLConfig(combine=combine, kd_coef=KD_COEF, advantage="grpo",
+                                             aggregation="sequence_mean", kl_estimator="k3", tis_cap=tis_cap),
+                                 rollout=types.SimpleNamespace(max_tokens=8))
+
+
+CASES = [("loss", False, None), ("loss", True, None), ("advantage", False, 2.0), ("advantage", True, None),
+         ("teacher", False, None)]
+
+
+def _body(checkpoint: str, layout: dict, cuts: tuple):
+    """Per case and cut: the step's statistics, the output layer's gradient (last stage) and the embedding's
+    gradient (first stage)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from megatron_gkd import parallel
+    from megatron_gkd.models import load_hf, unwrap
+    from megatron_gkd.trainer.batch import TeacherShare, build_microbatch, teacher_rows, token_coefficients
+    from megatron_gkd.trainer.optim import OptimizerConfig, build_optimizer, wrap_for_training
+    from megatron_gkd.trainer.policy import policy_share
+    from megatron_gkd.trainer.step import LossSpec, PolicySpec, StepRunner
+
+    state = parallel.initialize(**layout)
+    parallel.seed(0)
+    optim = OptimizerConfig(lr=1e-3)
+    chunks = wrap_for_training(load_hf(checkpoint), optim)
+    runner = StepRunner(chunks, build_optimizer(optim, chunks), None, tp_group=state.tp_group,
+                        dp_group=mpu.get_data_parallel_group_gloo(), dp_size=state.data_parallel_size,
+                        is_last_stage=state.is_pipeline_last_stage)
+    samples, rewards, outputs = _batch()
+    num_tokens, num_sequences = sum(s.response_len for s in samples), len(samples)
+    groups = set(np.array_split(np.arange(NUM_GROUPS), state.data_parallel_size)[state.dp_rank].tolist())
+    mine = [i for i, s in enumerate(samples) if s.group in groups]
+    samples, rewards, outputs = [samples[i] for i in mine], torch.tensor(rewards[mine]), [outputs[i] for i in mine]
+    lengths = [s.response_len for s in samples]
+    rows = teacher_rows(outputs, samples)
+    coefficients = token_coefficients(samples, total_tokens=num_tokens, num_groups=NUM_GROUPS)
+    gpt = unwrap(chunks[0])
+    results = {}
+    for combine, fused, tis_cap in CASES:
+        config = _config(combine, tis_cap)
+        share = policy_share(config, samples, rewards, {"teacher": (list(range(len(samples))), rows)}, {"teacher": 1.0},
+                             num_tokens=num_tokens, num_sequences=num_sequences)
+        teachers = [TeacherShare("teacher", rows.split(lengths), [c * KD_COEF for c in coefficients])] \
+            if config.rl.combination.uses_divergence else []
+        runner.policy = PolicySpec(combination=config.rl.combination, kd_coef=KD_COEF, estimator="k3",
+                                   options=config.rl.options, fused=fused, chunk_size=5, real_vocab_size=REAL_VOCAB)
+        for cut in cuts:
+            plan = [list(range(len(samples)))] if cut == "one" else [[i] for i in range(len(samples))]
+            # Pipeline stages exchange one shape; expert-parallel ranks dispatch tokens of micro-batches of one shape.
+            shape = (max(map(len, plan)), 16) if set(layout) & {"pipeline_model_parallel_size",
+                                                                 "expert_model_parallel_size"} else None
+            microbatches = [build_microbatch([samples[i] for i in mb], [coefficients[i] for i in mb],
+                                             teachers=[t.take(mb) for t in teachers], policy=share.take(mb), shape=shape)
+                            for mb in plan]
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+            stats = runner.run(LossSpec(loss_type="forward_kl", fused=fused, chunk_size=5, real_vocab_size=REAL_VOCAB),
+                               microbatches, forward_only=False)
+            for chunk in chunks:
+                chunk.finish_grad_sync()
+            output = gpt.output_layer.weight.main_grad.clone() if gpt.post_process else None
+            embedding = gpt.embedding.word_embeddings.weight.main_grad.clone() if gpt.pre_process else None
+            results[(combine, fused, cut)] = (stats, output, embedding)
+    parallel.destroy()
+    return dist.get_rank(), state.tp_rank, results
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from megatron_gkd.recipes.tiny import build_checkpoint
+
+    return str(build_checkpoint(tmp_path_factory.mktemp("student"), vocab_size=VOCAB, seed=3))
+
+
+@pytest.fixture(scope="module")
+def single(checkpoint):
+    (_, _, results), = run_distributed(_body, 1, args=(checkpoint, {}, ("one", "singles")))
+    return results
+
+
+def _close(a, b, what):
+    # fp32 sums in another order: a few ulps of the largest entries (the teacher's k3 advantages are large: the
+    # random teacher is far from the student); a wrong coefficient or advantage is orders larger.
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()), msg=lambda m: f"{what}: {m}")
+
+
+def _grpo(rewards: np.ndarray) -> np.ndarray:
+    table = rewards.reshape(NUM_GROUPS, N)
+    return ((table - table.mean(1, keepdims=True)) / (table.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)
+
+
+def test_the_step_figures_are_the_batch_s(single):
+    samples, rewards, _ = _batch()
+    advantages = _grpo(rewards)
+    for (combine, fused, cut), (stats, _, _) in single.items():
+        tokens = sum(s.response_len for s in samples)
+        assert stats["pg/tokens"] == tokens
+        if combine == "teacher":
+            # reward 0: the advantage is -kd_coef x k3 of the teacher, never positive (k3 >= 0)
+            assert stats["pg/advantage"] < 0 and stats["pg/teacher_kl"] > 0
+            assert stats["pg/advantage"] == pytest.approx(-KD_COEF * stats["pg/teacher_kl"], rel=1e-5)
+            continue
+        # sequence_mean: each response's tokens weigh 1 / (S R_i); at ratio 1 the loss is -sum(coefficient x A)
+        expected = -sum(a for a in advantages) / len(samples)
+        teacher_part = KD_COEF * stats["pg/teacher_kl"] if combine == "advantage" else 0.0
+        # float32 per-token advantages: the sum carries the rounding of the teacher's (large) KL estimates
+        assert stats["pg/advantage"] + teacher_part == pytest.approx(
+            sum(a * s.response_len for a, s in zip(advantages, samples)), abs=1e-5 + 1e-6 * teacher_part)
+        if combine == "loss":
+            assert stats["pg/loss"] == pytest.approx(expected, abs=1e-5)
+            assert stats["loss"] == pytest.approx(stats["pg/loss"] + stats["kd/loss"], rel=1e-6)
+            assert stats["kd/loss"] > 0
+        # behaviour log-probs in [-7, -5] against the student's own: the mismatch is measured, never NaN
+        assert stats["mismatch/max_ratio"] > 1 and stats["mismatch/k3"] > 0
+    assert "pg/tis_weight" in single[("advantage", False, "one")][0]
+
+
+def test_cut_fused_and_unfused_agree(single):
+    for (combine, fused, cut), (stats, output, embedding) in single.items():
+        reference, reference_output, reference_embedding = single[(combine, False, "one")]
+        if combine == "advantage" and fused != False:  # noqa: E712 - the unfused case has tis_cap, the fused not
+            continue
+        for key in ("loss", "pg/loss", "pg/advantage"):
+            assert stats[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), (combine, fused, cut, key)
+        _close(output, reference_output, f"{combine} fused={fused} {cut} output layer")
+        _close(embedding, reference_embedding, f"{combine} fused={fused} {cut} embedding")
+
+
+LAYOUTS = {
+    "tp2": dict(tensor_model_parallel_size=2),
+    "pp2": dict(pipeline_model_parallel_size=2),
+    "dp2": {},
+}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", pytest.param("dp2", marks=pytest.mark.slow)])
+def test_layouts_equal_one_rank(checkpoint, single, layout):
+    settings = LAYOUTS[layout]
+    for rank, tp_rank, results in run_distributed(_body, 2, args=(checkpoint, settings, ("singles",))):
+        for (combine, fused, cut), (stats, output, embedding) in results.items():
+            reference, reference_output, reference_embedding = single[(combine, fused, cut)]
+            what = f"{layout} rank {rank} {combine} fused={fused}"
+            if output is not None:
+                if layout == "tp2":
+                    reference_output = reference_output[tp_rank * VOCAB // 2:(tp_rank + 1) * VOCAB // 2]
+                _close(output, reference_output, f"{what} output layer")
+                for key in ("loss", "pg/loss", "pg/advantage", "mismatch/k1"):
+                    assert stats[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), (what, key)
+                assert stats["mismatch/max_ratio"] == pytest.approx(reference["mismatch/max_ratio"], rel=1e-5), what
+            if embedding is not None and layout != "tp2":
+                _close(embedding, reference_embedding, f"{what} embedding")
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    from megatron_gkd.recipes.tiny import build_checkpoint
+
+    return str(build_checkpoint(tmp_path_factory.mktemp("moe_student"), vocab_size=VOCAB, seed=3, num_experts=4,
+                                intermediate_size=64))
+
+
+def test_expert_parallel_equals_one_rank(moe_checkpoint):
+    # Expert parallelism over the data-parallel ranks: each rank trains its own share, the experts are split. One
+    # sample per micro-batch: the load-balancing loss is per micro-batch, so the cut must match the single rank's.
+    (_, _, single_moe), = run_distributed(_body, 1, args=(moe_checkpoint, {}, ("singles",)))
+    for rank, _, results in run_distributed(_body, 2, args=(moe_checkpoint, dict(expert_model_parallel_size=2),
+                                                            ("singles",))):
+        for key, (stats, output, embedding) in results.items():
+            reference, reference_output, reference_embedding = single_moe[key]
+            what = f"ep2 rank {rank} {key}"
+            for name in ("loss", "pg/loss", "pg/advantage"):
+                assert stats[name] == pytest.approx(reference[name], rel=1e-5, abs=1e-7), (what, name)
+            _close(output, reference_output, f"{what} output layer")
+            _close(embedding, reference_embedding, f"{what} embedding")
