@@ -81,8 +81,8 @@ class HFBackend(TeacherBackend):
             if sequence.requested_ids is not None:
                 self._check_ids(sequence.requested_ids, "requested id")
         outputs = []
-        for group in self._groups(batch.sequences):
-            outputs += self._score_group(group, batch)
+        for group in self._groups([len(sequence.token_ids) for sequence in batch.sequences]):
+            outputs += self._score_group([batch.sequences[i] for i in group], batch)
         return outputs
 
     def _check_ids(self, ids: np.ndarray, what: str) -> None:
@@ -90,15 +90,14 @@ class HFBackend(TeacherBackend):
             raise TeacherError(ErrorCode.BAD_REQUEST, f"{what} {int(ids.max())} is outside the "
                                f"teacher's vocabulary of {self._tokenizer_size}")
 
-    def _groups(self, sequences):
-        """Consecutive sequences whose padded batch stays within ``max_batch_tokens``."""
+    def _groups(self, lengths):
+        """Consecutive indices of ``lengths`` whose padded batch (longest x count) stays within ``max_batch_tokens``."""
         group, longest = [], 0
-        for sequence in sequences:
-            length = len(sequence.token_ids)
+        for index, length in enumerate(lengths):
             if group and max(longest, length) * (len(group) + 1) > self._max_batch_tokens:
                 yield group
                 group, longest = [], 0
-            group.append(sequence)
+            group.append(index)
             longest = max(longest, length)
         if group:
             yield group
@@ -156,24 +155,11 @@ class HFBackend(TeacherBackend):
         rows = [(prompt, sample) for prompt in range(len(batch.prompts)) for sample in range(batch.num_samples)]
         generators = sampling.row_generators(batch)
         samples = []
-        for group in self._generate_groups(rows, batch):
+        for group in self._groups([len(batch.prompts[prompt]) + batch.max_tokens for prompt, _ in rows]):
             responses = self._generate_group([batch.prompts[rows[r][0]] for r in group], batch,
                                              [generators[r] for r in group])
             samples += [GeneratedSample(prompt_index=rows[r][0], response_ids=ids) for r, ids in zip(group, responses)]
         return samples
-
-    def _generate_groups(self, rows, batch: GenerateBatch):
-        """Consecutive rows (indices) whose padded length x count stays within ``max_batch_tokens``."""
-        group, longest = [], 0
-        for index, (prompt, _) in enumerate(rows):
-            length = len(batch.prompts[prompt]) + batch.max_tokens
-            if group and max(longest, length) * (len(group) + 1) > self._max_batch_tokens:
-                yield group
-                group, longest = [], 0
-            group.append(index)
-            longest = max(longest, length)
-        if group:
-            yield group
 
     def _generate_group(self, prompts, batch: GenerateBatch, generators) -> list[np.ndarray]:
         """Response ids of each prompt (one row each), sampled over the KV cache."""
