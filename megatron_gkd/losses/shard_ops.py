@@ -250,3 +250,26 @@ def zero_padding_columns(out: torch.Tensor, tokens_local: int | None) -> None:
     """Sets the columns of ``out`` from ``tokens_local`` on (padding rows of the table) to 0."""
     if tokens_local is not None and tokens_local < out.shape[1]:
         out[:, tokens_local:] = 0
+
+
+def check_token_ids(token_ids: torch.Tensor, num_rows: int, num_tokens: int) -> torch.Tensor:
+    """``token_ids`` flattened to ``[N]`` int64, refusing what is not one token per row.
+
+    Raises:
+        ValueError: not an integer tensor, not one id per row, or an id outside ``[0, num_tokens)``.
+    """
+    if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
+        raise ValueError(f"token_ids must be an integer tensor (int64), got {token_ids.dtype}")
+    ids = token_ids.reshape(-1).long()
+    if ids.numel() != num_rows:
+        raise ValueError(f"token_ids {tuple(token_ids.shape)} must hold one id per row of the logits ({num_rows} rows: "
+                         "[N] with [N, V/tp], or [s, b] with [s, b, V/tp])")
+    if ids.numel():
+        low, high = torch.stack([ids.min(), ids.max()]).tolist()  # one host sync
+        if low < 0 or high >= num_tokens:
+            raise ValueError(
+                f"token_ids must be tokens, in [0, {num_tokens}) (V/tp x tp, or real_vocab_size when the table has "
+                f"padding rows); got ids in [{low}, {high}]. Give positions outside the loss any token (e.g. 0) and a "
+                "coefficient of 0"
+            )
+    return ids

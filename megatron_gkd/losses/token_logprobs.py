@@ -22,6 +22,7 @@ from megatron_gkd.losses.fused import FusedOptions, check_hidden_and_weight, fus
 from megatron_gkd.losses.shard_ops import (
     LocalSupport,
     ShardLayout,
+    check_token_ids,
     combine_shards,
     compute_dtype,
     local_logsumexp,
@@ -85,29 +86,6 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         grad_hidden, grad_weight = fused_grads(hidden, weight, ctx.state, grad_logprobs, ctx.layout, ctx.fused,
                                                ctx.temperature, ctx.dtype)
         return grad_hidden, grad_weight, None, None, None, None
-
-
-def check_token_ids(token_ids: torch.Tensor, num_rows: int, num_tokens: int) -> torch.Tensor:
-    """``token_ids`` flattened to ``[N]`` int64, refusing what is not one token per row.
-
-    Raises:
-        ValueError: not an integer tensor, not one id per row, or an id outside ``[0, num_tokens)``.
-    """
-    if token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
-        raise ValueError(f"token_ids must be an integer tensor (int64), got {token_ids.dtype}")
-    ids = token_ids.reshape(-1).long()
-    if ids.numel() != num_rows:
-        raise ValueError(f"token_ids {tuple(token_ids.shape)} must hold one id per row of the logits ({num_rows} rows: "
-                         "[N] with [N, V/tp], or [s, b] with [s, b, V/tp])")
-    if ids.numel():
-        low, high = torch.stack([ids.min(), ids.max()]).tolist()  # one host sync
-        if low < 0 or high >= num_tokens:
-            raise ValueError(
-                f"token_ids must be tokens, in [0, {num_tokens}) (V/tp x tp, or real_vocab_size when the table has "
-                f"padding rows); got ids in [{low}, {high}]. Give positions outside the loss any token (e.g. 0) and a "
-                "coefficient of 0"
-            )
-    return ids
 
 
 def vocab_parallel_token_logprobs(

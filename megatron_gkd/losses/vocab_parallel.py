@@ -23,6 +23,7 @@ from megatron_gkd.losses.shard_ops import (
     ShardLayout,
     SparseGrad,
     all_gather_rows,
+    check_token_ids,
     combine_shards,
     compute_dtype,
     local_logsumexp,
@@ -184,6 +185,20 @@ def finish_forward(
         ``(state for the backward, per-token loss, metrics)``.
     """
     student_lse, support_logits = combine_shards(local_lse, local_support_logits, layout)
+    return evaluate_divergence(student_lse, support_logits, teacher, support, layout, divergence_name, options)
+
+
+def evaluate_divergence(
+    student_lse: torch.Tensor,
+    support_logits: torch.Tensor,
+    teacher: TeacherSupport,
+    support: LocalSupport,
+    layout: ShardLayout,
+    divergence_name: str,
+    options: Any,
+) -> tuple[ForwardState, torch.Tensor, dict[str, torch.Tensor]]:
+    """The divergence of the combined ``[N, K]`` support logits (``support`` may hold more columns after the
+    teacher's: they ride along for another term, see :func:`backward_scales`'s ``grad_token``)."""
     inputs = SupportInputs(support_logits, teacher.logprobs, teacher.valid, student_lse)
     terms = get_divergence(divergence_name).fn(inputs, options)
     state = ForwardState(student_lse, terms.grad_support, terms.lse_coef, support, layout.vocab_size_local)
@@ -191,41 +206,59 @@ def finish_forward(
 
 
 def backward_scales(
-    state: ForwardState, grad_loss: torch.Tensor, temperature: float
+    state: ForwardState, grad_loss: torch.Tensor, temperature: float, grad_token: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, SparseGrad]:
-    """Dense per-row scale and sparse support entries of d(loss . grad_loss)/d(logits)."""
+    """Dense per-row scale and sparse support entries of d(loss . grad_loss)/d(logits).
+
+    ``grad_token``: ``[N]`` the gradient of a sampled token's log-prob ``z_y - L`` carried as the support's last
+    column (``d/dz_y = 1``, ``d/dL = -1``), added in the same pass.
+    """
     grad_loss = grad_loss.to(state.lse_coef.dtype)
-    dense_scale = state.lse_coef * grad_loss / temperature
-    sparse_values = state.grad_support * (grad_loss / temperature).unsqueeze(1)
-    return dense_scale, SparseGrad.of(state.support, sparse_values, state.vocab_size_local)
+    lse_coef = state.lse_coef * grad_loss
+    values = state.grad_support * grad_loss.unsqueeze(1)
+    if grad_token is not None:
+        grad_token = grad_token.to(lse_coef.dtype)
+        lse_coef = lse_coef - grad_token
+        values = torch.cat([values, grad_token.unsqueeze(1)], dim=1)
+    return lse_coef / temperature, SparseGrad.of(state.support, values / temperature, state.vocab_size_local)
 
 
 class _VocabParallelDistill(torch.autograd.Function):
-    """Per-token distillation loss of a logit shard; exact analytic backward, no autograd through comms."""
+    """Per-token distillation loss of a logit shard (and, with ``token_ids``, each row's log-prob of that token from
+    the same pass); exact analytic backward, no autograd through comms."""
 
     @staticmethod
-    def forward(ctx, logits, teacher, layout, divergence_name, options, temperature, diagnostics):
+    def forward(ctx, logits, teacher, layout, divergence_name, options, temperature, diagnostics, token_ids):
         dtype = compute_dtype(logits.dtype)
-        support = LocalSupport.of(teacher.ids, teacher.valid, layout)
+        ids, valid = teacher.ids, teacher.valid
+        if token_ids is not None:  # the sampled token: one more support column, gathered with the teacher's
+            ids = torch.cat([ids, token_ids.unsqueeze(1)], dim=1)
+            valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
+        support = LocalSupport.of(ids, valid, layout)
         local_support_logits = support.gather(logits, dtype) / temperature
         local_lse = local_logsumexp(logits[:, : layout.tokens_local], temperature, dtype)
-        state, loss, metrics = finish_forward(
-            local_lse, local_support_logits, teacher, support, layout, divergence_name, options
+        student_lse, support_logits = combine_shards(local_lse, local_support_logits, layout)
+        width = teacher.ids.shape[1]
+        state, loss, metrics = evaluate_divergence(
+            student_lse, support_logits[:, :width], teacher, support, layout, divergence_name, options
         )
+        token_logprobs = support_logits[:, width] - student_lse if token_ids is not None else logits.new_empty(0)
         overlap = topk_overlap(logits, teacher, layout) if diagnostics else logits.new_empty(0, dtype=dtype)
         ctx.save_for_backward(logits)
         ctx.state, ctx.temperature, ctx.dtype, ctx.tokens_local = state, temperature, dtype, layout.tokens_local
+        ctx.with_tokens = token_ids is not None
         ctx.mark_non_differentiable(metrics["student_mass"], metrics["teacher_mass"], overlap)
-        return loss, metrics["student_mass"], metrics["teacher_mass"], overlap
+        return loss, metrics["student_mass"], metrics["teacher_mass"], overlap, token_logprobs
 
     @staticmethod
-    def backward(ctx, grad_loss, *grad_metrics):
-        del grad_metrics
+    def backward(ctx, grad_loss, grad_student_mass, grad_teacher_mass, grad_overlap, grad_token):
+        del grad_student_mass, grad_teacher_mass, grad_overlap
         (logits,) = ctx.saved_tensors
-        dense_scale, sparse = backward_scales(ctx.state, grad_loss, ctx.temperature)
+        dense_scale, sparse = backward_scales(ctx.state, grad_loss, ctx.temperature,
+                                              grad_token if ctx.with_tokens else None)
         grad = logits_grad(logits, ctx.state.student_lse, dense_scale, sparse, ctx.temperature, ctx.dtype,
                            ctx.tokens_local)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def split_options(loss_type: str, options: dict[str, Any], common: tuple[str, ...]) -> tuple[Any, dict]:
@@ -269,7 +302,9 @@ def vocab_parallel_distill_loss(
             default False): also compute the ``topk_overlap`` metric, which costs a vocab-parallel
             top-k and an extra collective, and ``real_vocab_size`` (int, default: every row): ids at or
             past it are padding rows of the table, with no probability and no gradient (the student's
-            distribution is the softmax over the tokens), and a teacher id there is refused.
+            distribution is the softmax over the tokens), and a teacher id there is refused, and ``token_ids``
+            (``[N]`` or ``[s, b]``, default None): one token per row whose log-prob ``log softmax(logits / T)[y]``
+            is also returned, from the same pass over the shard (the policy-gradient term's sampled tokens).
 
     Returns:
         ``(per_token_loss, metrics)``: the loss ``[N]`` (or ``[s, b]``) in fp32 (fp64 for fp64
@@ -281,7 +316,7 @@ def vocab_parallel_distill_loss(
     Raises:
         ValueError: unknown ``loss_type`` or option, bad temperature, malformed teacher tensors.
     """
-    divergence_options, own = split_options(loss_type, options, ("diagnostics", "real_vocab_size"))
+    divergence_options, own = split_options(loss_type, options, ("diagnostics", "real_vocab_size", "token_ids"))
     temperature = check_temperature(temperature)
     vocab_local = student_logits.shape[-1]
     lead = student_logits.shape[:-1]
@@ -291,10 +326,15 @@ def vocab_parallel_distill_loss(
         teacher_topk_ids, teacher_topk_logprobs, logits.shape[0], layout.tokens, compute_dtype(logits.dtype)
     )
     diagnostics = bool(own.get("diagnostics", False))
-    loss, student_mass, teacher_mass, overlap = _VocabParallelDistill.apply(
-        logits, teacher, layout, loss_type, divergence_options, temperature, diagnostics
+    token_ids = own.get("token_ids")
+    if token_ids is not None:
+        token_ids = check_token_ids(token_ids.to(logits.device), logits.shape[0], layout.tokens)
+    loss, student_mass, teacher_mass, overlap, token_logprobs = _VocabParallelDistill.apply(
+        logits, teacher, layout, loss_type, divergence_options, temperature, diagnostics, token_ids
     )
     metrics = {"student_mass": student_mass.reshape(lead), "teacher_mass": teacher_mass.reshape(lead)}
     if diagnostics:
         metrics["topk_overlap"] = overlap.reshape(lead)
+    if token_ids is not None:
+        metrics["token_logprobs"] = token_logprobs.reshape(lead)
     return loss.reshape(lead), metrics

@@ -262,15 +262,19 @@ class StepRunner:
         device = output.device
         mask = microbatch.loss_mask.to(device)
         stats: dict[str, torch.Tensor] = {"tokens": mask.sum().double()}
+        sampled = None  # the policy gradient's token log-probs, when they came from the first teacher's pass
         if _first(specs).kind == "cross_entropy":
             per_token = torch.where(mask, output.float(), torch.zeros_like(output, dtype=torch.float32))
             contribution = (per_token * microbatch.coefficients.to(device=device, dtype=per_token.dtype)).sum()
         else:
             contribution = torch.zeros((), dtype=torch.float32, device=device)
             several = len(microbatch.teachers) > 1
+            riding = self._tokens_riding_along(specs, microbatch)
             for share in microbatch.teachers:
                 spec = specs[share.name] if isinstance(specs, dict) else specs
-                part, part_stats = self._teacher_loss(spec, share.to(device), captured, output, mask)
+                tokens = microbatch.policy.token_ids.to(device) if riding and sampled is None else None
+                part, part_stats = self._teacher_loss(spec, share.to(device), captured, output, mask, tokens)
+                sampled = part_stats.pop("token_logprobs", sampled)
                 contribution = contribution + part
                 suffix = f"/{share.name}" if several else ""
                 stats.update({f"{key}{suffix}": value for key, value in part_stats.items()})
@@ -280,7 +284,8 @@ class StepRunner:
                 stats["loss"] = contribution.detach().double()
         if microbatch.policy is not None and self.policy is not None:
             stats["kd/loss"] = contribution.detach().double()
-            part, part_stats = self._policy_loss(self.policy, microbatch.policy.to(device), captured, output, mask)
+            part, part_stats = self._policy_loss(self.policy, microbatch.policy.to(device), captured, output, mask,
+                                                 sampled)
             contribution = contribution + part
             stats.update(part_stats)
             stats["loss"] = contribution.detach().double()
@@ -288,8 +293,20 @@ class StepRunner:
         # Undo the schedule's division by the number of micro-batches and DDP's average over DP ranks.
         return contribution * self._scale, {key: value.detach().cpu() for key, value in stats.items()}
 
-    def _teacher_loss(self, spec: LossSpec, share, captured, output: torch.Tensor, mask: torch.Tensor):
-        """One teacher's ``sum(coefficient x divergence)`` over the micro-batch and its statistics."""
+    def _tokens_riding_along(self, specs, microbatch: MicroBatch) -> bool:
+        """Whether the policy gradient's sampled-token log-probs come from the first teacher's divergence pass
+        (one read of the logit shard and one gradient write for both terms): unfused top-k rows at the policy's
+        temperature."""
+        if self.policy is None or microbatch.policy is None or not microbatch.teachers:
+            return False
+        first = microbatch.teachers[0].name
+        spec = specs[first] if isinstance(specs, dict) else specs
+        return spec.signal == "topk" and not spec.fused and spec.temperature == self.policy.temperature
+
+    def _teacher_loss(self, spec: LossSpec, share, captured, output: torch.Tensor, mask: torch.Tensor,
+                      token_ids: torch.Tensor | None = None):
+        """One teacher's ``sum(coefficient x divergence)`` over the micro-batch and its statistics (with
+        ``token_ids`` ``[b, s]``, also ``stats["token_logprobs"]``: their differentiable log-probs, same pass)."""
         from megatron_gkd.losses import fused_vocab_parallel_distill_loss, vocab_parallel_distill_loss
 
         if spec.signal == "hidden":
@@ -301,12 +318,14 @@ class StepRunner:
                 temperature=spec.temperature, chunk_size=spec.chunk_size, real_vocab_size=spec.real_vocab_size,
                 all_reduce_hidden_grad=not captured.sequence_parallel, **spec.options)
         else:  # logits [s, b, V/tp] as the output layer made them; teacher rows and results [b, s]
+            riding = {} if token_ids is None else {"token_ids": token_ids.transpose(0, 1)}
             per_token, metrics = vocab_parallel_distill_loss(
                 captured.logits, share.ids.transpose(0, 1), share.logprobs.transpose(0, 1),
                 loss_type=spec.loss_type, tp_group=tp_group, temperature=spec.temperature,
-                diagnostics=spec.diagnostics, real_vocab_size=spec.real_vocab_size, **spec.options)
+                diagnostics=spec.diagnostics, real_vocab_size=spec.real_vocab_size, **riding, **spec.options)
             per_token = per_token.transpose(0, 1)
             metrics = {key: value.transpose(0, 1) for key, value in metrics.items()}
+        sampled = metrics.pop("token_logprobs", None)
         per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
         coefficients = share.coefficients.to(dtype=per_token.dtype)
         contribution = (per_token * coefficients).sum()
@@ -315,6 +334,8 @@ class StepRunner:
             leak = -torch.log(metrics["student_mass"].clamp_min(1e-30))
             stats["coverage"] = (torch.where(mask, leak, torch.zeros_like(leak)) * coefficients).sum().double() \
                 * spec.coverage_coef
+        if sampled is not None:
+            stats["token_logprobs"] = sampled
         return contribution, stats
 
     def _hidden_loss(self, spec: LossSpec, share, captured, output, mask):
@@ -339,9 +360,10 @@ class StepRunner:
             metrics = {key: value.transpose(0, 1) for key, value in metrics.items()}
         return contribution, {"loss": contribution.detach().double(), **self._token_metrics(metrics, weights != 0)}
 
-    def _policy_loss(self, spec: PolicySpec, policy, captured, output, mask):
+    def _policy_loss(self, spec: PolicySpec, policy, captured, output, mask, sampled: torch.Tensor | None = None):
         """The policy-gradient term ``sum(coefficient x pg loss)`` over the micro-batch and its statistics: the
-        sampled tokens' log-probs from the same logit shards (or hidden states) as the divergence, no gather."""
+        sampled tokens' log-probs from the same logit shards (or hidden states) as the divergence, no gather
+        (``sampled``: already taken in the divergence's pass, ``[b, s]``)."""
         from megatron_gkd.losses import fused_vocab_parallel_token_logprobs, vocab_parallel_token_logprobs
         from megatron_gkd.losses.combinations import token_advantages
         from megatron_gkd.losses.policy_gradient import PolicyGradientOptions, policy_gradient_from_logprobs
@@ -358,7 +380,7 @@ class StepRunner:
             return vocab_parallel_token_logprobs(captured.logits, policy.token_ids.transpose(0, 1), tp_group,
                                                  temperature=temperature, **common).transpose(0, 1)
 
-        logprobs = logprobs_at(spec.temperature)
+        logprobs = sampled if sampled is not None else logprobs_at(spec.temperature)
         if spec.temperature == 1.0:
             raw = logprobs.detach()
         else:  # the rollout engine reports raw (temperature 1) log-probs: compare like with like
