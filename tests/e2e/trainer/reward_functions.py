@@ -34,3 +34,13 @@ def hangs_on_third(prompts, responses, records):
 
 def short_on_third(prompts, responses, records):
     return [0.0] * (len(responses) - (1 if _third() else 0))
+
+
+def per_task(prompts, responses, records):
+    """A verifier per task (the record's ``data.group_key`` value): task ``a`` rewards a word w10..w19, task ``b``
+    a word w20..w29."""
+    import re
+
+    patterns = {"a": r"\bw1\d\b", "b": r"\bw2\d\b"}
+    return [1.0 if re.search(patterns[record["group"]], response) else 0.0
+            for response, record in zip(responses, records)]

@@ -81,3 +81,24 @@ def test_one_of_two_teachers_killed_stops_the_run_naming_it(assets, two_tasks, t
     trained = [r["step"] for r in harness.steps(out)]
     assert trained == list(range(1, len(trained) + 1)) and 2 <= len(trained) < 50
     assert (out / "checkpoints" / "latest").read_text().strip() == f"iter_{trained[-1]:07d}"
+
+
+@pytest.mark.slow  # a vLLM rollout: the policy-gradient path runs in the default tier in test_rl_with_teacher.py
+def test_routed_teachers_with_a_verifier_per_task_train_the_policy_gradient(assets, two_tasks, tmp_path):
+    # Each task's teacher scores its samples and each task's verifier rewards them; the teacher's log-prob of each
+    # sampled token reaches the advantage from the teacher that scored the sample.
+    out_dir, tasks = two_tasks
+    out = tmp_path / "run"
+    code, log = harness.run(out, harness.asset_overrides(assets) + _teachers(assets, out_dir / "teacher_b") + [
+        "teacher.client=none", "teacher.serve.model=null", "data.group_key=task", f"data.train_path={out_dir / 'train.jsonl'}",
+        "parallel.tensor_model_parallel_size=1", "rollout.tensor_parallel_size=1", "trainer.scheduler=sync",
+        "trainer.num_steps=2", "eval.at_start=false", "eval.at_end=false", "checkpoint.save_interval=null",
+        "checkpoint.save_at_end=false", "checkpoint.hf_at_end=false", "reward.kind=function",
+        "reward.function=tests.e2e.trainer.reward_functions:per_task", "rl.combine=advantage"], nproc=1)
+    assert code == 0, log[-4000:]
+    steps = harness.steps(out)
+    assert len(steps) == 2
+    for record in steps:
+        assert record["teacher/a/tokens_scored"] + record["teacher/b/tokens_scored"] == record["rollout/num_tokens"]
+        assert record["reward/count"] == 16.0 and record["pg/teacher_kl"] != 0.0
+        assert record["train/kd_loss"] == 0.0 and record["train/loss"] == pytest.approx(record["pg/loss"], rel=1e-6)
