@@ -6,7 +6,7 @@
 Unknown keys fail naming the closest valid key; inconsistent combinations fail with the fix.
 """
 
-from megatron_gkd.config.checks import check_layout, eval_enabled, needs_rollout, needs_teacher
+from megatron_gkd.config.checks import check_layout, eval_enabled, needs_responses, needs_rollout, needs_teacher
 from megatron_gkd.config.loading import load_config, merge_layers, replace, to_dict, to_yaml
 from megatron_gkd.config.schema import (
     CheckpointConfig,
@@ -32,6 +32,7 @@ __all__ = [
     "eval_enabled",
     "load_config",
     "merge_layers",
+    "needs_responses",
     "needs_rollout",
     "needs_teacher",
     "replace",

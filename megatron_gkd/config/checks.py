@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from megatron_gkd import platform
+from megatron_gkd.config.sample_mix import SampleMixConfig
 from megatron_gkd.planning.model import model_shape, read_config
 from megatron_gkd.teacher.clients import client_traits
 
@@ -38,6 +39,18 @@ def teacher_key(config, name: str) -> str:
 
 def needs_teacher(config) -> bool:
     return config.trainer.run_mode.distills
+
+
+def needs_responses(config) -> bool:
+    """The records must carry reference responses: trained on (off_policy, sft) or mixed in (``sample_mix.source=
+    dataset``)."""
+    mix = config.sample_mix
+    return not config.trainer.run_mode.samples or (mix.enabled and mix.source == "dataset")
+
+
+def teacher_response_limit(config) -> int:
+    """The longest response the teacher writes for ``sample_mix.source=teacher``."""
+    return config.sample_mix.teacher.max_tokens or config.rollout.max_tokens
 
 
 def needs_rollout(config) -> bool:
@@ -102,12 +115,15 @@ def check_config(config) -> None:
     if trainer.max_tokens_per_microbatch is not None:
         longest = data.max_prompt_length + (rollout.max_tokens if trainer.run_mode.samples else
                                             data.max_response_length or 0)
+        if config.sample_mix.enabled and config.sample_mix.source == "teacher":
+            longest = max(longest, data.max_prompt_length + teacher_response_limit(config))
         if data.max_response_length is None and not trainer.run_mode.samples:
             longest = 0  # unknown until the data is read; checked per batch
         if longest > trainer.max_tokens_per_microbatch:
             _fail(f"trainer.max_tokens_per_microbatch={trainer.max_tokens_per_microbatch} is smaller than the longest "
                   f"possible sample ({longest} tokens: data.max_prompt_length + the response limit); raise it")
     _check_rl(config, teachers)
+    _check_sample_mix(config, teachers)
     _check_weight_sync(config)
     _check_inert(config)
 
@@ -146,6 +162,54 @@ def _check_rl(config, teachers: dict) -> None:
     if rl.tis_cap is not None and config.rollout.temperature != 1.0:
         _fail(f"rl.tis_cap weighs by pi_train / pi_rollout with the rollout engine's raw (temperature 1) log-probs, "
               f"but rollout.temperature={config.rollout.temperature}: set rollout.temperature=1 or rl.tis_cap=null")
+
+
+def _check_sample_mix(config, teachers: dict) -> None:
+    """GKD's mixture against the mode, the loss, the policy gradient and the teacher that writes responses."""
+    mix = config.sample_mix
+    if not mix.enabled:
+        if mix != SampleMixConfig():
+            logger.warning("sample_mix.* has no effect while sample_mix.lmbda is null (no mixture)")
+        return
+    for option in mix.inert_options():
+        logger.warning("%s has no effect with sample_mix.schedule=%s, sample_mix.source=%s", option, mix.schedule,
+                       mix.source)
+    trainer = config.trainer
+    if not trainer.run_mode.samples or not trainer.run_mode.distills:
+        _fail(f"sample_mix.lmbda mixes the student's own samples with {mix.source} responses, which needs "
+              f"trainer.mode=on_policy (it is {trainer.mode}); set trainer.mode=on_policy, or sample_mix.lmbda=null "
+              "to train on the dataset's responses alone")
+    if config.rl.enabled:
+        _fail(f"sample_mix.lmbda with rl.combine={config.rl.combine!r}: the policy gradient is on-policy (the "
+              f"student's samples and their rewards), and {mix.source} responses are not the student's; set "
+              "sample_mix.lmbda=null or rl.combine=null")
+    if config.loss.type == "tcad":
+        _fail(f"loss.type=tcad needs the student's top-k ids of each response, which {mix.source} responses "
+              "(sample_mix.source) do not have; use another loss.type (e.g. forward_kl) or sample_mix.lmbda=null")
+    if mix.source != "teacher":
+        return
+    name = mix.teacher.teacher
+    if name is None and len(teachers) > 1:
+        _fail(f"sample_mix.source=teacher with several teachers ({sorted(teachers)}): name the one that writes the "
+              f"responses, e.g. sample_mix.teacher.teacher={sorted(teachers)[0]}")
+    if name is not None and name not in teachers:
+        _fail(f"sample_mix.teacher.teacher={name!r} is not one of the run's teachers {sorted(teachers)}"
+              + ("" if config.teachers else " (a single `teacher` section is named 'teacher'; or leave it null)"))
+    name = name or next(iter(teachers))
+    teacher = teachers[name]
+    if not client_traits(teacher.client).generates:
+        _fail(f"sample_mix.source=teacher asks the teacher for responses, which "
+              f"{teacher_key(config, name)}.client={teacher.client!r} cannot do; use {teacher_key(config, name)}"
+              ".client=zmq (a teacher service with the hf, vllm or megatron backend) or openai, or "
+              "sample_mix.source=dataset")
+
+
+def generating_teacher(config) -> str | None:
+    """The name of the teacher that writes responses (``sample_mix.source=teacher``), else None."""
+    mix = config.sample_mix
+    if not mix.enabled or mix.source != "teacher":
+        return None
+    return mix.teacher.teacher or next(iter(teacher_configs(config)))
 
 
 # weight_sync.verify's least tolerance for a bf16/fp16 student or engine: 3x the largest |vLLM - Megatron|

@@ -18,6 +18,7 @@ import math
 from typing import Any
 
 from megatron_gkd.config.optim import OptimizerConfig
+from megatron_gkd.config.sample_mix import SampleMixConfig
 from megatron_gkd.data.config import DataConfig
 from megatron_gkd.parallel.state import ParallelConfig
 from megatron_gkd.platform.npu import MindSpeedConfig
@@ -396,6 +397,9 @@ class GKDConfig:
     """Rewards of the sampled responses (null ``reward.kind``: none); computed beside the teacher request and
     logged as ``reward/*``; ``rl`` says how the step trains on them."""
     rl: RLConfig = dataclasses.field(default_factory=RLConfig)
+    sample_mix: SampleMixConfig = dataclasses.field(default_factory=SampleMixConfig)
+    """GKD's mixture: student samples with probability ``lmbda``, else dataset or teacher-written responses
+    (:mod:`megatron_gkd.config.sample_mix`); null ``lmbda``: off."""
     mindspeed: MindSpeedConfig = dataclasses.field(default_factory=MindSpeedConfig)
 
     def __post_init__(self):

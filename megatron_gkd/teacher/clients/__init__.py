@@ -212,6 +212,7 @@ class ClientTraits:
         fills_cache: a teacher cache can be built through it.
         token_logprobs: it returns the teacher's log-prob of each response token (the advantage-side and
             teacher-only forms of ``rl.combine`` read nothing else).
+        generates: it can ask its teacher for responses (``generate``; GKD's teacher-written data).
     """
 
     description: str
@@ -223,6 +224,7 @@ class ClientTraits:
     collective: bool = False
     fills_cache: bool = False
     token_logprobs: bool = True
+    generates: bool = False
 
 
 CLIENTS: Registry[type[TeacherClient]] = Registry("teacher client", config_key="teacher.client")
@@ -251,11 +253,12 @@ def client_traits(name: str) -> ClientTraits:
 register_client("zmq", "megatron_gkd.teacher.clients.zmq_client:ZmqTeacherClient", ClientTraits(
     "a teacher service", required=(("address", "the service's address (e.g. tcp://host:5555), or set "
                                     "teacher.serve.model=DIR to have the run start a teacher service on loopback"),),
-    options=("address", "secret_file", "insecure", "split_requests"), served_option="address", fills_cache=True))
+    options=("address", "secret_file", "insecure", "split_requests"), served_option="address", fills_cache=True,
+    generates=True))
 register_client("openai", "megatron_gkd.teacher.clients.openai_client:OpenAITeacherClient", ClientTraits(
     "an OpenAI-compatible server", required=(("base_url", "the server's URL (e.g. http://host:8000)"),),
     options=("base_url", "model", "teacher_tokenizer", "api_key"), signals=("topk",), requested_ids=False,
-    fills_cache=True))
+    fills_cache=True, generates=True))
 register_client("local", "megatron_gkd.teacher.clients.local:LocalTeacherClient", ClientTraits(
     "the colocated Megatron teacher", required=(("checkpoint", "a HF checkpoint directory"),),
     options=("checkpoint", "offload"), collective=True))
