@@ -36,6 +36,8 @@ class Sample:
         student_topk: ``[R, k]`` int64 student top-k ids per response position (TCAD), or None.
         data_group: the record's ``data.group_key`` value (its task: it routes the sample to a teacher), or None.
         logprobs: ``[R]`` float32 the rollout engine's (raw) log-probs of the response tokens, or None.
+        source: where the response comes from: ``student`` (sampled by the rollout engine), ``dataset`` (the
+            record's own) or ``teacher`` (written by the teacher; ``sample_mix``).
     """
 
     tokens: torch.Tensor
@@ -45,6 +47,7 @@ class Sample:
     student_topk: torch.Tensor | None = None
     data_group: str | None = None
     logprobs: torch.Tensor | None = None
+    source: str = "student"
 
     @property
     def response_len(self) -> int:
@@ -303,6 +306,9 @@ class MicroBatch:
     loss, expert load) leave them out, so they do not depend on how far a layout pads."""
     policy: PolicySlice | None = None
     """The policy-gradient term's inputs (``rl.combine``; last stage only)."""
+    sources: dict[str, torch.Tensor] | None = None
+    """GKD's mixture (``sample_mix``): per source, ``[b, s]`` True at the loss positions of its samples (every source
+    of the run, empty or not, so every micro-batch reports the same statistics)."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -310,8 +316,9 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved = {f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-                 for f in dataclasses.fields(self) if f.name != "teachers"}
-        return MicroBatch(**moved, teachers=[teacher.to(device) for teacher in self.teachers])
+                 for f in dataclasses.fields(self) if f.name not in ("teachers", "sources")}
+        sources = None if self.sources is None else {name: where.to(device) for name, where in self.sources.items()}
+        return MicroBatch(**moved, teachers=[teacher.to(device) for teacher in self.teachers], sources=sources)
 
 
 def common_shape(samples: Sequence[Sample], plan: Sequence[Sequence[int]], pad_multiple: int = 1) -> tuple[int, int]:
@@ -366,7 +373,8 @@ def plan_microbatches(lengths: Sequence[int], *, micro_batch_size: int | None = 
 def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Tensor], *, pad_multiple: int = 1,
                      rows: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, labels: bool = False,
                      pad_token_id: int = 0, shape: tuple[int, int] | None = None,
-                     teachers: Sequence[TeacherShare] | None = None, policy: PolicyShare | None = None) -> MicroBatch:
+                     teachers: Sequence[TeacherShare] | None = None, policy: PolicyShare | None = None,
+                     sources: Sequence[str] | None = None) -> MicroBatch:
     """The ``[b, s]`` tensors of ``samples`` (right padding; positions past a sample carry no loss).
 
     Args:
@@ -381,6 +389,7 @@ def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Ten
         shape: pad to this ``(b, s)`` (extra rows are all padding): pipeline stages exchange activations
             of one fixed shape per step.
         policy: the policy-gradient term's inputs of ``samples`` (``rl.combine``; ranks with a loss).
+        sources: the run's sample sources (``sample_mix``): a loss mask per source (``MicroBatch.sources``).
     """
     width = max(s.input_len for s in samples)
     width = -(-width // pad_multiple) * pad_multiple
@@ -405,9 +414,13 @@ def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Ten
     position_ids = torch.arange(width, dtype=torch.int64).unsqueeze(0).expand(b, width).contiguous()
     lengths = torch.tensor([s.input_len for s in samples] + [0] * (b - len(samples)))
     padding_mask = position_ids >= lengths[:, None]
+    masks = None
+    if sources is not None:
+        rows = [s.source for s in samples] + [None] * (b - len(samples))
+        masks = {name: loss_mask & torch.tensor([row == name for row in rows])[:, None] for name in sources}
     return MicroBatch(tokens=tokens, position_ids=position_ids, loss_mask=loss_mask, coefficients=weights,
                       labels=label_ids, teachers=slices, padding_mask=padding_mask,
-                      policy=None if policy is None else _policy_slice(policy, samples, (b, width)))
+                      policy=None if policy is None else _policy_slice(policy, samples, (b, width)), sources=masks)
 
 
 def _teacher_slice(share: TeacherShare, samples: Sequence[Sample], shape: tuple[int, int]) -> TeacherSlice:
@@ -431,10 +444,12 @@ def _teacher_slice(share: TeacherShare, samples: Sequence[Sample], shape: tuple[
 
 
 def samples_from_rollout(batch, indices: Sequence[int], prompt_indices: Sequence[int],
-                         prompt_groups: Sequence[str | None] | None = None) -> list[Sample]:
+                         prompt_groups: Sequence[str | None] | None = None,
+                         prompt_sources: Sequence[str] | None = None) -> list[Sample]:
     """:class:`Sample` objects for rows ``indices`` of a :class:`~megatron_gkd.rollout.RolloutBatch`.
 
-    ``prompt_indices[g]`` / ``prompt_groups[g]``: the dataset row of prompt group ``g`` and its record's group.
+    ``prompt_indices[g]`` / ``prompt_groups[g]`` / ``prompt_sources[g]``: the dataset row of prompt group ``g``, its
+    record's group and where its responses come from (default: the student).
     """
     samples = []
     for i in indices:
@@ -443,6 +458,7 @@ def samples_from_rollout(batch, indices: Sequence[int], prompt_indices: Sequence
         samples.append(Sample(tokens=torch.tensor(prompt + response, dtype=torch.int64), prompt_len=len(prompt),
                               group=group, prompt_index=int(prompt_indices[group]), student_topk=batch.topk(i),
                               data_group=prompt_groups[group] if prompt_groups is not None else None,
-                              logprobs=batch.logprobs(i).float()))
+                              logprobs=batch.logprobs(i).float(),
+                              source=prompt_sources[group] if prompt_sources is not None else "student"))
     return samples
 

@@ -18,8 +18,10 @@ import torch.distributed as dist
 
 from megatron_gkd import platform
 from megatron_gkd.config import needs_teacher
-from megatron_gkd.parallel.comm import agree, all_gather_msgpack
+from megatron_gkd.config.checks import generating_teacher
+from megatron_gkd.parallel.comm import agree, all_gather_msgpack, broadcast_msgpack
 from megatron_gkd.rollout.types import RolloutBatch
+from megatron_gkd.teacher import GenerateBatch
 from megatron_gkd.trainer.batch import (TCADSpec, TeacherRows, TeacherShare, build_microbatch, common_shape,
                                         plan_microbatches, samples_from_rollout, score_batch, split_to_count,
                                         teacher_rows, token_coefficients)
@@ -27,6 +29,8 @@ from megatron_gkd.trainer.components import build_reward_runner
 from megatron_gkd.trainer.head_check import TeacherHeadMismatch, check_due, check_teacher_head, where
 from megatron_gkd.trainer.policy import policy_share, tp_rewards
 from megatron_gkd.trainer.reward_exchange import RewardExchange
+from megatron_gkd.trainer.sample_mix import (STUDENT, dataset_batch, draw_sources, generated_batch, merge_by_prompt,
+                                             source_metrics)
 from megatron_gkd.trainer.teachers import Request, Teachers
 
 logger = logging.getLogger(__name__)
@@ -54,6 +58,7 @@ class InFlight:
         pending: disaggregated rollout: the future of ``(rollout, samples, teacher, reward)`` from the rollout thread.
         reward: the future of this rank's rewards (:mod:`.reward_exchange`; ranks that compute them), or None.
         rewards: this rank's rewards, one per sample, once :meth:`BatchFlow.prepare` has them, or None.
+        sources: each prompt's source (``student``, ``dataset`` or ``teacher``) with ``sample_mix``, else None.
     """
 
     index: int
@@ -65,6 +70,7 @@ class InFlight:
     pending: object = None
     reward: object = None
     rewards: list[float] | None = None
+    sources: list[str] | None = None
 
     def resolve(self) -> None:
         """Waits for a rollout still running on the rollout server (a no-op otherwise)."""
@@ -92,7 +98,7 @@ class BatchFlow:
     def __init__(self, config, state, *, control, dp_group, tokenizer, timers, teachers: Teachers, rollout=None,
                  stop_ids=()):
         self.config, self.state, self.control, self.dp_group = config, state, control, dp_group
-        self.tokenizer, self.timers, self.rollout = tokenizer, timers, rollout
+        self.tokenizer, self.timers, self.rollout, self.stop_ids = tokenizer, timers, rollout, tuple(stop_ids)
         self.loss_kind = config.trainer.run_mode.loss_kind
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.rank = dist.get_rank()
@@ -106,54 +112,113 @@ class BatchFlow:
         self.confidence: dict = {}
         self.tcad = {teacher.name: self._tcad_spec(teacher.config) for teacher in teachers}
         self._heads_checked = False  # the first batch checks every hidden-signal teacher's head
+        self.mix = config.sample_mix
+        self.generator = generating_teacher(config)  # the teacher that writes responses (sample_mix), or None
+        if self.generator is not None:
+            # One rank asks for every teacher-written response of a batch (the teacher rank of the first data-parallel
+            # share): the responses then do not depend on the layout. Collective over every rank.
+            asker = torch.tensor([self.rank if self.is_teacher_rank and state.dp_rank == 0 else -1])
+            dist.all_reduce(asker, op=dist.ReduceOp.MAX, group=control)
+            self._generator_rank = int(asker)
 
     # -------------------------------------------------------------------------------------- sampling
     def produce(self, index: int, records, data_state: dict, version: int) -> InFlight:
-        """Samples (or reads) the responses of ``records`` and sends this rank's teacher request (and its
-        rewards' request)."""
+        """Samples (or reads, or asks the teacher for) the responses of ``records`` and sends this rank's teacher
+        request (and its rewards' request)."""
         config = self.config
         prompt_indices = [record.index for record in records]
         prompt_groups = [record.group for record in records]
         fields = {record.index: {"index": record.index, "answer": record.answer, "group": record.group}
                   for record in records}
+        sources = self.sources(index, len(records))
         if config.trainer.run_mode.samples:
-            prompts, sampling = [list(r.prompt_ids) for r in records], config.rollout.sampling(self._seed(index))
-            if self.rollout.in_background:  # sampled on the rollout server while this rank trains
-                pending = self.rollout.generate_then(
-                    prompts, sampling, lambda batch: self._background_share(batch, prompt_indices, prompt_groups, fields))
-                return InFlight(index, data_state, prompt_indices, None, None, pending=pending)
-            with self.timers("rollout"):
-                rollout = self.rollout.generate(prompts, sampling)
+            student = [i for i in range(len(records)) if sources is None or sources[i] == STUDENT]
+            parts = self._off_policy_parts(index, records, sources, version)
+            prompts, sampling = [list(records[i].prompt_ids) for i in student], config.rollout.sampling(self._seed(index))
+
+            def merged(batch: RolloutBatch) -> RolloutBatch:  # the student's samples among the off-policy ones
+                if sources is None:
+                    return batch
+                return merge_by_prompt(parts + [(student, batch)], batch.weight_version, self.pad_id)
+
+            if not student:
+                rollout = merge_by_prompt(parts, version, self.pad_id)
+            elif self.rollout.in_background:  # sampled on the rollout server while this rank trains
+                pending = self.rollout.generate_then(prompts, sampling, lambda batch: self._background_share(
+                    merged(batch), prompt_indices, prompt_groups, fields, sources))
+                return InFlight(index, data_state, prompt_indices, None, None, pending=pending, sources=sources)
+            else:
+                with self.timers("rollout"):
+                    rollout = merged(self.rollout.generate(prompts, sampling))
         else:
-            rollout = RolloutBatch.from_samples(
-                prompts=[list(r.prompt_ids) for r in records], responses=[list(r.response_ids) for r in records],
-                logprobs=[[0.0] * len(r.response_ids) for r in records], group_ids=range(len(records)),
-                finish_reasons=["stop"] * len(records), weight_version=version, pad_token_id=self.pad_id)
-        samples = self.my_samples(rollout, prompt_indices, prompt_groups)
+            rollout = dataset_batch(records, version, self.pad_id)
+        samples = self.my_samples(rollout, prompt_indices, prompt_groups, sources)
         teacher = None
         if needs_teacher(config):
             with self.timers("teacher_send"):
                 teacher = self.request(samples)
         reward = self.rewards.send(samples, fields)  # decoded here, computed in the reward worker meanwhile
-        return InFlight(index, data_state, prompt_indices, rollout, samples, teacher, reward=reward)
+        return InFlight(index, data_state, prompt_indices, rollout, samples, teacher, reward=reward, sources=sources)
 
-    def _background_share(self, rollout, prompt_indices, prompt_groups, fields):
+    def _background_share(self, rollout, prompt_indices, prompt_groups, fields, sources=None):
         """On the rollout thread: the server's batch and this rank's teacher and reward requests for its share (a
         colocated Megatron teacher is a collective of the training ranks: it is asked in the update)."""
-        samples = self.my_samples(rollout, prompt_indices, prompt_groups)
+        samples = self.my_samples(rollout, prompt_indices, prompt_groups, sources)
         teacher = self.request(samples, local=False) if needs_teacher(self.config) else None
         return rollout, samples, teacher, self.rewards.send(samples, fields)
+
+    # ------------------------------------------------------------------------------- GKD's mixture
+    def sources(self, index: int, num_prompts: int) -> list[str] | None:
+        """Each prompt's source in batch ``index`` (``sample_mix``; the same on every rank), or None without one."""
+        if not self.mix.enabled:
+            return None
+        seed = self.mix.seed if self.mix.seed is not None else self.config.trainer.seed
+        return draw_sources(self.mix, seed=seed, step=index, num_prompts=num_prompts)
+
+    def _off_policy_parts(self, index: int, records, sources: list[str] | None, version: int) -> list:
+        """``(positions, batch)`` of the prompts whose responses are not the student's: the records' own, or the
+        teacher's (asked now; collective over every rank when the batch has any)."""
+        off = [i for i in range(len(records)) if sources is not None and sources[i] != STUDENT]
+        if not off:
+            return []
+        chosen = [records[i] for i in off]
+        if self.mix.source == "dataset":
+            return [(off, dataset_batch(chosen, version, self.pad_id))]
+        prompts = [list(record.prompt_ids) for record in chosen]
+        with self.timers("teacher_generate"):
+            responses = self.teacher_responses(index, prompts)
+        return [(off, generated_batch(prompts, responses, self.config.rollout.n, self.stop_ids, version, self.pad_id))]
+
+    def teacher_responses(self, index: int, prompts: list[list[int]]) -> list[list[int]]:
+        """The teacher's ``rollout.n`` responses to each of ``prompts`` (prompt by prompt), with its own sampling
+        settings (``sample_mix.teacher.*``), seeded per batch like the rollout. One rank asks, every rank gets them;
+        every rank stops if the request failed. Collective over every rank."""
+        settings, responses, error = self.mix.teacher, None, None
+        if self.rank == self._generator_rank:
+            try:
+                batch = GenerateBatch(prompts=[np.asarray(p, dtype=np.int64) for p in prompts],
+                                      num_samples=self.config.rollout.n, temperature=settings.temperature,
+                                      top_p=settings.top_p, top_k=settings.top_k,
+                                      max_tokens=settings.max_tokens or self.config.rollout.max_tokens,
+                                      stop_ids=self.stop_ids, seed=self._seed(index))
+                client = self.teachers.by_name[self.generator].client
+                responses = [sample.response_ids.tolist() for sample in client.generate(batch)]
+            except Exception as caught:  # noqa: BLE001 - shared with every rank below
+                error = caught if not self.teachers.several else TeacherFailed(self.generator, caught)
+        agree(error, self.control)
+        return broadcast_msgpack(responses, self._generator_rank, self.control)
 
     def _seed(self, index: int) -> int | None:
         seed = self.config.rollout.seed
         return None if seed is None else seed + index * 1_000_003
 
-    def my_samples(self, rollout: RolloutBatch, prompt_indices: list[int], prompt_groups: list | None = None) -> list:
+    def my_samples(self, rollout: RolloutBatch, prompt_indices: list[int], prompt_groups: list | None = None,
+                   sources: list[str] | None = None) -> list:
         """This data-parallel rank's samples: a contiguous block of whole prompt groups."""
         groups = np.array_split(np.arange(len(prompt_indices)), self.state.data_parallel_size)
         mine = set(groups[self.state.dp_rank].tolist())
         rows = [i for i in range(rollout.num_samples) if int(rollout.group_ids[i]) in mine]
-        return samples_from_rollout(rollout, rows, prompt_indices, prompt_groups)
+        return samples_from_rollout(rollout, rows, prompt_indices, prompt_groups, sources)
 
     # --------------------------------------------------------------------------------------- teacher
     def _tcad_spec(self, teacher) -> TCADSpec | None:
@@ -253,8 +318,11 @@ class BatchFlow:
         return TeacherRows(*(tensor.cpu() for tensor in tensors))
 
     def annotation_metrics(self, batch: InFlight) -> dict:
-        """The teachers' and the rewards' metrics of a trained batch (collective over every rank)."""
-        return {**self.teacher_metrics(batch.teacher, batch.samples), **self.rewards.metrics(batch.rewards)}
+        """The teachers', the rewards' and the mixture's metrics of a trained batch (collective over every rank)."""
+        metrics = {**self.teacher_metrics(batch.teacher, batch.samples), **self.rewards.metrics(batch.rewards)}
+        if batch.sources is not None:  # from the global batch, the same on every rank
+            metrics.update(source_metrics(batch.rollout, batch.sources, self.mix.source, self.mix.lmbda_at(batch.index)))
+        return metrics
 
     def teacher_metrics(self, requests: dict[str, Request] | None, samples) -> dict[str, float]:
         """Per teacher: request latency (the slowest rank's), response tokens scored and attempts retried so far
@@ -309,8 +377,9 @@ class BatchFlow:
                 rows = {}  # the teacher is in the advantage only: no divergence term
             elif policy is not None:  # rl.combine=loss: the divergence weighs rl.kd_coef beside the policy gradient
                 coefficients = [c * self.config.rl.kd_coef for c in coefficients]
+            sources = (STUDENT, self.mix.source) if self.mix.enabled and not scoring else None
             return self.microbatches(batch.samples, coefficients, rows, labels=False if scoring else None,
-                                     policy=policy)
+                                     policy=policy, sources=sources)
 
     def policy(self, batch: InFlight, rows: dict):
         """The policy-gradient inputs of this rank's share (:mod:`.policy`) on the last stage; None elsewhere or
@@ -405,9 +474,11 @@ class BatchFlow:
                  for i in range(len(samples))]))
         return shares
 
-    def microbatches(self, samples, coefficients, rows: dict, *, labels: bool | None = None, policy=None) -> list:
+    def microbatches(self, samples, coefficients, rows: dict, *, labels: bool | None = None, policy=None,
+                     sources=None) -> list:
         """The micro-batches of ``samples`` (every rank of a pipeline plans the same cuts; ``policy``: the
-        policy-gradient inputs of ``samples``, a :class:`~megatron_gkd.trainer.batch.PolicyShare`)."""
+        policy-gradient inputs of ``samples``, a :class:`~megatron_gkd.trainer.batch.PolicyShare`; ``sources``: the
+        mixture's source names, whose losses are measured apart)."""
         trainer, parallel = self.config.trainer, self.config.parallel
         plan = plan_microbatches([s.input_len for s in samples], micro_batch_size=trainer.micro_batch_size,
                                  max_tokens=trainer.max_tokens_per_microbatch)
@@ -424,7 +495,7 @@ class BatchFlow:
         return [build_microbatch([samples[i] for i in indices], [coefficients[i] for i in indices], pad_multiple=multiple,
                                  teachers=[share.take(indices) for share in shares], labels=labels,
                                  pad_token_id=self.pad_id, shape=shape,
-                                 policy=None if policy is None else policy.take(indices))
+                                 policy=None if policy is None else policy.take(indices), sources=sources)
                 for indices, shape in zip(plan, shapes)]
 
     def _expert_parallel_cuts(self, samples, plan, multiple: int) -> tuple[list, list]:

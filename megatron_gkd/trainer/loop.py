@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gkd import parallel, platform
-from megatron_gkd.config import GKDConfig, check_layout, eval_enabled, needs_teacher, to_yaml
+from megatron_gkd.config import GKDConfig, check_layout, eval_enabled, needs_responses, needs_teacher, to_yaml
 from megatron_gkd.config.schema import MODES
 from megatron_gkd.data import PromptSampler, load_prompts, load_tokenizer
 from megatron_gkd.parallel.comm import all_gather_msgpack, broadcast_msgpack
@@ -124,7 +124,7 @@ class Trainer:
         self.stop_ids = stop_token_ids(config, self.tokenizer)
         show = self.rank == 0
         self.train_data = load_prompts(data.train_path, data, self.tokenizer, show_progress=show,
-                                       require_responses=not config.trainer.run_mode.samples)
+                                       require_responses=needs_responses(config))
         self.eval_data, self._eval_groups = None, {}
         if eval_enabled(config):
             self.eval_data = load_prompts(data.eval_path, data, self.tokenizer, show_progress=show,

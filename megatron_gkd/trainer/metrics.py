@@ -245,6 +245,20 @@ def loss_metrics(stats: dict, teacher_names: list[str] | None = None) -> dict:
             divergence = stats.get("kd/loss", stats["loss"]) if not suffix else stats[f"loss{suffix}"]
             metrics[f"train/loss_divergence{suffix}"] = divergence - stats[f"coverage{suffix}"]
     metrics.update(policy_metrics(stats))
+    metrics.update(mixture_loss_metrics(stats))
+    return metrics
+
+
+def mixture_loss_metrics(stats: dict) -> dict:
+    """GKD's mixture: each source's part of ``train/loss`` (``mix/loss/<source>``; they add up to it) and the mean
+    divergence over its tokens (``mix/loss_per_token/<source>``, weighted as the step weighs them; absent for a source
+    without tokens this step)."""
+    metrics = {}
+    for key in [key for key in stats if key.startswith("mix/loss/")]:
+        source = key[len("mix/loss/"):]
+        metrics[key] = stats[key]
+        if stats.get(f"mix/weight/{source}", 0.0) > 0:
+            metrics[f"mix/loss_per_token/{source}"] = stats[key] / stats[f"mix/weight/{source}"]
     return metrics
 
 

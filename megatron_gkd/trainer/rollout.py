@@ -61,9 +61,15 @@ class Rollout:
         tp = self.config.rollout.tensor_parallel_size
         mine = blocks[self.rank // tp]
         seed = None if sampling.seed is None else sampling.seed + int(mine[0] if len(mine) else 0) * sampling.n
-        batch = self.engine.generate([prompts[i] for i in mine], dataclasses.replace(sampling, seed=seed))
-        gathered = all_gather_msgpack(encode_batch(batch), self.control)
-        return concat_batches([decode_batch(gathered[r * tp]) for r in range(self.replicas)])
+        if len(mine):
+            batch = self.engine.generate([prompts[i] for i in mine], dataclasses.replace(sampling, seed=seed))
+        else:  # fewer prompts than replicas (GKD's mixture samples only some of a batch's prompts)
+            # vLLM's data-parallel replicas step together: one without prompts that skipped generate would leave the
+            # others waiting for it. It samples one token of a prompt and drops it.
+            self.engine.generate(prompts[:1], dataclasses.replace(sampling, seed=seed, max_tokens=1, n=1))
+            batch = None
+        gathered = all_gather_msgpack(None if batch is None else encode_batch(batch), self.control)
+        return concat_batches([decode_batch(gathered[r * tp]) for r in range(self.replicas) if gathered[r * tp]])
 
     def generate_then(self, prompts: list[list[int]], sampling, then):
         """Rollout server only: a future of ``then(batch)``, sampled and run on the rollout thread, after what was

@@ -275,6 +275,7 @@ class StepRunner:
                 tokens = microbatch.policy.token_ids.to(device) if riding and sampled is None else None
                 part, part_stats = self._teacher_loss(spec, share.to(device), captured, output, mask, tokens)
                 sampled = part_stats.pop("token_logprobs", sampled)
+                self._source_stats(stats, microbatch, part_stats.pop("weighted"))
                 contribution = contribution + part
                 suffix = f"/{share.name}" if several else ""
                 stats.update({f"{key}{suffix}": value for key, value in part_stats.items()})
@@ -292,6 +293,16 @@ class StepRunner:
         stats.setdefault("loss", contribution.detach().double())
         # Undo the schedule's division by the number of micro-batches and DDP's average over DP ranks.
         return contribution * self._scale, {key: value.detach().cpu() for key, value in stats.items()}
+
+    @staticmethod
+    def _source_stats(stats: dict, microbatch: MicroBatch, weighted: torch.Tensor) -> None:
+        """GKD's mixture (``microbatch.sources``): each source's part of the loss (``mix/loss/<source>``, summed over
+        teachers) and of the tokens' coefficients (``mix/weight/<source>``). ``weighted``: ``[b, s]`` the detached
+        ``coefficient x divergence`` of one teacher."""
+        for name, where in (microbatch.sources or {}).items():
+            where = where.to(weighted.device)  # multiplied, not indexed: a boolean index is a host sync
+            stats[f"mix/loss/{name}"] = stats.get(f"mix/loss/{name}", 0.0) + (weighted * where).sum().double()
+            stats[f"mix/weight/{name}"] = (microbatch.coefficients.to(weighted.device) * where).sum().double()
 
     def _tokens_riding_along(self, specs, microbatch: MicroBatch) -> bool:
         """Whether the policy gradient's sampled-token log-probs come from the first teacher's divergence pass
@@ -329,7 +340,8 @@ class StepRunner:
         per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
         coefficients = share.coefficients.to(dtype=per_token.dtype)
         contribution = (per_token * coefficients).sum()
-        stats = {"loss": contribution.detach().double(), **self._token_metrics(metrics, mask & (coefficients != 0))}
+        stats = {"loss": contribution.detach().double(), **self._token_metrics(metrics, mask & (coefficients != 0)),
+                 "weighted": (per_token * coefficients).detach()}
         if spec.coverage_coef is not None and "student_mass" in metrics:
             leak = -torch.log(metrics["student_mass"].clamp_min(1e-30))
             stats["coverage"] = (torch.where(mask, leak, torch.zeros_like(leak)) * coefficients).sum().double() \
@@ -351,14 +363,16 @@ class StepRunner:
                       teacher_temperature=spec.teacher_temperature, real_vocab_size=spec.real_vocab_size,
                       chunk_size=spec.chunk_size, **spec.options)
         if spec.fused:  # hidden [b, s, h] as the model returned it
-            contribution, _, metrics = hidden_distill_loss(
+            contribution, per_token, metrics = hidden_distill_loss(
                 output, share.hidden, head, weights, student_weight=captured.weight,
                 all_reduce_hidden_grad=not captured.sequence_parallel, **common)
         else:  # logits [s, b, V/tp] as the output layer made them; teacher rows and results [b, s]
-            contribution, _, metrics = hidden_distill_loss(
+            contribution, per_token, metrics = hidden_distill_loss(
                 captured.logits, share.hidden.transpose(0, 1), head, weights.transpose(0, 1), **common)
             metrics = {key: value.transpose(0, 1) for key, value in metrics.items()}
-        return contribution, {"loss": contribution.detach().double(), **self._token_metrics(metrics, weights != 0)}
+            per_token = per_token.transpose(0, 1)
+        return contribution, {"loss": contribution.detach().double(), **self._token_metrics(metrics, weights != 0),
+                              "weighted": (per_token * weights.to(per_token.dtype)).detach()}
 
     def _policy_loss(self, spec: PolicySpec, policy, captured, output, mask, sampled: torch.Tensor | None = None):
         """The policy-gradient term ``sum(coefficient x pg loss)`` over the micro-batch and its statistics: the

@@ -1,0 +1,104 @@
+"""GKD's mixture in the batch path (``sample_mix``; :mod:`megatron_gkd.config.sample_mix`): which source each prompt
+of a batch takes its responses from, the off-policy parts as rollout batches, and one batch of them all.
+
+Pure code, no collectives: :class:`~megatron_gkd.trainer.flow.BatchFlow` draws, asks the rollout engine and the
+teacher, and merges. Every rank draws the same sources: the draw is a function of ``(seed, step)`` alone (a numpy
+generator seeded with both, never the global RNG), so a resumed run draws what the first one did.
+
+A merged batch keeps the contract of a rollout batch: sample rows ordered by prompt, group id = the prompt's position
+in the batch. The teacher writes ``rollout.n`` responses per prompt, as the student samples; the dataset has one
+response per prompt (its record's), so a dataset prompt brings one sample.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from megatron_gkd.rollout.types import RolloutBatch
+
+STUDENT = "student"
+"""The on-policy source: the student's own samples through the rollout engine."""
+
+
+def draw_sources(mix, *, seed: int, step: int, num_prompts: int) -> list[str]:
+    """Each prompt's source at batch ``step``: ``student`` with probability ``mix.lmbda_at(step)``, else
+    ``mix.source``; one draw for the whole batch (``mix.per=batch``) or one per prompt (``prompt``).
+
+    Args:
+        mix: the run's :class:`~megatron_gkd.config.sample_mix.SampleMixConfig` (enabled).
+        seed: the draws' seed (``sample_mix.seed`` or ``trainer.seed``).
+        step: the batch index.
+        num_prompts: prompts of the batch.
+    """
+    lmbda = mix.lmbda_at(step)
+    generator = np.random.default_rng([seed, step])  # keyed on (seed, step): independent of what ran before
+    draws = generator.random(1 if mix.per == "batch" else num_prompts)  # uniform in [0, 1): lmbda 1 always draws
+    if mix.per == "batch":
+        draws = np.repeat(draws, num_prompts)
+    return [STUDENT if value < lmbda else mix.source for value in draws]
+
+
+def dataset_batch(records, version: int, pad_id: int) -> RolloutBatch:
+    """The records' own responses as a batch: one sample per record, group = the record's position."""
+    return RolloutBatch.from_samples(
+        prompts=[list(r.prompt_ids) for r in records], responses=[list(r.response_ids) for r in records],
+        logprobs=[[0.0] * len(r.response_ids) for r in records], group_ids=range(len(records)),
+        finish_reasons=["stop"] * len(records), weight_version=version, pad_token_id=pad_id)
+
+
+def generated_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], num_samples: int,
+                    stop_ids: Sequence[int], version: int, pad_id: int) -> RolloutBatch:
+    """The teacher's responses (``num_samples`` per prompt, prompt by prompt, as a generate request returns them)
+    as a batch. Their rollout log-probs are 0: no rollout engine sampled them (only the policy gradient reads
+    them, and it is refused with a mixture)."""
+    assert len(responses) == len(prompts) * num_samples, "the teacher answers every prompt num_samples times"
+    groups = [index // num_samples for index in range(len(responses))]
+    stops = set(int(i) for i in stop_ids)
+    return RolloutBatch.from_samples(
+        prompts=[list(prompts[g]) for g in groups], responses=[list(r) for r in responses],
+        logprobs=[[0.0] * len(r) for r in responses], group_ids=groups,
+        finish_reasons=["stop" if len(r) and int(r[-1]) in stops else "length" for r in responses],
+        weight_version=version, pad_token_id=pad_id)
+
+
+def merge_by_prompt(parts: Sequence[tuple[Sequence[int], RolloutBatch]], version: int, pad_id: int) -> RolloutBatch:
+    """One batch of every part's samples, ordered by prompt position (each part's own order kept within a prompt).
+
+    Args:
+        parts: ``(positions, batch)``: group ``g`` of ``batch`` answers the prompt at ``positions[g]`` of the step.
+        version: the weight version of the merged batch (the student's, which sampled what is on-policy).
+        pad_id: padding id.
+    """
+    rows = []  # (position, part, row)
+    for part, (positions, batch) in enumerate(parts):
+        rows += [(int(positions[int(batch.group_ids[i])]), part, i) for i in range(batch.num_samples)]
+    rows.sort(key=lambda row: (row[0], row[1], row[2]))
+    topk_width = max((batch.topk_ids.shape[-1] for _, batch in parts if batch.topk_ids is not None), default=0)
+    prompts, responses, logprobs, groups, reasons, topk = [], [], [], [], [], []
+    for position, part, i in rows:
+        batch = parts[part][1]
+        prompts.append(batch.prompt(i))
+        responses.append(batch.response(i))
+        logprobs.append(batch.logprobs(i).tolist())
+        groups.append(position)
+        reasons.append(batch.finish_reasons[i])
+        topk.append(batch.topk(i).tolist() if batch.topk_ids is not None else [])
+    return RolloutBatch.from_samples(prompts, responses, logprobs, groups, reasons, version,
+                                     topk=topk if topk_width else None, pad_token_id=pad_id)
+
+
+def source_metrics(rollout: RolloutBatch, sources: Sequence[str], off_policy: str, lmbda: float) -> dict[str, float]:
+    """``mix/*`` of a step's global batch: the scheduled ``lmbda``, the student's share of the samples and each
+    source's samples and response tokens (both sources every step, 0 where one brought nothing)."""
+    lengths = rollout.response_lengths
+    metrics = {"mix/lmbda": float(lmbda)}
+    counts = {}
+    for source in (STUDENT, off_policy):
+        mine = [i for i in range(rollout.num_samples) if sources[int(rollout.group_ids[i])] == source]
+        counts[source] = len(mine)
+        metrics[f"mix/samples/{source}"] = float(len(mine))
+        metrics[f"mix/tokens/{source}"] = float(lengths[mine].sum()) if mine else 0.0
+    metrics["mix/student_fraction"] = counts[STUDENT] / max(rollout.num_samples, 1)
+    return metrics
