@@ -17,9 +17,10 @@ MIX = ["sample_mix.lmbda=0.5", "sample_mix.per=prompt", "sample_mix.source=teach
        "sample_mix.teacher.temperature=0.8", "sample_mix.teacher.max_tokens=16"]
 
 
-def test_half_student_half_teacher_written_responses_per_prompt(assets, tmp_path):
+def _teacher_mixture_steps(assets, tmp_path, *overrides) -> list[dict]:
+    """A 3-step run with the teacher-written mixture; checks each step's sources and losses against the draw."""
     out = tmp_path / "run"
-    code, log = harness.run(out, harness.asset_overrides(assets) + SHORT + MIX)
+    code, log = harness.run(out, harness.asset_overrides(assets) + SHORT + MIX + list(overrides))
     assert code == 0, log[-4000:]
     steps = harness.steps(out)
     assert [r["step"] for r in steps] == [1, 2, 3]
@@ -38,6 +39,11 @@ def test_half_student_half_teacher_written_responses_per_prompt(assets, tmp_path
         assert record["mix/loss/student"] + record["mix/loss/teacher"] == pytest.approx(record["train/loss"], rel=1e-5)
         for source in ("student", "teacher"):
             assert (record.get(f"mix/loss_per_token/{source}", 0.0) > 0) == (record[f"mix/tokens/{source}"] > 0)
+    return steps
+
+
+def test_half_student_half_teacher_written_responses_per_prompt(assets, tmp_path):
+    steps = _teacher_mixture_steps(assets, tmp_path)
     # the seeded draw gives two mixed batches and one written by the teacher alone (no rollout that step)
     assert [r["mix/student_fraction"] for r in steps] == [0.5, 0.75, 0.0]
     assert steps[2]["mix/tokens/teacher"] <= 16 * 16  # sample_mix.teacher.max_tokens per response
@@ -66,3 +72,12 @@ def test_dataset_responses_mixed_per_prompt_over_two_vllm_replicas(assets, tmp_p
         assert record["mix/samples/dataset"] == len(dataset)  # one response per record
         assert record["mix/tokens/dataset"] == sum(len(records[p].response_ids) for p in dataset)
         assert record["mix/tokens/student"] + record["mix/tokens/dataset"] == record["train/num_loss_tokens"]
+
+
+@pytest.mark.slow  # a vLLM rollout server: minutes
+def test_teacher_written_responses_beside_a_rollout_server(assets, tmp_path):
+    """The disaggregated layout: the student's part of a batch is sampled on the rollout thread and merged there with
+    the teacher's responses asked for on the trainer ranks."""
+    steps = _teacher_mixture_steps(assets, tmp_path, "rollout.layout=disaggregated", "weight_sync.transport=distributed",
+                                   "rollout.tensor_parallel_size=1")
+    assert [r["mix/student_fraction"] for r in steps] == [0.5, 0.75, 0.0]
