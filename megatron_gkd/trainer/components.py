@@ -12,6 +12,7 @@ import logging
 import torch
 
 from megatron_gkd.config import GKDConfig
+from megatron_gkd.config.checks import generating_teacher
 from megatron_gkd.rewards import RewardRunner
 
 logger = logging.getLogger(__name__)
@@ -161,15 +162,16 @@ def teacher_check(config: GKDConfig, tokenizer, student_vocab_size: int, tcad: d
     def check(teacher) -> None:
         check_teacher(teacher.client, config, tokenizer, student_vocab_size, tcad=tcad[teacher.name] is not None,
                       teacher_hidden_size=None if teacher.head is None else int(teacher.head.shape[1]),
-                      teacher=teacher.config)
+                      teacher=teacher.config, generates=teacher.name == generating_teacher(config))
 
     return check
 
 
 def check_teacher(client, config: GKDConfig, tokenizer, student_vocab_size: int, tcad: bool,
-                  teacher_hidden_size: int | None = None, teacher=None) -> None:
+                  teacher_hidden_size: int | None = None, teacher=None, generates: bool = False) -> None:
     """Start-up checks against a teacher (``teacher``: its config section, default ``config.teacher``): vocabulary
-    alignment, k, requested ids, temperature.
+    alignment, k, requested ids, temperature, and whether it can write responses (``generates``: GKD's mixture asks
+    it to, ``sample_mix.source=teacher``; checked now rather than at the first batch drawn for it, maybe far in).
 
     Raises:
         ValueError: the teacher cannot serve this run (the message names the key and the fix).
@@ -194,3 +196,7 @@ def check_teacher(client, config: GKDConfig, tokenizer, student_vocab_size: int,
                          f"teacher serves hidden states of size {info.hidden_size}: the head must be the served teacher's")
     if teacher.temperature != 1.0 and not info.supports_temperature:
         raise ValueError(f"teacher.temperature={teacher.temperature}: this teacher serves temperature 1.0 only")
+    if generates and not info.supports_generate:
+        raise ValueError("sample_mix.source=teacher asks this teacher for responses, which it cannot write (a backend "
+                         "without sampling, or a server older than generate requests): serve it with the hf, vllm or "
+                         "megatron backend, or set sample_mix.source=dataset")

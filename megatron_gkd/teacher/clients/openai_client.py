@@ -177,7 +177,8 @@ class OpenAITeacherClient(TeacherClient):
         # The API does not report the output-layer size; the tokenizer's is the real vocabulary.
         return TeacherInfo(vocab_size=size or 0, tokenizer_size=size, tokenizer_digest=digest,
                            max_top_k=self.max_logprobs or 0, supports_requested_ids=False,
-                           supports_temperature=False, hidden_size=None, signals=["topk"])
+                           supports_temperature=False, hidden_size=None, signals=["topk"],
+                           supports_generate=self._teacher_tokenizer is not None)  # _generate checks ids against it
 
     def _score(self, batch: ScoreBatch) -> list[TeacherOutput]:
         if batch.is_hidden:

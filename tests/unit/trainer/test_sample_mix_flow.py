@@ -164,3 +164,29 @@ def test_a_failed_generate_request_stops_the_step():
     _, flow, _ = _flow([*TEACHER, "sample_mix.lmbda=0"], client)
     with pytest.raises(TeacherError, match="max-generate-prompts"):
         flow.produce(0, RECORDS, {}, version=3)
+
+
+@pytest.mark.parametrize("can_generate", [True, False])
+def test_a_teacher_that_cannot_write_responses_is_refused_at_start_up(can_generate):
+    from megatron_gkd.teacher.clients import TeacherInfo
+    from megatron_gkd.trainer.components import teacher_check
+
+    class Served(Client):
+        def info(self):
+            return TeacherInfo(vocab_size=512, tokenizer_size=512, tokenizer_digest="d", max_top_k=64,
+                               supports_requested_ids=True, supports_temperature=True, supports_generate=can_generate)
+
+        def align_vocab(self, tokenizer, vocab_size):
+            pass
+
+    config, flow, _ = _flow(TEACHER, Served())
+    check = teacher_check(config, Tokenizer(), 512, flow.tcad)
+    teacher = flow.teachers.by_name["teacher"]
+    if can_generate:
+        check(teacher)
+    else:
+        with pytest.raises(ValueError, match="asks this teacher for responses, which it cannot write"):
+            check(teacher)
+    # without the teacher source nothing asks it to write
+    config, flow, _ = _flow([], Served())
+    teacher_check(config, Tokenizer(), 512, flow.tcad)(flow.teachers.by_name["teacher"])
