@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from megatron_gkd.config.checks import check_layout, eval_enabled, needs_rollout, needs_teacher
+from megatron_gkd.config.checks import check_layout, eval_enabled, generating_teacher, needs_rollout, needs_teacher
 from megatron_gkd.config.schema import GKDConfig
 from megatron_gkd.teacher.clients import client_traits
 
@@ -54,6 +54,14 @@ def layout_plan(config: GKDConfig, world_size: int | None = None) -> str:
                  if rollout.engine == "vllm" and rollout.layout == "colocated" else f"{rollout.layout} {rollout.engine}")
         lines.append(f"rollout: {where}, n {rollout.n}, max_tokens {rollout.max_tokens}, weight sync "
                      f"{config.weight_sync.transport}")
+    mix = config.sample_mix
+    if mix.enabled:
+        schedule = {"constant": "constant", "linear": f"linear to {mix.lmbda_end} over {mix.ramp_steps} steps from step "
+                    f"{mix.ramp_start}", "step": f"steps {list(mix.milestones)} -> {list(mix.values)}"}[mix.schedule]
+        written = (f"written by teacher {generating_teacher(config)!r} ({rollout.n} a prompt, temperature "
+                   f"{mix.teacher.temperature})" if mix.source == "teacher" else "the records' own (one a prompt)")
+        lines.append(f"GKD's mixture: lmbda {mix.lmbda} ({schedule}) student samples, drawn per {mix.per}; otherwise "
+                     f"responses {written}")
     if needs_teacher(config) or eval_enabled(config) and config.teacher.enabled:
         teacher = config.teacher
         where = (f"service started on loopback ({teacher.serve.backend} backend, {teacher.serve.model})"

@@ -90,3 +90,12 @@ def test_the_generates_trait_says_which_clients_can_ask_for_responses():
     for name in client_names():
         overrides = CLIENTS.get(name)._generate is not TeacherClient._generate
         assert client_traits(name).generates == overrides, name
+
+
+def test_the_dry_run_plan_says_what_the_mixture_draws():
+    from megatron_gkd.config.plan import layout_plan
+
+    assert "mixture" not in layout_plan(load_config(BASE))
+    plan = layout_plan(load_config(BASE, MIX + ["sample_mix.per=prompt", "sample_mix.source=teacher"]))
+    assert ("GKD's mixture: lmbda 0.5 (constant) student samples, drawn per prompt; otherwise responses written by "
+            "teacher 'teacher' (4 a prompt, temperature 1.0)") in plan
