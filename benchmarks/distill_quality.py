@@ -4,6 +4,7 @@
     python benchmarks/distill_quality.py --methods forward_kl_hidden reverse_kl_hidden jsd_hidden   # hidden signal
     python benchmarks/distill_quality.py --methods reverse_kl_full_vocab jsd_full_vocab --seeds 1   # diagnostics
     python benchmarks/distill_quality.py --report                   # aggregate what has finished
+    python benchmarks/distill_quality.py --out outputs/rl_with_teacher --methods grpo forward_kl rl_loss rl_advantage rl_teacher
 
 At an equal budget of teacher tokens (``trainer.token_budget``: response tokens trained, each scored by
 the teacher once, or in SFT written by it), from the committed demo student (``assets/demo``) and
@@ -25,6 +26,11 @@ teacher, on the arithmetic task, it compares:
                             prompt's rollouts equally
 ``reverse_kl_full_vocab``   diagnostics: ``reverse_kl`` / ``jsd`` with the teacher's whole vocabulary
 ``jsd_full_vocab``          (k = 16): what the top-k truncation costs them
+``grpo``                    reward only: the exact final answer, GRPO's advantages over each prompt's 4
+                            samples (``rl.combine=loss`` with ``rl.kd_coef=0``: the teacher weighs nothing)
+``rl_loss``                 the policy gradient on the reward plus forward KL to the teacher's top-k
+``rl_advantage``            the reward's advantage minus ``k1 = log pi_s - log pi_t`` of each sampled token
+``rl_teacher``              the teacher alone as a policy gradient: advantage ``-k1`` (verl's OPD default)
 ``forward_kl_hidden`` ...   on-policy ``forward_kl``, ``reverse_kl``, ``jsd`` from the teacher's hidden
                             states (``teacher.signal=hidden``, bf16 on the wire): exact over the whole
                             vocabulary, the student recomputing the teacher's logits with its head
@@ -84,10 +90,23 @@ METHODS = {
     "reverse_kl_full_vocab": [*ON_POLICY, "loss.type=reverse_kl", "teacher.top_k=16"],
     "jsd_full_vocab": [*ON_POLICY, "loss.type=jsd", "teacher.top_k=16"],
 }
+# Rewards with the teacher (issue #28): the exact final answer as the reward, GRPO's group advantages over the
+# rollout.n = 4 samples of a prompt, token-mean aggregation; rl.kd_coef = 1 where the teacher takes part.
+REWARD = ["reward.kind=final_answer", "rl.advantage=grpo", "rl.aggregation=token_mean"]
+METHODS.update({
+    "grpo": [*ON_POLICY, *REWARD, "rl.combine=loss", "rl.kd_coef=0.0"],  # reward only (the teacher weighs 0)
+    "rl_loss": [*ON_POLICY, *REWARD, "rl.combine=loss", "rl.kd_coef=1.0", "loss.type=forward_kl"],
+    "rl_advantage": [*ON_POLICY, *REWARD, "rl.combine=advantage", "rl.kd_coef=1.0"],
+    "rl_teacher": [*ON_POLICY, "reward.kind=final_answer", "rl.combine=teacher", "rl.kd_coef=1.0"],  # reward logged
+})
+RL_METHODS = ("grpo", "forward_kl", "rl_loss", "rl_advantage", "rl_teacher")  # issue #28's comparison
+# Diagnostics: the teacher-in-the-advantage forms at a tenth of the demo's learning rate.
+SLOW_LR = ["optim.lr=3.0e-4", "optim.min_lr=3.0e-5"]
+METHODS.update({f"{name}_lr3e-4": [*METHODS[name], *SLOW_LR] for name in ("rl_advantage", "rl_teacher")})
 # The teacher's hidden states instead of its top-k (issue #19): the whole vocabulary at any vocabulary size.
 HIDDEN = ["teacher.signal=hidden", "teacher.hidden_dtype=bfloat16"]
 METHODS.update({f"{loss}_hidden": [*ON_POLICY, f"loss.type={loss}", *HIDDEN] for loss in ("forward_kl", "reverse_kl", "jsd")})
-DIAGNOSTICS = ("reverse_kl_full_vocab", "jsd_full_vocab")  # run on request (--methods), not by default
+DIAGNOSTICS = ("reverse_kl_full_vocab", "jsd_full_vocab", "rl_advantage_lr3e-4", "rl_teacher_lr3e-4")  # on request
 
 
 def common_overrides(task: pathlib.Path, budget: int, num_steps: int, decay_steps: int) -> list[str]:
