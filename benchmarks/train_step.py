@@ -1,7 +1,9 @@
 """The update phase of one step (forward, backward, optimizer) of a real Megatron student under gloo:
 distillation against k teacher entries (unfused and fused) next to an SFT cross-entropy step on the same
 tokens (the baseline) and a floor (the same model with the cheapest loss on its logits, their mean, taken in
-the output layer's own layout as the distillation step takes them).
+the output layer's own layout as the distillation step takes them); and the three ways of training on rewards
+with the teacher (``rl.combine``: the policy-gradient term plus the divergence, or the teacher in the advantage),
+against the distillation step alone (issue 28's target: <= 1.1x).
 
     python benchmarks/train_step.py                       # TP=2, V=32768, 4 x 512 tokens, k=64
     python benchmarks/train_step.py --tp 1 --vocab 65536 --top-k 256
@@ -26,28 +28,40 @@ import torch
 from megatron_gkd.platform import PLATFORM_NAMES
 from megatron_gkd.testing.distributed import run_distributed
 
-VARIANTS = ("floor", "sft_cross_entropy", "distill_unfused", "distill_fused")
+VARIANTS = ("floor", "sft_cross_entropy", "distill_unfused", "distill_fused", "rl_loss_unfused", "rl_loss_fused",
+            "rl_advantage_unfused", "rl_teacher_unfused")
+# (rl.combine, fused) of the reward variants; each is compared with the distillation step of its path.
+RL_VARIANTS = {"rl_loss_unfused": ("loss", False), "rl_loss_fused": ("loss", True),
+               "rl_advantage_unfused": ("advantage", False), "rl_teacher_unfused": ("teacher", False)}
 
 
 def _microbatches(args, vocab: int):
     from megatron_gkd.trainer.batch import Sample, TeacherRows, build_microbatch, token_coefficients
 
+    from megatron_gkd.trainer.batch import PolicyShare
+
     generator = torch.Generator().manual_seed(0)
     samples = []
     for _ in range(args.batch):
         tokens = torch.randint(3, vocab, (args.seq + 1,), generator=generator)
-        samples.append(Sample(tokens=tokens, prompt_len=args.prompt, group=len(samples), prompt_index=0))
+        behaviour = -torch.rand(args.seq + 1 - args.prompt, generator=generator) * 5  # the rollout's log-probs
+        samples.append(Sample(tokens=tokens, prompt_len=args.prompt, group=len(samples), prompt_index=0,
+                              logprobs=behaviour))
     lengths = [s.response_len for s in samples]
     logits = torch.randn(sum(lengths), vocab, generator=generator) * 3
     logprobs, ids = torch.log_softmax(logits, -1).topk(args.top_k, dim=-1)
     rows = TeacherRows(ids, logprobs, logprobs[:, 0])
     coefficients = token_coefficients(samples, total_tokens=sum(lengths), num_groups=len(samples))
     per_sample = rows.split(lengths)
+    # The policy-gradient inputs: +-1 advantages, the token mean, the teacher's log-prob of each sampled token.
+    policy = PolicyShare([1.0 if i % 2 else -1.0 for i in range(len(samples))], coefficients,
+                         list(rows.token_logprobs.split(lengths)))
     cut = [list(range(i, min(i + args.micro, len(samples)))) for i in range(0, len(samples), args.micro)]
-    build = lambda labels, with_rows: [  # noqa: E731
+    build = lambda labels, with_rows, with_policy=False: [  # noqa: E731
         build_microbatch([samples[i] for i in idx], [coefficients[i] for i in idx],
-                         rows=[per_sample[i] for i in idx] if with_rows else None, labels=labels) for idx in cut]
-    return build(False, True), build(True, False)
+                         rows=[per_sample[i] for i in idx] if with_rows else None, labels=labels,
+                         policy=policy.take(idx) if with_policy else None) for idx in cut]
+    return build(False, True), build(True, False), build(False, True, True), build(False, False, True)
 
 
 def _body(args, checkpoint: str):
@@ -56,7 +70,8 @@ def _body(args, checkpoint: str):
     from megatron_gkd.models import load_hf
     from megatron_gkd.testing.memory import LiveTensorPeak
     from megatron_gkd.trainer.optim import OptimizerConfig, build_lr_scheduler, build_optimizer, wrap_for_training
-    from megatron_gkd.trainer.step import LossSpec, StepRunner, capture_logits
+    from megatron_gkd.losses.combinations import get_combination
+    from megatron_gkd.trainer.step import LossSpec, PolicySpec, StepRunner, capture_logits
 
     state = parallel.initialize(tensor_model_parallel_size=args.tp)
     config = OptimizerConfig(lr=1e-5)
@@ -64,10 +79,18 @@ def _body(args, checkpoint: str):
     optimizer = build_optimizer(config, chunks)
     runner = StepRunner(chunks, optimizer, build_lr_scheduler(config, optimizer, 1000), tp_group=state.tp_group,
                         dp_group=state.dp_gloo_group, dp_size=1, is_last_stage=True)
-    distill, sft = _microbatches(args, args.vocab)
+    distill, sft, combined, advantage_only = _microbatches(args, args.vocab)
     specs = {"sft_cross_entropy": (LossSpec(kind="cross_entropy"), sft),
              "distill_unfused": (LossSpec(loss_type="forward_kl"), distill),
              "distill_fused": (LossSpec(loss_type="forward_kl", fused=True, chunk_size=args.chunk), distill)}
+    runners = {}
+    for name, (combine, fused) in RL_VARIANTS.items():
+        combination = get_combination(combine)
+        runners[name] = StepRunner(chunks, optimizer, runner.lr_scheduler, tp_group=state.tp_group,
+                                   dp_group=state.dp_gloo_group, dp_size=1, is_last_stage=True,
+                                   policy=PolicySpec(combination=combination, fused=fused, chunk_size=args.chunk))
+        specs[name] = (specs["distill_fused" if fused else "distill_unfused"][0],
+                       combined if combination.uses_divergence else advantage_only)
 
     def floor_step():
         from megatron.core.distributed import finalize_model_grads  # noqa: F401 - set by the runner
@@ -88,7 +111,8 @@ def _body(args, checkpoint: str):
         optimizer.step()
 
     steps = {"floor": floor_step}
-    steps.update({name: (lambda s=spec, m=mbs: runner.train_step(s, m)) for name, (spec, mbs) in specs.items()})
+    steps.update({name: (lambda s=spec, m=mbs, r=runners.get(name, runner): r.train_step(s, m))
+                  for name, (spec, mbs) in specs.items()})
     for step in steps.values():  # warm-up
         step()
     times = {name: [] for name in steps}
@@ -146,10 +170,11 @@ def main() -> None:
     base, floor = times["sft_cross_entropy"], times["floor"]
     print(f"{args.platform}, TP={args.tp}, V={args.vocab}, {args.batch} x {args.seq} tokens ({args.batch // args.micro} micro-batches), "
           f"k={args.top_k}, hidden {args.hidden}, {args.layers} layers")
-    print(f"{'variant':20s} {'step s':>8s} {'/ SFT CE':>9s} {'/ floor':>8s} {'peak MiB':>9s}")
+    print(f"{'variant':20s} {'step s':>8s} {'/ SFT CE':>9s} {'/ floor':>8s} {'/ distill':>9s} {'peak MiB':>9s}")
     for name in VARIANTS:
+        distill = times["distill_fused" if RL_VARIANTS.get(name, ("", False))[1] else "distill_unfused"]
         print(f"{name:20s} {times[name]:8.3f} {times[name] / base:9.3f} {times[name] / floor:8.3f} "
-              f"{memory[name] / 2**20:9.1f}")
+              f"{times[name] / distill:9.3f} {memory[name] / 2**20:9.1f}")
 
 
 if __name__ == "__main__":

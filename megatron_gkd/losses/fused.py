@@ -18,6 +18,8 @@ import torch.distributed as dist
 from megatron_gkd.losses.shard_ops import (
     LocalSupport,
     ShardLayout,
+    check_token_ids,
+    combine_shards,
     compute_dtype,
     local_logsumexp,
     rows_per_chunk,
@@ -28,7 +30,7 @@ from megatron_gkd.losses.vocab_parallel import (
     ForwardState,
     backward_scales,
     check_temperature,
-    finish_forward,
+    evaluate_divergence,
     prepare_teacher,
     split_options,
 )
@@ -81,12 +83,13 @@ def fused_partials(
 
 def fused_grads(
     hidden: torch.Tensor, weight: torch.Tensor, state: ForwardState, grad_loss: torch.Tensor, layout: ShardLayout,
-    fused: FusedOptions, temperature: float, dtype: torch.dtype,
+    fused: FusedOptions, temperature: float, dtype: torch.dtype, grad_token: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``sum(grad_loss x loss)`` with respect to ``hidden`` and ``weight`` for a term whose logit
     gradient is ``lse_coef x softmax + grad_support`` (the form of :class:`~megatron_gkd.losses.registry.SupportTerms`),
-    recomputing each chunk's logits."""
-    dense_scale, sparse = backward_scales(state, grad_loss, temperature)
+    recomputing each chunk's logits (``grad_token``: a sampled token's log-prob in the support's last column, see
+    :func:`~megatron_gkd.losses.vocab_parallel.backward_scales`)."""
+    dense_scale, sparse = backward_scales(state, grad_loss, temperature, grad_token)
     grad_hidden = torch.empty_like(hidden)
     grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
     rows = rows_per_chunk(weight.shape[0], weight.device)
@@ -117,26 +120,34 @@ def fused_grads(
 
 class _FusedDistill(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, teacher, layout, divergence_name, options, fused, temperature):
+    def forward(ctx, hidden, weight, teacher, layout, divergence_name, options, fused, temperature, token_ids):
         dtype = compute_dtype(hidden.dtype)
-        support = LocalSupport.of(teacher.ids, teacher.valid, layout)
+        ids, valid = teacher.ids, teacher.valid
+        if token_ids is not None:  # the sampled token: one more support column (see _VocabParallelDistill)
+            ids = torch.cat([ids, token_ids.unsqueeze(1)], dim=1)
+            valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
+        support = LocalSupport.of(ids, valid, layout)
         local_lse, local_support_logits = fused_partials(hidden, weight, support, layout, fused.chunk_size,
                                                          temperature, dtype)
-        state, loss, metrics = finish_forward(
-            local_lse, local_support_logits, teacher, support, layout, divergence_name, options
+        student_lse, support_logits = combine_shards(local_lse, local_support_logits, layout)
+        width = teacher.ids.shape[1]
+        state, loss, metrics = evaluate_divergence(
+            student_lse, support_logits[:, :width], teacher, support, layout, divergence_name, options
         )
+        token_logprobs = support_logits[:, width] - student_lse if token_ids is not None else hidden.new_empty(0)
         ctx.save_for_backward(hidden, weight)
         ctx.state, ctx.layout, ctx.fused, ctx.temperature, ctx.dtype = state, layout, fused, temperature, dtype
+        ctx.with_tokens = token_ids is not None
         ctx.mark_non_differentiable(metrics["student_mass"], metrics["teacher_mass"])
-        return loss, metrics["student_mass"], metrics["teacher_mass"]
+        return loss, metrics["student_mass"], metrics["teacher_mass"], token_logprobs
 
     @staticmethod
-    def backward(ctx, grad_loss, *grad_metrics):
-        del grad_metrics
+    def backward(ctx, grad_loss, grad_student_mass, grad_teacher_mass, grad_token):
+        del grad_student_mass, grad_teacher_mass
         hidden, weight = ctx.saved_tensors
         grad_hidden, grad_weight = fused_grads(hidden, weight, ctx.state, grad_loss, ctx.layout, ctx.fused,
-                                               ctx.temperature, ctx.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+                                               ctx.temperature, ctx.dtype, grad_token if ctx.with_tokens else None)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def check_hidden_and_weight(hidden: torch.Tensor, output_weight_shard: torch.Tensor) -> None:
@@ -172,9 +183,9 @@ def fused_vocab_parallel_distill_loss(
         output_weight_shard: ``[V/tp, h]`` this rank's rows of the output-layer weight.
         teacher_topk_ids, teacher_topk_logprobs, loss_type, tp_group, temperature: as for
             :func:`vocab_parallel_distill_loss`.
-        **options: the divergence's options, ``real_vocab_size`` as for :func:`vocab_parallel_distill_loss`
-            (padding rows of the weight get a zero gradient), plus ``chunk_size`` (tokens per chunk, default
-            1024) and ``all_reduce_hidden_grad`` (default True) of :class:`FusedOptions`.
+        **options: the divergence's options, ``real_vocab_size`` and ``token_ids`` as for
+            :func:`vocab_parallel_distill_loss` (padding rows of the weight get a zero gradient), plus ``chunk_size``
+            (tokens per chunk, default 1024) and ``all_reduce_hidden_grad`` (default True) of :class:`FusedOptions`.
 
     Returns:
         ``(per_token_loss, metrics)`` as :func:`vocab_parallel_distill_loss` (``teacher_mass``,
@@ -189,8 +200,9 @@ def fused_vocab_parallel_distill_loss(
             "compute the overlap from vocab_parallel_topk on a logits chunk if needed"
         )
     divergence_options, own = split_options(loss_type, options, ("chunk_size", "all_reduce_hidden_grad",
-                                                                 "real_vocab_size"))
+                                                                 "real_vocab_size", "token_ids"))
     real_vocab_size = own.pop("real_vocab_size", None)
+    token_ids = own.pop("token_ids", None)
     fused = FusedOptions(**own)
     temperature = check_temperature(temperature)
     check_hidden_and_weight(hidden, output_weight_shard)
@@ -201,8 +213,12 @@ def fused_vocab_parallel_distill_loss(
         teacher_topk_ids, teacher_topk_logprobs, flat_hidden.shape[0], layout.tokens,
         compute_dtype(hidden.dtype),
     )
-    loss, student_mass, teacher_mass = _FusedDistill.apply(
-        flat_hidden, output_weight_shard, teacher, layout, loss_type, divergence_options, fused, temperature
+    if token_ids is not None:
+        token_ids = check_token_ids(token_ids.to(hidden.device), flat_hidden.shape[0], layout.tokens)
+    loss, student_mass, teacher_mass, token_logprobs = _FusedDistill.apply(
+        flat_hidden, output_weight_shard, teacher, layout, loss_type, divergence_options, fused, temperature, token_ids
     )
     metrics = {"student_mass": student_mass.reshape(lead), "teacher_mass": teacher_mass.reshape(lead)}
+    if token_ids is not None:
+        metrics["token_logprobs"] = token_logprobs.reshape(lead)
     return loss.reshape(lead), metrics

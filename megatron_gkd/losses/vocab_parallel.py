@@ -170,24 +170,6 @@ class ForwardState:
     vocab_size_local: int
 
 
-def finish_forward(
-    local_lse: torch.Tensor,
-    local_support_logits: torch.Tensor,
-    teacher: TeacherSupport,
-    support: LocalSupport,
-    layout: ShardLayout,
-    divergence_name: str,
-    options: Any,
-) -> tuple[ForwardState, torch.Tensor, dict[str, torch.Tensor]]:
-    """Combines the shards' partial results and evaluates the divergence (shared by both paths).
-
-    Returns:
-        ``(state for the backward, per-token loss, metrics)``.
-    """
-    student_lse, support_logits = combine_shards(local_lse, local_support_logits, layout)
-    return evaluate_divergence(student_lse, support_logits, teacher, support, layout, divergence_name, options)
-
-
 def evaluate_divergence(
     student_lse: torch.Tensor,
     support_logits: torch.Tensor,
@@ -197,8 +179,13 @@ def evaluate_divergence(
     divergence_name: str,
     options: Any,
 ) -> tuple[ForwardState, torch.Tensor, dict[str, torch.Tensor]]:
-    """The divergence of the combined ``[N, K]`` support logits (``support`` may hold more columns after the
-    teacher's: they ride along for another term, see :func:`backward_scales`'s ``grad_token``)."""
+    """The divergence of the combined ``[N, K]`` support logits, shared by the unfused and fused paths (``support``
+    may hold one more column after the teacher's: a sampled token riding along, see :func:`backward_scales`'s
+    ``grad_token``).
+
+    Returns:
+        ``(state for the backward, per-token loss, metrics)``.
+    """
     inputs = SupportInputs(support_logits, teacher.logprobs, teacher.valid, student_lse)
     terms = get_divergence(divergence_name).fn(inputs, options)
     state = ForwardState(student_lse, terms.grad_support, terms.lse_coef, support, layout.vocab_size_local)

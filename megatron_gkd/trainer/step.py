@@ -306,13 +306,13 @@ class StepRunner:
 
     def _tokens_riding_along(self, specs, microbatch: MicroBatch) -> bool:
         """Whether the policy gradient's sampled-token log-probs come from the first teacher's divergence pass
-        (one read of the logit shard and one gradient write for both terms): unfused top-k rows at the policy's
-        temperature."""
+        (one read of the logit shard, or one chunked recomputation of the fused logits, and one gradient write for
+        both terms): top-k rows at the policy's temperature."""
         if self.policy is None or microbatch.policy is None or not microbatch.teachers:
             return False
         first = microbatch.teachers[0].name
         spec = specs[first] if isinstance(specs, dict) else specs
-        return spec.signal == "topk" and not spec.fused and spec.temperature == self.policy.temperature
+        return spec.signal == "topk" and spec.fused == self.policy.fused and spec.temperature == self.policy.temperature
 
     def _teacher_loss(self, spec: LossSpec, share, captured, output: torch.Tensor, mask: torch.Tensor,
                       token_ids: torch.Tensor | None = None):
@@ -323,11 +323,12 @@ class StepRunner:
         if spec.signal == "hidden":
             return self._hidden_loss(spec, share, captured, output, mask)
         tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
-        if spec.fused:
+        if spec.fused:  # hidden [b, s, h] as the model returned it; teacher rows and results [b, s]
+            riding = {} if token_ids is None else {"token_ids": token_ids}
             per_token, metrics = fused_vocab_parallel_distill_loss(
                 output, captured.weight, share.ids, share.logprobs, loss_type=spec.loss_type, tp_group=tp_group,
                 temperature=spec.temperature, chunk_size=spec.chunk_size, real_vocab_size=spec.real_vocab_size,
-                all_reduce_hidden_grad=not captured.sequence_parallel, **spec.options)
+                all_reduce_hidden_grad=not captured.sequence_parallel, **riding, **spec.options)
         else:  # logits [s, b, V/tp] as the output layer made them; teacher rows and results [b, s]
             riding = {} if token_ids is None else {"token_ids": token_ids.transpose(0, 1)}
             per_token, metrics = vocab_parallel_distill_loss(
