@@ -81,6 +81,6 @@ setup(
         "npu": [],
         # transformers builds the tiny reference checkpoints of the model tests (megatron_gkd.testing.hf_models).
         # ray: the Ray gate's placement tests run on Ray's local multi-node cluster (2.60.0 installs on 3.11).
-        "test": ["pytest>=8", "pytest-timeout", "transformers", "ray==2.60.0"],
+        "test": ["pytest>=8", "pytest-timeout", "transformers", "ray==2.60.0", "ruff==0.17.6"],
     },
 )

@@ -119,10 +119,9 @@ def losses_body() -> dict:
 
 
 def loss_speed_body(num_tokens: int, vocab: int, real_vocab: int, k: int, repeats: int) -> dict:
+    from megatron_gkd import platform
     from megatron_gkd.losses import vocab_parallel_distill_loss
     from megatron_gkd.losses.reference import reference_distill_loss
-
-    from megatron_gkd import platform
 
     device = platform.device()
     generator = torch.Generator(device=device).manual_seed(0)
@@ -184,9 +183,8 @@ def loss_speed_body(num_tokens: int, vocab: int, real_vocab: int, k: int, repeat
 
 
 def fused_body(num_tokens: int, vocab: int, hidden_size: int, k: int, chunk_size: int, repeats: int) -> dict:
-    from megatron_gkd.losses import fused_vocab_parallel_distill_loss, vocab_parallel_distill_loss
-
     from megatron_gkd import platform
+    from megatron_gkd.losses import fused_vocab_parallel_distill_loss, vocab_parallel_distill_loss
 
     device = platform.device()
     generator = torch.Generator(device=device).manual_seed(1)

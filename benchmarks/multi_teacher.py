@@ -24,7 +24,8 @@ Every run is the real entry point with the demo's settings (``configs/demo_cpu.y
 one sample per prompt, 64 prompts a step, the same learning-rate schedule) on one process (TP=1), ``sync``
 scheduler, the teachers' top-4 (as ``benchmarks/distill_quality.py``), up to 16 response tokens (``add3``'s
 worked solution is up to 14 and the end), and the same budget of response tokens trained
-(``trainer.token_budget``: each scored by a teacher once); seeds change the data order and the sampling. The eval is the same for every method: greedy, on the 500 + 500 held-out problems of both
+(``trainer.token_budget``: each scored by a teacher once); seeds change the data order and the sampling. The eval is
+the same for every method: greedy, on the 500 + 500 held-out problems of both
 tasks, reported per task (``data.group_key=task``: ``eval/accuracy/add2``, ``eval/accuracy/add3``) and
 overall. A finished run leaves ``result.json`` in its directory and is not run again; the table covers
 every finished run under ``--out``. Output: ``results.json``, a Markdown table (stdout and

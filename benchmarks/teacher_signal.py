@@ -30,8 +30,8 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-
 from losses import _limit_heap_reuse, _merge, _peak_extra_mib, _teacher
+
 from megatron_gkd.testing.distributed import run_distributed
 
 VOCAB = 151936
@@ -113,7 +113,7 @@ def _loss_body(num_tokens: int, vocab: int, student_hidden: int, teacher_hidden:
         teacher = torch.randn(num_tokens, width, generator=generator).to(torch.bfloat16).float()
         head = torch.randn(vocab_local, width, generator=generator) / width**0.5
         for loss_type in losses:
-            def run():
+            def run(teacher=teacher, head=head):
                 total, _, _ = hidden_distill_loss(hidden, teacher, head, weights, student_weight=weight,
                                                   loss_type=loss_type, tp_group=group, chunk_size=chunk_size)
                 total.backward()

@@ -22,6 +22,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from functools import partial
 
 import torch
 
@@ -36,9 +37,7 @@ RL_VARIANTS = {"rl_loss_unfused": ("loss", False), "rl_loss_fused": ("loss", Tru
 
 
 def _microbatches(args, vocab: int):
-    from megatron_gkd.trainer.batch import Sample, TeacherRows, build_microbatch, token_coefficients
-
-    from megatron_gkd.trainer.batch import PolicyShare
+    from megatron_gkd.trainer.batch import PolicyShare, Sample, TeacherRows, build_microbatch, token_coefficients
 
     generator = torch.Generator().manual_seed(0)
     samples = []
@@ -66,11 +65,12 @@ def _microbatches(args, vocab: int):
 
 def _body(args, checkpoint: str):
     import torch.distributed as dist
+
     from megatron_gkd import parallel, platform
+    from megatron_gkd.losses.combinations import get_combination
     from megatron_gkd.models import load_hf
     from megatron_gkd.testing.memory import LiveTensorPeak
     from megatron_gkd.trainer.optim import OptimizerConfig, build_lr_scheduler, build_optimizer, wrap_for_training
-    from megatron_gkd.losses.combinations import get_combination
     from megatron_gkd.trainer.step import LossSpec, PolicySpec, StepRunner, capture_logits
 
     state = parallel.initialize(tensor_model_parallel_size=args.tp)
@@ -111,8 +111,7 @@ def _body(args, checkpoint: str):
         optimizer.step()
 
     steps = {"floor": floor_step}
-    steps.update({name: (lambda s=spec, m=mbs, r=runners.get(name, runner): r.train_step(s, m))
-                  for name, (spec, mbs) in specs.items()})
+    steps.update({name: partial(runners.get(name, runner).train_step, spec, mbs) for name, (spec, mbs) in specs.items()})
     for step in steps.values():  # warm-up
         step()
     times = {name: [] for name in steps}

@@ -212,7 +212,8 @@ def main() -> None:
     for suffix in ("", ", no load"):
         for size in args.bucket_size_mb:
             for transfer in ("direct", "packed"):
-                modes.append((f"bucketed {size:g} MiB, {transfer}{suffix}", WeightSyncConfig(bucket_size_mb=size, transfer=transfer, checksum=args.checksum)))
+                modes.append((f"bucketed {size:g} MiB, {transfer}{suffix}",
+                              WeightSyncConfig(bucket_size_mb=size, transfer=transfer, checksum=args.checksum)))
     modes.append(("reload_only", None))
     if args.modes:
         modes = [(m, c) for m, c in modes if m.startswith("floor") or any(m.startswith(p) for p in args.modes)]

@@ -9,7 +9,6 @@ import dataclasses
 import logging
 import os
 
-import torch
 import torch.distributed as dist
 
 from megatron_gkd import platform

@@ -65,7 +65,6 @@ def reserve_engine_bundles(tensor_parallel_size: int, pipeline_parallel_size: in
         TimeoutError: Ray could not place them within ``timeout_s`` (GPUs busy or too few).
         ValueError: a TP group would span nodes.
     """
-    import ray
     from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
     count = tensor_parallel_size * pipeline_parallel_size

@@ -19,6 +19,7 @@ from megatron_gkd.launcher.commands import Step
 from megatron_gkd.launcher.nodes import Allocation
 from megatron_gkd.teacher.replicas import TEACHER_CLI
 
+
 @dataclasses.dataclass(kw_only=True)
 class RayGate:
     """Wait until the Ray cluster at ``address`` lists ``num_nodes`` nodes with ``gpus_per_node`` GPUs each."""

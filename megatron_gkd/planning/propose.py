@@ -15,8 +15,8 @@ from megatron_gkd.planning.cluster import Cluster
 from megatron_gkd.planning.layout import Batch, StudentLayout, TeacherLayout, WeightSync
 from megatron_gkd.planning.model import model_shape
 from megatron_gkd.planning.student import StudentPlan, plan_student
-from megatron_gkd.planning.teacher_head import TeacherHeadShape
 from megatron_gkd.planning.teacher import TeacherPlan, plan_teacher
+from megatron_gkd.planning.teacher_head import TeacherHeadShape
 
 RECOMPUTE_ORDER = (None, "selective", "full")
 

@@ -66,8 +66,8 @@ def task_accuracy(model: str | pathlib.Path, task_dir: pathlib.Path, *,
     eval scores it (vLLM, temperature 0, the ``final_answer`` scorer); one process, no torch.distributed."""
     from megatron_gkd.data import DataConfig, load_prompts, load_tokenizer
     from megatron_gkd.data.tokenization import eos_token_id
-    from megatron_gkd.rollout import SamplingConfig, build_engine
     from megatron_gkd.rewards.answers import final_answer
+    from megatron_gkd.rollout import SamplingConfig, build_engine
 
     tokenizer = load_tokenizer(str(model))
     eos = eos_token_id(tokenizer)

@@ -123,7 +123,7 @@ class RolloutEngine(abc.ABC):
         """
         raise NotImplementedError(f"rollout engine {type(self).__name__} cannot score prompts")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a default: an engine without resources needs none
         """Releases the engine's resources."""
 
 

@@ -13,8 +13,16 @@ Server side: ``launch/teacher_server.py`` (see docs/teacher_protocol.md).
 """
 
 from megatron_gkd.teacher.clients import RetryPolicy, TeacherClient, build_client, client_names
-from megatron_gkd.teacher.types import (ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, SequenceRequest,
-                                        TeacherError, TeacherOutput, TeacherOutputError)
+from megatron_gkd.teacher.types import (
+                                        ErrorCode,
+                                        GenerateBatch,
+                                        GeneratedSample,
+                                        ScoreBatch,
+                                        SequenceRequest,
+                                        TeacherError,
+                                        TeacherOutput,
+                                        TeacherOutputError,
+)
 
 __all__ = [
     "ErrorCode", "GenerateBatch", "GeneratedSample", "RetryPolicy", "ScoreBatch", "SequenceRequest", "TeacherClient",

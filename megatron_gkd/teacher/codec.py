@@ -16,9 +16,20 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_gkd.teacher import wire
-from megatron_gkd.teacher.types import (HIDDEN_DTYPES, MAX_STOP_IDS, TEACHER_SIGNALS, ErrorCode, GenerateBatch,
-                                        GeneratedSample, ScoreBatch, SequenceRequest, TeacherError, TeacherOutput,
-                                        TeacherOutputError, check_generated)
+from megatron_gkd.teacher.types import (
+    HIDDEN_DTYPES,
+    MAX_STOP_IDS,
+    TEACHER_SIGNALS,
+    ErrorCode,
+    GenerateBatch,
+    GeneratedSample,
+    ScoreBatch,
+    SequenceRequest,
+    TeacherError,
+    TeacherOutput,
+    TeacherOutputError,
+    check_generated,
+)
 
 MAX_SEQUENCES = 65536
 MAX_TOP_K = 65536

@@ -123,7 +123,7 @@ class Proxy:
     """
 
     def __init__(self, frontend: str, backend: str | None = None, secret: bytes | None = None,
-                 insecure: bool = False, limits: wire.Limits = wire.Limits(), *,
+                 insecure: bool = False, limits: wire.Limits = wire.Limits(), *,  # noqa: B008 - frozen
                  max_pending_bytes: int | None = None, max_queued_requests: int = 1024,
                  max_connections: int = 4096, max_unproven_connections: int = 256,
                  handshake_timeout_s: float = 10.0, verification_timeout_s: float = 5.0,

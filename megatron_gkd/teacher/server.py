@@ -20,8 +20,7 @@ from megatron_gkd.teacher import codec, wire
 from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
 from megatron_gkd.teacher.proxy import Proxy  # noqa: F401 - re-exported
 from megatron_gkd.teacher.security import RefusalLog, check_exposure, is_loopback  # noqa: F401 - re-exported
-from megatron_gkd.teacher.types import (ErrorCode, GenerateBatch, ScoreBatch, SequenceRequest, TeacherError,
-                                        check_generated)
+from megatron_gkd.teacher.types import ErrorCode, GenerateBatch, ScoreBatch, SequenceRequest, TeacherError, check_generated
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +142,7 @@ class Worker:
     """
 
     def __init__(self, connect: str, backend: TeacherBackend, secret: bytes | None = None,
-                 insecure: bool = False, limits: wire.Limits = wire.Limits(),
+                 insecure: bool = False, limits: wire.Limits = wire.Limits(),  # noqa: B008 - frozen
                  work: WorkLimits = WorkLimits()):
         check_exposure(connect, secret, insecure)
         self._backend, self._secret, self._limits, self._work = backend, secret, limits, work

@@ -17,7 +17,6 @@ import math
 
 import numpy as np
 
-
 # What a teacher sends per response token, and the dtypes hidden states may travel in.
 TEACHER_SIGNALS = ("topk", "hidden")
 HIDDEN_DTYPES = ("bfloat16", "float16", "float32")

@@ -253,7 +253,7 @@ def _decode_verified(frames: list[bytes], limits: Limits, expect: tuple[str, ...
                                  max_array_len=limits.max_header_bytes,
                                  max_map_len=limits.max_header_bytes)
     except Exception as error:  # noqa: BLE001 - msgpack raises several unrelated types
-        raise WireError(ErrorCode.BAD_FRAME, f"header is not valid msgpack ({type(error).__name__})")
+        raise WireError(ErrorCode.BAD_FRAME, f"header is not valid msgpack ({type(error).__name__})") from None
     _require(isinstance(header, dict), ErrorCode.BAD_FRAME, "header is not a map")
     _require(header.get("v") == PROTOCOL_VERSION, ErrorCode.BAD_VERSION,
              f"protocol version {header.get('v')!r}, this peer speaks {PROTOCOL_VERSION}")

@@ -80,7 +80,6 @@ def on_policy_rank(config_path: str, overrides: list[str]) -> dict:
     from megatron_gkd.models.export import export_hf_weights
     from megatron_gkd.testing.hf_models import read_safetensors_dir
     from megatron_gkd.trainer.loop import Trainer
-
     from megatron_gkd.weight_sync import receiver as receiver_module
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -99,7 +99,8 @@ def tp2_trainer(path: str, trainer_port: int, transport_for, config):
 def _transport(port: int, rank: int, num_trainers: int, num_rollout: int):
     from megatron_gkd.weight_sync import TorchDistributedTransport
 
-    return TorchDistributedTransport(address="127.0.0.1", port=port, rank=rank, num_trainer_ranks=num_trainers, num_rollout_ranks=num_rollout, timeout_s=600)
+    return TorchDistributedTransport(address="127.0.0.1", port=port, rank=rank, num_trainer_ranks=num_trainers,
+                                     num_rollout_ranks=num_rollout, timeout_s=600)
 
 
 def trainer_rank(runs, trainer_port: int, num_trainers: int, num_rollout: int, config, prompts, out_root: str):
@@ -133,7 +134,8 @@ def trainer_rank(runs, trainer_port: int, num_trainers: int, num_rollout: int, c
         logits = [megatron_logits(chunks, torch.tensor([p])) for p in prompts]
         out = os.path.join(out_root, f"{layout}-saved")
         save_hf(chunks, out)
-        results.append(dict(layout=layout, digest=plan.digest, plan=plan.to_json(), logits=None if logits[0] is None else [x[0] for x in logits], saved=out))
+        results.append(dict(layout=layout, digest=plan.digest, plan=plan.to_json(),
+                            logits=None if logits[0] is None else [x[0] for x in logits], saved=out))
         transport.close()
         parallel.destroy()
     return results
@@ -157,7 +159,8 @@ def make_engine(path: str, **kwargs):
 
 
 def rollout_rank(runs, num_trainers: int, num_rollout: int, config, prompts, num_tokens: int, use_vllm: bool):
-    """For each run (``engine``: the checkpoint vLLM starts from): (vLLM only) outputs before the sync, receive the weights, outputs after."""
+    """For each run (``engine``: the checkpoint vLLM starts from): (vLLM only) outputs before the sync, receive the
+    weights, outputs after."""
     from megatron_gkd.weight_sync import WeightReceiver, connect_rollout
 
     rank = int(os.environ["RANK"])

@@ -22,15 +22,24 @@ from megatron_gkd.config.checks import generating_teacher
 from megatron_gkd.parallel.comm import agree, all_gather_msgpack, broadcast_msgpack
 from megatron_gkd.rollout.types import RolloutBatch
 from megatron_gkd.teacher import GenerateBatch
-from megatron_gkd.trainer.batch import (TCADSpec, TeacherRows, TeacherShare, build_microbatch, common_shape,
-                                        plan_microbatches, samples_from_rollout, score_batch, split_to_count,
-                                        teacher_rows, token_coefficients)
+from megatron_gkd.trainer.batch import (
+    TCADSpec,
+    TeacherRows,
+    TeacherShare,
+    build_microbatch,
+    common_shape,
+    plan_microbatches,
+    samples_from_rollout,
+    score_batch,
+    split_to_count,
+    teacher_rows,
+    token_coefficients,
+)
 from megatron_gkd.trainer.components import build_reward_runner
 from megatron_gkd.trainer.head_check import TeacherHeadMismatch, check_due, check_teacher_head, where
 from megatron_gkd.trainer.policy import policy_share, tp_rewards
 from megatron_gkd.trainer.reward_exchange import RewardExchange
-from megatron_gkd.trainer.sample_mix import (STUDENT, dataset_batch, draw_sources, generated_batch, merge_by_prompt,
-                                             source_metrics)
+from megatron_gkd.trainer.sample_mix import STUDENT, dataset_batch, draw_sources, generated_batch, merge_by_prompt, source_metrics
 from megatron_gkd.trainer.teachers import Request, Teachers
 
 logger = logging.getLogger(__name__)

@@ -19,13 +19,12 @@ from megatron_gkd.config import GKDConfig, check_layout, eval_enabled, needs_res
 from megatron_gkd.config.schema import MODES
 from megatron_gkd.data import PromptSampler, load_prompts, load_tokenizer
 from megatron_gkd.parallel.comm import all_gather_msgpack, broadcast_msgpack
+from megatron_gkd.trainer import metrics as run_metrics
 from megatron_gkd.trainer.checkpointing import RunCheckpoints
-from megatron_gkd.trainer.components import (build_rollout, build_student, build_teacher_head, stop_token_ids,
-                                             teacher_check)
+from megatron_gkd.trainer.components import build_rollout, build_student, build_teacher_head, stop_token_ids, teacher_check
 from megatron_gkd.trainer.eval import Evaluator, TeacherKL
 from megatron_gkd.trainer.flow import BatchFlow, InFlight
-from megatron_gkd.trainer.metrics import (MetricsWriter, Progress, Timers, batch_metrics, loss_metrics, peak_rss_gib,
-                                          run_summary, startup_metrics, summary_table)
+from megatron_gkd.trainer.metrics import MetricsWriter, Progress, Timers, batch_metrics, loss_metrics
 from megatron_gkd.trainer.preemption import Preemption
 from megatron_gkd.trainer.routing import RoutingStats
 from megatron_gkd.trainer.schedulers import SCHEDULERS, BatchPipeline
@@ -70,7 +69,7 @@ class Trainer:
             self.flow.rewards.wait_ready()  # the reward worker started with the flow (a no-op without rewards)
         with phase("resume"):
             self._resume()
-        startup = startup_metrics(phase.pop())
+        startup = run_metrics.startup_metrics(phase.pop())
         self._open_sinks()
         if self.writer is not None:
             self.writer.carry(startup)  # on the first record
@@ -295,12 +294,13 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- end
     def _summary(self, first_eval: dict, last_eval: dict, start: float, preempted: bool = False) -> dict:
-        summary = run_summary(steps=self.step, preempted=preempted, wall_time_s=time.perf_counter() - start,
-                              final_loss=getattr(self, "last_metrics", {}).get("train/loss"), out=self.out,
-                              hf_export=self.config.checkpoint.hf_at_end, first_eval=first_eval, last_eval=last_eval,
-                              peak_rss_per_rank=all_gather_msgpack(peak_rss_gib(), self.control))
+        summary = run_metrics.run_summary(
+            steps=self.step, preempted=preempted, wall_time_s=time.perf_counter() - start,
+            final_loss=getattr(self, "last_metrics", {}).get("train/loss"), out=self.out,
+            hf_export=self.config.checkpoint.hf_at_end, first_eval=first_eval, last_eval=last_eval,
+            peak_rss_per_rank=all_gather_msgpack(run_metrics.peak_rss_gib(), self.control))
         if self.rank == 0:
-            logger.info("summary:\n%s", summary_table(summary))
+            logger.info("summary:\n%s", run_metrics.summary_table(summary))
         return summary
 
     def close(self) -> None:

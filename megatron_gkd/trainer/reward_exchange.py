@@ -5,7 +5,7 @@ before the step trains, and measured over the global batch.
 |---|---|---|
 | start-up | :meth:`wait_ready`: the worker has built the reward (a user module that does not import fails here) | every rank |
 | sampling | :meth:`send`: the decoded prompts, responses and records of this rank's share go to the worker | no |
-| update | :meth:`receive`: waits (timer ``reward_wait``); a :class:`~megatron_gkd.rewards.RewardFailed` on any rank stops every rank | every rank |
+| update | :meth:`receive`: waits (timer ``reward_wait``); a ``RewardFailed`` on any rank stops every rank | every rank |
 | update | :meth:`metrics`: ``reward/mean``, ``reward/min``, ``reward/max`` over every data-parallel share | every rank |
 
 Rewards are computed on the ranks that ask the teacher (one per data-parallel share: the last pipeline stage's

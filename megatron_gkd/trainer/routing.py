@@ -61,8 +61,7 @@ class RoutingStats:
         over layers ``moe/load_balancing_loss`` (mean), ``moe/expert_load_imbalance`` (max), ``moe/tokens_routed``
         and ``moe/dropped_tokens`` (token-expert assignments the capacity factor dropped; 0 without one).
         """
-        from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
-                                                             get_moe_layer_wise_logging_tracker)
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
         tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
         aux = torch.zeros(self.num_layers, dtype=torch.float64)

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from megatron_gkd.trainer.batch import MicroBatch
 
 
-
 def _first(specs) -> "LossSpec":
     return next(iter(specs.values())) if isinstance(specs, dict) else specs
 

@@ -34,7 +34,14 @@ from megatron_gkd.weight_sync.errors import WeightSyncError, WeightSyncTransport
 from megatron_gkd.weight_sync.plan import TensorSpec, WeightSyncPlan, build_plan
 from megatron_gkd.weight_sync.receiver import WeightReceiver, reload_vllm_weights
 from megatron_gkd.weight_sync.sender import WeightSender
-from megatron_gkd.weight_sync.transports import TRANSPORTS, ColocatedTransport, SignedStore, TorchDistributedTransport, get_transport, register_transport
+from megatron_gkd.weight_sync.transports import (
+    TRANSPORTS,
+    ColocatedTransport,
+    SignedStore,
+    TorchDistributedTransport,
+    get_transport,
+    register_transport,
+)
 from megatron_gkd.weight_sync.verify import WeightSyncMismatch, check_prompt_logprobs, student_prompt_logprobs, vllm_prompt_logprobs
 
 

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from megatron_gkd.models import mapped_tensors, shard_coordinates, unwrap
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8)}
+_DTYPES = {str(d).removeprefix("torch."): d
+           for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +100,8 @@ class WeightSyncPlan:
 
     def to_json(self) -> str:
         return json.dumps(
-            {"trainer_world_size": self.trainer_world_size, "logits_rank": self.logits_rank, "entries": [dataclasses.asdict(e) for e in self.entries]},
+            {"trainer_world_size": self.trainer_world_size, "logits_rank": self.logits_rank,
+             "entries": [dataclasses.asdict(e) for e in self.entries]},
             sort_keys=True,
             separators=(",", ":"),
         )
@@ -216,7 +218,8 @@ def build_plan(chunks, group: dist.ProcessGroup | None = None) -> WeightSyncPlan
             if entry["owner"] < 0:
                 continue
             if entry["name"] in owned:
-                raise RuntimeError(f"weight sync plan: {entry['name']} is owned by ranks {owned[entry['name']]['owner']} and {entry['owner']}")
+                raise RuntimeError(f"weight sync plan: {entry['name']} is owned by ranks "
+                                   f"{owned[entry['name']]['owner']} and {entry['owner']}")
             owned[entry["name"]] = entry
     if missing := sorted(seen - set(owned)):
         raise RuntimeError(f"weight sync plan: no rank owns {missing[:5]} ({len(missing)} tensors)")

@@ -31,7 +31,8 @@ def reload_vllm_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
     ``worker.model_runner.reload_weights`` reruns the backend's post-load processing, which writing
     ``param.data`` or calling ``load_weights`` after start-up does not (seen on vLLM 0.32's CPU backend, which
     keeps its own processed copy of the weights: a write to ``param.data`` did not change generation, and a
-    second ``load_weights`` failed on the emptied parameters). The pairs are consumed lazily, so a receiver can stream buckets into it. One worker per process
+    second ``load_weights`` failed on the emptied parameters). The pairs are consumed lazily, so a receiver can stream
+    buckets into it. One worker per process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` or ``external_launcher``): the iterator is consumed once.
     """
     from megatron_gkd.weight_sync.reload_logs import quiet_reload_logs
@@ -112,7 +113,8 @@ class WeightReceiver:
             self.buffers = [allocate(largest, device) for _ in range(config.num_buffers)] if needs_buffers else [None]
             self.buffer_bytes = sum(buffer.numel() for buffer in self.buffers if buffer is not None)
         # self.buffer_bytes: the host or device memory this receiver keeps between syncs.
-        logger.info("weight receiver: %d buckets, %s transfer, %.1f MiB of buffers", len(self.buckets), self.transfer, self.buffer_bytes / 2**20)
+        logger.info("weight receiver: %d buckets, %s transfer, %.1f MiB of buffers", len(self.buckets), self.transfer,
+                    self.buffer_bytes / 2**20)
         self.key = getattr(transport, "bucket_key", None)
         warn_if_unauthenticated(config, self.key)
         self.version = 0

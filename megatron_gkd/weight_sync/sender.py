@@ -12,7 +12,16 @@ import torch.distributed as dist
 
 from megatron_gkd import platform
 from megatron_gkd.models import export_hf_shards, export_hf_weights, shard_sources
-from megatron_gkd.weight_sync.buckets import BucketSpec, PartSpec, allocate, complete_parts, fold_checksum, layout_buckets, pack_stream, part_context
+from megatron_gkd.weight_sync.buckets import (
+    BucketSpec,
+    PartSpec,
+    allocate,
+    complete_parts,
+    fold_checksum,
+    layout_buckets,
+    pack_stream,
+    part_context,
+)
 from megatron_gkd.weight_sync.config import WeightSyncConfig, warn_if_unauthenticated
 from megatron_gkd.weight_sync.errors import WeightSyncError
 from megatron_gkd.weight_sync.plan import WeightSyncPlan

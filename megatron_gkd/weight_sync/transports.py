@@ -190,7 +190,9 @@ class _Pending:
             for work in self.works:
                 work.wait()
         except Exception as error:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses
-            raise self.transport.broke(error) if self.transport is not None else error
+            if self.transport is None:
+                raise
+            raise self.transport.broke(error) from error
         return True
 
 

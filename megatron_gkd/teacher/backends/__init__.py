@@ -14,8 +14,7 @@ import time
 from typing import Any
 
 from megatron_gkd.registry import Registry
-from megatron_gkd.teacher.types import (ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError,
-                                        TeacherOutput)
+from megatron_gkd.teacher.types import ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError, TeacherOutput
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -80,7 +79,7 @@ class TeacherBackend(abc.ABC):
         raise TeacherError(ErrorCode.UNSUPPORTED, f"the {self.info().name} teacher backend cannot generate; "
                            "serve the teacher with the hf, vllm or megatron backend")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a default: nothing to release
         """Releases the model; the default has nothing to release."""
 
     @property

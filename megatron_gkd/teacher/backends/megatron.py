@@ -28,8 +28,16 @@ import torch.distributed as dist
 from megatron_gkd.teacher import sampling
 from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
 from megatron_gkd.teacher.identity import checkpoint_fingerprint
-from megatron_gkd.teacher.types import (TEACHER_SIGNALS, ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch,
-                                        SequenceRequest, TeacherError, TeacherOutput)
+from megatron_gkd.teacher.types import (
+    TEACHER_SIGNALS,
+    ErrorCode,
+    GenerateBatch,
+    GeneratedSample,
+    ScoreBatch,
+    SequenceRequest,
+    TeacherError,
+    TeacherOutput,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,19 @@ from typing import Callable, Sequence
 
 import tqdm
 
-from megatron_gkd.teacher.cache.store import (MANIFEST, PLAN, CacheManifest, CacheRecord, checkpoint_digest,
-                                              dataset_digest, encode_shard, file_digest, shard_name, verify_mac,
-                                              write_atomically)
+from megatron_gkd.teacher.cache.store import (
+    MANIFEST,
+    PLAN,
+    CacheManifest,
+    CacheRecord,
+    checkpoint_digest,
+    dataset_digest,
+    encode_shard,
+    file_digest,
+    shard_name,
+    verify_mac,
+    write_atomically,
+)
 from megatron_gkd.teacher.security import SECRET_ENV
 from megatron_gkd.teacher.types import ScoreBatch, SequenceRequest, TeacherOutput
 from megatron_gkd.teacher.vocab import tokenizer_digest

@@ -17,8 +17,7 @@ import threading
 from typing import Any
 
 from megatron_gkd.registry import Registry
-from megatron_gkd.teacher.types import (ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError,
-                                        TeacherOutput)
+from megatron_gkd.teacher.types import ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError, TeacherOutput
 from megatron_gkd.teacher.vocab import VocabAlignment, check_vocab, restrict_to_vocab
 
 logger = logging.getLogger(__name__)

@@ -29,10 +29,18 @@ import numpy as np
 
 from megatron_gkd.teacher import sampling
 from megatron_gkd.teacher.clients import RetryPolicy, TeacherClient, TeacherInfo
-from megatron_gkd.teacher.clients.http_call import (DeadlineExceeded, HttpEndpoint, Response,
-                                                    ResponseTooLarge)
-from megatron_gkd.teacher.types import (ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, SequenceRequest,
-                                        TeacherError, TeacherOutput, TeacherOutputError, check_generated)
+from megatron_gkd.teacher.clients.http_call import DeadlineExceeded, HttpEndpoint, Response, ResponseTooLarge
+from megatron_gkd.teacher.types import (
+    ErrorCode,
+    GenerateBatch,
+    GeneratedSample,
+    ScoreBatch,
+    SequenceRequest,
+    TeacherError,
+    TeacherOutput,
+    TeacherOutputError,
+    check_generated,
+)
 from megatron_gkd.teacher.vocab import tokenizer_digest
 
 logger = logging.getLogger(__name__)

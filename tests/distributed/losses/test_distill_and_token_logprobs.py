@@ -28,8 +28,12 @@ def _inputs(dtype):
 
 
 def _errors(tp_group=None, rank=0, size=1) -> dict:
-    from megatron_gkd.losses import (fused_vocab_parallel_distill_loss, fused_vocab_parallel_token_logprobs,
-                                     vocab_parallel_distill_loss, vocab_parallel_token_logprobs)
+    from megatron_gkd.losses import (
+        fused_vocab_parallel_distill_loss,
+        fused_vocab_parallel_token_logprobs,
+        vocab_parallel_distill_loss,
+        vocab_parallel_token_logprobs,
+    )
 
     errors = {}
     rows = slice(rank * VOCAB // size, (rank + 1) * VOCAB // size)

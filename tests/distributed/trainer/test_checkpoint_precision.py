@@ -13,7 +13,7 @@ pytestmark = pytest.mark.distributed
 
 def _build(path: str, dtype: torch.dtype):
     from megatron_gkd.models import load_hf
-    from megatron_gkd.trainer.optim import OptimizerConfig, build_optimizer, build_lr_scheduler, wrap_for_training
+    from megatron_gkd.trainer.optim import OptimizerConfig, build_lr_scheduler, build_optimizer, wrap_for_training
 
     config = OptimizerConfig(lr=3e-3)
     chunks = wrap_for_training(load_hf(path, dtype=dtype), config)

@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import signal
-from pathlib import Path
 
 import pytest
 import torch

@@ -143,7 +143,7 @@ def _grpo(rewards: np.ndarray) -> np.ndarray:
 def test_the_step_figures_are_the_batch_s(single):
     samples, rewards, _ = _batch()
     advantages = _grpo(rewards)
-    for (combine, fused, cut), (stats, _, _) in single.items():
+    for (combine, _fused, _cut), (stats, _, _) in single.items():
         tokens = sum(s.response_len for s in samples)
         assert stats["pg/tokens"] == tokens
         if combine == "teacher":

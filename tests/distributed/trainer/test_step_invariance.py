@@ -167,7 +167,7 @@ def _hidden_body(checkpoint: str, layout: dict, loss_type: str):
     from megatron_gkd import parallel
     from megatron_gkd.models import load_hf, unwrap
     from megatron_gkd.trainer.batch import build_microbatch, teacher_rows, token_coefficients
-    from megatron_gkd.trainer.optim import OptimizerConfig, build_lr_scheduler, build_optimizer, wrap_for_training
+    from megatron_gkd.trainer.optim import OptimizerConfig, build_optimizer, wrap_for_training
     from megatron_gkd.trainer.step import LossSpec, StepRunner
 
     state = parallel.initialize(**layout)

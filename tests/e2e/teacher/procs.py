@@ -5,12 +5,12 @@ is read from that file. Each process leads its own session so that stopping it a
 children it spawned (vLLM's OpenAI server runs its engine in a child process).
 """
 
+import contextlib
 import os
 import pathlib
 import signal
 import subprocess
 import sys
-import contextlib
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[3]

@@ -5,7 +5,6 @@ import pytest
 from megatron_gkd.testing import runs as harness
 
 
-
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory):
     from megatron_gkd.recipes.tiny import build_assets

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from tests.e2e.teacher import procs
 from megatron_gkd.testing import runs as harness
+from tests.e2e.teacher import procs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 

@@ -6,7 +6,8 @@ within 1e-4 (fp32); each test first checks that vLLM's outputs *changed* from be
 sync that loads nothing fails. The sync runs with ``verify=True`` (the receiver's own check).
 
 Layouts: disaggregated (2 trainer ranks + 1 rollout rank with a TP=1 engine) for training TP=2 then
-PP=2 on one engine (direct transfer, the default over gloo), and Qwen3-MoE with EP=2 (packed transfer); colocated training TP=2 with a TP=2 engine on the same
+PP=2 on one engine (direct transfer, the default over gloo), and Qwen3-MoE with EP=2 (packed transfer); colocated
+training TP=2 with a TP=2 engine on the same
 ranks (``external_launcher``), synced without any broadcast.
 """
 
@@ -108,7 +109,8 @@ def test_moe_ep2_into_a_tp1_engine(tmp_path):
 def test_colocated_tp2_into_a_tp2_engine_without_broadcast(tmp_path, capfd):
     llama = make_tiny_checkpoint("LlamaForCausalLM", tmp_path / "llama", seed=7)
     config = WeightSyncConfig(transport="colocated", bucket_size_mb=0.25, verify=True, verify_prompts=tuple(map(tuple, PROMPTS)))
-    rank0, rank1 = run_distributed(colocated_rank, 2, args=(llama, 2, config, PROMPTS, str(tmp_path)), kwargs=dict(num_tokens=NUM_TOKENS), timeout=900, env=VLLM_ENV)
+    rank0, rank1 = run_distributed(colocated_rank, 2, args=(llama, 2, config, PROMPTS, str(tmp_path)),
+                                   kwargs=dict(num_tokens=NUM_TOKENS), timeout=900, env=VLLM_ENV)
     assert rank0["version"] == rank1["version"] == 1
     assert rank0["after"][0] == rank1["after"][0]
     _check(rank0["before"], rank0["after"], rank0["logits"], rank0["saved"])

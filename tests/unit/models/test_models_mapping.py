@@ -67,7 +67,8 @@ def test_gate_up_concat_of_tp_slices_is_megatrons_fc1_shard():
 
 def test_rule_matches_local_and_te_names_with_global_fields():
     rule = WeightRule(
-        ("decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc1.weight", "decoder.layers.{layer}.mlp.experts.linear_fc1.weight{expert}"),
+        ("decoder.layers.{layer}.mlp.experts.local_experts.{expert}.linear_fc1.weight",
+         "decoder.layers.{layer}.mlp.experts.linear_fc1.weight{expert}"),
         ("model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight", "model.layers.{layer}.mlp.experts.{expert}.up_proj.weight"),
         (0, 0),
         Concat(2),

@@ -5,7 +5,8 @@ and nowhere else) make the registrations the real packages make, run on the host
 groups, the NPU's memory is host memory), and record every request made of them with the stack that made it.
 Two runs under them:
 
-* the real entry point (``megatron_gkd.trainer.cli``, what ``launch/pretrain_gkd.py`` runs, under torchrun, TP=2) trains one on-policy step: a tiny
+* the real entry point (``megatron_gkd.trainer.cli``, what ``launch/pretrain_gkd.py`` runs, under torchrun, TP=2)
+  trains one on-policy step: a tiny
   Megatron-Core student, the ``megatron`` rollout engine, a colocated Megatron teacher (``teacher.client=
   local`` with offload), the loss and the optimizer, with MindSpeed options in the config;
 * weight sync over its own HCCL groups: a trainer process sends the student to a rollout process.
@@ -156,8 +157,15 @@ def _weight_sync_rank(path: str, ports: tuple[int, int]):
     from megatron_gkd import parallel
     from megatron_gkd.models import load_hf
     from megatron_gkd.testing.weight_sync import RecordingEngine
-    from megatron_gkd.weight_sync import (TorchDistributedTransport, WeightReceiver, WeightSender, WeightSyncConfig,
-                                          build_plan, connect_rollout, connect_trainer)
+    from megatron_gkd.weight_sync import (
+        TorchDistributedTransport,
+        WeightReceiver,
+        WeightSender,
+        WeightSyncConfig,
+        build_plan,
+        connect_rollout,
+        connect_trainer,
+    )
 
     rank = int(os.environ["RANK"])
     transport = TorchDistributedTransport(address="127.0.0.1", port=ports[0], rank=rank, num_trainer_ranks=1,

@@ -5,7 +5,6 @@ import pathlib
 import pickle
 
 import numpy as np
-import pytest
 import zmq
 
 from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, build_client, codec, wire

@@ -9,8 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gkd.teacher import (GenerateBatch, GeneratedSample, RetryPolicy, TeacherClient, TeacherError,
-                                  build_client, cli, codec, sampling, wire)
+from megatron_gkd.teacher import (
+    GenerateBatch,
+    GeneratedSample,
+    RetryPolicy,
+    TeacherClient,
+    TeacherError,
+    build_client,
+    cli,
+    codec,
+    sampling,
+    wire,
+)
 from megatron_gkd.teacher.backends import TeacherBackend, build_backend
 from megatron_gkd.teacher.server import Proxy, Worker, WorkLimits
 from megatron_gkd.teacher.types import ErrorCode

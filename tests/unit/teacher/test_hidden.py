@@ -9,8 +9,15 @@ import torch
 
 from megatron_gkd.teacher import codec, wire
 from megatron_gkd.teacher.clients import TeacherInfo
-from megatron_gkd.teacher.types import (HIDDEN_DTYPES, ErrorCode, ScoreBatch, SequenceRequest, TeacherError,
-                                        TeacherOutput, TeacherOutputError)
+from megatron_gkd.teacher.types import (
+    HIDDEN_DTYPES,
+    ErrorCode,
+    ScoreBatch,
+    SequenceRequest,
+    TeacherError,
+    TeacherOutput,
+    TeacherOutputError,
+)
 
 LIMITS = wire.Limits(max_message_bytes=2**20)
 HIDDEN = 48
@@ -141,7 +148,7 @@ def test_validate_hidden_fails_closed_and_names_the_sequence():
         "NaN log-prob": (dataclasses.replace(good, token_logprobs=np.full(5, np.nan, np.float32)), "NaN"),
         "-inf log-prob": (dataclasses.replace(good, token_logprobs=np.full(5, -np.inf, np.float32)), "-inf"),
     }
-    for what, (output, match) in cases.items():
+    for _what, (output, match) in cases.items():
         with pytest.raises(TeacherOutputError, match=f"sequence 7: .*{match}"):
             output.validate(5, 4, name="sequence 7", hidden_size=HIDDEN)
     with pytest.raises(TeacherOutputError, match="hidden present although the top-k"):

@@ -11,8 +11,7 @@ from megatron_gkd.teacher import codec, wire
 from megatron_gkd.teacher.backends import backend_names, build_backend
 from megatron_gkd.teacher.clients import build_client, client_names
 from megatron_gkd.teacher.server import Proxy, check_exposure, is_loopback
-from megatron_gkd.teacher.types import (ErrorCode, ScoreBatch, SequenceRequest, TeacherOutput,
-                                        TeacherOutputError)
+from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, SequenceRequest, TeacherOutput, TeacherOutputError
 from megatron_gkd.teacher.vocab import check_vocab, restrict_to_vocab, tokenizer_digest
 
 SECRET = b"shared-secret-of-32-bytes-length"
@@ -143,7 +142,7 @@ def test_validate_fails_closed_and_names_the_sequence():
         "repeated id": dataclasses.replace(good, topk_ids=np.concatenate(
             [good.topk_ids[:, :3], good.topk_ids[:, :1]], 1)),
     }
-    for what, output in cases.items():
+    for _what, output in cases.items():
         with pytest.raises(TeacherOutputError, match="sequence 7"):
             output.validate(5, 4, 2, name="sequence 7")
     padded = good.topk_logprobs.copy()

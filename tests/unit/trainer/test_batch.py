@@ -8,8 +8,16 @@ import torch
 
 from megatron_gkd.losses import tcad_sequence_weights, tcad_support
 from megatron_gkd.teacher import TeacherOutput
-from megatron_gkd.trainer.batch import (Sample, TCADSpec, build_microbatch, plan_microbatches, score_batch,
-                                        split_to_count, teacher_rows, token_coefficients)
+from megatron_gkd.trainer.batch import (
+    Sample,
+    TCADSpec,
+    build_microbatch,
+    plan_microbatches,
+    score_batch,
+    split_to_count,
+    teacher_rows,
+    token_coefficients,
+)
 
 
 def _sample(prompt, response, group=0, topk=None):

@@ -12,8 +12,14 @@ import torch
 
 from megatron_gkd.teacher.config import TeacherConfig
 from megatron_gkd.trainer.batch import Sample, TeacherRows
-from megatron_gkd.trainer.head_check import (HEAD_CHECK_TOKENS, TeacherHeadMismatch, check_due, check_teacher_head,
-                                             head_agreement, sample_rows)
+from megatron_gkd.trainer.head_check import (
+    HEAD_CHECK_TOKENS,
+    TeacherHeadMismatch,
+    check_due,
+    check_teacher_head,
+    head_agreement,
+    sample_rows,
+)
 
 VOCAB, REAL, HIDDEN = 40, 37, 16  # the last 3 rows of the table are padding
 

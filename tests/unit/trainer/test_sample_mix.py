@@ -11,8 +11,7 @@ import torch
 from megatron_gkd.config.sample_mix import SampleMixConfig
 from megatron_gkd.rollout.types import RolloutBatch
 from megatron_gkd.trainer.batch import build_microbatch, plan_microbatches, samples_from_rollout, token_coefficients
-from megatron_gkd.trainer.sample_mix import (STUDENT, dataset_batch, draw_sources, generated_batch, merge_by_prompt,
-                                             source_metrics)
+from megatron_gkd.trainer.sample_mix import STUDENT, dataset_batch, draw_sources, generated_batch, merge_by_prompt, source_metrics
 
 
 def _mix(**fields) -> SampleMixConfig:

@@ -127,7 +127,7 @@ def test_student_prompts_are_sampled_and_the_others_written_by_the_teacher():
     n = config.rollout.n
     rollout_batch = batch.rollout
     assert rollout_batch.group_ids.tolist() == [g for g in range(4) for _ in range(n)]
-    for i, sample in enumerate(batch.samples):
+    for _i, sample in enumerate(batch.samples):
         record, source = RECORDS[sample.group], sources[sample.group]
         assert sample.source == source and sample.prompt_index == record.index
         assert sample.tokens[: sample.prompt_len].tolist() == record.prompt_ids

@@ -7,7 +7,15 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_gkd.weight_sync import ChecksumMismatch, ColocatedTransport, TensorSpec, WeightReceiver, WeightSyncConfig, WeightSyncPlan, layout_buckets
+from megatron_gkd.weight_sync import (
+    ChecksumMismatch,
+    ColocatedTransport,
+    TensorSpec,
+    WeightReceiver,
+    WeightSyncConfig,
+    WeightSyncPlan,
+    layout_buckets,
+)
 from megatron_gkd.weight_sync.buckets import allocate, arena_views, as_bytes, fold_checksum, pack, pack_stream, unpack, unpack_arena
 
 MB = 2**20
@@ -166,7 +174,8 @@ def test_direct_arena_holds_every_tensor_in_hf_layout_and_refuses_corruption(che
     tensors = _tensors(plan)
     for bucket in layout_buckets(plan, 16 * 1024):
         arena, scratch = _fill_arena(bucket, plan, tensors, version=4, checksum=checksum)
-        for i, (entry, (name, tensor)) in enumerate(zip(bucket.entries, unpack_arena(bucket, arena_views(bucket, arena, scratch), checksum, version=4))):
+        views = arena_views(bucket, arena, scratch)
+        for i, (entry, (name, tensor)) in enumerate(zip(bucket.entries, unpack_arena(bucket, views, checksum, version=4))):
             assert name == entry.name and torch.equal(tensor, tensors[name]), name
             # Every tensor is a view of the arena; only slices along dim 1 went through scratch.
             assert tensor.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr(), name
@@ -206,7 +215,8 @@ def test_plan_json_round_trip_and_digest():
 @pytest.mark.parametrize(
     "kwargs, key",
     [({"transport": "carrier-pigeon"}, "transport"), ({"bucket_size_mb": 0}, "bucket_size_mb"),
-     ({"checksum": "md5"}, "checksum"), ({"transfer": "zero-copy"}, "transfer"), ({"num_buffers": 0}, "num_buffers"), ({"verify": True, "verify_prompts": ()}, "verify_prompts")],
+     ({"checksum": "md5"}, "checksum"), ({"transfer": "zero-copy"}, "transfer"), ({"num_buffers": 0}, "num_buffers"),
+     ({"verify": True, "verify_prompts": ()}, "verify_prompts")],
 )
 def test_config_errors_name_the_key(kwargs, key):
     with pytest.raises(ValueError, match=key):

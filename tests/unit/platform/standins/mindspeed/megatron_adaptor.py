@@ -10,7 +10,6 @@ import sys
 
 _MEGATRON_FIRST = sorted(name for name in sys.modules if name == "megatron.core" or name.startswith("megatron.core."))
 
-import torch_npu  # noqa: E402
 from torch_npu._standin import record  # noqa: E402
 
 from mindspeed.args_utils import get_mindspeed_args  # noqa: E402
