@@ -14,14 +14,14 @@ Server side: ``launch/teacher_server.py`` (see docs/teacher_protocol.md).
 
 from megatron_gkd.teacher.clients import RetryPolicy, TeacherClient, build_client, client_names
 from megatron_gkd.teacher.types import (
-                                        ErrorCode,
-                                        GenerateBatch,
-                                        GeneratedSample,
-                                        ScoreBatch,
-                                        SequenceRequest,
-                                        TeacherError,
-                                        TeacherOutput,
-                                        TeacherOutputError,
+    ErrorCode,
+    GenerateBatch,
+    GeneratedSample,
+    ScoreBatch,
+    SequenceRequest,
+    TeacherError,
+    TeacherOutput,
+    TeacherOutputError,
 )
 
 __all__ = [
