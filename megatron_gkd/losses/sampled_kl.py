@@ -62,6 +62,31 @@ def reverse_kl_estimate(
     return chosen.fn(teacher_logprobs - student_logprobs)
 
 
+def mismatch_sums(
+    train_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """This rank's sums behind :func:`rollout_mismatch` over ``mask`` (no collective): 0-dim float64 ``k1`` and
+    ``k3`` (sums over the tokens), ``max_log_ratio`` and ``max_inverse_log_ratio`` (the largest ``log pi_train -
+    log pi_behaviour`` and its negation; ``-inf`` without tokens) and ``num_tokens``.
+
+    Raises:
+        ValueError: shapes that differ.
+    """
+    if not train_logprobs.shape == behaviour_logprobs.shape == mask.shape:
+        raise ValueError(f"train_logprobs {tuple(train_logprobs.shape)}, behaviour_logprobs "
+                         f"{tuple(behaviour_logprobs.shape)} and mask {tuple(mask.shape)} must have the same shape")
+    mask = mask.bool()
+    # k1 and k3 of KL(behaviour || train) take log(p / q) with p the trainer, q the sampler: log_ratio itself.
+    log_ratio = train_logprobs.detach().double() - behaviour_logprobs.detach().double()
+    zero = torch.zeros_like(log_ratio)
+    return {"k1": torch.where(mask, KL_ESTIMATORS.get("k1").fn(log_ratio), zero).sum(),
+            "k3": torch.where(mask, KL_ESTIMATORS.get("k3").fn(log_ratio), zero).sum(),
+            "max_log_ratio": torch.where(mask, log_ratio, -torch.inf).max() if mask.numel() else zero.new_tensor(-torch.inf),
+            "max_inverse_log_ratio": torch.where(mask, -log_ratio, -torch.inf).max() if mask.numel()
+            else zero.new_tensor(-torch.inf),
+            "num_tokens": mask.sum().double()}
+
+
 def rollout_mismatch(
     train_logprobs: torch.Tensor,
     behaviour_logprobs: torch.Tensor,
@@ -88,17 +113,9 @@ def rollout_mismatch(
     Raises:
         ValueError: shapes that differ.
     """
-    if not train_logprobs.shape == behaviour_logprobs.shape == mask.shape:
-        raise ValueError(f"train_logprobs {tuple(train_logprobs.shape)}, behaviour_logprobs "
-                         f"{tuple(behaviour_logprobs.shape)} and mask {tuple(mask.shape)} must have the same shape")
-    mask = mask.bool()
-    log_ratio = (train_logprobs.detach().double() - behaviour_logprobs.detach().double())[mask]
-    # k1 and k3 of KL(behaviour || train) take log(p / q) with p the trainer, q the sampler: log_ratio itself.
-    sums = torch.stack([KL_ESTIMATORS.get("k1").fn(log_ratio).sum(), KL_ESTIMATORS.get("k3").fn(log_ratio).sum(),
-                        torch.tensor(float(log_ratio.numel()), dtype=torch.float64, device=log_ratio.device)])
-    extremes = torch.full((2,), float("-inf"), dtype=torch.float64, device=log_ratio.device)
-    if log_ratio.numel():
-        extremes = torch.stack([log_ratio.max(), -log_ratio.min()])  # both as maxima: one MAX all-reduce
+    local = mismatch_sums(train_logprobs, behaviour_logprobs, mask)
+    sums = torch.stack([local["k1"], local["k3"], local["num_tokens"]])
+    extremes = torch.stack([local["max_log_ratio"], local["max_inverse_log_ratio"]])  # both maxima: one MAX reduce
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(sums, group=group)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)

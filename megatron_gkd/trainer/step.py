@@ -81,7 +81,6 @@ class LossSpec:
                         chunk_size=self.chunk_size)
 
 
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicySpec:
     """The policy-gradient term of the step (``rl``; :mod:`megatron_gkd.losses.combinations`).
@@ -117,6 +116,7 @@ class PolicySpec:
 
 # Statistics reduced by their maximum over micro-batches and ranks (the others are sums).
 MAX_STATS = ("mismatch/max_ratio", "mismatch/max_inverse_ratio")
+
 
 def loss_specs(loss, mode, teachers, real_vocab_size: int):
     """The loss of ``mode``: one :class:`LossSpec` per teacher by name (one cross-entropy spec where the mode does
@@ -381,7 +381,7 @@ class StepRunner:
         from megatron_gkd.losses import fused_vocab_parallel_token_logprobs, vocab_parallel_token_logprobs
         from megatron_gkd.losses.combinations import token_advantages
         from megatron_gkd.losses.policy_gradient import PolicyGradientOptions, policy_gradient_from_logprobs
-        from megatron_gkd.losses.sampled_kl import KL_ESTIMATORS
+        from megatron_gkd.losses.sampled_kl import mismatch_sums
 
         tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
         common = dict(real_vocab_size=spec.real_vocab_size)
@@ -413,13 +413,12 @@ class StepRunner:
         def total(value: torch.Tensor) -> torch.Tensor:
             return torch.where(mask, value.to(zero.dtype), zero).sum().double()
 
-        log_ratio = torch.where(mask, raw.double() - policy.behaviour.double(), 0.0)  # log pi_train - log pi_rollout
+        mismatch = mismatch_sums(raw, policy.behaviour, mask)  # summed over micro-batches and ranks by run()
         stats = {"pg/loss": contribution.detach().double(), "pg/tokens": mask.sum().double(),
                  "pg/advantage": total(advantages), "pg/clipped": total(metrics["clipped"]),
-                 "mismatch/k1": total(KL_ESTIMATORS.get("k1").fn(log_ratio)),
-                 "mismatch/k3": total(KL_ESTIMATORS.get("k3").fn(log_ratio)),
-                 "mismatch/max_ratio": torch.where(mask, log_ratio, -torch.inf).max().exp(),
-                 "mismatch/max_inverse_ratio": torch.where(mask, -log_ratio, -torch.inf).max().exp()}
+                 "mismatch/k1": mismatch["k1"], "mismatch/k3": mismatch["k3"],
+                 "mismatch/max_ratio": mismatch["max_log_ratio"].exp(),
+                 "mismatch/max_inverse_ratio": mismatch["max_inverse_log_ratio"].exp()}
         if kl is not None:
             stats["pg/teacher_kl"] = total(kl)
         if "tis_weight" in metrics:
