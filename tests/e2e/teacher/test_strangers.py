@@ -5,6 +5,10 @@ pending budget) while peers without the secret:
 
 * burst two messages to just under the limit and hold them open (once every call with the trainer's
   default retry policy that started during a hold failed, after 15.5 s of "busy");
+* trickle 1 MB/s in all over two connections after half a message each, never finishing one (once 3
+  trainer-policy calls and 17 of 72 short-policy calls failed: the budget filled within seconds);
+* at the default 512 MiB limit, stream 38 MB/s in all over two connections (once a trainer-policy call
+  failed every 30 s and the proxy grew by 1.07 GB; slow tier);
 * open 4,096 connections that finish the ZMTP handshake and send nothing (once the service was
   blocked at zero bandwidth: a trainer-policy call failed after 300 s).
 
@@ -20,7 +24,7 @@ import time
 import numpy as np
 import pytest
 
-from megatron_gkd.teacher import ScoreBatch, SequenceRequest, build_client, zmtp
+from megatron_gkd.teacher import ScoreBatch, SequenceRequest, build_client, wire, zmtp
 from megatron_gkd.teacher.config import TeacherConfig
 from tests.e2e.teacher import procs
 from tests.unit.teacher import peers
@@ -45,6 +49,18 @@ def service(tmp_path_factory):
         batch = _batch()
         expected = client.score(batch)[0]
         yield dict(running, client=client, batch=batch, expected=expected)
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def service_at_default_limit(tmp_path_factory):
+    limit_mb = wire.Limits().max_message_bytes // 2**20  # the service's default (512 MiB)
+    with procs.service(tmp_path_factory.mktemp("strangers_default"), max_message_mb=limit_mb) as running:
+        retry = dataclasses.replace(TeacherConfig().retry(), deadline_s=TeacherConfig().attempt_timeout_s)
+        client = build_client("zmq", address=running["frontend"], secret=running["secret"], retry=retry)
+        batch = _batch()
+        expected = client.score(batch)[0]
+        yield dict(running, client=client, batch=batch, expected=expected, limit=limit_mb * 2**20)
         client.close()
 
 
@@ -98,7 +114,8 @@ class _Stranger(threading.Thread):
 
 def _with_strangers(service, count: int, burst: int, rate: float, window_s: float):
     stop = threading.Event()
-    strangers = [_Stranger(service["frontend"], LIMIT - 1, burst, rate, stop) for _ in range(count)]
+    declared = service.get("limit", LIMIT) - 1
+    strangers = [_Stranger(service["frontend"], declared, burst, rate, stop) for _ in range(count)]
     for stranger in strangers:
         stranger.start()
     time.sleep(1.0)  # the bursts are in
@@ -116,6 +133,26 @@ def _with_strangers(service, count: int, burst: int, rate: float, window_s: floa
 def test_strangers_bursting_to_the_limit_and_holding(service):
     _with_strangers(service, count=2, burst=LIMIT - 2, rate=0.0, window_s=WINDOW_S)
     service["client"].score(service["batch"])
+
+
+def test_strangers_trickling_a_megabyte_a_second(service):
+    _with_strangers(service, count=2, burst=LIMIT // 2, rate=2**19, window_s=WINDOW_S)
+
+
+@pytest.mark.slow
+def test_strangers_streaming_38_megabytes_a_second_at_the_default_limit(service_at_default_limit):
+    service = service_at_default_limit
+    rss_before = _proxy_rss(service)
+    _with_strangers(service, count=2, burst=0, rate=19e6, window_s=30.0)
+    growth = _proxy_rss(service, "VmHWM") - rss_before
+    print(f"proxy peak RSS grew by {growth / 2**20:.1f} MiB under 38 MB/s of strangers")
+    assert growth < 64 * 2**20, f"the proxy grew by {growth / 2**20:.0f} MiB holding strangers' bytes"
+
+
+def _proxy_rss(service, field: str = "VmRSS") -> int:
+    with open(f"/proc/{service['proxy'].pid}/status") as status:
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
 
 
 def test_thousands_of_idle_strangers_neither_block_signed_calls_nor_stay(service):
