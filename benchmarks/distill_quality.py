@@ -1,10 +1,12 @@
 """Which distillation method teaches the demo's student most per teacher token: the demo's experiment.
 
-    python benchmarks/distill_quality.py                            # 17 methods, seeds 1 2 3 (about 2.5 hours)
+    python benchmarks/distill_quality.py                            # 25 methods, seeds 1 2 3 (about 4 hours)
     python benchmarks/distill_quality.py --methods forward_kl_hidden reverse_kl_hidden jsd_hidden   # hidden signal
     python benchmarks/distill_quality.py --methods reverse_kl_full_vocab jsd_full_vocab --seeds 1   # diagnostics
     python benchmarks/distill_quality.py --report                   # aggregate what has finished
     python benchmarks/distill_quality.py --out outputs/rl_with_teacher --methods grpo forward_kl rl_loss rl_advantage rl_teacher
+    python benchmarks/distill_quality.py --out outputs/gkd_mixture --methods forward_kl_n1 gkd_dataset_l0.0 \
+        gkd_dataset_l0.5 gkd_teacher_l0.0 gkd_teacher_l0.5            # GKD's mixture (issue #30)
 
 At an equal budget of teacher tokens (``trainer.token_budget``: response tokens trained, each scored by
 the teacher once, or in SFT written by it), from the committed demo student (``assets/demo``) and
@@ -31,6 +33,10 @@ teacher, on the arithmetic task, it compares:
 ``rl_loss``                 the policy gradient on the reward plus forward KL to the teacher's top-k
 ``rl_advantage``            the reward's advantage minus ``k1 = log pi_s - log pi_t`` of each sampled token
 ``rl_teacher``              the teacher alone as a policy gradient: advantage ``-k1`` (verl's OPD default)
+``gkd_dataset_l0.5`` ...    GKD's mixture (``sample_mix``), one sample per prompt: each prompt's response is
+                            the student's with probability lambda (0 or 0.5), else the record's own
+                            reference response (``dataset``) or one the teacher writes at T=1 (``teacher``);
+                            lambda 1 is ``forward_kl_n1``. The teacher scores every response (forward KL)
 ``forward_kl_hidden`` ...   on-policy ``forward_kl``, ``reverse_kl``, ``jsd`` from the teacher's hidden
                             states (``teacher.signal=hidden``, bf16 on the wire): exact over the whole
                             vocabulary, the student recomputing the teacher's logits with its head
@@ -106,6 +112,12 @@ METHODS.update({f"{name}_lr3e-4": [*METHODS[name], *SLOW_LR] for name in ("rl_ad
 # The teacher's hidden states instead of its top-k (issue #19): the whole vocabulary at any vocabulary size.
 HIDDEN = ["teacher.signal=hidden", "teacher.hidden_dtype=bfloat16"]
 METHODS.update({f"{loss}_hidden": [*ON_POLICY, f"loss.type={loss}", *HIDDEN] for loss in ("forward_kl", "reverse_kl", "jsd")})
+# GKD's mixture (issue #30): lambda in {0, 0.5} x source in {dataset, teacher}, drawn per prompt, one sample per
+# prompt as forward_kl_n1 (lambda 1). The budget counts scored response tokens whatever wrote them; the teacher's
+# generation of its own responses is not counted (it is the same order of work as scoring them).
+MIX = [*ON_POLICY, "loss.type=forward_kl", "rollout.n=1", "sample_mix.per=prompt"]
+METHODS.update({f"gkd_{source}_l{lmbda}": [*MIX, f"sample_mix.source={source}", f"sample_mix.lmbda={lmbda}"]
+                for source in ("dataset", "teacher") for lmbda in ("0.0", "0.5")})
 DIAGNOSTICS = ("reverse_kl_full_vocab", "jsd_full_vocab", "rl_advantage_lr3e-4", "rl_teacher_lr3e-4")  # on request
 
 
