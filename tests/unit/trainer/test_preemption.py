@@ -1,0 +1,57 @@
+""":class:`~megatron_gkd.trainer.preemption.Preemption` alone (#31 item 2), in a gloo world of one: SIGTERM and
+SIGUSR1 are recorded and reported by :meth:`requested` (the run checkpoints after its step), nothing is reported
+without one, and a second signal stops the process at once (in a child process)."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch.distributed as dist
+
+from megatron_gkd.trainer.preemption import Preemption
+
+
+@pytest.fixture(scope="module")
+def control():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1)}
+    yield dist.group.WORLD
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_is_reported_by_requested(control, signum):
+    preemption = Preemption(control)
+    assert not preemption.requested()
+    os.kill(os.getpid(), signum)
+    assert preemption.requested() and preemption.signal == signum
+    assert preemption.requested()  # it stays requested: the run stops after its checkpoint
+
+
+def test_a_second_signal_stops_at_once(tmp_path):
+    script = textwrap.dedent("""
+        import os, signal, socket, sys
+        import torch.distributed as dist
+        from megatron_gkd.trainer.preemption import Preemption
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        preemption = Preemption(dist.group.WORLD)
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("first handled", preemption.requested(), flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("still running", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
+    assert "first handled True" in done.stdout and "still running" not in done.stdout
