@@ -162,3 +162,48 @@ def reference_policy_gradient_loss(
     if tis_cap is not None:
         objective = objective * torch.clamp(torch.exp(old - behaviour_logprobs.double()), max=tis_cap)
     return -objective
+
+
+def reference_cross_vocab_loss(
+    full_logits: torch.Tensor,
+    projection: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    loss_type: str,
+    temperature: float = 1.0,
+    *,
+    real_vocab_size: int | None = None,
+    **options,
+) -> torch.Tensor:
+    """Per-token cross-tokenizer loss ``[N]`` (float64, autograd) from the full ``[N, V_s]`` student logits and a
+    dense ``[V_s, V_t]`` map: ``q = softmax(logits / T) @ W`` over the real student vocabulary, then the
+    same-tokenizer definitions with ``q`` at the teacher's ids (:mod:`megatron_gkd.losses.cross_vocab`). Teacher ids
+    whose column of ``W`` is empty are left out like padding; rows with nothing to compare get 0."""
+    logits = full_logits.double()[:, :real_vocab_size]
+    weights = projection.double()[: logits.shape[1]]
+    lp = teacher_logprobs.double()
+    ids = teacher_ids.long().clamp(0, weights.shape[1] - 1)  # padding ids may be anything
+    valid = torch.isfinite(lp) & (weights.sum(0) > 0)[ids]
+    has = valid.any(-1)
+    loss = torch.zeros(logits.shape[0], dtype=torch.float64, device=logits.device)
+    if not bool(has.any()):
+        return loss + 0 * logits.sum()
+    rows = has.nonzero().squeeze(1)
+    q = torch.softmax(logits[rows] / temperature, dim=-1) @ weights  # [n, V_t]
+    lp, valid, ids = lp[rows], valid[rows], ids[rows]
+    log_q = torch.log(torch.where(valid, q.gather(1, ids), torch.ones_like(lp)))  # log(0) has a NaN grad
+    forward_kl = _kl(lp, log_q, valid)  # teacher not renormalised, q normalised over the student vocabulary
+    log_p_hat, log_q_hat = _renormalise(lp, valid), _renormalise(log_q, valid)
+    reverse_kl = _kl(log_q_hat, log_p_hat, valid)
+    if loss_type == "forward_kl":
+        value = forward_kl
+    elif loss_type == "reverse_kl":
+        value = reverse_kl
+    elif loss_type == "jsd":
+        value = _jsd(log_p_hat, log_q_hat, valid, options.get("beta", 0.5))
+    elif loss_type == "kl_rkl":
+        ratio = options.get("rkl_ratio", 0.1)
+        value = (1 - ratio) * forward_kl + ratio * reverse_kl
+    else:
+        raise ValueError(f"no cross-tokenizer reference for loss_type {loss_type!r}")
+    return loss.index_put((rows,), value)

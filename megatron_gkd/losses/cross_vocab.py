@@ -1,0 +1,387 @@
+"""Cross-tokenizer distillation on the vocab-parallel loss: the student's distribution projected into the
+teacher's vocabulary through a sparse map ``W``, on the student's ``[N, V_s/tp]`` logit shard (never gathered).
+
+Definitions (X-Token, arXiv 2605.21699; NeMo-RL #2508 / #2797 for the map and its use). With ``z = logits / T``
+over the student's real vocabulary, ``p = softmax(z)`` and ``L = logsumexp(z)``, the projected student is
+
+    q(t) = sum_s p(s) W[s, t],   log q(t) = y_t - L,   y_t = log sum_s W[s, t] exp(z_s)   ("projected logit").
+
+* ``projected`` (X-Token's P-KL): ``W`` as built (each mapped student token spreads its mass over the teacher
+  tokens of its re-tokenisation; exact string matches are one-hot rows).
+* ``hybrid`` (X-Token's H-KL, GOLD's hybrid on a top-k signal): a teacher token that is the exact match of a
+  student token is compared with that student token alone (``q(t) = p(s*)``, the same-tokenizer comparison);
+  the other student tokens' pieces that also land on it are dropped. Other teacher tokens keep the projection.
+  GOLD's and X-Token's sorted-L1 term on the unmatched tail needs both full distributions: not on a top-k signal.
+
+The divergence is then exactly the same-tokenizer one (:mod:`.divergences`) with ``y`` in place of the student's
+logits at the teacher's ids and the same ``L``: ``forward_kl`` keeps the teacher unrenormalised and ``q`` normalised
+over the whole student vocabulary (mass on unmapped student tokens, and on teacher tokens outside the top-k, is the
+remainder); ``reverse_kl`` and ``jsd`` renormalise both on the compared support; ``kl_rkl`` mixes them. With
+``W = identity`` every value and gradient equals :func:`.vocab_parallel_distill_loss`'s. A teacher id that no
+student token reaches (``q(t) = 0`` for every student) cannot be compared (the forward KL would be infinite): it
+leaves the compared support like a padding entry, and its teacher mass is reported as ``unmapped_teacher_mass``.
+``tcad`` is not offered: its support is the student's own top-k (student ids) scored by the teacher, which needs
+requested-id scoring through the inverse map.
+
+Layout: rank r of TP holds the map's rows for student ids ``[r V/tp, (r+1) V/tp)``, like the output layer, as a
+CSR over teacher ids (:class:`ProjectionShard`). A rank projects its shard at the teacher ids of each row
+(``y_t`` over its own students, a stable log-sum-exp per (row, id)), and ONE all-gather of ``[N, 1+K]`` combines
+the log-partitions and the partial ``y`` by ``logsumexp`` over ranks. The backward writes the gradient in one pass:
+``lse_coef softmax(z)`` densely plus, for each map entry under a compared id, ``g_t W[s,t] exp(z_s - y_t)``.
+Besides the same-tokenizer loss it holds only the map entries under the support (``E = sum`` of the ids' fan-in).
+
+Not here yet: the ``hidden`` signal (the full-vocabulary projected comparison) and the fused output layer;
+see docs/performance.md "Cross-tokenizer loss" for their design.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_gkd.losses import divergences as _divergences  # noqa: F401 - registers the losses
+from megatron_gkd.losses.registry import SupportInputs, get_divergence
+from megatron_gkd.losses.shard_ops import (
+    ShardLayout,
+    SparseGrad,
+    all_gather_rows,
+    compute_dtype,
+    local_logsumexp,
+    logits_grad,
+)
+from megatron_gkd.losses.vocab_parallel import TeacherSupport, check_temperature, prepare_teacher, split_options
+
+CROSS_VOCAB_DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "kl_rkl")
+PROJECTION_METHODS = ("projected", "hybrid")
+# float32 weights of a row of up to a few entries sum to 1 within a few ulps; more is a map that is not one.
+_ROW_SUM_TOLERANCE = 1e-4
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProjectionShard:
+    """This rank's rows of ``W`` (student ids ``[vocab_start, vocab_start + vocab_size_local)``), by teacher id.
+
+    Attributes:
+        indptr: ``[V_t + 1]`` int64; the entries of teacher id ``t`` are ``[indptr[t], indptr[t+1])``.
+        student_index: ``[nnz_local]`` int64 column of the student token in this shard.
+        weight: ``[nnz_local]`` float32 ``W[s, t]`` (> 0).
+        method: ``projected`` or ``hybrid`` (the entries already reflect it).
+    """
+
+    student_vocab_size: int
+    teacher_vocab_size: int
+    vocab_start: int
+    vocab_size_local: int
+    indptr: torch.Tensor
+    student_index: torch.Tensor
+    weight: torch.Tensor
+    method: str
+
+    @property
+    def num_entries(self) -> int:
+        return int(self.student_index.numel())
+
+
+def _check_map(student_ids: np.ndarray, teacher_ids: np.ndarray, weights: np.ndarray, student_vocab_size: int,
+               teacher_vocab_size: int, exact: np.ndarray) -> None:
+    if not (student_ids.ndim == teacher_ids.ndim == weights.ndim == 1) or not (
+            student_ids.shape == teacher_ids.shape == weights.shape):
+        raise ValueError(f"student_ids {student_ids.shape}, teacher_ids {teacher_ids.shape} and weights "
+                         f"{weights.shape} must be 1-D arrays of one length (the map's COO entries)")
+    if not (np.issubdtype(student_ids.dtype, np.integer) and np.issubdtype(teacher_ids.dtype, np.integer)):
+        raise ValueError(f"student_ids and teacher_ids must be integer arrays, got {student_ids.dtype}, "
+                         f"{teacher_ids.dtype}")
+    if exact.shape != (student_vocab_size,) or exact.dtype != np.bool_:
+        raise ValueError(f"exact must be a bool array of shape ({student_vocab_size},) (student_vocab_size), got "
+                         f"{exact.dtype} {exact.shape}")
+    if student_ids.size and (student_ids.min() < 0 or student_ids.max() >= student_vocab_size):
+        raise ValueError(f"student_ids must lie in [0, {student_vocab_size}) (student_vocab_size; padding rows of "
+                         f"the output layer map to nothing), got [{student_ids.min()}, {student_ids.max()}]")
+    if teacher_ids.size and (teacher_ids.min() < 0 or teacher_ids.max() >= teacher_vocab_size):
+        raise ValueError(f"teacher_ids must lie in [0, {teacher_vocab_size}) (teacher_vocab_size), got "
+                         f"[{teacher_ids.min()}, {teacher_ids.max()}]")
+    if not np.isfinite(weights).all() or (weights < 0).any():
+        raise ValueError("weights must be finite and >= 0")
+
+
+def shard_projection(
+    student_ids: np.ndarray,
+    teacher_ids: np.ndarray,
+    weights: np.ndarray,
+    *,
+    student_vocab_size: int,
+    teacher_vocab_size: int,
+    exact: np.ndarray,
+    tp_rank: int,
+    tp_size: int,
+    vocab_size_local: int,
+    method: str = "projected",
+    device: torch.device | str = "cpu",
+) -> ProjectionShard:
+    """This TP rank's shard of the map builder's COO ``W`` (the data contract of megatron_gkd/xtok).
+
+    Args:
+        student_ids, teacher_ids, weights: ``[nnz]`` int64, int64, float32 COO entries of ``W``; a mapped
+            student token's row sums to 1, unmapped and padding rows are empty; repeated ``(s, t)`` pairs add up.
+        student_vocab_size, teacher_vocab_size: the two tokenizers' sizes (real vocabularies, no padding rows).
+        exact: ``[student_vocab_size]`` bool, student tokens with an exact single-token teacher match (their
+            row is that one teacher id with weight 1).
+        tp_rank, tp_size, vocab_size_local: the output layer's split (``V_s/tp`` rows on each rank).
+        method: ``projected`` (P-KL) or ``hybrid`` (H-KL: see the module docstring).
+
+    Raises:
+        ValueError: malformed entries, a mapped row that does not sum to 1, an ``exact`` row that is not one
+            entry of weight 1, a vocabulary larger than the output layer, or an unknown method.
+    """
+    if method not in PROJECTION_METHODS:
+        raise ValueError(f"method={method!r} is not one of {', '.join(PROJECTION_METHODS)}")
+    if not 0 <= tp_rank < tp_size or student_vocab_size > tp_size * vocab_size_local:
+        raise ValueError(f"student_vocab_size={student_vocab_size} must fit the output layer's "
+                         f"{tp_size} x {vocab_size_local} rows, and tp_rank={tp_rank} lie in [0, {tp_size})")
+    student_ids, teacher_ids = np.asarray(student_ids), np.asarray(teacher_ids)
+    weights, exact = np.asarray(weights, dtype=np.float32), np.asarray(exact)
+    _check_map(student_ids, teacher_ids, weights, student_vocab_size, teacher_vocab_size, exact)
+    # Coalesce repeated pairs (COO semantics), drop zero weights.
+    key = student_ids.astype(np.int64) * teacher_vocab_size + teacher_ids.astype(np.int64)
+    key, inverse = np.unique(key, return_inverse=True)
+    summed = np.zeros(key.size, dtype=np.float64)
+    np.add.at(summed, inverse, weights.astype(np.float64))
+    keep = summed > 0
+    key, summed = key[keep], summed[keep]
+    rows, cols = key // teacher_vocab_size, key % teacher_vocab_size
+    row_sums = np.bincount(rows, weights=summed, minlength=student_vocab_size)
+    mapped = np.bincount(rows, minlength=student_vocab_size) > 0
+    bad = np.flatnonzero(mapped & (np.abs(row_sums - 1.0) > _ROW_SUM_TOLERANCE))
+    if bad.size:
+        raise ValueError(f"the weights of student token {bad[0]} sum to {row_sums[bad[0]]:.6g}, not 1 "
+                         f"({bad.size} rows like it): a mapped student token must spread exactly its own mass")
+    counts = np.bincount(rows, minlength=student_vocab_size)
+    exact_rows = np.flatnonzero(exact)
+    wrong = exact_rows[(counts[exact_rows] != 1)]
+    if wrong.size:
+        raise ValueError(f"student token {wrong[0]} is marked exact but its row has {counts[wrong[0]]} entries "
+                         "(an exact match is one teacher id with weight 1)")
+    if method == "hybrid" and exact_rows.size:
+        partners = np.zeros(teacher_vocab_size, dtype=bool)
+        partners[cols[np.isin(rows, exact_rows)]] = True
+        keep = ~partners[cols] | exact[rows]
+        rows, cols, summed = rows[keep], cols[keep], summed[keep]
+    start = tp_rank * vocab_size_local
+    local = (rows >= start) & (rows < start + vocab_size_local)
+    rows, cols, summed = rows[local], cols[local], summed[local]
+    order = np.lexsort((rows, cols))  # by teacher id, then student id
+    indptr = np.zeros(teacher_vocab_size + 1, dtype=np.int64)
+    indptr[1:] = np.cumsum(np.bincount(cols, minlength=teacher_vocab_size))
+    return ProjectionShard(
+        student_vocab_size=student_vocab_size,
+        teacher_vocab_size=teacher_vocab_size,
+        vocab_start=start,
+        vocab_size_local=vocab_size_local,
+        indptr=torch.from_numpy(indptr).to(device),
+        student_index=torch.from_numpy(rows[order] - start).to(device),
+        weight=torch.from_numpy(summed[order].astype(np.float32)).to(device),
+        method=method,
+    )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProjectedEntries:
+    """The map entries of this shard under each row's teacher ids, in (row, id) order.
+
+    Entry ``e`` adds ``weight[e] exp(z[row[e], column[e]])`` to slot ``slot[e] = row * K + k``.
+    """
+
+    slot: torch.Tensor
+    row: torch.Tensor
+    column: torch.Tensor
+    weight: torch.Tensor
+    row_offsets: list[int]  # entries of rows [a, b) are [row_offsets[a], row_offsets[b])
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, valid: torch.Tensor, shard: ProjectionShard, dtype: torch.dtype) -> "ProjectedEntries":
+        num_rows, width = ids.shape
+        flat_ids = torch.where(valid, ids, torch.zeros_like(ids)).reshape(-1)
+        starts = shard.indptr[flat_ids]
+        counts = torch.where(valid.reshape(-1), shard.indptr[flat_ids + 1] - starts, torch.zeros_like(starts))
+        slot = torch.repeat_interleave(torch.arange(counts.numel(), device=ids.device), counts)  # one host sync
+        first = counts.cumsum(0) - counts
+        position = starts[slot] + torch.arange(slot.numel(), device=ids.device) - first[slot]
+        offsets = torch.zeros(num_rows + 1, dtype=torch.int64)
+        offsets[1:] = counts.view(num_rows, width).sum(1).cumsum(0).cpu()
+        return cls(slot, torch.div(slot, width, rounding_mode="floor"), shard.student_index[position],
+                   shard.weight[position].to(dtype), offsets.tolist())
+
+    def logits(self, logits: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+        """``[E]`` tempered student logits of the entries, in ``dtype``."""
+        return logits[self.row, self.column].to(dtype) / temperature
+
+
+def projected_logits(
+    logits: torch.Tensor, entries: ProjectedEntries, num_slots: int, temperature: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[num_slots]`` ``log sum_e W exp(z)`` over this shard's entries of each slot (``-inf`` for none), with the
+    slot's own maximum taken out first so that no term under- or overflows."""
+    z = entries.logits(logits, temperature, dtype)
+    peak = torch.full((num_slots,), float("-inf"), dtype=dtype, device=logits.device)
+    peak.scatter_reduce_(0, entries.slot, z, reduce="amax")
+    total = torch.zeros(num_slots, dtype=dtype, device=logits.device)
+    total.index_add_(0, entries.slot, entries.weight * (z - peak[entries.slot]).exp())
+    return peak + total.log()
+
+
+def combine_projection(
+    local_lse: torch.Tensor, local_projected: torch.Tensor, layout: ShardLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global ``L`` ``[N]`` and projected logits ``y`` ``[N, K]`` from every rank's partial values, in one
+    collective: both are log-sums of ``exp`` over the student vocabulary, split by rows, so they combine by
+    ``logsumexp`` over ranks (a rank without entries holds ``-inf``, which adds exactly nothing)."""
+    stacked = all_gather_rows(torch.cat([local_lse.unsqueeze(-1), local_projected], dim=-1), layout)
+    combined = torch.logsumexp(stacked, dim=0)
+    return combined[:, 0], combined[:, 1:]
+
+
+class _CrossVocabDistill(torch.autograd.Function):
+    """Per-token divergence between the teacher's top-k and the projected student; exact analytic backward."""
+
+    @staticmethod
+    def forward(ctx, logits, teacher, projection, layout, divergence_name, options, temperature):
+        dtype = compute_dtype(logits.dtype)
+        num_rows, width = teacher.ids.shape
+        entries = ProjectedEntries.of(teacher.ids, teacher.valid, projection, dtype)
+        local_projected = projected_logits(logits, entries, num_rows * width, temperature, dtype).view(num_rows, width)
+        local_lse = local_logsumexp(logits[:, : layout.tokens_local], temperature, dtype)
+        student_lse, projected = combine_projection(local_lse, local_projected, layout)
+        compared = teacher.valid & torch.isfinite(projected)
+        inputs = SupportInputs(
+            torch.where(compared, projected, torch.zeros_like(projected)),
+            torch.where(compared, teacher.logprobs, torch.full_like(teacher.logprobs, float("-inf"))),
+            compared,
+            student_lse,
+        )
+        terms = get_divergence(divergence_name).fn(inputs, options)
+        teacher_probs = teacher.logprobs.exp()  # 0 at padding entries
+        zero = torch.zeros_like(teacher_probs)
+        teacher_mass = torch.where(compared, teacher_probs, zero).sum(-1)
+        unmapped = torch.where(teacher.valid & ~compared, teacher_probs, zero).sum(-1)
+        on_support = inputs.student_logits.masked_fill(~compared, float("-inf")).logsumexp(-1)
+        student_mass = (on_support - student_lse).exp()
+        ctx.save_for_backward(logits)
+        ctx.entries, ctx.projected, ctx.student_lse = entries, projected, student_lse
+        ctx.grad_support, ctx.lse_coef = terms.grad_support, terms.lse_coef
+        ctx.temperature, ctx.dtype, ctx.tokens_local = temperature, dtype, layout.tokens_local
+        ctx.mark_non_differentiable(student_mass, teacher_mass, unmapped)
+        return terms.loss, student_mass, teacher_mass, unmapped
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_student_mass, grad_teacher_mass, grad_unmapped):
+        del grad_student_mass, grad_teacher_mass, grad_unmapped
+        (logits,) = ctx.saved_tensors
+        entries, temperature, dtype = ctx.entries, ctx.temperature, ctx.dtype
+        grad_loss = grad_loss.to(dtype)
+        dense_scale = ctx.lse_coef * grad_loss / temperature
+        slot_grad = (ctx.grad_support * grad_loss.unsqueeze(1)).reshape(-1)  # d loss / d y_t, 0 off the support
+        # d y_t / d z_s = W[s, t] exp(z_s - y_t): each entry's share of its slot's projected mass.
+        share = entries.weight * (entries.logits(logits, temperature, dtype) - ctx.projected.reshape(-1)[entries.slot]).exp()
+        values = slot_grad[entries.slot] * share / temperature
+        sparse = SparseGrad(entries.row * logits.shape[1] + entries.column, values, entries.row_offsets)
+        grad = logits_grad(logits, ctx.student_lse, dense_scale, sparse, temperature, dtype, ctx.tokens_local)
+        return grad, None, None, None, None, None, None
+
+
+def check_projection(projection: ProjectionShard, layout: ShardLayout) -> None:
+    """Refuses a map shard that is not this rank's rows of this output layer.
+
+    Raises:
+        ValueError: another rank's rows, another split, or student ids past the real vocabulary.
+    """
+    if (projection.vocab_size_local, projection.vocab_start) != (layout.vocab_size_local, layout.vocab_start):
+        raise ValueError(
+            f"the projection shard holds student rows [{projection.vocab_start}, {projection.vocab_start + projection.vocab_size_local}) "
+            f"but this rank's logits are rows [{layout.vocab_start}, {layout.vocab_start + layout.vocab_size_local}): build it "
+            "with this rank's tp_rank and the output layer's V/tp (shard_projection)"
+        )
+    if projection.student_vocab_size > layout.tokens:
+        raise ValueError(
+            f"the projection maps {projection.student_vocab_size} student tokens but the loss has {layout.tokens} (its "
+            "real_vocab_size): padding rows of the output layer would get mass"
+        )
+
+
+def cross_vocab_distill_loss(
+    student_logits: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    projection: ProjectionShard,
+    *,
+    loss_type: str,
+    tp_group: dist.ProcessGroup | None,
+    temperature: float = 1.0,
+    real_vocab_size: int | None = None,
+    **options: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token divergence between the teacher's top-k (its own vocabulary) and the student projected through ``W``.
+
+    Args:
+        student_logits: ``[N, V_s/tp]`` or ``[s, b, V_s/tp]`` logits (fp32, bf16, fp16 or fp64); rank r of
+            ``tp_group`` holds student ids ``[r V_s/tp, (r+1) V_s/tp)``.
+        teacher_topk_ids: ``[N, K]`` (or ``[s, b, K]``) int64 teacher-vocabulary ids, distinct within a row.
+        teacher_topk_logprobs: same shape, the teacher's full-vocabulary log-probs; ``-inf`` marks padding.
+        projection: this rank's :class:`ProjectionShard` (:func:`shard_projection`; its method picks P-KL or H-KL).
+        loss_type: ``forward_kl``, ``reverse_kl``, ``jsd`` or ``kl_rkl`` (module docstring for the definitions).
+        tp_group: tensor-parallel group; ``None`` means the vocabulary is not split (TP=1).
+        temperature: student probabilities are ``softmax(student_logits / temperature)``.
+        real_vocab_size: student ids at or past it are padding rows (no probability, no gradient).
+        **options: the divergence's options (``beta`` for ``jsd``, ``rkl_ratio`` for ``kl_rkl``).
+
+    Returns:
+        ``(per_token_loss, metrics)``: the loss ``[N]`` (or ``[s, b]``) in fp32 (fp64 for fp64 logits), neither
+        masked nor averaged, and detached per-token metrics: ``student_mass`` (projected student mass on the
+        compared ids), ``teacher_mass`` (teacher mass there) and ``unmapped_teacher_mass`` (teacher mass on ids no
+        student token reaches, left out of the comparison). Rows with nothing to compare have loss 0, gradient 0.
+
+    Raises:
+        ValueError: a loss the method does not allow, unknown options, bad temperature, malformed teacher tensors,
+            or a projection shard that does not belong to this rank's logits.
+    """
+    if loss_type not in CROSS_VOCAB_DIVERGENCES:
+        get_divergence(loss_type)  # an unknown name fails here, naming the registered ones
+        raise ValueError(f"loss_type={loss_type!r} has no cross-tokenizer form (offered: "
+                         f"{', '.join(CROSS_VOCAB_DIVERGENCES)}); tcad's support is the student's own top-k, which "
+                         "the teacher would have to score through the inverse map")
+    for key in ("diagnostics", "token_ids"):
+        if key in options:
+            raise ValueError(f"option {key!r} of vocab_parallel_distill_loss has no cross-tokenizer form yet")
+    divergence_options, _ = split_options(loss_type, options, ())
+    temperature = check_temperature(temperature)
+    vocab_local = student_logits.shape[-1]
+    lead = student_logits.shape[:-1]
+    logits = student_logits.reshape(-1, vocab_local)
+    layout = ShardLayout.of(tp_group, vocab_local, real_vocab_size)
+    loss, metrics = cross_vocab_loss_on_layout(logits, teacher_topk_ids, teacher_topk_logprobs, projection, layout,
+                                               loss_type, divergence_options, temperature)
+    return loss.reshape(lead), {name: value.reshape(lead) for name, value in metrics.items()}
+
+
+def cross_vocab_loss_on_layout(
+    logits: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    projection: ProjectionShard,
+    layout: ShardLayout,
+    loss_type: str,
+    divergence_options: Any,
+    temperature: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`cross_vocab_distill_loss` on ``[N, V_s/tp]`` logits and a given :class:`ShardLayout` (tests build one
+    layout per simulated rank)."""
+    check_projection(projection, layout)
+    teacher: TeacherSupport = prepare_teacher(teacher_topk_ids, teacher_topk_logprobs, logits.shape[0],
+                                              projection.teacher_vocab_size, compute_dtype(logits.dtype))
+    loss, student_mass, teacher_mass, unmapped = _CrossVocabDistill.apply(
+        logits, teacher, projection, layout, loss_type, divergence_options, temperature
+    )
+    return loss, {"student_mass": student_mass, "teacher_mass": teacher_mass, "unmapped_teacher_mass": unmapped}
