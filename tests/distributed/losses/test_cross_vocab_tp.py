@@ -1,0 +1,31 @@
+"""The cross-tokenizer loss at TP=2 (gloo ranks) against the dense float64 reference and against TP=1 (TP=4 is
+simulated in one process in tests/unit/losses/test_cross_vocab.py).
+
+One spawn runs every case x divergence x method (projected, hybrid) x dtype inside the ranks; the
+parent asserts on the collected errors, so a failure names the case, loss, method and dtype. The case
+'preimages_on_every_shard' reaches every teacher id from several shards: it fails if the reduction over TP is
+dropped.
+"""
+
+import pytest
+
+from megatron_gkd.testing import cross_vocab as cases
+from megatron_gkd.testing.distributed import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+TOLERANCE = {"torch.float64": 1e-12, "torch.float32": 1e-5}
+
+
+@pytest.mark.parametrize("tp_size", [2])
+def test_cross_vocab_loss_matches_reference_and_tp1(tp_size):
+    per_rank = run_distributed(cases.check_tp, tp_size)
+    expected_count = len(cases.make_cases()) * len(cases.LOSS_CONFIGS) * 2 * 2
+    for rank, results in enumerate(per_rank):
+        assert len(results) == expected_count
+        failed = [
+            row for row in results
+            if max(row["loss_vs_reference"], row["grad_vs_reference"], row["loss_vs_tp1"], row["grad_vs_tp1"])
+            > TOLERANCE[row["dtype"]] or not row["metrics_finite"]
+        ]
+        assert failed == [], f"rank {rank}: {failed[:3]}"

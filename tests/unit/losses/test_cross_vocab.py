@@ -1,0 +1,213 @@
+"""The cross-tokenizer loss (megatron_gkd.losses.cross_vocab) at TP=1 and at a simulated TP=2: against the dense
+float64 reference, against the same-tokenizer loss when W is the identity, and padding on either side."""
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_gkd.losses import cross_vocab
+from megatron_gkd.losses.cross_vocab import (
+    ProjectedEntries,
+    cross_vocab_distill_loss,
+    cross_vocab_loss_on_layout,
+    projected_logits,
+    shard_projection,
+)
+from megatron_gkd.losses.registry import get_divergence
+from megatron_gkd.losses.shard_ops import ShardLayout, local_logsumexp
+from megatron_gkd.losses.vocab_parallel import prepare_teacher, vocab_parallel_distill_loss
+from megatron_gkd.testing.cross_vocab import (
+    LOSS_CONFIGS,
+    CrossCase,
+    VocabMap,
+    identity_map,
+    make_cases,
+    reference_case,
+    relative,
+    run_case,
+    shard,
+    teacher_topk,
+)
+
+CASES = make_cases()
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+@pytest.mark.parametrize("method", ["projected", "hybrid"])
+@pytest.mark.parametrize("loss_type,options", LOSS_CONFIGS, ids=[name for name, _ in LOSS_CONFIGS])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_every_divergence_matches_the_dense_reference(loss_type, options, method, dtype):
+    for case in CASES:
+        loss, grad, metrics = run_case(case, loss_type, options, dtype, method, 0, 1, None)
+        expected, expected_grad = reference_case(case, loss_type, options, dtype, method)
+        assert relative(loss, expected) <= TOLERANCE[dtype], case.name
+        assert relative(grad, expected_grad) <= TOLERANCE[dtype], case.name
+        assert grad.dtype == dtype and loss.dtype == dtype
+        assert all(bool(torch.isfinite(value).all()) for value in metrics.values()), case.name
+
+
+def _identity_case(generator: torch.Generator, real_vocab_size: int | None) -> CrossCase:
+    vocab, num_rows, k = 40, 12, 6
+    tokens = real_vocab_size or vocab
+    logits = 2.0 * torch.randn(num_rows, vocab, generator=generator, dtype=torch.float64)
+    ids, lp = teacher_topk(num_rows, tokens, k, generator)
+    lp[::4, k // 2:] = float("-inf")  # teacher padding
+    lp[5] = float("-inf")  # a fully padded row
+    return CrossCase("identity", identity_map(tokens), logits, ids, lp,
+                     torch.randn(num_rows, generator=generator, dtype=torch.float64), 0.8, real_vocab_size)
+
+
+@pytest.mark.parametrize("method", ["projected", "hybrid"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("real_vocab_size", [None, 33])
+def test_identity_map_equals_the_same_tokenizer_loss(dtype, method, real_vocab_size):
+    case = _identity_case(torch.Generator().manual_seed(3), real_vocab_size)
+    for loss_type, options in LOSS_CONFIGS:
+        loss, grad, metrics = run_case(case, loss_type, options, dtype, method, 0, 1, None)
+        logits = case.logits.to(dtype, copy=True).requires_grad_()
+        same, same_metrics = vocab_parallel_distill_loss(
+            logits, case.ids, case.logprobs, loss_type=loss_type, tp_group=None, temperature=case.temperature,
+            real_vocab_size=real_vocab_size, **options)
+        (same.double() * case.grad_out).sum().backward()
+        assert (loss - same.detach()).abs().max().item() <= 1e-6 * max(1.0, same.abs().max().item()), loss_type
+        assert (grad - logits.grad).abs().max().item() <= 1e-6 * max(1.0, logits.grad.abs().max().item()), loss_type
+        for name in ("student_mass", "teacher_mass"):
+            assert torch.allclose(metrics[name], same_metrics[name], rtol=1e-6, atol=1e-12), name
+        assert metrics["unmapped_teacher_mass"].abs().max().item() == 0.0
+
+
+def test_student_padding_rows_get_no_mass_and_no_gradient():
+    case = next(case for case in CASES if case.real_vocab_size is not None)
+    real = case.real_vocab_size
+    for loss_type, options in LOSS_CONFIGS:
+        loss, grad, _ = run_case(case, loss_type, options, torch.float64, "projected", 0, 1, None)
+        assert grad[:, real:].abs().max().item() == 0.0, loss_type
+        assert grad[:, :real].abs().max().item() > 0.0, loss_type
+        moved = CrossCase(**{**case.__dict__, "logits": case.logits.clone()})
+        moved.logits[:, real:] = -3.0 * moved.logits[:, real:] + 40.0  # anything on the padding rows
+        moved_loss, _, _ = run_case(moved, loss_type, options, torch.float64, "projected", 0, 1, None)
+        assert torch.equal(loss, moved_loss), loss_type
+
+
+def test_teacher_padding_entries_are_ignored_whatever_their_id():
+    case = next(case for case in CASES if case.name == "teacher_padding")
+    padding = ~torch.isfinite(case.logprobs)
+    assert padding.any() and padding.all(-1).any()
+    other_ids = case.ids.clone()
+    other_ids[padding] = torch.tensor([0, 39, -7, 10**6]).repeat(padding.sum().item() // 4 + 1)[: padding.sum()]
+    moved = CrossCase(**{**case.__dict__, "ids": other_ids})
+    for loss_type, options in LOSS_CONFIGS:
+        loss, grad, _ = run_case(case, loss_type, options, torch.float64, "projected", 0, 1, None)
+        moved_loss, moved_grad, _ = run_case(moved, loss_type, options, torch.float64, "projected", 0, 1, None)
+        assert torch.equal(loss, moved_loss) and torch.equal(grad, moved_grad), loss_type
+        fully_padded = padding.all(-1)
+        assert loss[fully_padded].abs().max().item() == 0.0
+        assert grad[fully_padded].abs().max().item() == 0.0
+
+
+def test_teacher_ids_without_a_student_preimage_leave_the_compared_support():
+    case = next(case for case in CASES if case.name == "unreachable_teacher_ids")
+    reached = case.vocab_map.dense().sum(0) > 0
+    unreached = ~reached[case.ids]
+    assert unreached.any()
+    for loss_type, options in LOSS_CONFIGS:
+        _, _, metrics = run_case(case, loss_type, options, torch.float64, "projected", 0, 1, None)
+        probs = case.logprobs.double().exp()
+        assert torch.allclose(metrics["unmapped_teacher_mass"], (probs * unreached).sum(-1), rtol=1e-6)
+        assert torch.allclose(metrics["teacher_mass"], (probs * ~unreached).sum(-1), rtol=1e-6)
+
+
+def test_hybrid_compares_an_exact_match_with_that_student_token_alone():
+    # Student tokens: 0 = "a" (exact -> teacher 0), 1 = "ab" -> half "a" + half "b" (teacher 0, 1), 2 = "b" (1:1,
+    # not exact), 3 unmapped.
+    vmap = VocabMap(np.array([0, 1, 1, 2]), np.array([0, 0, 1, 1]), np.array([1.0, 0.5, 0.5, 1.0], dtype=np.float32),
+                    4, 2, np.array([True, False, False, False]))
+    logits = torch.tensor([[0.3, -0.2, 1.1, 0.4]], dtype=torch.float64)
+    p = torch.softmax(logits, -1)[0]
+    ids, lp = torch.tensor([[0]]), torch.tensor([[-0.1]])
+    expected = {"projected": p[0] + 0.5 * p[1], "hybrid": p[0]}
+    for method, q0 in expected.items():
+        projection = vmap.shard(0, 1, 4, method)
+        _, metrics = cross_vocab_distill_loss(logits, ids, lp, projection, loss_type="forward_kl", tp_group=None)
+        assert metrics["student_mass"].item() == pytest.approx(q0.item(), rel=1e-14), method
+    both = torch.tensor([[0, 1]]), torch.tensor([[-0.1, -2.5]])
+    projection = vmap.shard(0, 1, 4, "hybrid")
+    _, metrics = cross_vocab_distill_loss(logits, *both, projection, loss_type="forward_kl", tp_group=None)
+    assert metrics["student_mass"].item() == pytest.approx((p[0] + 0.5 * p[1] + p[2]).item(), rel=1e-14)
+
+
+def _simulated_tp(case: CrossCase, loss_type: str, options: dict, tp_size: int, monkeypatch):
+    """Every simulated rank's loss and gradient shard in this process: the all-gather returns each rank's
+    partial [N, 1+K] values, computed by the module's own functions on that rank's shard."""
+    vocab_local = case.logits.shape[1] // tp_size
+    layouts = [ShardLayout(None, tp_size, rank, vocab_local, case.real_vocab_size) for rank in range(tp_size)]
+    projections = [case.vocab_map.shard(rank, tp_size, vocab_local) for rank in range(tp_size)]
+    teacher = prepare_teacher(case.ids, case.logprobs, case.logits.shape[0], case.vocab_map.teacher_vocab_size,
+                              torch.float64)
+
+    def partials(rank: int) -> torch.Tensor:
+        logits = shard(case.logits, rank, tp_size)
+        entries = ProjectedEntries.of(teacher.ids, teacher.valid, projections[rank], torch.float64)
+        local = projected_logits(logits, entries, teacher.ids.numel(), case.temperature, torch.float64)
+        lse = local_logsumexp(logits[:, : layouts[rank].tokens_local], case.temperature, torch.float64)
+        return torch.cat([lse.unsqueeze(1), local.view(teacher.ids.shape)], dim=1)
+
+    def gather(tensor: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
+        pieces = [partials(rank) for rank in range(tp_size)]
+        assert torch.equal(pieces[layout.tp_rank], tensor)
+        return torch.stack(pieces)
+
+    monkeypatch.setattr(cross_vocab, "all_gather_rows", gather)
+    losses, grads = [], []
+    divergence_options = get_divergence(loss_type).build_options(options)
+    for rank in range(tp_size):
+        logits = shard(case.logits, rank, tp_size).requires_grad_()
+        loss, _ = cross_vocab_loss_on_layout(logits, case.ids, case.logprobs, projections[rank], layouts[rank],
+                                             loss_type, divergence_options, case.temperature)
+        (loss * case.grad_out).sum().backward()
+        losses.append(loss.detach())
+        grads.append(logits.grad)
+    return losses, torch.cat(grads, dim=1)
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_simulated_tensor_parallel_shards_combine_to_the_reference(tp_size, monkeypatch):
+    """Fails when the projection's reduction over TP is dropped: in the 'preimages_on_every_shard' case every
+    teacher id is reached from more than one shard."""
+    for case in (c for c in CASES if c.name in ("preimages_on_every_shard", "random_map", "student_padding_rows")):
+        for loss_type, options in LOSS_CONFIGS:
+            losses, grad = _simulated_tp(case, loss_type, options, tp_size, monkeypatch)
+            expected, expected_grad = reference_case(case, loss_type, options, torch.float64, "projected")
+            for loss in losses:
+                assert relative(loss, expected) <= 1e-12, (case.name, loss_type)
+            assert relative(grad, expected_grad) <= 1e-12, (case.name, loss_type)
+
+
+def test_refusals_name_the_problem():
+    case = CASES[0]
+    projection = case.vocab_map.shard(0, 1, 48)
+    args = (case.logits, case.ids, case.logprobs, projection)
+    with pytest.raises(ValueError, match="tcad"):
+        cross_vocab_distill_loss(*args, loss_type="tcad", tp_group=None)
+    with pytest.raises(ValueError, match="forward_kl"):
+        cross_vocab_distill_loss(*args, loss_type="forward_kll", tp_group=None)
+    with pytest.raises(ValueError, match="token_ids"):
+        cross_vocab_distill_loss(*args, loss_type="forward_kl", tp_group=None, token_ids=case.ids[:, 0])
+    with pytest.raises(ValueError, match="rows \\[24, 48\\)"):
+        cross_vocab_distill_loss(case.logits[:, :24], case.ids, case.logprobs, case.vocab_map.shard(1, 2, 24),
+                                 loss_type="forward_kl", tp_group=None)
+    with pytest.raises(ValueError, match="real_vocab_size"):
+        cross_vocab_distill_loss(*args, loss_type="forward_kl", tp_group=None, real_vocab_size=40)
+    with pytest.raises(ValueError, match="teacher_topk_ids"):
+        cross_vocab_distill_loss(case.logits, case.ids + 40, case.logprobs, projection, loss_type="forward_kl",
+                                 tp_group=None)
+    vmap = case.vocab_map
+    common = dict(student_vocab_size=48, teacher_vocab_size=40, tp_rank=0, tp_size=1, vocab_size_local=48)
+    with pytest.raises(ValueError, match="sum to"):
+        shard_projection(vmap.student_ids, vmap.teacher_ids, vmap.weights * 0.5, exact=vmap.exact, **common)
+    with pytest.raises(ValueError, match="marked exact"):
+        shard_projection(vmap.student_ids, vmap.teacher_ids, vmap.weights, exact=np.ones(48, dtype=bool), **common)
+    with pytest.raises(ValueError, match="student_ids must lie"):
+        shard_projection(vmap.student_ids + 1, vmap.teacher_ids, vmap.weights, exact=vmap.exact, **common)
+    with pytest.raises(ValueError, match="method"):
+        shard_projection(vmap.student_ids, vmap.teacher_ids, vmap.weights, exact=vmap.exact, method="gold", **common)
