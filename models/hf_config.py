@@ -13,7 +13,12 @@ import os
 
 import torch
 
-_MISSING = object()
+from megatron_gkd.planning.model import config_value, gqa_head_dim, read_config
+
+# One reader of the config file and of the keys' spellings for both: the planner's, which has no torch import
+# (dry runs plan on a laptop).
+get = config_value
+head_dim = gqa_head_dim
 
 
 def read_hf_config(path: str | os.PathLike) -> dict:
@@ -22,9 +27,6 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     Raises:
         FileNotFoundError: there is no ``config.json``.
     """
-    # One reader for both: the planner's has no torch import, so dry runs can use it on a laptop.
-    from megatron_gkd.planning.model import read_config
-
     return read_config(path)
 
 
@@ -34,25 +36,6 @@ def architecture_name(hf_config: dict) -> str:
     if not names:
         raise ValueError("the HF config has no 'architectures' entry; add e.g. \"architectures\": [\"LlamaForCausalLM\"]")
     return names[0]
-
-
-def get(hf_config: dict, *keys: str, default=_MISSING):
-    """The first of ``keys`` present in the config (spellings differ across versions).
-
-    Raises:
-        ValueError: none is present and no default was given.
-    """
-    for key in keys:
-        if hf_config.get(key) is not None:
-            return hf_config[key]
-    if default is _MISSING:
-        raise ValueError(f"the HF config lacks {' / '.join(keys)}")
-    return default
-
-
-def head_dim(hf_config: dict) -> int:
-    """Attention head size: explicit ``head_dim`` (Qwen3) or hidden size / heads."""
-    return get(hf_config, "head_dim", default=None) or hf_config["hidden_size"] // hf_config["num_attention_heads"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,11 +8,11 @@ as Slurm clusters have).
 from __future__ import annotations
 
 import dataclasses
-import json
 import shlex
 import sys
 
 from megatron_gkd.launcher.nodes import Allocation, Node
+from megatron_gkd.teacher.replicas import backend_arg_flags
 
 TRAINER_CLI = "megatron_gkd.trainer.cli"
 """The trainer's command line (``launch/pretrain_gkd.py`` calls it), run with ``python -m`` / ``torchrun -m``."""
@@ -73,14 +73,6 @@ def torchrun(allocation: Allocation, module: str, args: list[str], *, port: int,
 def trainer_args(config_path: str | None, overrides: list[str]) -> list[str]:
     """The trainer's arguments: the config and the dotted overrides, unchanged."""
     return ([f"--config={config_path}"] if config_path else []) + list(overrides)
-
-
-def backend_arg_flags(backend_args: dict) -> list[str]:
-    """``--backend-arg key=value`` pairs as the teacher service parses them (JSON values)."""
-    flags = []
-    for key, value in backend_args.items():
-        flags += ["--backend-arg", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
-    return flags
 
 
 def teacher_serve_args(*, frontend: str, backend: str, model: str, backend_args: dict, secret_file: str) -> list[str]:

@@ -14,6 +14,7 @@ from megatron_gkd.launcher import commands, memory
 from megatron_gkd.launcher.commands import Step
 from megatron_gkd.launcher.nodes import Allocation
 from megatron_gkd.launcher.teacher import TeacherDeployment, plan_teacher
+from megatron_gkd.teacher.replicas import backend_arg_flags
 
 ROLES = ("student", "teacher", "combined")
 
@@ -120,7 +121,7 @@ def build_plan(options: JobOptions, config, allocation: Allocation) -> JobPlan:
                                rdzv_port=options.teacher_rdzv_port, timeout_s=options.health_timeout_s)
         text = [f"{teacher.backend} backend serving {teacher.model} on {teacher_allocation.describe()}",
                 f"address {teacher.address}, shared secret in {options.secret_file} (written at start, mode 600)",
-                "backend options: " + " ".join(commands.backend_arg_flags(teacher.backend_args)[1::2])]
+                "backend options: " + " ".join(backend_arg_flags(teacher.backend_args)[1::2])]
         sections.append(("teacher service", "\n".join(text + teacher.notes)))
         if options.role == "combined":
             student_overrides += ["teacher.serve.model=null", f"teacher.address={teacher.address}",

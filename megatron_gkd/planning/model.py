@@ -104,11 +104,29 @@ def read_config(path: str | os.PathLike) -> dict:
         return json.load(handle)
 
 
-def _first(hf: dict, *keys: str, default=None):
+_MISSING = object()
+
+
+def config_value(hf: dict, *keys: str, default=_MISSING):
+    """The first of ``keys`` present (not None) in the config dict: releases of ``transformers`` spell some
+    keys differently (``num_experts`` / ``num_local_experts``). The planner and ``megatron_gkd.models`` both
+    read them through this one function.
+
+    Raises:
+        ValueError: none is present and no default was given.
+    """
     for key in keys:
         if hf.get(key) is not None:
             return hf[key]
+    if default is _MISSING:
+        raise ValueError(f"the HF config lacks {' / '.join(keys)}")
     return default
+
+
+def gqa_head_dim(hf: dict) -> int:
+    """Attention head size of a (grouped-query) attention config: explicit ``head_dim`` (Qwen3) or hidden size /
+    heads."""
+    return config_value(hf, "head_dim", default=None) or hf["hidden_size"] // hf["num_attention_heads"]
 
 
 def _required(hf: dict, key: str):
@@ -179,19 +197,18 @@ def model_shape(hf: dict) -> ModelShape:
             router_expert_bias=bool(experts),
             num_mtp_layers=hf.get("num_nextn_predict_layers") or 0,
         )
-    head_dim = hf.get("head_dim") or common["hidden_size"] // heads
     moe = arch == "Qwen3MoeForCausalLM"
     return ModelShape(
         **common,
         attention="gqa",
-        num_key_value_heads=_first(hf, "num_key_value_heads", default=heads),
-        head_dim=head_dim,
+        num_key_value_heads=config_value(hf, "num_key_value_heads", default=heads),
+        head_dim=gqa_head_dim(hf),
         # Qwen2 always carries q/k/v biases; Llama and Qwen3 only with attention_bias (rejected by
         # megatron_gkd.models, counted here so that such configs still plan).
         qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias")),
         qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         moe_layers=_qwen3_moe_layers(hf) if moe else (False,) * layers,
-        num_experts=_first(hf, "num_experts", "num_local_experts", default=0) if moe else 0,
+        num_experts=config_value(hf, "num_experts", "num_local_experts", default=0) if moe else 0,
         moe_router_topk=(hf.get("num_experts_per_tok") or 0) if moe else 0,
         moe_ffn_hidden_size=(hf.get("moe_intermediate_size") or 0) if moe else 0,
     )

@@ -1,7 +1,8 @@
-"""Teacher replicas: N worker processes behind one proxy (``teacher_server.py serve --num-workers N``).
+"""Teacher replicas: N worker processes behind one proxy (``serve --num-workers N`` of the teacher's command
+line, :data:`TEACHER_CLI`).
 
-Each replica is its own process (``teacher_server.py worker``), not a thread of the serving process:
-a replica that crashes (a segfault, the OOM killer, a CUDA error that poisons its context) takes only
+Each replica is its own process (``python -m megatron_gkd.teacher.cli worker``), not a thread of the serving
+process: a replica that crashes (a segfault, the OOM killer, a CUDA error that poisons its context) takes only
 itself down, and one that is slow in Python code (decoding, encoding a large result) holds only its
 own interpreter lock. The proxy gives each registered worker one request at a time from its queue, so
 the others keep taking requests, and reports a dead worker's in-flight request to its client, which
@@ -11,6 +12,7 @@ anyway.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -26,6 +28,15 @@ _POLL_S = 0.2
 
 TEACHER_CLI = "megatron_gkd.teacher.cli"
 """The teacher service's command line, run with ``python -m`` (``launch/teacher_server.py`` calls it)."""
+
+
+def backend_arg_flags(backend_args: dict) -> list[str]:
+    """``backend_args`` as :data:`TEACHER_CLI`'s ``--backend-arg key=value`` flags: strings as they are, other
+    values as JSON (the command line parses a value as JSON when it parses, else keeps the string)."""
+    flags = []
+    for key, value in backend_args.items():
+        flags += ["--backend-arg", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+    return flags
 
 
 class WorkerProcesses:

@@ -4,12 +4,11 @@ directory, stopped at exit and when the trainer dies)."""
 
 from __future__ import annotations
 
-import json
 import secrets
 import sys
 
 from megatron_gkd.child_process import ServiceProcess
-from megatron_gkd.teacher.replicas import TEACHER_CLI
+from megatron_gkd.teacher.replicas import TEACHER_CLI, backend_arg_flags
 
 
 class TeacherService(ServiceProcess):
@@ -26,8 +25,7 @@ class TeacherService(ServiceProcess):
         self.secret = secret or secrets.token_hex(32)
         args = [sys.executable, "-m", TEACHER_CLI, "serve", "--exit-with-parent", "--frontend", "tcp://127.0.0.1:0",
                 "--backend", serve.backend, "--model", str(serve.model)]
-        for key, value in serve.backend_args.items():
-            args += ["--backend-arg", f"{key}={value if isinstance(value, str) else json.dumps(value)}"]
+        args += backend_arg_flags(serve.backend_args)
         if serve.delay_s:
             args += ["--delay-s", str(serve.delay_s)]
         if serve.num_workers > 1:
