@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from megatron_gkd import platform
 from megatron_gkd.parallel import ParallelState
-from megatron_gkd.trainer import checkpoint_dirs
+from megatron_gkd.trainer import checkpoint_dirs, run_dir
 
 logger = logging.getLogger(__name__)
 
@@ -481,7 +481,7 @@ class RunCheckpoints:
         self.config, self.student, self.state, self.timers = config, student, parallel_state, timers
         self.section = config.checkpoint
         self.out = Path(out)
-        self.root = self.out / "checkpoints"
+        self.root = run_dir.checkpoints(self.out)
 
     def resume(self) -> tuple[int, dict, int] | None:
         """Loads the checkpoint ``checkpoint.resume`` names (``auto``: the run's newest, if any) in place; returns
@@ -532,5 +532,5 @@ class RunCheckpoints:
 
         dtype = self.section.hf_dtype
         with self.timers("hf_export"):
-            save_hf(self.student.chunks, self.out / "hf" / f"step_{step}", dtype=dtype and getattr(torch, dtype),
+            save_hf(self.student.chunks, run_dir.hf_export(self.out, step), dtype=dtype and getattr(torch, dtype),
                     tokenizer_source=self.config.student.tokenizer_path)

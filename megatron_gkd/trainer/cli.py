@@ -16,6 +16,8 @@ import json
 import os
 import sys
 
+from megatron_gkd.trainer import run_dir
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, overrides)
         check_registered_names(config)
         if args.resume:
-            config.checkpoint.resume = os.path.join(config.trainer.output_dir, "checkpoints")
+            config.checkpoint.resume = str(run_dir.checkpoints(config.trainer.output_dir))
     except ValueError as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     setup_logging(config.logging.level, all_ranks=config.logging.all_ranks,
-                  log_file=os.path.join(config.trainer.output_dir, "train.log"))
+                  log_file=str(run_dir.train_log(config.trainer.output_dir)))
     from megatron_gkd import platform
 
     platform.setup(mindspeed=config.mindspeed)  # MindSpeed (npu) reads its options as it is imported

@@ -347,7 +347,7 @@ class BatchFlow:
         dist.all_reduce(counts, group=self.control)
         metrics = {}
         for index, name in enumerate(names):
-            prefix = f"teacher/{name}/" if self.teachers.several else "teacher/"
+            prefix = f"teacher{self.teachers.suffix(name)}/"
             metrics.update({f"{prefix}latency_s": float(latency[index]), f"{prefix}tokens_scored": float(counts[index, 0]),
                             f"{prefix}retries": float(counts[index, 1])})
         if self.teachers.several:

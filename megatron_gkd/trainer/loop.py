@@ -8,7 +8,6 @@ decides how far batch production runs ahead of the update that trains it.
 from __future__ import annotations
 
 import logging
-import pathlib
 import time
 
 import torch
@@ -20,6 +19,7 @@ from megatron_gkd.config.schema import MODES
 from megatron_gkd.data import PromptSampler, load_prompts, load_tokenizer
 from megatron_gkd.parallel.comm import all_gather_msgpack, broadcast_msgpack
 from megatron_gkd.trainer import metrics as run_metrics
+from megatron_gkd.trainer import run_dir
 from megatron_gkd.trainer.checkpointing import RunCheckpoints
 from megatron_gkd.trainer.components import build_rollout, build_student, build_teacher_head, stop_token_ids, teacher_check
 from megatron_gkd.trainer.eval import Evaluator, TeacherKL
@@ -39,7 +39,7 @@ class Trainer:
 
     def __init__(self, config: GKDConfig):
         self.config = config
-        self.out = pathlib.Path(config.trainer.output_dir)
+        self.out = run_dir.root(config)
         self.timers = Timers()
         self.step = 0
         self.tokens_trained = 0  # response tokens of the trained batches (trainer.token_budget)
@@ -107,7 +107,7 @@ class Trainer:
         self._metrics_rank = int(last)  # a last-stage rank: it holds the step's loss statistics
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(to_yaml(config))
+            run_dir.config_file(self.out).write_text(to_yaml(config))
         logger.info("run directory %s: %d ranks, data parallel %d, %d prompts (%d samples) per step", self.out,
                     self.world_size, self.layout["data_parallel_size"], self.layout["prompts_per_step"],
                     config.trainer.global_batch_size)

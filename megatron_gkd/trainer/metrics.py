@@ -18,6 +18,7 @@ import time
 from typing import Iterator
 
 from megatron_gkd import platform
+from megatron_gkd.trainer import run_dir
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class MetricsWriter:
     """
 
     def __init__(self, output_dir: str | pathlib.Path, config, *, resume_step: int = 0, run_config: dict | None = None):
-        self.path = pathlib.Path(output_dir) / "metrics.jsonl"
+        self.path = run_dir.metrics_file(output_dir)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(resume_step)
         self._carried: dict = {}
@@ -70,7 +71,7 @@ class MetricsWriter:
         if config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tensorboard = SummaryWriter(str(pathlib.Path(output_dir) / "tensorboard"),
+            self._tensorboard = SummaryWriter(str(run_dir.tensorboard_dir(output_dir)),
                                               purge_step=resume_step + 1 if resume_step else None)
         if config.wandb:
             try:
@@ -219,10 +220,15 @@ def batch_metrics(rollout, phases: dict[str, float], *, step: int, tokens_traine
     for phase in ("rollout", "train"):
         if phases.get(phase):
             metrics[f"throughput/{phase}_tokens_per_s"] = tokens / phases[phase]
-    metrics["memory/rss_gb"] = rss_gib()
+    metrics["memory/rss_gib"] = rss_gib()
     if platform.max_memory_allocated():
-        metrics["memory/device_max_allocated_gb"] = platform.max_memory_allocated() / 2**30
+        metrics["memory/device_max_allocated_gib"] = platform.max_memory_allocated() / 2**30
     return metrics
+
+
+def teacher_suffix(name: str, several: bool) -> str:
+    """What a per-teacher statistic or metric name ends with: ``/NAME`` with several teachers, nothing with one."""
+    return f"/{name}" if several else ""
 
 
 _PER_TOKEN = ("teacher_mass", "student_mass", "topk_overlap", "teacher_entropy", "student_entropy", "top1_agreement")
@@ -232,7 +238,7 @@ def loss_metrics(stats: dict, teacher_names: list[str] | None = None) -> dict:
     """``train/*`` from a step's summed loss statistics (``teacher_names``: with several teachers, each one's
     statistics as ``KEY/NAME``)."""
     metrics = {"train/loss": stats["loss"], "train/num_loss_tokens": stats["tokens"]}
-    for suffix in [f"/{name}" for name in teacher_names] if teacher_names else [""]:
+    for suffix in [teacher_suffix(name, several=True) for name in teacher_names] if teacher_names else [""]:
         tokens = max(stats.get(f"tokens{suffix}", 0.0), 1.0)
         if suffix:
             metrics.update({f"train/loss{suffix}": stats.get(f"loss{suffix}", 0.0),
@@ -301,9 +307,9 @@ def run_summary(*, steps: int, preempted: bool, wall_time_s: float, final_loss, 
     """What :meth:`Trainer.train` returns: steps, wall time, the final loss, the evals before and after, where the
     outputs are, and each rank's peak RSS."""
     summary = {"steps": steps, "preempted": preempted, "wall_time_s": wall_time_s, "final_loss": final_loss,
-               "output_dir": str(out.resolve()), "checkpoints": str((out / "checkpoints").resolve()),
-               "hf_export": str((out / "hf" / f"step_{steps}").resolve()) if hf_export and not preempted else None,
-               "metrics": str((out / "metrics.jsonl").resolve()),
+               "output_dir": str(out.resolve()), "checkpoints": str(run_dir.checkpoints(out).resolve()),
+               "hf_export": str(run_dir.hf_export(out, steps).resolve()) if hf_export and not preempted else None,
+               "metrics": str(run_dir.metrics_file(out).resolve()),
                "peak_rss_gib_per_rank": [round(gib, 3) for gib in peak_rss_per_rank]}
     for key in ("eval/accuracy", "eval/kl_to_teacher"):
         if key in first_eval:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gkd.trainer.batch import MicroBatch
+from megatron_gkd.trainer.metrics import teacher_suffix
 
 
 def _first(specs) -> "LossSpec":
@@ -276,7 +277,7 @@ class StepRunner:
                 sampled = part_stats.pop("token_logprobs", sampled)
                 self._source_stats(stats, microbatch, part_stats.pop("weighted"))
                 contribution = contribution + part
-                suffix = f"/{share.name}" if several else ""
+                suffix = teacher_suffix(share.name, several)
                 stats.update({f"{key}{suffix}": value for key, value in part_stats.items()})
                 if several:
                     stats[f"tokens{suffix}"] = (mask & (share.coefficients.to(device) != 0)).sum().double()

@@ -23,8 +23,7 @@ import torch
 
 from megatron_gkd.config.checks import teacher_configs, teacher_key
 from megatron_gkd.teacher.clients import client_traits
-
-SINGLE = "teacher"  # the name of the one teacher of a `teacher:` section
+from megatron_gkd.trainer.metrics import teacher_suffix
 
 
 @dataclasses.dataclass
@@ -121,7 +120,7 @@ class Teachers:
 
     def suffix(self, name: str) -> str:
         """What a per-teacher metric name ends with (nothing for a single teacher)."""
-        return f"/{name}" if self.several else ""
+        return teacher_suffix(name, self.several)
 
     # ------------------------------------------------------------------------------------ life cycle
     def start_services(self, rank: int, out, control) -> None:
