@@ -185,10 +185,6 @@ class ParallelState:
         return self.groups.tp
 
     @property
-    def pp_group(self) -> dist.ProcessGroup:
-        return self.groups.pp
-
-    @property
     def dp_group(self) -> dist.ProcessGroup:
         return self.groups.dp
 

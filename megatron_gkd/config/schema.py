@@ -4,7 +4,7 @@ Sections that existed before the trainer keep living next to what they configure
 here unchanged: ``parallel`` (:class:`~megatron_gkd.parallel.ParallelConfig`), ``teacher``
 (:class:`~megatron_gkd.teacher.config.TeacherConfig`), ``weight_sync``
 (:class:`~megatron_gkd.weight_sync.WeightSyncConfig`), ``data``
-(:class:`~megatron_gkd.data.DataConfig`), ``optim`` (:class:`~megatron_gkd.trainer.optim.OptimizerConfig`)
+(:class:`~megatron_gkd.data.DataConfig`), ``optim`` (:class:`~megatron_gkd.config.optim.OptimizerConfig`)
 ``mindspeed`` (:class:`~megatron_gkd.platform.npu.MindSpeedConfig`, the MindSpeed options of the ``npu``
 platform) and, inside ``rollout``, the sampling fields of :class:`~megatron_gkd.rollout.SamplingConfig`. Each
 section validates itself in ``__post_init__``; checks that span sections live in

@@ -253,10 +253,6 @@ class TorchDistributedTransport:
         store = dist.PrefixStore(f"weight_sync/{name}", self._store)
         return platform.new_process_group(backend, store, rank, size, timeout, bind_address=self.bind_address)
 
-    @property
-    def is_rollout(self) -> bool:
-        return self.rank in self.rollout_ranks
-
     def connect(self, owners: list[int]) -> None:
         """Builds one group per sending rank (it and the rollout ranks); every member calls it."""
         for owner in owners:
