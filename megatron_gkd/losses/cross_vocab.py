@@ -47,11 +47,11 @@ from megatron_gkd.losses import divergences as _divergences  # noqa: F401 - regi
 from megatron_gkd.losses.registry import SupportInputs, get_divergence
 from megatron_gkd.losses.shard_ops import (
     ShardLayout,
-    SparseGrad,
     all_gather_rows,
     compute_dtype,
     local_logsumexp,
     logits_grad,
+    rows_per_chunk,
 )
 from megatron_gkd.losses.vocab_parallel import TeacherSupport, check_temperature, prepare_teacher, split_options
 
@@ -190,16 +190,15 @@ def shard_projection(
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ProjectedEntries:
-    """The map entries of this shard under each row's teacher ids, in (row, id) order.
+    """The map entries of this shard under each row's teacher ids, in (row, id) order, for a block of rows.
 
-    Entry ``e`` adds ``weight[e] exp(z[row[e], column[e]])`` to slot ``slot[e] = row * K + k``.
+    Entry ``e`` adds ``weight[e] exp(z.flatten()[flat[e]])`` to slot ``slot[e] = row * K + k`` of the block.
     """
 
     slot: torch.Tensor
-    row: torch.Tensor
-    column: torch.Tensor
+    flat: torch.Tensor
     weight: torch.Tensor
-    row_offsets: list[int]  # entries of rows [a, b) are [row_offsets[a], row_offsets[b])
+    row_counts: torch.Tensor  # [rows] entries per row
 
     @classmethod
     def of(cls, ids: torch.Tensor, valid: torch.Tensor, shard: ProjectionShard, dtype: torch.dtype) -> "ProjectedEntries":
@@ -207,17 +206,17 @@ class ProjectedEntries:
         flat_ids = torch.where(valid, ids, torch.zeros_like(ids)).reshape(-1)
         starts = shard.indptr[flat_ids]
         counts = torch.where(valid.reshape(-1), shard.indptr[flat_ids + 1] - starts, torch.zeros_like(starts))
-        slot = torch.repeat_interleave(torch.arange(counts.numel(), device=ids.device), counts)  # one host sync
-        first = counts.cumsum(0) - counts
-        position = starts[slot] + torch.arange(slot.numel(), device=ids.device) - first[slot]
-        offsets = torch.zeros(num_rows + 1, dtype=torch.int64)
-        offsets[1:] = counts.view(num_rows, width).sum(1).cumsum(0).cpu()
-        return cls(slot, torch.div(slot, width, rounding_mode="floor"), shard.student_index[position],
-                   shard.weight[position].to(dtype), offsets.tolist())
+        slots = torch.arange(counts.numel(), device=ids.device)
+        slot = torch.repeat_interleave(slots, counts)  # one host sync
+        position = torch.arange(slot.numel(), device=ids.device) + (starts - counts.cumsum(0) + counts)[slot]
+        row_start = torch.div(slots, width, rounding_mode="floor") * shard.vocab_size_local  # [rows * K], small
+        return cls(slot, row_start[slot] + shard.student_index[position], shard.weight[position].to(dtype),
+                   counts.view(num_rows, width).sum(1))
 
     def logits(self, logits: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-        """``[E]`` tempered student logits of the entries, in ``dtype``."""
-        return logits[self.row, self.column].to(dtype) / temperature
+        """``[E]`` tempered student logits of the entries (``logits``: the block's rows), in ``dtype``."""
+        z = torch.take(logits, self.flat).to(dtype)
+        return z if temperature == 1.0 else z / temperature
 
 
 def projected_logits(
@@ -229,8 +228,82 @@ def projected_logits(
     peak = torch.full((num_slots,), float("-inf"), dtype=dtype, device=logits.device)
     peak.scatter_reduce_(0, entries.slot, z, reduce="amax")
     total = torch.zeros(num_slots, dtype=dtype, device=logits.device)
-    total.index_add_(0, entries.slot, entries.weight * (z - peak[entries.slot]).exp())
+    total.index_add_(0, entries.slot, (z - peak[entries.slot]).exp_().mul_(entries.weight))
     return peak + total.log()
+
+
+# What one map entry costs while a block is live (its slot, row, column and gather position in int64, its weight,
+# logit, share and gradient value): blocks hold at most one [c, V/tp] fp32 chunk's bytes of entries.
+_BYTES_PER_ENTRY = 64
+
+
+def entry_blocks(ids: torch.Tensor, valid: torch.Tensor, shard: ProjectionShard) -> list[tuple[int, int]]:
+    """Row ranges ``[a, b)`` whose map entries fit the scratch budget of one ``[c, V/tp]`` chunk (a row with more
+    entries than that is a block of its own). One host sync."""
+    flat_ids = torch.where(valid, ids, torch.zeros_like(ids))
+    counts = torch.where(valid, shard.indptr[flat_ids + 1] - shard.indptr[flat_ids], torch.zeros_like(flat_ids))
+    cumulative = counts.sum(1).cumsum(0).cpu()
+    budget = max(1, rows_per_chunk(shard.vocab_size_local, ids.device) * shard.vocab_size_local * 4 // _BYTES_PER_ENTRY)
+    blocks, start, num_rows = [], 0, ids.shape[0]
+    while start < num_rows:
+        before = int(cumulative[start - 1]) if start else 0
+        stop = int(torch.searchsorted(cumulative, before + budget, right=True))
+        stop = min(num_rows, max(stop, start + 1))
+        blocks.append((start, stop))
+        start = stop
+    return blocks
+
+
+def local_projection(logits: torch.Tensor, teacher: TeacherSupport, shard: ProjectionShard,
+                     blocks: list[tuple[int, int]], temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    """``[N, K]`` this shard's ``log sum_s W[s, t] exp(z_s)`` at the teacher ids (``-inf`` where it has none), block by
+    block so that the entries of one block at a time exist."""
+    out = torch.empty(teacher.ids.shape, dtype=dtype, device=logits.device)
+    width = teacher.ids.shape[1]
+    for start, stop in blocks:
+        entries = ProjectedEntries.of(teacher.ids[start:stop], teacher.valid[start:stop], shard, dtype)
+        out[start:stop] = projected_logits(logits[start:stop], entries, (stop - start) * width, temperature,
+                                           dtype).view(stop - start, width)
+    return out
+
+
+class ProjectionGrad:
+    """The support part of the gradient, ``g_t W[s, t] exp(z_s - y_t) / T`` on each map entry under a compared id,
+    rebuilt block by block as :func:`logits_grad` asks for rows in order (it duck-types :class:`SparseGrad`)."""
+
+    def __init__(self, logits, teacher_ids, compared, projected, slot_grad, shard, blocks, temperature, dtype):
+        self.logits, self.teacher_ids, self.compared = logits, teacher_ids, compared
+        self.projected = projected.reshape(-1)
+        self.slot_grad, self.shard, self.blocks = slot_grad, shard, blocks
+        self.temperature, self.dtype = temperature, dtype
+        self._block: tuple[int, int, torch.Tensor, torch.Tensor, list[int]] | None = None
+
+    def _build(self, index: int) -> None:
+        start, stop = self.blocks[index]
+        width = self.teacher_ids.shape[1]
+        entries = ProjectedEntries.of(self.teacher_ids[start:stop], self.compared[start:stop], self.shard, self.dtype)
+        z = entries.logits(self.logits[start:stop], self.temperature, self.dtype)
+        slot = entries.slot + start * width
+        # d y_t / d z_s = W[s, t] exp(z_s - y_t): each entry's share of its slot's projected mass.
+        values = (z - self.projected[slot]).exp_().mul_(entries.weight).mul_(self.slot_grad[slot])
+        if self.temperature != 1.0:
+            values.div_(self.temperature)
+        offsets = [0] + entries.row_counts.cumsum(0).tolist()
+        self._block = (start, stop, entries.flat, values, offsets)
+
+    def add_to_rows(self, out: torch.Tensor, start: int, stop: int) -> None:
+        """Adds the entries of rows ``[start, stop)`` into ``out`` (those rows, contiguous)."""
+        row = start
+        while row < stop:
+            if self._block is None or not self._block[0] <= row < self._block[1]:
+                self._build(next(i for i, (a, b) in enumerate(self.blocks) if a <= row < b))
+            begin, end, flat_index, values, offsets = self._block
+            last = min(stop, end)
+            first_entry, last_entry = offsets[row - begin], offsets[last - begin]
+            if first_entry < last_entry:
+                flat = flat_index[first_entry:last_entry] - (start - begin) * out.shape[1]
+                out.view(-1).index_add_(0, flat, values[first_entry:last_entry].to(out.dtype))
+            row = last
 
 
 def combine_projection(
@@ -250,9 +323,8 @@ class _CrossVocabDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, teacher, projection, layout, divergence_name, options, temperature):
         dtype = compute_dtype(logits.dtype)
-        num_rows, width = teacher.ids.shape
-        entries = ProjectedEntries.of(teacher.ids, teacher.valid, projection, dtype)
-        local_projected = projected_logits(logits, entries, num_rows * width, temperature, dtype).view(num_rows, width)
+        blocks = entry_blocks(teacher.ids, teacher.valid, projection)
+        local_projected = local_projection(logits, teacher, projection, blocks, temperature, dtype)
         local_lse = local_logsumexp(logits[:, : layout.tokens_local], temperature, dtype)
         student_lse, projected = combine_projection(local_lse, local_projected, layout)
         compared = teacher.valid & torch.isfinite(projected)
@@ -270,8 +342,8 @@ class _CrossVocabDistill(torch.autograd.Function):
         on_support = inputs.student_logits.masked_fill(~compared, float("-inf")).logsumexp(-1)
         student_mass = (on_support - student_lse).exp()
         ctx.save_for_backward(logits)
-        ctx.entries, ctx.projected, ctx.student_lse = entries, projected, student_lse
-        ctx.grad_support, ctx.lse_coef = terms.grad_support, terms.lse_coef
+        ctx.teacher_ids, ctx.compared, ctx.projected, ctx.student_lse = teacher.ids, compared, projected, student_lse
+        ctx.projection, ctx.blocks, ctx.grad_support, ctx.lse_coef = projection, blocks, terms.grad_support, terms.lse_coef
         ctx.temperature, ctx.dtype, ctx.tokens_local = temperature, dtype, layout.tokens_local
         ctx.mark_non_differentiable(student_mass, teacher_mass, unmapped)
         return terms.loss, student_mass, teacher_mass, unmapped
@@ -280,14 +352,12 @@ class _CrossVocabDistill(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_student_mass, grad_teacher_mass, grad_unmapped):
         del grad_student_mass, grad_teacher_mass, grad_unmapped
         (logits,) = ctx.saved_tensors
-        entries, temperature, dtype = ctx.entries, ctx.temperature, ctx.dtype
+        temperature, dtype = ctx.temperature, ctx.dtype
         grad_loss = grad_loss.to(dtype)
         dense_scale = ctx.lse_coef * grad_loss / temperature
         slot_grad = (ctx.grad_support * grad_loss.unsqueeze(1)).reshape(-1)  # d loss / d y_t, 0 off the support
-        # d y_t / d z_s = W[s, t] exp(z_s - y_t): each entry's share of its slot's projected mass.
-        share = entries.weight * (entries.logits(logits, temperature, dtype) - ctx.projected.reshape(-1)[entries.slot]).exp()
-        values = slot_grad[entries.slot] * share / temperature
-        sparse = SparseGrad(entries.row * logits.shape[1] + entries.column, values, entries.row_offsets)
+        sparse = ProjectionGrad(logits, ctx.teacher_ids, ctx.compared, ctx.projected, slot_grad, ctx.projection,
+                                ctx.blocks, temperature, dtype)
         grad = logits_grad(logits, ctx.student_lse, dense_scale, sparse, temperature, dtype, ctx.tokens_local)
         return grad, None, None, None, None, None, None
 

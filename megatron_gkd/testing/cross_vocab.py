@@ -88,7 +88,7 @@ def random_map(student_vocab_size: int, teacher_vocab_size: int, rng: np.random.
         rows = multi_rows[pieces == count]
         if skew > 0:
             ranks = np.floor(teacher_vocab_size * rng.random((rows.size, count)) ** (1.0 + skew)).astype(np.int64)
-            drawn = rng.permutation(teacher_vocab_size)[np.minimum(ranks, teacher_vocab_size - 1)]
+            drawn = np.minimum(ranks, teacher_vocab_size - 1)  # low ids common, as a BPE vocabulary's first merges
         else:
             drawn = rng.integers(0, teacher_vocab_size, (rows.size, count))
         drawn = np.sort(drawn, axis=1)

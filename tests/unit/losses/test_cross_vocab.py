@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gkd.losses import cross_vocab
+from megatron_gkd.losses import cross_vocab, shard_ops
 from megatron_gkd.losses.cross_vocab import (
     ProjectedEntries,
     cross_vocab_distill_loss,
@@ -134,6 +134,23 @@ def test_hybrid_compares_an_exact_match_with_that_student_token_alone():
     projection = vmap.shard(0, 1, 4, "hybrid")
     _, metrics = cross_vocab_distill_loss(logits, *both, projection, loss_type="forward_kl", tp_group=None)
     assert metrics["student_mass"].item() == pytest.approx((p[0] + 0.5 * p[1] + p[2]).item(), rel=1e-14)
+
+
+@pytest.mark.parametrize("bytes_per_entry", [4, 16, 64])
+def test_entry_blocks_smaller_or_larger_than_the_gradient_chunks_give_the_reference(bytes_per_entry, monkeypatch):
+    """The map entries live one block of rows at a time (at most a [c, V/tp] chunk's bytes): with 2-row gradient
+    chunks and blocks of 1 to 8 rows, block edges fall inside and between the chunks."""
+    monkeypatch.setattr(shard_ops, "HOST_CHUNK_ELEMENTS", 2 * 48)
+    monkeypatch.setattr(cross_vocab, "_BYTES_PER_ENTRY", bytes_per_entry)
+    for case in (c for c in CASES if c.name in ("random_map", "teacher_padding", "student_padding_rows")):
+        teacher = prepare_teacher(case.ids, case.logprobs, case.logits.shape[0], 40, torch.float64)
+        blocks = cross_vocab.entry_blocks(teacher.ids, teacher.valid, case.vocab_map.shard(0, 1, 48))
+        assert len(blocks) > 1 and blocks[0][0] == 0 and blocks[-1][1] == case.logits.shape[0]
+        assert all(stop == start for (_, stop), (start, _) in zip(blocks, blocks[1:]))
+        for loss_type, options in LOSS_CONFIGS:
+            loss, grad, _ = run_case(case, loss_type, options, torch.float64, "projected", 0, 1, None)
+            expected, expected_grad = reference_case(case, loss_type, options, torch.float64, "projected")
+            assert relative(loss, expected) <= 1e-12 and relative(grad, expected_grad) <= 1e-12, (case.name, loss_type)
 
 
 def _simulated_tp(case: CrossCase, loss_type: str, options: dict, tp_size: int, monkeypatch):
