@@ -61,7 +61,10 @@ def main() -> None:
         gradient_accumulation_steps=1, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
         max_completion_length=args.max_tokens, temperature=1.0, beta=0.0,  # beta 0: forward KL
         logging_steps=10, save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=0,
-        dataloader_num_workers=0, disable_tqdm=True)
+        dataloader_num_workers=0, disable_tqdm=True,
+        # TRL turns activation checkpointing on by default (memory for a recomputed forward); off is its faster
+        # configuration, and these shapes fit in memory without it.
+        gradient_checkpointing=False)
     timer = StepTimes()
     trainer = DistillationTrainer(model=AutoModelForCausalLM.from_pretrained(args.student),
                                   teacher_model=AutoModelForCausalLM.from_pretrained(args.teacher), args=config,
