@@ -24,14 +24,16 @@ leaves the compared support like a padding entry, and its teacher mass is report
 requested-id scoring through the inverse map.
 
 Layout: rank r of TP holds the map's rows for student ids ``[r V/tp, (r+1) V/tp)``, like the output layer, as a
-CSR over teacher ids (:class:`ProjectionShard`). A rank projects its shard at the teacher ids of each row
+CSR over teacher ids (:class:`~.projection_map.ProjectionShard`, built by
+:func:`~.projection_map.shard_projection`). A rank projects its shard at the teacher ids of each row
 (``y_t`` over its own students, a stable log-sum-exp per (row, id)), and ONE all-gather of ``[N, 1+K]`` combines
 the log-partitions and the partial ``y`` by ``logsumexp`` over ranks. The backward writes the gradient in one pass:
 ``lse_coef softmax(z)`` densely plus, for each map entry under a compared id, ``g_t W[s,t] exp(z_s - y_t)``.
 Besides the same-tokenizer loss it holds only the map entries under the support (``E = sum`` of the ids' fan-in).
 
-Not here yet: the ``hidden`` signal (the full-vocabulary projected comparison) and the fused output layer;
-see docs/performance.md "Cross-tokenizer loss" for their design.
+The fused output layer (``hidden @ W^T`` recomputed in token chunks) is :mod:`.cross_vocab_fused`. Not here yet: the
+``hidden`` signal (the comparison over the whole teacher vocabulary); docs/performance.md "Cross-tokenizer loss" holds
+its design and the figures.
 """
 
 from __future__ import annotations
@@ -39,11 +41,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_gkd.losses import divergences as _divergences  # noqa: F401 - registers the losses
+from megatron_gkd.losses.projection_map import ProjectionShard
 from megatron_gkd.losses.registry import SupportInputs, get_divergence
 from megatron_gkd.losses.shard_ops import (
     ShardLayout,
@@ -56,136 +58,6 @@ from megatron_gkd.losses.shard_ops import (
 from megatron_gkd.losses.vocab_parallel import TeacherSupport, check_temperature, prepare_teacher, split_options
 
 CROSS_VOCAB_DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "kl_rkl")
-PROJECTION_METHODS = ("projected", "hybrid")
-# float32 weights of a row of up to a few entries sum to 1 within a few ulps; more is a map that is not one.
-_ROW_SUM_TOLERANCE = 1e-4
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ProjectionShard:
-    """This rank's rows of ``W`` (student ids ``[vocab_start, vocab_start + vocab_size_local)``), by teacher id.
-
-    Attributes:
-        indptr: ``[V_t + 1]`` int64; the entries of teacher id ``t`` are ``[indptr[t], indptr[t+1])``.
-        student_index: ``[nnz_local]`` int64 column of the student token in this shard.
-        weight: ``[nnz_local]`` float32 ``W[s, t]`` (> 0).
-        method: ``projected`` or ``hybrid`` (the entries already reflect it).
-    """
-
-    student_vocab_size: int
-    teacher_vocab_size: int
-    vocab_start: int
-    vocab_size_local: int
-    indptr: torch.Tensor
-    student_index: torch.Tensor
-    weight: torch.Tensor
-    method: str
-
-    @property
-    def num_entries(self) -> int:
-        return int(self.student_index.numel())
-
-
-def _check_map(student_ids: np.ndarray, teacher_ids: np.ndarray, weights: np.ndarray, student_vocab_size: int,
-               teacher_vocab_size: int, exact: np.ndarray) -> None:
-    if not (student_ids.ndim == teacher_ids.ndim == weights.ndim == 1) or not (
-            student_ids.shape == teacher_ids.shape == weights.shape):
-        raise ValueError(f"student_ids {student_ids.shape}, teacher_ids {teacher_ids.shape} and weights "
-                         f"{weights.shape} must be 1-D arrays of one length (the map's COO entries)")
-    if not (np.issubdtype(student_ids.dtype, np.integer) and np.issubdtype(teacher_ids.dtype, np.integer)):
-        raise ValueError(f"student_ids and teacher_ids must be integer arrays, got {student_ids.dtype}, "
-                         f"{teacher_ids.dtype}")
-    if exact.shape != (student_vocab_size,) or exact.dtype != np.bool_:
-        raise ValueError(f"exact must be a bool array of shape ({student_vocab_size},) (student_vocab_size), got "
-                         f"{exact.dtype} {exact.shape}")
-    if student_ids.size and (student_ids.min() < 0 or student_ids.max() >= student_vocab_size):
-        raise ValueError(f"student_ids must lie in [0, {student_vocab_size}) (student_vocab_size; padding rows of "
-                         f"the output layer map to nothing), got [{student_ids.min()}, {student_ids.max()}]")
-    if teacher_ids.size and (teacher_ids.min() < 0 or teacher_ids.max() >= teacher_vocab_size):
-        raise ValueError(f"teacher_ids must lie in [0, {teacher_vocab_size}) (teacher_vocab_size), got "
-                         f"[{teacher_ids.min()}, {teacher_ids.max()}]")
-    if not np.isfinite(weights).all() or (weights < 0).any():
-        raise ValueError("weights must be finite and >= 0")
-
-
-def shard_projection(
-    student_ids: np.ndarray,
-    teacher_ids: np.ndarray,
-    weights: np.ndarray,
-    *,
-    student_vocab_size: int,
-    teacher_vocab_size: int,
-    exact: np.ndarray,
-    tp_rank: int,
-    tp_size: int,
-    vocab_size_local: int,
-    method: str = "projected",
-    device: torch.device | str = "cpu",
-) -> ProjectionShard:
-    """This TP rank's shard of the map builder's COO ``W`` (the data contract of megatron_gkd/xtok).
-
-    Args:
-        student_ids, teacher_ids, weights: ``[nnz]`` int64, int64, float32 COO entries of ``W``; a mapped
-            student token's row sums to 1, unmapped and padding rows are empty; repeated ``(s, t)`` pairs add up.
-        student_vocab_size, teacher_vocab_size: the two tokenizers' sizes (real vocabularies, no padding rows).
-        exact: ``[student_vocab_size]`` bool, student tokens with an exact single-token teacher match (their
-            row is that one teacher id with weight 1).
-        tp_rank, tp_size, vocab_size_local: the output layer's split (``V_s/tp`` rows on each rank).
-        method: ``projected`` (P-KL) or ``hybrid`` (H-KL: see the module docstring).
-
-    Raises:
-        ValueError: malformed entries, a mapped row that does not sum to 1, an ``exact`` row that is not one
-            entry of weight 1, a vocabulary larger than the output layer, or an unknown method.
-    """
-    if method not in PROJECTION_METHODS:
-        raise ValueError(f"method={method!r} is not one of {', '.join(PROJECTION_METHODS)}")
-    if not 0 <= tp_rank < tp_size or student_vocab_size > tp_size * vocab_size_local:
-        raise ValueError(f"student_vocab_size={student_vocab_size} must fit the output layer's "
-                         f"{tp_size} x {vocab_size_local} rows, and tp_rank={tp_rank} lie in [0, {tp_size})")
-    student_ids, teacher_ids = np.asarray(student_ids), np.asarray(teacher_ids)
-    weights, exact = np.asarray(weights, dtype=np.float32), np.asarray(exact)
-    _check_map(student_ids, teacher_ids, weights, student_vocab_size, teacher_vocab_size, exact)
-    # Coalesce repeated pairs (COO semantics), drop zero weights.
-    key = student_ids.astype(np.int64) * teacher_vocab_size + teacher_ids.astype(np.int64)
-    key, inverse = np.unique(key, return_inverse=True)
-    summed = np.zeros(key.size, dtype=np.float64)
-    np.add.at(summed, inverse, weights.astype(np.float64))
-    keep = summed > 0
-    key, summed = key[keep], summed[keep]
-    rows, cols = key // teacher_vocab_size, key % teacher_vocab_size
-    row_sums = np.bincount(rows, weights=summed, minlength=student_vocab_size)
-    mapped = np.bincount(rows, minlength=student_vocab_size) > 0
-    bad = np.flatnonzero(mapped & (np.abs(row_sums - 1.0) > _ROW_SUM_TOLERANCE))
-    if bad.size:
-        raise ValueError(f"the weights of student token {bad[0]} sum to {row_sums[bad[0]]:.6g}, not 1 "
-                         f"({bad.size} rows like it): a mapped student token must spread exactly its own mass")
-    counts = np.bincount(rows, minlength=student_vocab_size)
-    exact_rows = np.flatnonzero(exact)
-    wrong = exact_rows[(counts[exact_rows] != 1)]
-    if wrong.size:
-        raise ValueError(f"student token {wrong[0]} is marked exact but its row has {counts[wrong[0]]} entries "
-                         "(an exact match is one teacher id with weight 1)")
-    if method == "hybrid" and exact_rows.size:
-        partners = np.zeros(teacher_vocab_size, dtype=bool)
-        partners[cols[np.isin(rows, exact_rows)]] = True
-        keep = ~partners[cols] | exact[rows]
-        rows, cols, summed = rows[keep], cols[keep], summed[keep]
-    start = tp_rank * vocab_size_local
-    local = (rows >= start) & (rows < start + vocab_size_local)
-    rows, cols, summed = rows[local], cols[local], summed[local]
-    order = np.lexsort((rows, cols))  # by teacher id, then student id
-    indptr = np.zeros(teacher_vocab_size + 1, dtype=np.int64)
-    indptr[1:] = np.cumsum(np.bincount(cols, minlength=teacher_vocab_size))
-    return ProjectionShard(
-        student_vocab_size=student_vocab_size,
-        teacher_vocab_size=teacher_vocab_size,
-        vocab_start=start,
-        vocab_size_local=vocab_size_local,
-        indptr=torch.from_numpy(indptr).to(device),
-        student_index=torch.from_numpy(rows[order] - start).to(device),
-        weight=torch.from_numpy(summed[order].astype(np.float32)).to(device),
-        method=method,
-    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -255,15 +127,17 @@ def entry_blocks(ids: torch.Tensor, valid: torch.Tensor, shard: ProjectionShard)
 
 
 def local_projection(logits: torch.Tensor, teacher: TeacherSupport, shard: ProjectionShard,
-                     blocks: list[tuple[int, int]], temperature: float, dtype: torch.dtype) -> torch.Tensor:
+                     blocks: list[tuple[int, int]], temperature: float, dtype: torch.dtype,
+                     out: torch.Tensor | None = None, row_offset: int = 0) -> torch.Tensor:
     """``[N, K]`` this shard's ``log sum_s W[s, t] exp(z_s)`` at the teacher ids (``-inf`` where it has none), block by
-    block so that the entries of one block at a time exist."""
-    out = torch.empty(teacher.ids.shape, dtype=dtype, device=logits.device)
+    block so that the entries of one block at a time exist. ``logits`` may hold only rows ``[row_offset, ...)`` (the
+    fused path's token chunk) when ``blocks`` lie inside them."""
+    out = torch.empty(teacher.ids.shape, dtype=dtype, device=logits.device) if out is None else out
     width = teacher.ids.shape[1]
     for start, stop in blocks:
         entries = ProjectedEntries.of(teacher.ids[start:stop], teacher.valid[start:stop], shard, dtype)
-        out[start:stop] = projected_logits(logits[start:stop], entries, (stop - start) * width, temperature,
-                                           dtype).view(stop - start, width)
+        out[start:stop] = projected_logits(logits[start - row_offset:stop - row_offset], entries,
+                                           (stop - start) * width, temperature, dtype).view(stop - start, width)
     return out
 
 
@@ -277,6 +151,17 @@ class ProjectionGrad:
         self.slot_grad, self.shard, self.blocks = slot_grad, shard, blocks
         self.temperature, self.dtype = temperature, dtype
         self._block: tuple[int, int, torch.Tensor, torch.Tensor, list[int]] | None = None
+        self._index = 0  # rows are asked for in order: the search for a row's block starts at the last one
+
+    def ensure(self, row: int) -> None:
+        """Builds the block that holds ``row`` unless it is the one held (the fused backward calls it before it
+        overwrites the block's logits with their gradient)."""
+        if self._block is None or not self._block[0] <= row < self._block[1]:
+            if row < self.blocks[self._index][0]:
+                self._index = 0
+            while not self.blocks[self._index][0] <= row < self.blocks[self._index][1]:
+                self._index += 1
+            self._build(self._index)
 
     def _build(self, index: int) -> None:
         start, stop = self.blocks[index]
@@ -295,8 +180,7 @@ class ProjectionGrad:
         """Adds the entries of rows ``[start, stop)`` into ``out`` (those rows, contiguous)."""
         row = start
         while row < stop:
-            if self._block is None or not self._block[0] <= row < self._block[1]:
-                self._build(next(i for i, (a, b) in enumerate(self.blocks) if a <= row < b))
+            self.ensure(row)
             begin, end, flat_index, values, offsets = self._block
             last = min(stop, end)
             first_entry, last_entry = offsets[row - begin], offsets[last - begin]
@@ -317,6 +201,62 @@ def combine_projection(
     return combined[:, 0], combined[:, 1:]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProjectedState:
+    """What the backward of either path needs besides the logits (or the tensors that make them)."""
+
+    teacher_ids: torch.Tensor
+    compared: torch.Tensor  # [N, K] valid teacher entries some student token reaches
+    projected: torch.Tensor  # [N, K] global y
+    student_lse: torch.Tensor
+    grad_support: torch.Tensor
+    lse_coef: torch.Tensor
+    blocks: list[tuple[int, int]]
+
+
+def evaluate_projection(
+    student_lse: torch.Tensor, projected: torch.Tensor, teacher: TeacherSupport, blocks: list[tuple[int, int]],
+    divergence_name: str, options: Any,
+) -> tuple[ProjectedState, torch.Tensor, dict[str, torch.Tensor]]:
+    """The divergence of the combined ``L`` and ``y``, shared by the unfused and fused paths.
+
+    Returns:
+        ``(state for the backward, per-token loss, metrics)``.
+    """
+    compared = teacher.valid & torch.isfinite(projected)
+    inputs = SupportInputs(
+        torch.where(compared, projected, torch.zeros_like(projected)),
+        torch.where(compared, teacher.logprobs, torch.full_like(teacher.logprobs, float("-inf"))),
+        compared,
+        student_lse,
+    )
+    terms = get_divergence(divergence_name).fn(inputs, options)
+    teacher_probs = teacher.logprobs.exp()  # 0 at padding entries
+    zero = torch.zeros_like(teacher_probs)
+    on_support = inputs.student_logits.masked_fill(~compared, float("-inf")).logsumexp(-1)
+    metrics = {
+        "student_mass": (on_support - student_lse).exp(),
+        "teacher_mass": torch.where(compared, teacher_probs, zero).sum(-1),
+        "unmapped_teacher_mass": torch.where(teacher.valid & ~compared, teacher_probs, zero).sum(-1),
+    }
+    state = ProjectedState(teacher.ids, compared, projected, student_lse, terms.grad_support, terms.lse_coef, blocks)
+    return state, terms.loss, metrics
+
+
+def projection_grad(state: ProjectedState, grad_loss: torch.Tensor, logits: torch.Tensor, projection: ProjectionShard,
+                    temperature: float, dtype: torch.dtype, rows: slice = slice(None)) -> tuple[torch.Tensor, "ProjectionGrad"]:
+    """The backward's dense per-row scale ``[N]`` and the sparse support part for ``rows`` (whose logits are
+    ``logits``; the fused path passes one token chunk at a time)."""
+    grad_loss = grad_loss.to(dtype)
+    dense_scale = state.lse_coef * grad_loss / temperature
+    slot_grad = state.grad_support[rows] * grad_loss[rows].unsqueeze(1)  # d loss / d y_t, 0 off the support
+    start = rows.start or 0
+    blocks = [(a - start, b - start) for a, b in state.blocks if start <= a and (rows.stop is None or b <= rows.stop)]
+    sparse = ProjectionGrad(logits, state.teacher_ids[rows], state.compared[rows], state.projected[rows],
+                            slot_grad.reshape(-1), projection, blocks, temperature, dtype)
+    return dense_scale, sparse
+
+
 class _CrossVocabDistill(torch.autograd.Function):
     """Per-token divergence between the teacher's top-k and the projected student; exact analytic backward."""
 
@@ -327,38 +267,20 @@ class _CrossVocabDistill(torch.autograd.Function):
         local_projected = local_projection(logits, teacher, projection, blocks, temperature, dtype)
         local_lse = local_logsumexp(logits[:, : layout.tokens_local], temperature, dtype)
         student_lse, projected = combine_projection(local_lse, local_projected, layout)
-        compared = teacher.valid & torch.isfinite(projected)
-        inputs = SupportInputs(
-            torch.where(compared, projected, torch.zeros_like(projected)),
-            torch.where(compared, teacher.logprobs, torch.full_like(teacher.logprobs, float("-inf"))),
-            compared,
-            student_lse,
-        )
-        terms = get_divergence(divergence_name).fn(inputs, options)
-        teacher_probs = teacher.logprobs.exp()  # 0 at padding entries
-        zero = torch.zeros_like(teacher_probs)
-        teacher_mass = torch.where(compared, teacher_probs, zero).sum(-1)
-        unmapped = torch.where(teacher.valid & ~compared, teacher_probs, zero).sum(-1)
-        on_support = inputs.student_logits.masked_fill(~compared, float("-inf")).logsumexp(-1)
-        student_mass = (on_support - student_lse).exp()
+        state, loss, metrics = evaluate_projection(student_lse, projected, teacher, blocks, divergence_name, options)
         ctx.save_for_backward(logits)
-        ctx.teacher_ids, ctx.compared, ctx.projected, ctx.student_lse = teacher.ids, compared, projected, student_lse
-        ctx.projection, ctx.blocks, ctx.grad_support, ctx.lse_coef = projection, blocks, terms.grad_support, terms.lse_coef
-        ctx.temperature, ctx.dtype, ctx.tokens_local = temperature, dtype, layout.tokens_local
-        ctx.mark_non_differentiable(student_mass, teacher_mass, unmapped)
-        return terms.loss, student_mass, teacher_mass, unmapped
+        ctx.state, ctx.projection, ctx.temperature, ctx.dtype = state, projection, temperature, dtype
+        ctx.tokens_local = layout.tokens_local
+        ctx.mark_non_differentiable(*metrics.values())
+        return loss, metrics["student_mass"], metrics["teacher_mass"], metrics["unmapped_teacher_mass"]
 
     @staticmethod
     def backward(ctx, grad_loss, grad_student_mass, grad_teacher_mass, grad_unmapped):
         del grad_student_mass, grad_teacher_mass, grad_unmapped
         (logits,) = ctx.saved_tensors
-        temperature, dtype = ctx.temperature, ctx.dtype
-        grad_loss = grad_loss.to(dtype)
-        dense_scale = ctx.lse_coef * grad_loss / temperature
-        slot_grad = (ctx.grad_support * grad_loss.unsqueeze(1)).reshape(-1)  # d loss / d y_t, 0 off the support
-        sparse = ProjectionGrad(logits, ctx.teacher_ids, ctx.compared, ctx.projected, slot_grad, ctx.projection,
-                                ctx.blocks, temperature, dtype)
-        grad = logits_grad(logits, ctx.student_lse, dense_scale, sparse, temperature, dtype, ctx.tokens_local)
+        dense_scale, sparse = projection_grad(ctx.state, grad_loss, logits, ctx.projection, ctx.temperature, ctx.dtype)
+        grad = logits_grad(logits, ctx.state.student_lse, dense_scale, sparse, ctx.temperature, ctx.dtype,
+                           ctx.tokens_local)
         return grad, None, None, None, None, None, None
 
 
@@ -372,7 +294,7 @@ def check_projection(projection: ProjectionShard, layout: ShardLayout) -> None:
         raise ValueError(
             f"the projection shard holds student rows [{projection.vocab_start}, {projection.vocab_start + projection.vocab_size_local}) "
             f"but this rank's logits are rows [{layout.vocab_start}, {layout.vocab_start + layout.vocab_size_local}): build it "
-            "with this rank's tp_rank and the output layer's V/tp (shard_projection)"
+            "with this rank's tp_rank and the output layer's V/tp (projection_map.shard_projection)"
         )
     if projection.student_vocab_size > layout.tokens:
         raise ValueError(
@@ -400,7 +322,8 @@ def cross_vocab_distill_loss(
             ``tp_group`` holds student ids ``[r V_s/tp, (r+1) V_s/tp)``.
         teacher_topk_ids: ``[N, K]`` (or ``[s, b, K]``) int64 teacher-vocabulary ids, distinct within a row.
         teacher_topk_logprobs: same shape, the teacher's full-vocabulary log-probs; ``-inf`` marks padding.
-        projection: this rank's :class:`ProjectionShard` (:func:`shard_projection`; its method picks P-KL or H-KL).
+        projection: this rank's :class:`ProjectionShard` (:func:`~.projection_map.shard_projection`; its method picks P-KL or
+            H-KL).
         loss_type: ``forward_kl``, ``reverse_kl``, ``jsd`` or ``kl_rkl`` (module docstring for the definitions).
         tp_group: tensor-parallel group; ``None`` means the vocabulary is not split (TP=1).
         temperature: student probabilities are ``softmax(student_logits / temperature)``.

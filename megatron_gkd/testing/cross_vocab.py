@@ -12,7 +12,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_gkd.losses.cross_vocab import cross_vocab_distill_loss, shard_projection
+from megatron_gkd.losses.cross_vocab import cross_vocab_distill_loss
+from megatron_gkd.losses.cross_vocab_fused import fused_cross_vocab_distill_loss
+from megatron_gkd.losses.projection_map import shard_projection
 from megatron_gkd.losses.reference import reference_cross_vocab_loss
 
 LOSS_CONFIGS: list[tuple[str, dict]] = [
@@ -238,5 +240,39 @@ def check_tp(dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)) -
                         "loss_vs_tp1": relative(loss, single_loss),
                         "grad_vs_tp1": relative(grad, shard(single_grad, rank, tp_size)),
                         "metrics_finite": all(bool(torch.isfinite(v).all()) for v in metrics.values()),
+                    })
+    return results
+
+
+def check_fused_tp(dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32), hidden_size: int = 12) -> list[dict]:
+    """Body for ``run_distributed``: the fused output layer + loss at TP = world size (token chunks of 5) against the
+    dense float64 reference of ``hidden @ W^T``, gradients of the hidden states (summed over TP) and the weight rows."""
+    tp_size, rank, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
+    generator = torch.Generator().manual_seed(7)
+    results = []
+    for case in make_cases():
+        vocab = case.logits.shape[-1]
+        hidden = torch.randn(case.logits.shape[0], hidden_size, generator=generator, dtype=torch.float64)
+        weight = torch.randn(vocab, hidden_size, generator=generator, dtype=torch.float64)
+        for loss_type, options in LOSS_CONFIGS:
+            for method in ("projected", "hybrid"):
+                projection = case.vocab_map.shard(rank, tp_size, vocab // tp_size, method)
+                full_h, full_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+                dense = case.vocab_map.dense_hybrid() if method == "hybrid" else case.vocab_map.dense()
+                expected = reference_cross_vocab_loss(full_h @ full_w.t(), dense, case.ids, case.logprobs, loss_type,
+                                                      case.temperature, real_vocab_size=case.real_vocab_size, **options)
+                (expected * case.grad_out).sum().backward()
+                for dtype in dtypes:
+                    h = hidden.to(dtype, copy=True).requires_grad_()
+                    w = shard(weight.t(), rank, tp_size).t().to(dtype, copy=True).requires_grad_()
+                    loss, _ = fused_cross_vocab_distill_loss(
+                        h, w, case.ids, case.logprobs, projection, loss_type=loss_type, tp_group=group,
+                        temperature=case.temperature, real_vocab_size=case.real_vocab_size, chunk_size=5, **options)
+                    (loss.double() * case.grad_out).sum().backward()
+                    results.append({
+                        "case": case.name, "loss_type": loss_type, "method": method, "dtype": str(dtype),
+                        "loss": relative(loss.detach(), expected.detach()),
+                        "grad_hidden": relative(h.grad, full_h.grad),
+                        "grad_weight": relative(w.grad, shard(full_w.grad.t(), rank, tp_size).t()),
                     })
     return results

@@ -1,7 +1,8 @@
 """The cross-tokenizer loss at TP=2 (gloo ranks) against the dense float64 reference and against TP=1 (TP=4 is
 simulated in one process in tests/unit/losses/test_cross_vocab.py).
 
-One spawn runs every case x divergence x method (projected, hybrid) x dtype inside the ranks; the
+One spawn per test runs every case x divergence x method (projected, hybrid) x dtype inside the ranks, unfused and
+fused (hidden @ W^T in token chunks); the
 parent asserts on the collected errors, so a failure names the case, loss, method and dtype. The case
 'preimages_on_every_shard' reaches every teacher id from several shards: it fails if the reduction over TP is
 dropped.
@@ -28,4 +29,14 @@ def test_cross_vocab_loss_matches_reference_and_tp1(tp_size):
             if max(row["loss_vs_reference"], row["grad_vs_reference"], row["loss_vs_tp1"], row["grad_vs_tp1"])
             > TOLERANCE[row["dtype"]] or not row["metrics_finite"]
         ]
+        assert failed == [], f"rank {rank}: {failed[:3]}"
+
+
+@pytest.mark.parametrize("tp_size", [2])
+def test_fused_cross_vocab_loss_matches_reference(tp_size):
+    per_rank = run_distributed(cases.check_fused_tp, tp_size)
+    for rank, results in enumerate(per_rank):
+        assert len(results) == len(cases.make_cases()) * len(cases.LOSS_CONFIGS) * 2 * 2
+        failed = [row for row in results
+                  if max(row["loss"], row["grad_hidden"], row["grad_weight"]) > TOLERANCE[row["dtype"]]]
         assert failed == [], f"rank {rank}: {failed[:3]}"

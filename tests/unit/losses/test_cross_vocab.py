@@ -11,8 +11,9 @@ from megatron_gkd.losses.cross_vocab import (
     cross_vocab_distill_loss,
     cross_vocab_loss_on_layout,
     projected_logits,
-    shard_projection,
 )
+from megatron_gkd.losses.cross_vocab_fused import fused_cross_vocab_distill_loss
+from megatron_gkd.losses.projection_map import shard_projection
 from megatron_gkd.losses.registry import get_divergence
 from megatron_gkd.losses.shard_ops import ShardLayout, local_logsumexp
 from megatron_gkd.losses.vocab_parallel import prepare_teacher, vocab_parallel_distill_loss
@@ -228,3 +229,36 @@ def test_refusals_name_the_problem():
         shard_projection(vmap.student_ids + 1, vmap.teacher_ids, vmap.weights, exact=vmap.exact, **common)
     with pytest.raises(ValueError, match="method"):
         shard_projection(vmap.student_ids, vmap.teacher_ids, vmap.weights, exact=vmap.exact, method="gold", **common)
+
+
+@pytest.mark.parametrize("bytes_per_entry", [4, 64])
+@pytest.mark.parametrize("chunk_size", [5, 1024])
+def test_fused_output_layer_equals_the_unfused_loss(chunk_size, bytes_per_entry, monkeypatch):
+    """hidden @ W^T recomputed in token chunks (5 rows: blocks cut at chunk edges) against the unfused loss of the
+    same logits and autograd through the output layer; fp64 to 1e-12, hidden and weight gradients."""
+    monkeypatch.setattr(shard_ops, "HOST_CHUNK_ELEMENTS", 2 * 48)
+    monkeypatch.setattr(cross_vocab, "_BYTES_PER_ENTRY", bytes_per_entry)
+    generator = torch.Generator().manual_seed(5)
+    for case in (c for c in CASES if c.name in ("random_map", "teacher_padding", "student_padding_rows")):
+        hidden = torch.randn(case.logits.shape[0], 12, generator=generator, dtype=torch.float64)
+        weight = torch.randn(48, 12, generator=generator, dtype=torch.float64)
+        for loss_type, options in LOSS_CONFIGS:
+            for method in ("projected", "hybrid"):
+                projection = case.vocab_map.shard(0, 1, 48, method)
+                common = dict(loss_type=loss_type, tp_group=None, temperature=case.temperature,
+                              real_vocab_size=case.real_vocab_size, **options)
+                h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+                loss, metrics = fused_cross_vocab_distill_loss(h, w, case.ids, case.logprobs, projection,
+                                                               chunk_size=chunk_size, **common)
+                (loss * case.grad_out).sum().backward()
+                h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+                expected, expected_metrics = cross_vocab_distill_loss(h2 @ w2.t(), case.ids, case.logprobs,
+                                                                      projection, **common)
+                (expected * case.grad_out).sum().backward()
+                label = (case.name, loss_type, method)
+                assert relative(loss.detach(), expected.detach()) <= 1e-12, label
+                assert relative(h.grad, h2.grad) <= 1e-12 and relative(w.grad, w2.grad) <= 1e-12, label
+                if case.real_vocab_size is not None:
+                    assert w.grad[case.real_vocab_size:].abs().max().item() == 0.0, label
+                for name, value in metrics.items():
+                    assert torch.allclose(value, expected_metrics[name], rtol=1e-12, atol=0), (label, name)

@@ -1,0 +1,155 @@
+"""Fused output layer + cross-tokenizer loss (:mod:`.cross_vocab`), chunked over tokens: the student's
+``[N, V_s/tp]`` logits never exist, as in :mod:`.fused`.
+
+The forward computes each token chunk's logits ``hidden_c @ W^T``, keeps its local log-partition and the projected
+logits at the teacher ids (the map entries of one block of rows at a time), and drops the chunk; one all-gather then
+combines every rank's partial values. The backward recomputes each chunk's logits and turns them in place into the
+logit gradient, block by block: a block's map entries (and their share of the gradient) are read from the chunk
+before its rows are overwritten.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_gkd.losses.cross_vocab import (
+    CROSS_VOCAB_DIVERGENCES,
+    check_projection,
+    combine_projection,
+    entry_blocks,
+    evaluate_projection,
+    local_projection,
+    projection_grad,
+)
+from megatron_gkd.losses.fused import FusedOptions, check_hidden_and_weight
+from megatron_gkd.losses.projection_map import ProjectionShard
+from megatron_gkd.losses.registry import get_divergence
+from megatron_gkd.losses.shard_ops import (
+    ShardLayout,
+    compute_dtype,
+    local_logsumexp,
+    rows_per_chunk,
+    write_grad_rows,
+    zero_padding_columns,
+)
+from megatron_gkd.losses.vocab_parallel import check_temperature, prepare_teacher, split_options
+
+
+def _split_at_chunks(blocks: list[tuple[int, int]], chunk_size: int) -> list[tuple[int, int]]:
+    """The blocks cut at every token-chunk edge, so that each lies inside one chunk's logits."""
+    out = []
+    for start, stop in blocks:
+        while start < stop:
+            edge = min(stop, (start // chunk_size + 1) * chunk_size)
+            out.append((start, edge))
+            start = edge
+    return out
+
+
+class _FusedCrossVocabDistill(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher, projection, layout, divergence_name, options, fused, temperature):
+        dtype = compute_dtype(hidden.dtype)
+        num_tokens = hidden.shape[0]
+        blocks = _split_at_chunks(entry_blocks(teacher.ids, teacher.valid, projection), fused.chunk_size)
+        local_lse = torch.empty(num_tokens, dtype=dtype, device=hidden.device)
+        local_projected = torch.empty(teacher.ids.shape, dtype=dtype, device=hidden.device)
+        for start in range(0, num_tokens, fused.chunk_size):
+            stop = min(start + fused.chunk_size, num_tokens)
+            logits = hidden[start:stop] @ weight.t()  # [c, V/tp]
+            local_lse[start:stop] = local_logsumexp(logits[:, : layout.tokens_local], temperature, dtype)
+            local_projection(logits, teacher, projection, [b for b in blocks if start <= b[0] < stop], temperature,
+                             dtype, out=local_projected, row_offset=start)
+            del logits
+        student_lse, projected = combine_projection(local_lse, local_projected, layout)
+        state, loss, metrics = evaluate_projection(student_lse, projected, teacher, blocks, divergence_name, options)
+        ctx.save_for_backward(hidden, weight)
+        ctx.state, ctx.projection, ctx.layout, ctx.fused = state, projection, layout, fused
+        ctx.temperature, ctx.dtype = temperature, dtype
+        ctx.mark_non_differentiable(*metrics.values())
+        return loss, metrics["student_mass"], metrics["teacher_mass"], metrics["unmapped_teacher_mass"]
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_student_mass, grad_teacher_mass, grad_unmapped):
+        del grad_student_mass, grad_teacher_mass, grad_unmapped
+        hidden, weight = ctx.saved_tensors
+        state, layout, fused, temperature, dtype = ctx.state, ctx.layout, ctx.fused, ctx.temperature, ctx.dtype
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+        rows_per = rows_per_chunk(weight.shape[0], weight.device)
+        shift = (state.student_lse * temperature).unsqueeze(1)
+        for start in range(0, hidden.shape[0], fused.chunk_size):
+            stop = min(start + fused.chunk_size, hidden.shape[0])
+            logits = hidden[start:stop] @ weight.t()
+            dense_scale, sparse = projection_grad(state, grad_loss, logits, ctx.projection, temperature, dtype,
+                                                  slice(start, stop))
+            dense_scale = dense_scale[start:stop].unsqueeze(1)
+            # fp32/fp64 logits become their own gradient; narrow ones need a compute-dtype copy.
+            grad_logits = logits if logits.dtype == dtype else torch.empty_like(logits, dtype=dtype)
+            for block_start, block_stop in sparse.blocks:  # they partition the chunk's rows
+                sparse.ensure(block_start)  # read the block's logits before its rows become gradient
+                for row in range(block_start, block_stop, rows_per):
+                    row_stop = min(row + rows_per, block_stop)
+                    out = grad_logits[row:row_stop]
+                    write_grad_rows(logits[row:row_stop], shift[start + row:start + row_stop],
+                                    dense_scale[row:row_stop], temperature, out)
+                    zero_padding_columns(out, layout.tokens_local)
+                    sparse.add_to_rows(out, row, row_stop)
+            grad_logits = grad_logits.to(hidden.dtype)
+            torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
+            grad_weight.add_(torch.mm(grad_logits.t(), hidden[start:stop]).to(dtype))
+            del logits, grad_logits
+        if fused.all_reduce_hidden_grad and layout.tp_size > 1:
+            dist.all_reduce(grad_hidden, group=layout.tp_group)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None, None
+
+
+def fused_cross_vocab_distill_loss(
+    hidden: torch.Tensor,
+    output_weight_shard: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    projection: ProjectionShard,
+    *,
+    loss_type: str,
+    tp_group: dist.ProcessGroup | None,
+    temperature: float = 1.0,
+    real_vocab_size: int | None = None,
+    **options: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`~megatron_gkd.losses.cross_vocab.cross_vocab_distill_loss` of ``hidden @ output_weight_shard^T``,
+    chunked over tokens.
+
+    Args:
+        hidden: ``[N, h]`` or ``[s, b, h]`` last hidden states, the same on every rank of ``tp_group``.
+        output_weight_shard: ``[V_s/tp, h]`` this rank's rows of the student's output-layer weight.
+        teacher_topk_ids, teacher_topk_logprobs, projection, loss_type, tp_group, temperature, real_vocab_size: as
+            for :func:`~megatron_gkd.losses.cross_vocab.cross_vocab_distill_loss`.
+        **options: the divergence's options, plus ``chunk_size`` and ``all_reduce_hidden_grad`` of
+            :class:`~megatron_gkd.losses.fused.FusedOptions`.
+
+    Returns:
+        ``(per_token_loss, metrics)`` as the unfused loss; the gradient flows to ``hidden`` and the weight shard.
+    """
+    if loss_type not in CROSS_VOCAB_DIVERGENCES:
+        get_divergence(loss_type)
+        raise ValueError(f"loss_type={loss_type!r} has no cross-tokenizer form (offered: "
+                         f"{', '.join(CROSS_VOCAB_DIVERGENCES)})")
+    divergence_options, own = split_options(loss_type, options, ("chunk_size", "all_reduce_hidden_grad"))
+    fused = FusedOptions(**own)
+    temperature = check_temperature(temperature)
+    check_hidden_and_weight(hidden, output_weight_shard)
+    lead = hidden.shape[:-1]
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    layout = ShardLayout.of(tp_group, output_weight_shard.shape[0], real_vocab_size)
+    check_projection(projection, layout)
+    teacher = prepare_teacher(teacher_topk_ids, teacher_topk_logprobs, flat_hidden.shape[0],
+                              projection.teacher_vocab_size, compute_dtype(hidden.dtype))
+    loss, student_mass, teacher_mass, unmapped = _FusedCrossVocabDistill.apply(
+        flat_hidden, output_weight_shard, teacher, projection, layout, loss_type, divergence_options, fused, temperature
+    )
+    metrics = {"student_mass": student_mass, "teacher_mass": teacher_mass, "unmapped_teacher_mass": unmapped}
+    return loss.reshape(lead), {name: value.reshape(lead) for name, value in metrics.items()}
