@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gkd.losses import divergences as _divergences  # noqa: F401 - registers the losses
-from megatron_gkd.losses.projection_map import ProjectionShard
+from megatron_gkd.losses.projection_map import ProjectionShard, shard_projection
 from megatron_gkd.losses.registry import SupportInputs, get_divergence
 from megatron_gkd.losses.shard_ops import (
     ShardLayout,
@@ -56,6 +56,13 @@ from megatron_gkd.losses.shard_ops import (
     rows_per_chunk,
 )
 from megatron_gkd.losses.vocab_parallel import TeacherSupport, check_temperature, prepare_teacher, split_options
+
+__all__ = [  # shard_projection and ProjectionShard live in projection_map; the map builder finds them here too
+    "CROSS_VOCAB_DIVERGENCES",
+    "ProjectionShard",
+    "cross_vocab_distill_loss",
+    "shard_projection",
+]
 
 CROSS_VOCAB_DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "kl_rkl")
 
