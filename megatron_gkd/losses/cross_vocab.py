@@ -29,7 +29,8 @@ CSR over teacher ids (:class:`~.projection_map.ProjectionShard`, built by
 (``y_t`` over its own students, a stable log-sum-exp per (row, id)), and ONE all-gather of ``[N, 1+K]`` combines
 the log-partitions and the partial ``y`` by ``logsumexp`` over ranks. The backward writes the gradient in one pass:
 ``lse_coef softmax(z)`` densely plus, for each map entry under a compared id, ``g_t W[s,t] exp(z_s - y_t)``.
-Besides the same-tokenizer loss it holds only the map entries under the support (``E = sum`` of the ids' fan-in).
+Besides the same-tokenizer loss it holds the map entries under the support (the ids' fan-in), one block of rows at a
+time, at most one ``[c, V/tp]`` chunk's bytes.
 
 The fused output layer (``hidden @ W^T`` recomputed in token chunks) is :mod:`.cross_vocab_fused`. Not here yet: the
 ``hidden`` signal (the comparison over the whole teacher vocabulary); docs/performance.md "Cross-tokenizer loss" holds

@@ -262,3 +262,13 @@ def test_fused_output_layer_equals_the_unfused_loss(chunk_size, bytes_per_entry,
                     assert w.grad[case.real_vocab_size:].abs().max().item() == 0.0, label
                 for name, value in metrics.items():
                     assert torch.allclose(value, expected_metrics[name], rtol=1e-12, atol=0), (label, name)
+
+
+def test_bf16_logits_get_a_bf16_gradient_close_to_the_reference():
+    for case in (c for c in CASES if c.name in ("random_map", "student_padding_rows")):
+        for loss_type, options in LOSS_CONFIGS:
+            loss, grad, _ = run_case(case, loss_type, options, torch.bfloat16, "projected", 0, 1, None)
+            expected, expected_grad = reference_case(case, loss_type, options, torch.bfloat16, "projected")
+            assert loss.dtype == torch.float32 and grad.dtype == torch.bfloat16
+            assert relative(loss, expected) <= 1e-5, (case.name, loss_type)  # computed in fp32 from bf16 inputs
+            assert relative(grad, expected_grad) <= 2.0**-7, (case.name, loss_type)  # one bf16 rounding
