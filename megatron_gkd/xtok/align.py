@@ -20,10 +20,11 @@ distribution there and the teacher's are distributions over the same event (what
 vocabularies: X-Token's projection ``W`` (:mod:`.projection`) maps ``s`` onto the teacher tokens of its own
 re-tokenisation, and the two are compared there (P-KL; H-KL where an exact match exists). Inside a group the
 later student tokens are predicted from a prefix that ends mid-way through a teacher token: the teacher has no
-distribution conditioned on that prefix (GOLD merges probabilities over the group instead, which needs the
-full distributions of every position of the group; X-Token keeps one comparison per aligned head). So those
-positions are skipped, and :meth:`Alignment.counts` reports how many of each kind there are, which is the share
-the issue asks to measure. ``Alignment.teacher_position`` is the result in one array.
+distribution conditioned on that prefix. GOLD merges the group's probabilities instead (chain rule over the
+group), which needs every position's full distribution on both sides; with a top-k teacher signal and a
+vocab-parallel student that is not available, so this design compares one position per group (the head) and
+skips the others, and :meth:`Alignment.counts` reports how many positions of each kind there are (the share the
+issue asks to measure). ``Alignment.teacher_position`` is the result in one array.
 
 **How spans are found.** From the pieces (:mod:`.tokens`: the bytes each id writes; byte fallback, ``▁``/``Ġ``
 markers and WordPiece ``##`` already undone) when both concatenations equal each other up to one dummy prefix
