@@ -304,10 +304,10 @@ def check_projection(projection: ProjectionShard, layout: ShardLayout) -> None:
             f"but this rank's logits are rows [{layout.vocab_start}, {layout.vocab_start + layout.vocab_size_local}): build it "
             "with this rank's tp_rank and the output layer's V/tp (projection_map.shard_projection)"
         )
-    if projection.student_vocab_size > layout.tokens:
+    if projection.mapped_rows_end > layout.tokens:
         raise ValueError(
-            f"the projection maps {projection.student_vocab_size} student tokens but the loss has {layout.tokens} (its "
-            "real_vocab_size): padding rows of the output layer would get mass"
+            f"the projection maps student id {projection.mapped_rows_end - 1} but the loss has {layout.tokens} tokens "
+            "(its real_vocab_size): padding rows of the output layer would get mass"
         )
 
 

@@ -24,6 +24,8 @@ class ProjectionShard:
         student_index: ``[nnz_local]`` int64 column of the student token in this shard.
         weight: ``[nnz_local]`` float32 ``W[s, t]`` (> 0).
         method: ``projected`` or ``hybrid`` (the entries already reflect it).
+        mapped_rows_end: one past the largest student id with an entry on any rank (the loss refuses a map whose
+            entries reach its padding rows).
     """
 
     student_vocab_size: int
@@ -34,6 +36,7 @@ class ProjectionShard:
     student_index: torch.Tensor
     weight: torch.Tensor
     method: str
+    mapped_rows_end: int
 
     @property
     def num_entries(self) -> int:
@@ -81,7 +84,8 @@ def shard_projection(
     Args:
         student_ids, teacher_ids, weights: ``[nnz]`` int64, int64, float32 COO entries of ``W``; a mapped
             student token's row sums to 1, unmapped and padding rows are empty; repeated ``(s, t)`` pairs add up.
-        student_vocab_size, teacher_vocab_size: the two tokenizers' sizes (real vocabularies, no padding rows).
+        student_vocab_size, teacher_vocab_size: rows of ``W`` and its columns: the tokenizers' sizes, or the output
+            layers' rows with their padding (megatron_gkd/xtok's ProjectionMap); padding rows must be empty.
         exact: ``[student_vocab_size]`` bool, student tokens with an exact single-token teacher match (their
             row is that one teacher id with weight 1).
         tp_rank, tp_size, vocab_size_local: the output layer's split (``V_s/tp`` rows on each rank).
@@ -139,4 +143,5 @@ def shard_projection(
         student_index=torch.from_numpy(rows[order] - start).to(device),
         weight=torch.from_numpy(summed[order].astype(np.float32)).to(device),
         method=method,
+        mapped_rows_end=int(key.max() // teacher_vocab_size) + 1 if key.size else 0,
     )

@@ -272,3 +272,20 @@ def test_bf16_logits_get_a_bf16_gradient_close_to_the_reference():
             assert loss.dtype == torch.float32 and grad.dtype == torch.bfloat16
             assert relative(loss, expected) <= 1e-5, (case.name, loss_type)  # computed in fp32 from bf16 inputs
             assert relative(grad, expected_grad) <= 2.0**-7, (case.name, loss_type)  # one bf16 rounding
+
+
+def test_a_map_over_the_padded_table_is_accepted_when_its_padding_rows_are_empty():
+    """megatron_gkd/xtok's ProjectionMap counts the output layer's rows, padding included."""
+    case = next(c for c in CASES if c.real_vocab_size is not None)
+    vmap, rows = case.vocab_map, case.logits.shape[1]
+    padded = VocabMap(vmap.student_ids, vmap.teacher_ids, vmap.weights, rows, vmap.teacher_vocab_size,
+                      np.concatenate([vmap.exact, np.zeros(rows - vmap.student_vocab_size, dtype=bool)]))
+    loss, grad, _ = run_case(CrossCase(**{**case.__dict__, "vocab_map": padded}), "forward_kl", {}, torch.float64,
+                             "projected", 0, 1, None)
+    expected, expected_grad = reference_case(case, "forward_kl", {}, torch.float64, "projected")
+    assert relative(loss, expected) <= 1e-12 and relative(grad, expected_grad) <= 1e-12
+    reaching = VocabMap(np.append(vmap.student_ids, rows - 1), np.append(vmap.teacher_ids, 0),
+                        np.append(vmap.weights, np.float32(1.0)), rows, vmap.teacher_vocab_size, padded.exact)
+    with pytest.raises(ValueError, match=f"maps student id {rows - 1}"):
+        run_case(CrossCase(**{**case.__dict__, "vocab_map": reaching}), "forward_kl", {}, torch.float64, "projected",
+                 0, 1, None)
