@@ -17,6 +17,7 @@ from megatron_gkd.losses.projection_map import shard_projection
 from megatron_gkd.losses.registry import get_divergence
 from megatron_gkd.losses.shard_ops import ShardLayout, local_logsumexp
 from megatron_gkd.losses.vocab_parallel import prepare_teacher, vocab_parallel_distill_loss
+from megatron_gkd.testing import xtok_tokenizers
 from megatron_gkd.testing.cross_vocab import (
     LOSS_CONFIGS,
     CrossCase,
@@ -29,6 +30,7 @@ from megatron_gkd.testing.cross_vocab import (
     shard,
     teacher_topk,
 )
+from megatron_gkd.xtok import build_projection
 
 CASES = make_cases()
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -289,3 +291,24 @@ def test_a_map_over_the_padded_table_is_accepted_when_its_padding_rows_are_empty
     with pytest.raises(ValueError, match=f"maps student id {rows - 1}"):
         run_case(CrossCase(**{**case.__dict__, "vocab_map": reaching}), "forward_kl", {}, torch.float64, "projected",
                  0, 1, None)
+
+
+def test_the_map_builders_projection_map_feeds_the_loss():
+    """megatron_gkd/xtok's build_projection (a one-digit student, a teacher with multi-digit numbers; padded table)
+    through shard_projection, against the reference on the dense W of the same entries."""
+    student = xtok_tokenizers.metaspace_numbers(xtok_tokenizers.generated_text(400, seed=1, exotic=False))
+    teacher = xtok_tokenizers.bytelevel_digits(xtok_tokenizers.generated_text(400, seed=0))
+    real = student.get_vocab_size()
+    built = build_projection(student, teacher, student_vocab_size=real + 6)
+    vmap = VocabMap(built.student_ids, built.teacher_ids, built.weights, built.student_vocab_size,
+                    built.teacher_vocab_size, built.exact)
+    generator = torch.Generator().manual_seed(11)
+    ids, lp = teacher_topk(10, built.teacher_vocab_size, 8, generator)
+    logits = 2.0 * torch.randn(10, real + 6, generator=generator, dtype=torch.float64)
+    case = CrossCase("built", vmap, logits, ids, lp, torch.randn(10, generator=generator, dtype=torch.float64),
+                     real_vocab_size=real)
+    for method in ("projected", "hybrid"):
+        for loss_type, options in LOSS_CONFIGS:
+            loss, grad, _ = run_case(case, loss_type, options, torch.float64, method, 0, 1, None)
+            expected, expected_grad = reference_case(case, loss_type, options, torch.float64, method)
+            assert relative(loss, expected) <= 1e-12 and relative(grad, expected_grad) <= 1e-12, (method, loss_type)
