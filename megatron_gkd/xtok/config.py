@@ -1,0 +1,83 @@
+"""How a user asks for cross-tokenizer distillation, and the start-up check that refuses it unasked.
+
+A teacher whose tokenizer differs from the student's was always refused ("a divergence over mismatched ids is
+meaningless"). It still is, unless the run names a method; the refusal now says which key enables it:
+
+    teacher:
+      cross_tokenizer:
+        method: projected        # null (default): same tokenizer required | projected (X-Token P-KL) | hybrid (H-KL)
+        projection_map: null     # a map saved by ProjectionMap.save; null: built from the two tokenizers at start-up
+        max_pieces: 4            # the map's rule (megatron_gkd.xtok.projection)
+        decay: 0.5
+
+The method names are the loss's (``megatron_gkd.losses`` ``PROJECTION_METHODS``). This dataclass is not wired
+into ``TeacherConfig`` yet (issue #29 point 7): whoever owns ``teacher/config.py`` adds
+``cross_tokenizer: CrossTokenizerConfig`` there and calls :func:`check_tokenizers` where ``check_vocab`` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from megatron_gkd.registry import closest
+from megatron_gkd.xtok.projection import ProjectionMap
+
+logger = logging.getLogger(__name__)
+
+ENABLE_KEY = "teacher.cross_tokenizer.method"
+METHODS = ("projected", "hybrid")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class CrossTokenizerConfig:
+    """Cross-tokenizer distillation (a teacher of another tokenizer).
+
+    Attributes:
+        method: ``None`` (the teacher must share the student's tokenizer), ``projected`` (X-Token's P-KL: the
+            student's distribution projected into the teacher's vocabulary through ``W``) or ``hybrid`` (H-KL:
+            exact string matches compared directly, the projection elsewhere).
+        projection_map: path of a map saved by :meth:`ProjectionMap.save`; it must have been built for this pair
+            of tokenizers. ``None``: built from the two tokenizers at start-up (seconds; see docs/performance.md).
+        max_pieces, decay: the map's re-tokenisation rule (:func:`megatron_gkd.xtok.build_projection`).
+    """
+
+    method: str | None = None
+    projection_map: str | None = None
+    max_pieces: int = 4
+    decay: float = 0.5
+
+    def __post_init__(self):
+        if self.method is not None and self.method not in METHODS:
+            raise ValueError(f"{ENABLE_KEY}={self.method!r} is not one of null, {', '.join(METHODS)}"
+                             f"{closest(self.method, list(METHODS))}")
+        if self.max_pieces < 1 or not 0.0 <= self.decay <= 1.0:
+            raise ValueError(f"teacher.cross_tokenizer.max_pieces must be >= 1 and decay in [0, 1], got "
+                             f"{self.max_pieces}, {self.decay}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
+def check_tokenizers(config: CrossTokenizerConfig, *, student_digest: str, teacher_digest: str,
+                     projection: ProjectionMap | None = None) -> bool:
+    """The start-up decision: True when the run distils across tokenizers, False when both sides share one.
+
+    Raises:
+        ValueError: the tokenizers differ and no method was asked for (the message names :data:`ENABLE_KEY`), or
+            ``projection`` was built for another pair of tokenizers.
+    """
+    if student_digest == teacher_digest:
+        if config.enabled:
+            logger.warning("%s=%s has no effect: the teacher and the student share one tokenizer (digest %s), so "
+                           "the same-tokenizer loss is used", ENABLE_KEY, config.method, student_digest[:12])
+        return False
+    if not config.enabled:
+        raise ValueError(f"tokenizer mismatch: the teacher's tokenizer (digest {teacher_digest[:12]}) differs from the "
+                         f"student's ({student_digest[:12]}), and a divergence over mismatched ids is meaningless. To "
+                         f"distil across tokenizers set {ENABLE_KEY}=projected (X-Token's P-KL) or hybrid (H-KL); "
+                         "otherwise use a teacher with the student's tokenizer")
+    if projection is not None:
+        projection.check_pair(student_digest=student_digest, teacher_digest=teacher_digest)
+    return True
