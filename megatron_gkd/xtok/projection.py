@@ -11,12 +11,14 @@ alone, with no model and no training (X-Token's "tokenizer-level string rules");
    weight 1 (``exact[s]``; H-KL's mask). Special tokens match by their content (``</s>`` = ``</s>``) or through
    ``special_pairs``; every other special token and every padding row past the tokenizer get an empty row: no
    mass reaches the teacher from them, and the loss counts them as unmapped.
-3. **Re-tokenised**: otherwise the teacher tokenizer encodes the student token's text (``"2024"`` ->
-   ``"20" "24"``); the first ``max_pieces`` pieces share the row with front-loaded weights ``decay**i``,
-   normalised to 1 (repeated pieces add up). A dummy prefix space the teacher adds is dropped. Bytes that are
-   not whole characters (a byte-level fragment of an emoji), or a re-tokenisation that does not write the same
-   bytes, take the greedy longest-prefix cover by the teacher's byte pieces instead. Bytes no teacher token
-   writes leave the row empty (counted in :meth:`ProjectionMap.stats`).
+3. **Re-tokenised**: otherwise the teacher's model tokenises the student token's bytes as one word, spelt in
+   the teacher's alphabet (``TokenTable.spell``: ``Ġ``/bytes or ``▁``), e.g. ``"2024"`` -> ``"20" "24"``; the
+   first ``max_pieces`` pieces share the row with front-loaded weights ``decay**i``, normalised to 1 (repeated
+   pieces add up). The model, not the whole pipeline: a SentencePiece pipeline adds a dummy prefix space, which
+   would turn every word-internal piece (``"ing"``) into a word start (``"▁ing"``). Where the teacher's spelling
+   cannot hold the bytes (part of a character, outside byte-level BPE) or the result does not write the same bytes
+   (a normaliser, an unknown token), the greedy longest-prefix cover by the teacher's pieces is used instead.
+   Bytes no teacher token writes leave the row empty (counted in :meth:`ProjectionMap.stats`).
 
 Why front-loaded: at a group's head (:mod:`.align`) the teacher predicts its *first* piece; a student token's
 mass on later pieces is a hedge X-Token keeps (rows of "up to a few teacher tokens", ranked, H-KL's top-ranked
@@ -167,23 +169,19 @@ def _greedy_cover(piece: bytes, by_bytes: dict[bytes, int], longest: int) -> lis
 
 def _retokenised(student: TokenTable, teacher: TokenTable, teacher_tokenizer: Any, rows: np.ndarray,
                  by_bytes: dict[bytes, int]) -> dict[int, list[int]]:
-    """Teacher ids of each student row's bytes: the teacher's own encoding, else the greedy cover."""
+    """Teacher ids of each student row's bytes: the teacher's model on them, else the greedy byte cover."""
     longest = max(map(len, by_bytes), default=1)
-    texts, text_rows, out = [], [], {}
-    for s in rows:
-        try:
-            texts.append(student.pieces[s].decode())
-            text_rows.append(s)
-        except UnicodeDecodeError:  # part of a character: only bytes can cover it
-            out[int(s)] = _greedy_cover(student.pieces[s], by_bytes, longest)
     core = backend(teacher_tokenizer)
-    encoded = [e.ids for e in core.encode_batch(texts, add_special_tokens=False)] if core is not None else \
-        [teacher_tokenizer.encode(text, add_special_tokens=False) for text in texts]
-    for s, ids in zip(text_rows, encoded):
-        piece, written = student.pieces[s], teacher.text(ids)
-        if written == b" " + piece and ids and teacher.pieces[ids[0]] == b" ":
-            ids, written = ids[1:], piece  # the teacher's dummy prefix space, written as its own token
-        out[int(s)] = list(ids) if written == piece else _greedy_cover(piece, by_bytes, longest)
+    out = {}
+    for s in rows:
+        piece = student.pieces[s]
+        spelled = teacher.spell(piece)
+        if spelled is None:  # part of a character: only byte tokens can cover it
+            out[int(s)] = _greedy_cover(piece, by_bytes, longest)
+            continue
+        ids = [token.id for token in core.model.tokenize(spelled)] if core is not None else \
+            teacher_tokenizer.encode(spelled, add_special_tokens=False)
+        out[int(s)] = ids if teacher.text(ids) == piece else _greedy_cover(piece, by_bytes, longest)
     return out
 
 

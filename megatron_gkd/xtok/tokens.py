@@ -51,7 +51,8 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(printable, map(chr, chars)))
 
 
-_UNICODE_TO_BYTE = {char: byte for byte, char in _bytes_to_unicode().items()}
+_BYTE_TO_UNICODE = _bytes_to_unicode()
+_UNICODE_TO_BYTE = {char: byte for byte, char in _BYTE_TO_UNICODE.items()}
 
 
 def backend(tokenizer: Any):
@@ -82,6 +83,8 @@ class TokenTable:
         digest: the tokenizer's identity (:func:`megatron_gkd.teacher.vocab.tokenizer_digest`, the digest the
             teacher's INFO and the teacher cache carry).
         from_decode: the pieces came from ``decode([id])`` (no fast backend): partial characters are lost.
+        byte_level, space_mark: the tokenizer's alphabet (GPT-2 bytes; the character standing for a space), for
+            :meth:`spell`.
         lengths: ``[vocab]`` int64 byte length of each piece (derived).
     """
 
@@ -91,11 +94,25 @@ class TokenTable:
     vocab_size: int
     digest: str
     from_decode: bool = False
+    byte_level: bool = False
+    space_mark: str | None = None
     lengths: np.ndarray = dataclasses.field(init=False)
 
     def __post_init__(self):
         lengths = np.fromiter(map(len, self.pieces), dtype=np.int64, count=len(self.pieces))
         object.__setattr__(self, "lengths", lengths)  # [vocab] byte length of each piece, for vectorised spans
+
+    def spell(self, piece: bytes) -> str | None:
+        """``piece`` in this tokenizer's own alphabet (what its model's merges apply to: ``Ġ`` and one char per
+        byte for byte-level BPE, ``▁`` for a metaspace one), or None where text cannot hold it (part of a
+        character outside byte-level BPE)."""
+        if self.byte_level:
+            return "".join(_BYTE_TO_UNICODE[byte] for byte in piece)
+        try:
+            text = piece.decode()
+        except UnicodeDecodeError:
+            return None
+        return text.replace(" ", self.space_mark) if self.space_mark else text
 
     def text(self, ids) -> bytes:
         """The bytes ``ids`` write (special tokens write nothing)."""
@@ -155,7 +172,8 @@ def token_table(tokenizer: Any) -> TokenTable:
     missing = np.setdiff1d(np.arange(size), np.fromiter(vocab.values(), dtype=np.int64, count=len(vocab)))
     special[missing] = True  # holes in the id range write nothing, like special tokens
     return TokenTable(pieces=tuple(pieces), special=special, byte_tokens=byte_tokens, vocab_size=size,
-                      digest=tokenizer_digest(tokenizer))
+                      digest=tokenizer_digest(tokenizer), byte_level=byte_level,
+                      space_mark=metaspace[0] if metaspace else None)
 
 
 def _table_from_decode(tokenizer: Any) -> TokenTable:

@@ -141,3 +141,20 @@ def test_bad_arguments_are_refused(family):
         build_projection(family["digits"], family["numbers"], decay=1.5)
     with pytest.raises(ValueError, match="smaller than the student tokenizer"):
         build_projection(family["digits"], family["numbers"], student_vocab_size=10)
+
+
+def test_rows_follow_the_teachers_merges_without_its_dummy_prefix():
+    """A word-internal student token ("abc") is re-tokenised by the teacher's own BPE merges (b+c before a+b:
+    "a" "bc"), not by a longest-prefix match ("ab" "c") and not as a word start ("▁abc" from the pipeline's dummy
+    prefix space)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    teacher = Tokenizer(models.BPE(vocab={"▁": 0, "a": 1, "b": 2, "c": 3, "bc": 4, "ab": 5, "▁a": 6},
+                                   merges=[("b", "c"), ("a", "b"), ("▁", "a")]))
+    teacher.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    assert teacher.encode("abc").tokens == ["▁a", "bc"], "the pipeline makes it a word start"
+    student = Tokenizer(models.WordLevel(vocab={"abc": 0, "a": 1, "<unk>": 2}, unk_token="<unk>"))
+    student.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    projection = build_projection(student, teacher)
+    assert rows_of(projection)[0] == pytest.approx({1: 2 / 3, 4: 1 / 3}), "a (2/3), bc (1/3)"
+    assert rows_of(projection)[1] == {1: 1.0} and projection.exact[1]
