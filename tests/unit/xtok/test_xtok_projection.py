@@ -1,9 +1,10 @@
 """The projection map W: identity for one tokenizer, pinned exact matches, re-tokenised rows, byte pieces,
-special tokens and padding rows, save/load with its hash and tokenizer identities."""
+special tokens and padding rows, save/load with its hash and tokenizer identities, and the loss's contract."""
 
 import numpy as np
 import pytest
 
+from megatron_gkd.losses.cross_vocab import shard_projection
 from megatron_gkd.testing import xtok_tokenizers as toks
 from megatron_gkd.xtok import ProjectionMap, build_projection, token_table
 
@@ -132,6 +133,20 @@ def test_rank_bytes_add_up(family):
     entry = 8 + 8 + 4
     assert sum(per_rank) == projection.nnz * entry + 2 * -(-projection.student_vocab_size // 2)
     assert projection.rank_nbytes(1) == [projection.nnz * entry + projection.student_vocab_size]
+
+
+@pytest.mark.parametrize("method", ["projected", "hybrid"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_loss_accepts_the_map(family, method, tp):
+    """The contract with megatron_gkd.losses.cross_vocab: every TP rank's shard builds from the COO triple (its
+    checks: rows sum to 1, exact rows one entry of weight 1, ids in range)."""
+    projection = build_projection(family["numbers"], family["digits"])
+    local = -(-projection.student_vocab_size // tp)
+    for rank in range(tp):
+        shard_projection(projection.student_ids, projection.teacher_ids, projection.weights,
+                         student_vocab_size=projection.student_vocab_size,
+                         teacher_vocab_size=projection.teacher_vocab_size, exact=projection.exact, tp_rank=rank,
+                         tp_size=tp, vocab_size_local=local, method=method)
 
 
 def test_bad_arguments_are_refused(family):
