@@ -169,8 +169,9 @@ def token_table(tokenizer: Any) -> TokenTable:
                 if token.startswith(prefix):
                     token = token[len(prefix):]
             pieces[index] = token.encode()
-    missing = np.setdiff1d(np.arange(size), np.fromiter(vocab.values(), dtype=np.int64, count=len(vocab)))
-    special[missing] = True  # holes in the id range write nothing, like special tokens
+    present = np.zeros(size, dtype=bool)
+    present[np.fromiter(vocab.values(), dtype=np.int64, count=len(vocab))] = True
+    special |= ~present  # holes in the id range write nothing, like special tokens
     return TokenTable(pieces=tuple(pieces), special=special, byte_tokens=byte_tokens, vocab_size=size,
                       digest=tokenizer_digest(tokenizer), byte_level=byte_level,
                       space_mark=metaspace[0] if metaspace else None)
