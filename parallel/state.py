@@ -144,6 +144,9 @@ class ParallelState:
     groups: object
     dp_gloo_group: dist.ProcessGroup | None = None
     """The data-parallel group on gloo (host tensors: batch shapes, agreement) whatever the device."""
+    control_group: dist.ProcessGroup | None = None
+    """Every rank on gloo: the trainer's control messages (agreement on failures, batches, metrics, service
+    addresses, the preemption flag) travel in host memory whatever the device."""
     dp_cp_rank: int = 0
     """Rank in the data-and-context-parallel group (the replica index of dense weights)."""
     expert_dp_rank: int = 0
@@ -271,6 +274,8 @@ def initialize(config: ParallelConfig | None = None, **sizes) -> ParallelState:
         dp_cp_rank=mpu.get_data_parallel_rank(with_context_parallel=True),
         expert_dp_rank=mpu.get_expert_data_parallel_rank(),
         etp_rank=mpu.get_expert_tensor_parallel_rank(),
+        # After Megatron's groups, on every rank (building a group is collective, in the same order everywhere).
+        control_group=dist.new_group(backend="gloo"),
     )
     logger.info(
         "model parallel: tp=%d pp=%d vpp=%s cp=%d ep=%d etp=%d dp=%d (world %d)",

@@ -98,8 +98,7 @@ class Trainer:
         self.state = parallel.initialize(config.parallel)
         parallel.seed(config.trainer.seed)
         self.rank, self.world_size = self.state.rank, self.state.world_size
-        # Control messages (agreement, metrics, batches) travel on host memory whatever the device.
-        self.control = dist.new_group(backend="gloo")
+        self.control = self.state.control_group  # agreement, metrics, batches: host memory whatever the device
         self._dp_gloo = self.state.dp_gloo_group
         self.layout = check_layout(config, self.world_size)
         last = torch.tensor([self.rank if self.state.is_pipeline_last_stage else -1])

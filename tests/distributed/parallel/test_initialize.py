@@ -22,7 +22,11 @@ def _layout_and_shards():
                 gathered[(dim, num_parts)] = torch.equal(
                     parallel.gather_tp(shard, dim, state.tp_group, num_parts=num_parts), full
                 )
+        control = state.control_group
+        ranks = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(ranks, group=control)
         return dict(
+            control=(dist.get_world_size(control), dist.get_backend(control), float(ranks)),
             tp_rank=state.tp_rank,
             pp_rank=state.pp_rank,
             dp_size=state.data_parallel_size,
@@ -49,6 +53,7 @@ def test_tp2_pp2_coordinates_and_shard_round_trip():
     assert sorted((r["pp_rank"], r["tp_rank"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for result in results:
         assert result["dp_size"] == 1 and result["tp_peers"] == 2
+        assert result["control"] == (4, "gloo", 0.0 + 1 + 2 + 3)  # every rank, on host memory
         assert result["last"] == (result["pp_rank"] == 1)
         assert all(result["gathered"].values()), result["gathered"]
 
