@@ -49,7 +49,7 @@ architecture with its own modules: a ``layer_spec`` (multi-latent attention with
 fixes of ``mla.py``) and ``config_class`` (``MLATransformerConfig``).
 """
 
-from megatron_gkd.models.builder import HFModelInfo, build_model, transformer_config, unwrap
+from megatron_gkd.models.builder import HFModelInfo, build_model, parallel_state_of, transformer_config, unwrap
 from megatron_gkd.models.export import export_hf_shards, export_hf_weights, save_hf, shard_sources
 from megatron_gkd.models.hf_config import read_hf_config
 from megatron_gkd.models.loading import SafetensorsCheckpoint, load_hf
@@ -93,6 +93,7 @@ __all__ = [
     "read_hf_config",
     "register_architecture",
     "save_hf",
+    "parallel_state_of",
     "shard_coordinates",
     "supported_architectures",
     "transformer_config",

@@ -1,8 +1,9 @@
 """Builds the Megatron-Core ``GPTModel`` chunks of this rank for an HF config.
 
-One module per virtual-pipeline chunk; ``pre_process`` / ``post_process`` by stage. Call
-:func:`megatron_gkd.parallel.initialize` first. Each chunk carries an :class:`HFModelInfo` as
-``chunk.hf_model_info`` so that exporters know the HF config, the mapping and the source directory.
+One module per virtual-pipeline chunk; ``pre_process`` / ``post_process`` by stage, on the
+:class:`~megatron_gkd.parallel.ParallelState` given (from :func:`megatron_gkd.parallel.initialize`). Each chunk
+carries an :class:`HFModelInfo` as ``chunk.hf_model_info`` so that exporters know the HF config, the mapping, the
+source directory and the parallel state the chunk was built on.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class HFModelInfo:
     ``save_hf`` writes by default."""
     source: str | None = None
     """The HF checkpoint directory it was loaded from (tokenizer files are copied from there)."""
+    parallel_state: object = None
+    """The :class:`~megatron_gkd.parallel.ParallelState` it was built on: the mapping, the exporter, the weight-sync
+    plan and the engines that receive the model take its groups and coordinates from here
+    (:func:`parallel_state_of`), as Megatron-Core's modules keep the ``pg_collection`` they were given."""
 
 
 @functools.cache
@@ -49,6 +54,12 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     while hasattr(module, "module") and not hasattr(module, "hf_model_info"):
         module = module.module
     return module
+
+
+def parallel_state_of(module: torch.nn.Module):
+    """The :class:`~megatron_gkd.parallel.ParallelState` that ``module`` (a chunk :func:`build_model` built, wrapped
+    or not) was built on."""
+    return unwrap(module).hf_model_info.parallel_state
 
 
 def transformer_config(hf_config: dict, state, *, dtype: torch.dtype = torch.float32, **overrides):
@@ -179,7 +190,9 @@ def build_model(
     Args:
         hf_config: the HF ``config.json`` as a dict.
         dtype: parameter dtype.
-        state: the :class:`~megatron_gkd.parallel.ParallelState` (default: the initialised one).
+        state: the :class:`~megatron_gkd.parallel.ParallelState` to build on. Library code passes it; the default,
+            the state :func:`megatron_gkd.parallel.initialize` built in this process, serves scripts and tests
+            (the only library place that looks it up: ``tests/unit/test_code_habits.py``).
         source: HF directory the weights come from, remembered for export.
         use_transformer_engine: Transformer Engine layer specs; default: when TE imports.
         config_overrides: ``TransformerConfig`` fields to override.
@@ -203,7 +216,8 @@ def build_model(
     config = transformer_config(hf_config, state, dtype=dtype, **config_overrides)
     model_kwargs = arch.gpt_model_kwargs(hf_config)
     info = HFModelInfo(
-        hf_config=hf_config, architecture=arch, rules=tuple(arch.weight_rules(hf_config)), dtype=dtype, source=source
+        hf_config=hf_config, architecture=arch, rules=tuple(arch.weight_rules(hf_config)), dtype=dtype, source=source,
+        parallel_state=state,
     )
     vpp = state.config.virtual_pipeline_model_parallel_size or 1
     chunks = []

@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_gkd.models.builder import unwrap
+from megatron_gkd.models.builder import parallel_state_of, unwrap
 from megatron_gkd.models.loading import INDEX_FILE
 from megatron_gkd.models.mapping import WeightRule, mapped_tensors, shard_coordinates
 from megatron_gkd.parallel import gather_tp
@@ -48,24 +48,22 @@ def owner_shard_rank(hf_name: str, size: int) -> int:
     return zlib.crc32(hf_name.encode()) % size
 
 
-def _is_first_replica(is_expert: bool) -> bool:
-    from megatron_gkd import parallel
-
-    state = parallel.get_state()
+def _is_first_replica(is_expert: bool, state) -> bool:
     return (state.expert_dp_rank if is_expert else state.dp_cp_rank) == 0
 
 
-def _is_owner(hf_name: str, is_expert: bool, shard_rank: int, size: int) -> bool:
-    """One rank per tensor yields it: its owner shard rank in the first data-parallel replica."""
-    return shard_rank == owner_shard_rank(hf_name, size) and _is_first_replica(is_expert)
+def _is_owner(hf_name: str, is_expert: bool, shard_rank: int, size: int, state) -> bool:
+    """One rank per tensor yields it: its owner shard rank in the first data-parallel replica (of ``state``, the
+    model's :class:`~megatron_gkd.parallel.ParallelState`)."""
+    return shard_rank == owner_shard_rank(hf_name, size) and _is_first_replica(is_expert, state)
 
 
-def holds_shard(hf_name: str, is_expert: bool, tp_dim: int | None, shard_rank: int, size: int) -> bool:
+def holds_shard(hf_name: str, is_expert: bool, tp_dim: int | None, shard_rank: int, size: int, state) -> bool:
     """Whether :func:`export_hf_shards` yields this rank's slice of ``hf_name``: every rank of the
     splitting group in the first replica for a split tensor, the owner alone for a replicated one."""
     if tp_dim is None or size == 1:
-        return _is_owner(hf_name, is_expert, shard_rank, size)
-    return _is_first_replica(is_expert)
+        return _is_owner(hf_name, is_expert, shard_rank, size, state)
+    return _is_first_replica(is_expert, state)
 
 
 def export_hf_weights(modules, *, owner_only: bool = True, all_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -86,30 +84,28 @@ def export_hf_weights(modules, *, owner_only: bool = True, all_experts: bool = F
     """
     assert not (owner_only and all_experts), "all_experts yields every expert on every rank: pass owner_only=False"
     for chunk in modules:
-        model = unwrap(chunk)
+        model, state = unwrap(chunk), parallel_state_of(chunk)
         for _, tensor, rule, fields in mapped_tensors(model, model.hf_model_info.rules):
             if not rule.export:
                 continue
-            group, rank, size = shard_coordinates(rule)
+            group, rank, size = shard_coordinates(rule, state)
             slices = rule.to_hf(tensor.detach())
             full = [
                 piece if dim is None or size == 1 else gather_tp(piece, dim, group)
                 for piece, dim in zip(slices, rule.tp_dims)
             ]
             if all_experts and rule.is_expert:
-                yield from _gather_experts(model, rule, fields, full)
+                yield from _gather_experts(model, rule, fields, full, state)
                 continue
             for hf_name, value in zip(rule.hf_names(fields), full):
-                if not owner_only or _is_owner(hf_name, rule.is_expert, rank, size):
+                if not owner_only or _is_owner(hf_name, rule.is_expert, rank, size, state):
                     yield hf_name, value
 
 
-def _gather_experts(model, rule: WeightRule, fields: dict, full: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+def _gather_experts(model, rule: WeightRule, fields: dict, full: list[torch.Tensor],
+                    state) -> Iterator[tuple[str, torch.Tensor]]:
     """The HF tensors of expert ``fields["expert"]`` and of the experts that the other expert-parallel ranks hold
     at the same local index (Megatron numbers them ``ep_rank x num_local_experts + local index``)."""
-    from megatron_gkd import parallel
-
-    state = parallel.get_state()
     size = state.ep_size
     if size == 1:
         yield from zip(rule.hf_names(fields), full)
@@ -142,7 +138,7 @@ def shard_sources(modules) -> list[ShardSource]:
     """The walk of :func:`export_hf_shards`, done once (name matching costs more than the slicing)."""
     sources = []
     for chunk in modules:
-        model = unwrap(chunk)
+        model, state = unwrap(chunk), parallel_state_of(chunk)
         holders: dict[int, tuple[torch.nn.Module, str]] = {}
         for module in model.modules():
             for attr, tensor in [*module._parameters.items(), *module._buffers.items()]:
@@ -151,11 +147,11 @@ def shard_sources(modules) -> list[ShardSource]:
         for _, tensor, rule, fields in mapped_tensors(model, model.hf_model_info.rules):
             if not rule.export:
                 continue
-            _, rank, size = shard_coordinates(rule)
+            _, rank, size = shard_coordinates(rule, state)
             pieces = tuple(
                 (k, hf_name, rank if dim is not None and size > 1 else 0)
                 for k, (hf_name, dim) in enumerate(zip(rule.hf_names(fields), rule.tp_dims))
-                if holds_shard(hf_name, rule.is_expert, dim, rank, size)
+                if holds_shard(hf_name, rule.is_expert, dim, rank, size, state)
             )
             if pieces:
                 sources.append(ShardSource(*holders[id(tensor)], rule, pieces))

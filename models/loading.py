@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from megatron_gkd.models.builder import build_model
+from megatron_gkd.models.builder import build_model, parallel_state_of
 from megatron_gkd.models.hf_config import read_hf_config
 from megatron_gkd.models.mapping import mapped_tensors, shard_coordinates, tp_slice_index
 
@@ -81,9 +81,9 @@ def load_weights(model: torch.nn.Module, checkpoint: SafetensorsCheckpoint) -> i
         KeyError: a tensor the mapping needs is missing from the checkpoint.
         ValueError: a parameter has no mapping rule, or shapes disagree with the config.
     """
-    num_bytes = 0
+    num_bytes, state = 0, parallel_state_of(model)
     for name, tensor, rule, fields in mapped_tensors(model, model.hf_model_info.rules):
-        _, rank, size = shard_coordinates(rule)
+        _, rank, size = shard_coordinates(rule, state)
         hf_names = rule.hf_names(fields)
         slices = [
             checkpoint.read(hf_name, tp_slice_index(checkpoint.shape(hf_name), dim, rank, size, hf_name))

@@ -246,15 +246,13 @@ def mapped_tensors(model: torch.nn.Module, rules: Sequence[WeightRule]):
             yield name, tensor, found[0], found[1]
 
 
-def shard_coordinates(rule: WeightRule):
-    """``(group, rank, size)`` of the tensor-parallel group that splits ``rule``'s tensor.
+def shard_coordinates(rule: WeightRule, state):
+    """``(group, rank, size)`` of the tensor-parallel group that splits ``rule``'s tensor on ``state`` (the
+    model's :class:`~megatron_gkd.parallel.ParallelState`).
 
     Routed experts are split over the expert-tensor-parallel group, everything else over the
-    tensor-parallel group (Megatron's parallel state must be initialised).
+    tensor-parallel group.
     """
-    from megatron_gkd import parallel
-
-    state = parallel.get_state()
     if rule.is_expert:
         return state.etp_group, state.etp_rank, state.etp_size
     return state.tp_group, state.tp_rank, state.tp_size

@@ -32,7 +32,8 @@ class MegatronEngine(RolloutEngine):
         max_model_len: longest prompt + response.
         eos_token_id: id that ends a response (besides ``stop_token_ids``); None for none.
         vocab_size: real vocabulary size (logits beyond it, Megatron's padding, are never sampled).
-        tp_group: tensor-parallel group the vocabulary is split over (default: the parallel state's).
+        tp_group: tensor-parallel group the vocabulary is split over (default: that of the parallel state the
+            chunks were built on).
         pad_token_id: padding id in the returned batch.
     """
 
@@ -40,9 +41,9 @@ class MegatronEngine(RolloutEngine):
 
     def __init__(self, chunks, *, max_model_len: int, eos_token_id: int | None = None,
                  vocab_size: int | None = None, tp_group=None, pad_token_id: int = 0):
-        from megatron_gkd import parallel
+        from megatron_gkd.models import parallel_state_of
 
-        state = parallel.get_state()
+        state = parallel_state_of(chunks[0])
         if len(chunks) != 1 or state.pp_size != 1:
             raise ValueError("rollout engine 'megatron' needs pipeline_model_parallel_size=1 (one model "
                              "chunk); use rollout engine 'vllm' for pipelined students")

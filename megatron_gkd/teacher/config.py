@@ -247,11 +247,18 @@ class TeacherMixConfig:
                          f"teacher_mix.routes.{group}=NAME or set teacher_mix.default=NAME")
 
 
-def build_client_from_config(config: TeacherConfig, secret: bytes | None = None) -> TeacherClient:
+def build_client_from_config(config: TeacherConfig, secret: bytes | None = None, *, state=None) -> TeacherClient:
     """The client ``config`` describes, connected and ready to score (``teacher.address`` set; a
-    trainer that serves the teacher itself fills it in, with the service's ``secret``)."""
+    trainer that serves the teacher itself fills it in, with the service's ``secret``). A collective client
+    (``ClientTraits.collective``: sharded on the training ranks) is built on ``state``, the trainer's
+    :class:`~megatron_gkd.parallel.ParallelState`."""
     if not config.enabled:
         raise ValueError("teacher.client=none: this run has no teacher")
     client_class = CLIENTS.get(config.client)
     from_config = getattr(client_class, "from_config", None)
+    if client_traits(config.client).collective:
+        if state is None:
+            raise ValueError(f"teacher.client={config.client} runs on the training ranks, sharded like the student: "
+                             "it is built by the trainer, with its parallel state")
+        return from_config(config, secret, state=state)
     return from_config(config, secret) if from_config is not None else client_class()

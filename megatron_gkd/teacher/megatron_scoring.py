@@ -52,17 +52,17 @@ class TeacherVocab:
     tokenizer_digest: str
 
 
-def load_teacher(path: str, dtype: str = "float32", **config_overrides) -> tuple[list[torch.nn.Module], TeacherVocab]:
-    """This rank's teacher chunks (``models.load_hf``, in eval mode) and its vocabulary sizes.
-
-    Call after :func:`megatron_gkd.parallel.initialize`; the layout is the initialised one.
-    """
+def load_teacher(path: str, dtype: str = "float32", *, state,
+                 **config_overrides) -> tuple[list[torch.nn.Module], TeacherVocab]:
+    """This rank's teacher chunks (``models.load_hf`` on ``state``, the
+    :class:`~megatron_gkd.parallel.ParallelState` to shard it with, ``None`` for the process's; in eval mode) and
+    its vocabulary sizes."""
     from transformers import AutoTokenizer
 
     from megatron_gkd.models import load_hf
     from megatron_gkd.teacher.vocab import tokenizer_digest
 
-    chunks = load_hf(path, dtype=getattr(torch, dtype), **config_overrides)
+    chunks = load_hf(path, dtype=getattr(torch, dtype), state=state, **config_overrides)
     for chunk in chunks:
         chunk.eval()
         chunk.requires_grad_(False)
@@ -124,15 +124,14 @@ class MegatronScorer:
     """
 
     def __init__(self, chunks: list[torch.nn.Module], vocab: TeacherVocab, device: torch.device):
-        from megatron_gkd import parallel
-        from megatron_gkd.models import unwrap
+        from megatron_gkd.models import parallel_state_of, unwrap
 
         self.chunks, self.vocab, self.device = chunks, vocab, device
         self.hidden_size = int(unwrap(chunks[0]).config.hidden_size)
         # The last stage's output layer (None elsewhere): its input is the hidden signal.
         self._output_layer = next((unwrap(c).output_layer for c in chunks
                                    if getattr(unwrap(c), "output_layer", None) is not None), None)
-        state = parallel.get_state()
+        state = parallel_state_of(chunks[0])  # the layout the teacher was loaded on
         self._tp_group = state.tp_group
         sequence_parallel = bool(getattr(unwrap(chunks[0]).config, "sequence_parallel", False))
         self._sequence_multiple = state.tp_size if sequence_parallel else 1

@@ -1,7 +1,8 @@
 """Builders of the trainer's parts from the config: the student, the rollout engine, the teacher client.
 
-Each builder takes the config sections and the objects it needs (process groups, tokenizer, addresses)
-explicitly; nothing here looks up global state besides Megatron's own initialised groups.
+Each builder takes the config sections and the objects it needs (the trainer's ``ParallelState``, process groups,
+tokenizer, addresses) explicitly; nothing here looks up the process-wide parallel state. The student carries the
+state it was built on (``Student.state``, and each chunk's ``models.parallel_state_of``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from megatron_gkd.config import GKDConfig
 from megatron_gkd.config.checks import generating_teacher
+from megatron_gkd.parallel import ParallelState
 from megatron_gkd.rewards import RewardRunner
 
 logger = logging.getLogger(__name__)
@@ -20,13 +22,15 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Student:
-    """The student's DDP-wrapped chunks, its optimizer and LR schedule, and its HF config."""
+    """The student's DDP-wrapped chunks, its optimizer and LR schedule, its HF config and the parallel state it
+    was built on."""
 
     chunks: list
     optimizer: object
     lr_scheduler: object
     hf_config: dict
     dtype: torch.dtype
+    state: ParallelState
 
     @property
     def vocab_size(self) -> int:
@@ -41,9 +45,9 @@ class Student:
         return bool(unwrap(self.chunks[0]).config.num_moe_experts)
 
 
-def build_student(config: GKDConfig) -> Student:
-    """Loads the student from its HF checkpoint into this rank's layout, wraps it for training and builds
-    Megatron's optimizer and LR schedule (call after ``parallel.initialize``)."""
+def build_student(config: GKDConfig, state: ParallelState) -> Student:
+    """Loads the student from its HF checkpoint into the layout of ``state``, wraps it for training and builds
+    Megatron's optimizer and LR schedule."""
     from megatron_gkd.models import load_hf
     from megatron_gkd.trainer.optim import build_lr_scheduler, build_optimizer, wrap_for_training
 
@@ -51,7 +55,7 @@ def build_student(config: GKDConfig) -> Student:
     overrides = {}
     if config.student.recompute:
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    chunks = load_hf(config.student.checkpoint, dtype=dtype,
+    chunks = load_hf(config.student.checkpoint, dtype=dtype, state=state,
                      use_transformer_engine=config.student.use_transformer_engine, **overrides)
     hf_config = chunks[0].hf_model_info.hf_config
     chunks = wrap_for_training(chunks, config.optim)
@@ -59,7 +63,8 @@ def build_student(config: GKDConfig) -> Student:
         chunk.train()
     optimizer = build_optimizer(config.optim, chunks, dtype=dtype)
     lr_scheduler = build_lr_scheduler(config.optim, optimizer, config.trainer.num_steps)
-    return Student(chunks=chunks, optimizer=optimizer, lr_scheduler=lr_scheduler, hf_config=hf_config, dtype=dtype)
+    return Student(chunks=chunks, optimizer=optimizer, lr_scheduler=lr_scheduler, hf_config=hf_config, dtype=dtype,
+                   state=state)
 
 
 def build_teacher_head(teacher, state, student: Student, tokenizer) -> torch.Tensor | None:
@@ -105,12 +110,10 @@ def build_rollout_engine(config: GKDConfig, student: Student, tokenizer):
     from megatron_gkd.rollout import build_engine
 
     if config.rollout.engine == "megatron":
-        from megatron_gkd import parallel
-
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         return build_engine("megatron", chunks=student.chunks, max_model_len=config.rollout.max_model_len,
                             eos_token_id=tokenizer.eos_token_id, vocab_size=len(tokenizer),
-                            tp_group=parallel.get_state().tp_group, pad_token_id=pad)
+                            tp_group=student.state.tp_group, pad_token_id=pad)
     return build_engine(config.rollout.engine, **rollout_engine_kwargs(config, tokenizer))
 
 
@@ -144,16 +147,16 @@ def build_reward_runner(config: GKDConfig, *, asks: bool) -> RewardRunner | None
     return RewardRunner(config.reward) if config.reward.enabled and asks else None
 
 
-def build_teacher_client(teacher, address: str | None, secret: bytes | None = None):
+def build_teacher_client(teacher, address: str | None, secret: bytes | None, state: ParallelState):
     """The client of ``teacher`` (a teacher config section; ``address``/``secret``: of a service this run started,
-    else its ``address`` and secret file)."""
+    else its ``address`` and secret file; ``state``: the trainer's, which a colocated teacher is sharded on)."""
     from megatron_gkd.teacher.config import build_client_from_config
 
     if address is not None:
         # The client talks to the service; the head (hidden signal) still comes from the served checkpoint.
         teacher = dataclasses.replace(teacher, address=address, serve=dataclasses.replace(teacher.serve, model=None),
                                       head_checkpoint=teacher.head_source if teacher.signal == "hidden" else None)
-    return build_client_from_config(teacher, secret)
+    return build_client_from_config(teacher, secret, state=state)
 
 
 def teacher_check(config: GKDConfig, tokenizer, student_vocab_size: int, tcad: dict):

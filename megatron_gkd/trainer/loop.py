@@ -77,7 +77,7 @@ class Trainer:
 
     def _build_student(self) -> None:
         config = self.config
-        self.student = build_student(config)
+        self.student = build_student(config, self.state)
         for teacher in self.teachers:
             teacher.head = build_teacher_head(teacher.config, self.state, self.student, self.tokenizer)
         self.runner = StepRunner(self.student.chunks, self.student.optimizer, self.student.lr_scheduler,
@@ -139,7 +139,7 @@ class Trainer:
         if not (needs_teacher(config) or (eval_enabled(config) and config.eval.kl and len(self.teachers))):
             return
         check = teacher_check(config, self.tokenizer, self.student.vocab_size, self.flow.tcad)
-        self.teachers.connect(self.rank, self.control, self.flow.asks, check)
+        self.teachers.connect(self.state, self.flow.asks, check)
 
     def _build_rollout(self) -> None:
         config = self.config

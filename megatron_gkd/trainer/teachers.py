@@ -139,12 +139,15 @@ class Teachers:
                 error = caught
         agree(error, control)
 
-    def connect(self, rank: int, control, asks, check) -> None:
+    def connect(self, state, asks, check) -> None:
         """Waits for the services this run started, then builds the client of every teacher on the ranks that ask
-        it (``asks(teacher)``) and checks it against the run (``check(teacher)``); every rank stops on a failure."""
+        it (``asks(teacher)``) and checks it against the run (``check(teacher)``); every rank stops on a failure
+        (``state``: the trainer's :class:`~megatron_gkd.parallel.ParallelState`, its control group and the layout a
+        colocated teacher is sharded on)."""
         from megatron_gkd.parallel.comm import agree, broadcast_msgpack
         from megatron_gkd.trainer.components import build_teacher_client
 
+        rank, control = state.rank, state.control_group
         for teacher in self:
             address = secret = error = None
             served = teacher.config.serve.model is not None
@@ -161,7 +164,7 @@ class Teachers:
             if asks(teacher):
                 try:
                     teacher.client = build_teacher_client(teacher.config, address,
-                                                          secret.encode() if secret is not None else None)
+                                                          secret.encode() if secret is not None else None, state)
                     check(teacher)
                 except Exception as caught:  # noqa: BLE001
                     error = caught if not self.several else ValueError(f"{self.key(teacher.name)}: {caught}")

@@ -28,6 +28,7 @@ retry). Once begun, each operation of a sync must finish within the transport's 
 
 from __future__ import annotations
 
+from megatron_gkd.models import parallel_state_of
 from megatron_gkd.weight_sync.buckets import BucketSpec, ChecksumMismatch, PartSpec, layout_buckets
 from megatron_gkd.weight_sync.config import WeightSyncConfig
 from megatron_gkd.weight_sync.errors import WeightSyncError, WeightSyncTransportError
@@ -67,9 +68,7 @@ def colocated_sync(chunks, engine, plan: WeightSyncPlan, config: WeightSyncConfi
     Returns:
         the receiver (pass it back next time) on ranks with an engine, else ``None``.
     """
-    from megatron_gkd import parallel
-
-    if parallel.get_state().pp_size > 1:
+    if parallel_state_of(chunks[0]).pp_size > 1:
         raise ValueError(
             "weight_sync.transport='colocated' needs pipeline parallel size 1 (a rank holds only its stage's "
             "weights); use transport='distributed'"

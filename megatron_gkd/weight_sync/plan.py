@@ -21,7 +21,7 @@ import json
 import torch
 import torch.distributed as dist
 
-from megatron_gkd.models import mapped_tensors, shard_coordinates, unwrap
+from megatron_gkd.models import mapped_tensors, parallel_state_of, shard_coordinates, unwrap
 
 _DTYPES = {str(d).removeprefix("torch."): d
            for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8)}
@@ -142,32 +142,30 @@ def local_entries(chunks) -> list[dict]:
 
     No communication and no copies (shapes come from the fusion applied to meta tensors).
     """
-    from megatron_gkd import parallel
     from megatron_gkd.models.export import _is_owner, holds_shard
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    pp_rank = parallel.get_state().pp_rank
     entries, position = [], 0
     for vpp_chunk, chunk in enumerate(chunks):
-        model = unwrap(chunk)
+        model, state = unwrap(chunk), parallel_state_of(chunk)
         for megatron_name, tensor, rule, fields in mapped_tensors(model, model.hf_model_info.rules):
             if not rule.export:
                 continue
-            _, shard_rank, size = shard_coordinates(rule)
+            _, shard_rank, size = shard_coordinates(rule, state)
             slices = rule.to_hf(torch.empty(tensor.shape, dtype=tensor.dtype, device="meta"))
             for part, (hf_name, piece, dim) in enumerate(zip(rule.hf_names(fields), slices, rule.tp_dims)):
                 shape = list(piece.shape)
                 if dim is not None and size > 1:
                     shape[dim] *= size
-                owns = _is_owner(hf_name, rule.is_expert, shard_rank, size)
+                owns = _is_owner(hf_name, rule.is_expert, shard_rank, size, state)
                 split = dim is not None and size > 1
-                holds = holds_shard(hf_name, rule.is_expert, dim, shard_rank, size)
+                holds = holds_shard(hf_name, rule.is_expert, dim, shard_rank, size, state)
                 entries.append(
                     dict(
                         name=hf_name,
                         shape=tuple(shape),
                         dtype=str(tensor.dtype).removeprefix("torch."),
-                        pp_rank=pp_rank,
+                        pp_rank=state.pp_rank,
                         vpp_chunk=vpp_chunk,
                         tp_dim=dim,
                         tp_size=size,
@@ -190,9 +188,7 @@ def build_plan(chunks, group: dist.ProcessGroup | None = None) -> WeightSyncPlan
     Raises:
         RuntimeError: ranks disagree on the plan, or a tensor has no owner or two.
     """
-    from megatron_gkd import parallel
-
-    state = parallel.get_state()
+    state = parallel_state_of(chunks[0])  # the student's, which it was built on
     is_logits_rank = state.is_pipeline_last_stage and state.tp_rank == 0
     mine = (local_entries(chunks), is_logits_rank)
     if dist.is_initialized():

@@ -74,12 +74,12 @@ class MegatronBackend(TeacherBackend):
         from megatron_gkd import parallel
         from megatron_gkd.teacher.megatron_scoring import MegatronScorer, load_teacher
 
-        parallel.initialize(tensor_model_parallel_size=tensor_model_parallel_size,
-                            pipeline_model_parallel_size=pipeline_model_parallel_size,
-                            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
-                            expert_model_parallel_size=expert_model_parallel_size)
+        state = parallel.initialize(tensor_model_parallel_size=tensor_model_parallel_size,
+                                    pipeline_model_parallel_size=pipeline_model_parallel_size,
+                                    virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+                                    expert_model_parallel_size=expert_model_parallel_size)
         self._device = platform.device()
-        chunks, vocab = load_teacher(model, dtype)
+        chunks, vocab = load_teacher(model, dtype, state=state)
         self._scorer = MegatronScorer(chunks, vocab, self._device)
         self._closed = False
         self._info = BackendInfo(

@@ -1,6 +1,6 @@
 """``local`` client: a Megatron-Core teacher colocated on the training ranks.
 
-The teacher is sharded with the trainer's own layout (the initialised ``megatron_gkd.parallel`` state)
+The teacher is sharded with the trainer's own layout (the trainer's ``ParallelState``, which it is built with)
 and scored by the same per-rank function as the ``megatron`` backend
 (:class:`~megatron_gkd.teacher.megatron_scoring.MegatronScorer`). ``score`` is a collective: every rank
 of a model-parallel group calls it with the same batch (as the trainer's ranks hold the same data
@@ -72,26 +72,28 @@ class WeightOffload:
 class LocalTeacherClient(TeacherClient):
     """Scores with a colocated Megatron-Core teacher on this rank's share of the trainer's layout.
 
-    Call after :func:`megatron_gkd.parallel.initialize`.
-
     Args:
         model: HF checkpoint directory of the teacher (with its tokenizer), loaded with ``load_hf``.
+        state: the trainer's :class:`~megatron_gkd.parallel.ParallelState` (the teacher is sharded like the student;
+            the trainer passes it). ``None``: the state ``parallel.initialize`` built in this process (scripts, tests).
         dtype: parameter dtype name.
         offload: keep the weights in host memory between calls (no-op with a warning on ``cpu``).
         max_top_k: largest k served.
     """
 
     @classmethod
-    def from_config(cls, config, secret: bytes | None = None):
-        """Built from the ``teacher`` section (:class:`~megatron_gkd.teacher.config.TeacherConfig`)."""
-        return cls(model=config.checkpoint, offload=config.offload)
+    def from_config(cls, config, secret: bytes | None = None, *, state):
+        """Built from the ``teacher`` section (:class:`~megatron_gkd.teacher.config.TeacherConfig`) on the trainer's
+        parallel state."""
+        return cls(model=config.checkpoint, state=state, offload=config.offload)
 
-    def __init__(self, model: str, dtype: str = "float32", offload: bool = False, max_top_k: int = 4096):
+    def __init__(self, model: str, dtype: str = "float32", offload: bool = False, max_top_k: int = 4096, *,
+                 state=None):
         from megatron_gkd import platform
         from megatron_gkd.teacher.megatron_scoring import MegatronScorer, load_teacher
 
         super().__init__(max_inflight=1)
-        chunks, vocab = load_teacher(model, dtype)
+        chunks, vocab = load_teacher(model, dtype, state=state)
         self._scorer = MegatronScorer(chunks, vocab, platform.device())
         self._max_top_k = min(max_top_k, vocab.tokenizer_size)
         self._offload = WeightOffload(chunks, offload)
