@@ -1,6 +1,10 @@
-"""Model-parallel initialisation: the only place that builds Megatron-Core's process groups.
+"""Model-parallel initialisation: the only place that builds Megatron-Core's process groups and the trainer's
+control group.
 
-Everything else receives the :class:`ParallelState` (or the groups in it) explicitly.
+:func:`initialize` returns the :class:`ParallelState`; the entry point that calls it hands it down, and everything
+else receives the state (or the groups in it) as an argument, or from the model it was given
+(``models.parallel_state_of``). :func:`get_state` is for entry points (and ``models.build_model``'s default for
+scripts and tests); ``tests/unit/test_code_habits.py`` keeps library code from calling it.
 """
 
 from __future__ import annotations
@@ -129,8 +133,8 @@ class ParallelState:
 
     ``groups`` is Megatron-Core's ``ProcessGroupCollection`` (``groups.tp``, ``groups.pp``,
     ``groups.dp``, ``groups.ep``, ``groups.expt_tp`` ...), the object Megatron's own modules accept. Code
-    outside ``parallel/`` takes every group and coordinate from here, never from Megatron's getters (a lint
-    test keeps it so).
+    outside ``parallel/`` takes every group and coordinate from a state it was given, never from Megatron's
+    getters nor from :func:`get_state` (lint tests keep it so).
     """
 
     config: ParallelConfig
@@ -292,7 +296,8 @@ def initialize(config: ParallelConfig | None = None, **sizes) -> ParallelState:
 
 
 def get_state() -> ParallelState:
-    """The state built by :func:`initialize`."""
+    """The state built by :func:`initialize` in this process: for entry points, which hand it down (library code
+    takes it as an argument)."""
     if _state is None:
         raise RuntimeError("model parallelism is not initialised; call parallel.initialize(...) first")
     return _state

@@ -173,6 +173,71 @@ def test_process_groups_come_from_the_parallel_state():
     assert not offenders, "use megatron_gkd.parallel's ParallelState instead of Megatron's getters:\n" + "\n".join(offenders)
 
 
+# Who may look up the process's ParallelState (``parallel.get_state()``): ``parallel/``, which builds it, and the
+# entry points, which hand it down (a command line, ``models/convert.py``'s offline conversion, a test workload of
+# ``megatron_gkd/testing``). The one exception is ``models/builder.py``: ``build_model`` / ``load_hf`` default to
+# it for scripts and tests (``models.load_hf(path)`` after ``parallel.initialize``); library code passes
+# ``state=`` (the lint below).
+STATE_LOOKUP_ALLOWED = ("parallel/", "launch/", "megatron_gkd/testing/", "models/convert.py", "models/builder.py")
+# Library calls that build a model must say on which state.
+STATE_TAKERS = ("load_hf", "build_model")
+
+
+def _is_entry_point(path: str) -> bool:
+    return path.startswith(STATE_LOOKUP_ALLOWED) or path.rsplit("/", 1)[-1] in ("cli.py", "__main__.py")
+
+
+def _state_lookups(source: str) -> list[int]:
+    """Lines that call ``parallel.get_state()`` or a ``get_state`` imported from ``megatron_gkd.parallel``."""
+    tree = ast.parse(source)
+    imported = any(isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron_gkd.parallel")
+                   and any(alias.name == "get_state" for alias in node.names) for node in ast.walk(tree))
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if (isinstance(func, ast.Attribute) and func.attr == "get_state" and isinstance(func.value, ast.Name)
+                and func.value.id == "parallel") or (imported and isinstance(func, ast.Name) and func.id == "get_state"):
+            lines.append(node.lineno)
+    return lines
+
+
+def _calls_without_state(source: str) -> list[int]:
+    """Lines that call :data:`STATE_TAKERS` without ``state=``."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            if name in STATE_TAKERS and not any(keyword.arg == "state" for keyword in node.keywords):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_parallel_state_is_passed_not_looked_up():
+    """Library code receives the ``ParallelState`` (its groups, the trainer's control group included) from the
+    entry point that built it, or from the model it was given (``HFModelInfo.parallel_state``); it does not look
+    up the process-wide one."""
+    lookups = [f"{path}:{line}" for path in _python_files() if path.startswith(LIBRARY) and not _is_entry_point(path)
+               for line in _state_lookups((ROOT / path).read_text())]
+    assert not lookups, "take the ParallelState as an argument (or from the model) instead of parallel.get_state():\n" \
+        + "\n".join(lookups)
+    unsaid = [f"{path}:{line}" for path in _python_files() if path.startswith(LIBRARY) and not _is_entry_point(path)
+              for line in _calls_without_state((ROOT / path).read_text())]
+    assert not unsaid, "pass state= to " + " / ".join(STATE_TAKERS) + ":\n" + "\n".join(unsaid)
+    groups = [f"{path}:{number}" for path in _python_files() if path.startswith(LIBRARY)
+              and not path.startswith(("parallel/", "megatron_gkd/weight_sync/", "megatron_gkd/rollout/disaggregated.py"))
+              for number, line in _code_lines(path) if "new_group(" in line]
+    assert not groups, "process groups are built in parallel/ (ParallelState), not here:\n" + "\n".join(groups)
+
+
+def test_state_lint_catches_violations():
+    assert _state_lookups("from megatron_gkd import parallel\nstate = parallel.get_state()\n") == [2]
+    assert _state_lookups("from megatron_gkd.parallel import get_state\nget_state()\n") == [2]
+    assert _state_lookups("import numpy as np\nnp.random.get_state()\n") == []
+    assert _calls_without_state("load_hf(path, dtype=d)\nmodels.build_model(c, state=s)\n") == [1]
+
+
 _MODE_NAMES = r"(?:on_policy|off_policy|sft|route|mixture)"
 MODE_COMPARISON = re.compile(r"\bmode\s*(?:[!=]=\s*[\"']" + _MODE_NAMES + r"[\"']|(?:not\s+)?in\s*\(\s*[\"']" + _MODE_NAMES + ")")
 # The classes that own a mode's name: the trainer modes' table and the teacher mix's section.
