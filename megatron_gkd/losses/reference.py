@@ -32,6 +32,22 @@ def _jsd(log_p: torch.Tensor, log_q: torch.Tensor, valid: torch.Tensor, beta: fl
     return beta * _kl(log_p, log_m, valid) + (1 - beta) * _kl(log_q, log_m, valid)
 
 
+def _support_divergence(loss_type: str, forward_kl, log_p_hat, log_q_hat, valid, options) -> torch.Tensor | None:
+    """The divergences on the teacher's support that the same-tokenizer and cross-tokenizer references share
+    (``forward_kl`` unrenormalised, the others on the renormalised support); None for another ``loss_type``."""
+    if loss_type == "forward_kl":
+        return forward_kl
+    reverse_kl = _kl(log_q_hat, log_p_hat, valid)
+    if loss_type == "reverse_kl":
+        return reverse_kl
+    if loss_type == "jsd":
+        return _jsd(log_p_hat, log_q_hat, valid, options.get("beta", 0.5))
+    if loss_type == "kl_rkl":
+        ratio = options.get("rkl_ratio", 0.1)
+        return (1 - ratio) * forward_kl + ratio * reverse_kl
+    return None
+
+
 def reference_distill_loss(
     full_logits: torch.Tensor,
     teacher_ids: torch.Tensor,
@@ -67,27 +83,18 @@ def reference_distill_loss(
     z_support = z.gather(1, ids)
     forward_kl = _kl(lp, log_q, valid)  # teacher not renormalised
     log_p_hat, log_q_hat = _renormalise(lp, valid), _renormalise(z_support, valid)
-    reverse_kl = _kl(log_q_hat, log_p_hat, valid)
-    if loss_type == "forward_kl":
-        value = forward_kl
-    elif loss_type == "reverse_kl":
-        value = reverse_kl
-    elif loss_type == "jsd":
-        value = _jsd(log_p_hat, log_q_hat, valid, options.get("beta", 0.5))
-    elif loss_type == "kl_rkl":
-        ratio = options.get("rkl_ratio", 0.1)
-        value = (1 - ratio) * forward_kl + ratio * reverse_kl
-    elif loss_type == "tcad":
+    value = _support_divergence(loss_type, forward_kl, log_p_hat, log_q_hat, valid, options)
+    if value is None and loss_type == "tcad":
         divergence = options.get("divergence", "forward_kl")
         if divergence == "forward_kl":
             value = _kl(log_p_hat, log_q_hat, valid)
         elif divergence == "reverse_kl":
-            value = reverse_kl
+            value = _kl(log_q_hat, log_p_hat, valid)
         else:
             value = _jsd(log_p_hat, log_q_hat, valid, options.get("alpha", 0.5))
         coverage = torch.logsumexp(z, -1) - torch.logsumexp(z_support.masked_fill(~valid, float("-inf")), -1)
         value = value + options.get("coverage_coef", 1.0) * coverage
-    else:
+    elif value is None:
         raise ValueError(f"no reference for loss_type {loss_type!r}")
     return value if all_rows else loss.index_put((rows,), value)
 
@@ -194,16 +201,7 @@ def reference_cross_vocab_loss(
     log_q = torch.log(torch.where(valid, q.gather(1, ids), torch.ones_like(lp)))  # log(0) has a NaN grad
     forward_kl = _kl(lp, log_q, valid)  # teacher not renormalised, q normalised over the student vocabulary
     log_p_hat, log_q_hat = _renormalise(lp, valid), _renormalise(log_q, valid)
-    reverse_kl = _kl(log_q_hat, log_p_hat, valid)
-    if loss_type == "forward_kl":
-        value = forward_kl
-    elif loss_type == "reverse_kl":
-        value = reverse_kl
-    elif loss_type == "jsd":
-        value = _jsd(log_p_hat, log_q_hat, valid, options.get("beta", 0.5))
-    elif loss_type == "kl_rkl":
-        ratio = options.get("rkl_ratio", 0.1)
-        value = (1 - ratio) * forward_kl + ratio * reverse_kl
-    else:
+    value = _support_divergence(loss_type, forward_kl, log_p_hat, log_q_hat, valid, options)
+    if value is None:
         raise ValueError(f"no cross-tokenizer reference for loss_type {loss_type!r}")
     return loss.index_put((rows,), value)
