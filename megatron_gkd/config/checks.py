@@ -12,16 +12,10 @@ import logging
 from megatron_gkd import platform
 from megatron_gkd.config.sample_mix import SampleMixConfig
 from megatron_gkd.planning.model import model_shape, read_config
-from megatron_gkd.teacher.clients import client_traits
+from megatron_gkd.teacher.backends import backend_names, backend_traits
+from megatron_gkd.teacher.clients import client_names, client_traits
 
 logger = logging.getLogger(__name__)
-
-# Teacher backends/clients that cannot score TCAD's per-row requested ids (vLLM: not on the CPU
-# runner; OpenAI-compatible servers: no such API).
-_NO_REQUESTED_IDS = {"vllm"}
-# Teacher backends that serve the top-k signal only (vLLM: its hidden states come from a pooling engine
-# without the output layer; docs/teacher_protocol.md "Backends").
-_NO_HIDDEN = {"vllm"}
 
 
 def teacher_configs(config) -> dict:
@@ -329,17 +323,20 @@ def _check_teacher(config, teacher, key: str) -> None:
     if config.teachers and not teacher.enabled:
         _fail(f"{key}.client is not set (it is {teacher.client!r}): every teacher in `teachers` needs a client, e.g. "
               f"{key}.client=zmq with {key}.address=tcp://HOST:PORT or {key}.serve.model=DIR")
-    backend = teacher.serve.backend if teacher.serve.model is not None else None
-    if loss.type == "tcad" and teacher.signal == "topk" and backend in _NO_REQUESTED_IDS:
+    backend = teacher.serve.backend if teacher.serve.model is not None else None  # a service the run starts
+    served = backend_traits(backend) if backend is not None else None
+    if loss.type == "tcad" and teacher.signal == "topk" and served is not None and not served.requested_ids:
+        able = " or ".join(name for name in backend_names() if backend_traits(name).requested_ids)
         _fail(f"loss.type=tcad scores the teacher at the student's top-k ids, which {key}.serve.backend="
-              f"{backend} cannot do; use {key}.serve.backend=hf or megatron")
+              f"{backend} cannot do; use {key}.serve.backend={able}")
     traits = client_traits(teacher.client) if teacher.enabled else None
     if loss.type == "tcad" and teacher.signal == "topk" and traits is not None and not traits.requested_ids:
         _fail(f"loss.type=tcad scores the teacher at the student's top-k ids, which {traits.description} "
               f"cannot do; use {key}.client=zmq with an hf or megatron backend, or {key}.client=local")
-    if teacher.signal == "hidden" and backend in _NO_HIDDEN:
-        _fail(f"{key}.signal=hidden needs the teacher's final hidden states, which {key}.serve.backend={backend} "
-              f"cannot return; use {key}.serve.backend=hf or megatron, or {key}.signal=topk")
+    if served is not None and teacher.signal not in served.signals:
+        able = " or ".join(name for name in backend_names() if teacher.signal in backend_traits(name).signals)
+        _fail(f"{key}.signal={teacher.signal} needs the teacher's final hidden states, which {key}.serve.backend="
+              f"{backend} cannot return; use {key}.serve.backend={able}, or {key}.signal=topk")
     if traits is not None and teacher.signal not in traits.signals:
         _fail(f"{key}.signal={teacher.signal} needs the teacher's final hidden states, which {traits.description} "
               f"cannot return; use {key}.client=zmq with {key}.serve.backend=hf or megatron, or "
@@ -380,12 +377,6 @@ def _check_teacher_mix(config, teachers: dict) -> None:
             logger.warning("teacher_mix.routes / teacher_mix.default have no effect with teacher_mix.mode=mixture")
 
 
-# Teachers that serve temperature 1.0 only, by how they are reached: vLLM's prompt log-probs are the raw
-# distribution, and an OpenAI-compatible server returns those; the top-k alone cannot be re-tempered
-# exactly (softmax(logits / T) needs the log-partition of the whole vocabulary at T).
-_TEMPERATURE_ONE_ONLY = {"vllm": "serve.backend=vllm", "openai": "client=openai"}
-
-
 def _check_temperature(config, teacher, key: str) -> None:
     """The teacher is ``softmax(logits / teacher.temperature)``, the student ``softmax(logits / loss.temperature)``.
 
@@ -394,11 +385,14 @@ def _check_temperature(config, teacher, key: str) -> None:
     another, which users of other trainers ran for weeks without noticing (docs/teacher_protocol.md
     "Temperature"). A warning, not an error: a sharper or softer teacher can be meant.
     """
-    backend = teacher.serve.backend if teacher.serve.model is not None else teacher.client
-    if teacher.temperature != 1.0 and backend in _TEMPERATURE_ONE_ONLY:
-        fix = (f"{key}.serve.backend=hf or megatron" if backend == "vllm"
-               else f"{key}.client=zmq with {key}.serve.backend=hf or megatron")
-        _fail(f"{key}.temperature={teacher.temperature}: a teacher reached with {key}.{_TEMPERATURE_ONE_ONLY[backend]} "
+    served = teacher.serve.model is not None  # the run starts the service: its backend decides
+    reached = f"serve.backend={teacher.serve.backend}" if served else f"client={teacher.client}"
+    any_temperature = (backend_traits(teacher.serve.backend) if served else client_traits(teacher.client)).any_temperature
+    if teacher.temperature != 1.0 and not any_temperature:
+        backends = " or ".join(name for name in backend_names() if backend_traits(name).any_temperature)
+        clients = [name for name in client_names() if client_traits(name).served_option and client_traits(name).any_temperature]
+        fix = f"{key}.serve.backend={backends}" if served else f"{key}.client={clients[0]} with {key}.serve.backend={backends}"
+        _fail(f"{key}.temperature={teacher.temperature}: a teacher reached with {key}.{reached} "
               f"gives log-probs at temperature 1.0 only; use {fix}, or {key}.temperature=1.0 (with loss.temperature=1.0)")
     if needs_teacher(config) and config.loss.temperature != teacher.temperature:
         logger.warning("loss.temperature=%s (the student's softmax(logits / T)) differs from %s.temperature=%s (the "

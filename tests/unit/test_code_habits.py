@@ -267,6 +267,24 @@ def test_teacher_clients_are_asked_not_compared():
     assert CLIENT_COMPARISON.search('teacher.client == "openai"') and CLIENT_COMPARISON.search("client in ('none',")
 
 
+BACKEND_COMPARISON = re.compile(r"\bbackend\s*(?:[!=]=\s*[\"']\w+[\"']|(?:not\s+)?in\s*(?:[\(\[\{]\s*[\"']|_?[A-Z]))")
+# Where the checks and the trainer decide what a teacher backend can do. (The launcher's deployment recipes are per
+# backend by nature: a torchrun per node, a Ray cluster, one process; platform/ and the weight-sync transports
+# compare torch.distributed's backends, another registry.)
+BACKEND_ASKERS = ("megatron_gkd/config/", "megatron_gkd/trainer/", "megatron_gkd/planning/", "megatron_gkd/teacher/clients/")
+
+
+def test_teacher_backends_are_asked_not_compared():
+    """What a teacher backend can do is declared where it is registered (``BackendTraits``); the config's checks and
+    the trainer ask ``backend_traits(name)``, never compare the name or key a table on it."""
+    offenders = [f"{path}:{number}: {line.strip()}" for path in _python_files()
+                 if path.startswith(BACKEND_ASKERS)
+                 for number, line in _code_lines(path) if BACKEND_COMPARISON.search(line)]
+    assert not offenders, "\n".join(offenders)
+    assert BACKEND_COMPARISON.search('if backend == "vllm":') and BACKEND_COMPARISON.search("backend in _TEMPERATURE_ONE")
+    assert BACKEND_COMPARISON.search("serve.backend not in ('hf',") and not BACKEND_COMPARISON.search('backend == other')
+
+
 LOOP = "megatron_gkd/trainer/loop.py"
 LOOP_MAX_LINES = 320
 # The trainer's parts are built in components.py and passed in: the loop neither sets their members nor reads

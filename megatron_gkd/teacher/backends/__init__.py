@@ -121,15 +121,50 @@ class DelayedBackend(TeacherBackend):
         self._backend.follow()
 
 
+@dataclasses.dataclass(frozen=True)
+class BackendTraits:
+    """What a teacher backend can do, declared where it is registered (its module is imported only when one is
+    built). The config's checks ask these; nothing compares a backend's name.
+
+    Attributes:
+        any_temperature: it scores at any ``teacher.temperature`` (``softmax(logits / T)`` over the whole
+            vocabulary); False: at 1.0 only (vLLM's prompt log-probs are the raw distribution, and its top-k alone
+            cannot be re-tempered exactly: that needs the log-partition of the whole vocabulary at T).
+        requested_ids: it scores ids the student asks for (TCAD's support; vLLM's CPU runner cannot).
+        signals: the teacher signals it returns (``topk``, ``hidden``; vLLM's hidden states come from a pooling
+            engine without the output layer: docs/teacher_protocol.md "Backends").
+    """
+
+    any_temperature: bool = True
+    requested_ids: bool = True
+    signals: tuple[str, ...] = ("topk", "hidden")
+
+
 BACKENDS: Registry[type[TeacherBackend]] = Registry("teacher backend", config_key="--backend")
-BACKENDS.register("hf", "megatron_gkd.teacher.backends.hf:HFBackend")
-BACKENDS.register("vllm", "megatron_gkd.teacher.backends.vllm:VLLMBackend")
-BACKENDS.register("megatron", "megatron_gkd.teacher.backends.megatron:MegatronBackend")
+BACKEND_TRAITS: dict[str, BackendTraits] = {}
 
 
-def register_backend(name: str, target: str) -> None:
-    """Registers ``"module:Class"`` under ``name`` (plugins: ``--backend-module`` imports them)."""
+def register_backend(name: str, target: str, traits: BackendTraits = BackendTraits()) -> None:  # noqa: B008 - frozen
+    """Registers ``"module:Class"`` under ``name`` with what it can do (plugins: ``--backend-module`` imports them)."""
     BACKENDS.register(name, target)
+    BACKEND_TRAITS[name] = traits
+
+
+register_backend("hf", "megatron_gkd.teacher.backends.hf:HFBackend")
+register_backend("vllm", "megatron_gkd.teacher.backends.vllm:VLLMBackend",
+                 BackendTraits(any_temperature=False, requested_ids=False, signals=("topk",)))
+register_backend("megatron", "megatron_gkd.teacher.backends.megatron:MegatronBackend")
+
+
+def backend_traits(name: str) -> BackendTraits:
+    """The traits of the backend registered as ``name``.
+
+    Raises:
+        ValueError: unknown name (the message lists the registered ones).
+    """
+    if name not in BACKEND_TRAITS:
+        raise BACKENDS.unknown(name)
+    return BACKEND_TRAITS[name]
 
 
 def backend_names() -> list[str]:

@@ -212,6 +212,9 @@ class ClientTraits:
         token_logprobs: it returns the teacher's log-prob of each response token (the advantage-side and
             teacher-only forms of ``rl.combine`` read nothing else).
         generates: it can ask its teacher for responses (``generate``; GKD's teacher-written data).
+        any_temperature: it gets the teacher's log-probs at any ``teacher.temperature``; False: at 1.0 only (an
+            OpenAI-compatible server returns the raw distribution's top-k). A service's backend has its own traits
+            (``BackendTraits``).
     """
 
     description: str
@@ -224,6 +227,7 @@ class ClientTraits:
     fills_cache: bool = False
     token_logprobs: bool = True
     generates: bool = False
+    any_temperature: bool = True
 
 
 CLIENTS: Registry[type[TeacherClient]] = Registry("teacher client", config_key="teacher.client")
@@ -257,7 +261,7 @@ register_client("zmq", "megatron_gkd.teacher.clients.zmq_client:ZmqTeacherClient
 register_client("openai", "megatron_gkd.teacher.clients.openai_client:OpenAITeacherClient", ClientTraits(
     "an OpenAI-compatible server", required=(("base_url", "the server's URL (e.g. http://host:8000)"),),
     options=("base_url", "model", "teacher_tokenizer", "api_key"), signals=("topk",), requested_ids=False,
-    fills_cache=True, generates=True))
+    fills_cache=True, generates=True, any_temperature=False))
 register_client("local", "megatron_gkd.teacher.clients.local:LocalTeacherClient", ClientTraits(
     "the colocated Megatron teacher", required=(("checkpoint", "a HF checkpoint directory"),),
     options=("checkpoint", "offload"), collective=True))
