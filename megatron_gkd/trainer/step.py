@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import types
 from functools import partial
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -22,8 +22,13 @@ from megatron_gkd.trainer.batch import MicroBatch
 from megatron_gkd.trainer.metrics import teacher_suffix
 
 
-def _first(specs) -> "LossSpec":
-    return next(iter(specs.values())) if isinstance(specs, dict) else specs
+def spec_for(specs: "LossSpecs", name: str | None = None) -> "LossSpec":
+    """One teacher's spec: ``specs`` is one :class:`LossSpec` for every teacher (and for cross-entropy) or one per
+    teacher by name (:func:`loss_specs`); without ``name``, the first teacher's (what the forward captures is the
+    same for every teacher)."""
+    if isinstance(specs, LossSpec):
+        return specs
+    return specs[name] if name is not None else next(iter(specs.values()))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -119,7 +124,11 @@ class PolicySpec:
 MAX_STATS = ("mismatch/max_ratio", "mismatch/max_inverse_ratio")
 
 
-def loss_specs(loss, mode, teachers, real_vocab_size: int):
+LossSpecs = Union[LossSpec, Mapping[str, LossSpec]]
+"""What the step runs: one :class:`LossSpec` for every teacher (or cross-entropy), or one per teacher by name."""
+
+
+def loss_specs(loss, mode, teachers, real_vocab_size: int) -> LossSpecs:
     """The loss of ``mode``: one :class:`LossSpec` per teacher by name (one cross-entropy spec where the mode does
     not distil)."""
     if not mode.distills:
@@ -226,7 +235,7 @@ class StepRunner:
         microbatch: MicroBatch = next(data_iterator)
         device = next(model.parameters()).device
         tokens, position_ids = microbatch.tokens.to(device), microbatch.position_ids.to(device)
-        spec = _first(specs)  # what the forward captures is the same for every teacher
+        spec = spec_for(specs)  # what the forward captures is the same for every teacher
         routing = self._routing_padding_mask(model, microbatch, device)
         if spec.kind == "cross_entropy":
             labels = microbatch.labels.to(device) if microbatch.labels is not None else None
@@ -263,7 +272,7 @@ class StepRunner:
         mask = microbatch.loss_mask.to(device)
         stats: dict[str, torch.Tensor] = {"tokens": mask.sum().double()}
         sampled = None  # the policy gradient's token log-probs, when they came from the first teacher's pass
-        if _first(specs).kind == "cross_entropy":
+        if spec_for(specs).kind == "cross_entropy":
             per_token = torch.where(mask, output.float(), torch.zeros_like(output, dtype=torch.float32))
             contribution = (per_token * microbatch.coefficients.to(device=device, dtype=per_token.dtype)).sum()
         else:
@@ -271,7 +280,7 @@ class StepRunner:
             several = len(microbatch.teachers) > 1
             riding = self._tokens_riding_along(specs, microbatch)
             for share in microbatch.teachers:
-                spec = specs[share.name] if isinstance(specs, dict) else specs
+                spec = spec_for(specs, share.name)
                 tokens = microbatch.policy.token_ids.to(device) if riding and sampled is None else None
                 part, part_stats = self._teacher_loss(spec, share.to(device), captured, output, mask, tokens)
                 sampled = part_stats.pop("token_logprobs", sampled)
@@ -311,7 +320,7 @@ class StepRunner:
         if self.policy is None or microbatch.policy is None or not microbatch.teachers:
             return False
         first = microbatch.teachers[0].name
-        spec = specs[first] if isinstance(specs, dict) else specs
+        spec = spec_for(specs, first)
         return spec.signal == "topk" and spec.fused == self.policy.fused and spec.temperature == self.policy.temperature
 
     def _teacher_loss(self, spec: LossSpec, share, captured, output: torch.Tensor, mask: torch.Tensor,
@@ -430,7 +439,7 @@ class StepRunner:
     def _token_metrics(metrics: dict, mask: torch.Tensor) -> dict:
         return {key: torch.where(mask, value, torch.zeros_like(value)).sum().double() for key, value in metrics.items()}
 
-    def run(self, spec, microbatches: Sequence[MicroBatch], *, forward_only: bool) -> dict[str, float] | None:
+    def run(self, spec: "LossSpecs", microbatches: Sequence[MicroBatch], *, forward_only: bool) -> dict[str, float] | None:
         """Forward (and backward) of ``microbatches``; the statistics summed over micro-batches and DP
         ranks on the last stage (``loss``: this step's loss; with several teachers also ``KEY/NAME`` per
         teacher), ``None`` elsewhere.
@@ -464,7 +473,7 @@ class StepRunner:
         return {**{key: float(totals[index]) for index, key in enumerate(summed)},
                 **{key: float(maxima[index]) for index, key in enumerate(largest)}}
 
-    def train_step(self, spec: LossSpec, microbatches: Sequence[MicroBatch]) -> tuple[dict[str, float] | None, dict]:
+    def train_step(self, spec: "LossSpecs", microbatches: Sequence[MicroBatch]) -> tuple[dict[str, float] | None, dict]:
         """One optimizer step; returns the loss statistics (last stage) and ``{grad_norm, lr}``.
 
         Raises:
