@@ -191,6 +191,10 @@ def _check_sample_mix(config, teachers: dict) -> None:
               + ("" if config.teachers else " (a single `teacher` section is named 'teacher'; or leave it null)"))
     name = name or next(iter(teachers))
     teacher = teachers[name]
+    if teacher.cross_tokenizer.enabled:
+        _fail(f"sample_mix.source=teacher trains the student on the teacher's responses, which "
+              f"{teacher_key(config, name)} (another tokenizer: cross_tokenizer.method) writes in its own ids; use "
+              "sample_mix.source=dataset, or a teacher of the student's tokenizer")
     if not client_traits(teacher.client).generates:
         _fail(f"sample_mix.source=teacher asks the teacher for responses, which "
               f"{teacher_key(config, name)}.client={teacher.client!r} cannot do; use {teacher_key(config, name)}"
@@ -343,6 +347,29 @@ def _check_teacher(config, teacher, key: str) -> None:
               f"{key}.client=local, or {key}.signal=topk")
     if not trainer.run_mode.distills and not eval_enabled(config):
         logger.warning("%s.* has no effect in trainer.mode=sft without eval (it is only used for eval's KL)", key)
+    if teacher.enabled and teacher.cross_tokenizer.enabled:
+        _check_cross_tokenizer(config, teacher, key)
+
+
+def _check_cross_tokenizer(config, teacher, key: str) -> None:
+    """What a teacher of another tokenizer (``cross_tokenizer.method``) can be used for today (docs/running.md)."""
+    where = f"{key}.cross_tokenizer.method={teacher.cross_tokenizer.method}"
+    if teacher.tokenizer_source is None:
+        _fail(f"{where} needs the teacher's tokenizer: set {key}.cross_tokenizer.tokenizer=DIR (its HF tokenizer "
+              "directory)")
+    if config.loss.type == "tcad":
+        _fail(f"{where}: loss.type=tcad has no cross-tokenizer form (its support is the student's own top-k, which the "
+              "teacher would have to score through the inverse map); use forward_kl, reverse_kl, jsd or kl_rkl")
+    if teacher.signal != "topk":
+        _fail(f"{where} compares the teacher's top-k in its own vocabulary: set {key}.signal=topk (the hidden signal's "
+              "cross-tokenizer form is not built yet)")
+    if client_traits(teacher.client).collective or teacher.client == "cache":
+        _fail(f"{where}: {key}.client={teacher.client} reads the student's token ids; a teacher of another tokenizer "
+              f"is asked through its own ids: use {key}.client=zmq or openai")
+    if config.rl.enabled and config.rl.combination.teacher_in_advantage:
+        _fail(f"{where}: rl.combine={config.rl.combine!r} reads the teacher's log-prob of each sampled student token, "
+              "which a teacher of another tokenizer has only where the tokens align; use rl.combine=loss or "
+              "rl.combine=null")
 
 
 def _check_teacher_mix(config, teachers: dict) -> None:

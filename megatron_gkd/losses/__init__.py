@@ -25,6 +25,8 @@ token log-probs), :func:`rollout_mismatch` (trainer vs sampler log-probs).
 """
 
 from megatron_gkd.losses.advantages import BatchCounts, aggregation_coefficients, group_advantages
+from megatron_gkd.losses.cross_vocab import cross_vocab_distill_loss
+from megatron_gkd.losses.cross_vocab_fused import fused_cross_vocab_distill_loss
 from megatron_gkd.losses.fused import fused_vocab_parallel_distill_loss
 from megatron_gkd.losses.hidden import hidden_distill_loss, hidden_token_logprobs
 from megatron_gkd.losses.policy_gradient import (
@@ -45,6 +47,8 @@ from megatron_gkd.losses.token_logprobs import fused_vocab_parallel_token_logpro
 from megatron_gkd.losses.vocab_parallel import vocab_parallel_distill_loss, vocab_parallel_topk
 
 __all__ = [
+    "cross_vocab_distill_loss",
+    "fused_cross_vocab_distill_loss",
     "BatchCounts",
     "PolicyGradientOptions",
     "SupportInputs",

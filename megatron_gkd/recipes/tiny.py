@@ -106,6 +106,68 @@ def build_assets(out: str | pathlib.Path, *, vocab_size: int = 512, num_train: i
     return out
 
 
+def _save_tokenizer(core, directory: str | pathlib.Path):
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                        pad_token="<unk>")
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def build_cross_teachers(assets: str | pathlib.Path, out: str | pathlib.Path, *, seed: int = 5) -> pathlib.Path:
+    """Teachers of other tokenizers than the tiny assets' (``assets``, :func:`build_assets`) for cross-tokenizer runs,
+    under ``out`` (skipped when ``out/READY`` exists):
+
+    * ``permuted``: the tiny teacher itself behind a tokenizer that numbers the same words in another order (its
+      embedding and output rows permuted with them). It is the same model over the same text, so a cross-tokenizer run
+      against it must equal a same-tokenizer run against the tiny teacher (the map ``W`` is a permutation).
+    * ``chars``: a random Qwen3 over a character tokenizer (``w``, the ten digits and the specials): every student
+      word ``w123`` is several teacher tokens (1:n groups), whitespace dropped on both sides like the student's.
+    """
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    assets, out = pathlib.Path(assets), pathlib.Path(out)
+    if (out / "READY").exists():
+        return out
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    student = AutoTokenizer.from_pretrained(assets / "student")
+    vocab = student.get_vocab()
+    words = sorted((w for w in vocab if w not in SPECIAL_TOKENS), key=vocab.get)
+    order = np.random.default_rng(seed).permutation(len(words))
+    permuted = {word: i for i, word in enumerate(SPECIAL_TOKENS)}
+    permuted.update({words[j]: len(SPECIAL_TOKENS) + i for i, j in enumerate(order)})
+    core = Tokenizer(models.WordLevel(permuted, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    target = out / "permuted"
+    shutil.copytree(assets / "teacher", target, dirs_exist_ok=True)
+    for stale in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (target / stale).unlink(missing_ok=True)
+    _save_tokenizer(core, target)
+    # Row of teacher id t = the tiny teacher's row of the word the permuted tokenizer numbers t.
+    rows = torch.tensor([vocab[w] for w in sorted(permuted, key=permuted.get)], dtype=torch.int64)
+    weights = target / "model.safetensors"
+    tensors = load_file(weights)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        table = tensors[name]
+        tensors[name] = torch.cat([table[rows], table[len(rows):]]).contiguous()
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+    characters = SPECIAL_TOKENS + ["w"] + [str(d) for d in range(10)]
+    core = Tokenizer(models.WordLevel({c: i for i, c in enumerate(characters)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                  pre_tokenizers.Split(Regex("."), behavior="isolated")])
+    build_checkpoint(out / "chars", vocab_size=len(characters), hidden_size=128, num_layers=2, num_heads=2,
+                     intermediate_size=256, seed=seed)
+    _save_tokenizer(core, out / "chars")
+    (out / "READY").write_text("cross-tokenizer teachers: permuted, chars\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="outputs/tiny_assets")

@@ -9,6 +9,7 @@ from typing import Any
 
 from megatron_gkd.teacher.clients import CLIENT_TRAITS, CLIENTS, RetryPolicy, TeacherClient, client_traits
 from megatron_gkd.teacher.types import HIDDEN_DTYPES, TEACHER_SIGNALS
+from megatron_gkd.xtok.config import CrossTokenizerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,9 @@ class TeacherConfig:
             with its logits scaled up to 58 and 116 (bf16 rounding grows with ``|logit| / temperature``); the head
             of the same model with another seed 5.5-16.6, a hidden row scaled by 1e4 2.6e4-1.4e5
             (:mod:`megatron_gkd.trainer.head_check`).
+        cross_tokenizer: a teacher of another tokenizer (:class:`~megatron_gkd.xtok.config.CrossTokenizerConfig`):
+            ``cross_tokenizer.method`` (``projected`` or ``hybrid``) enables cross-tokenizer distillation; unset, a
+            teacher whose tokenizer differs from the student's is refused at start-up.
     """
 
     client: str = NO_TEACHER
@@ -138,6 +142,7 @@ class TeacherConfig:
     head_checkpoint: str | None = None
     head_check_interval: int = 10
     head_check_tolerance: float = 1.0
+    cross_tokenizer: CrossTokenizerConfig = dataclasses.field(default_factory=CrossTokenizerConfig)
 
     def __post_init__(self):
         if self.signal not in TEACHER_SIGNALS:
@@ -191,6 +196,12 @@ class TeacherConfig:
     def head_source(self) -> str | None:
         """The checkpoint whose output layer turns hidden states into the teacher's logits."""
         return self.head_checkpoint or self.serve.model or self.checkpoint
+
+    @property
+    def tokenizer_source(self) -> str | None:
+        """Where a cross-tokenizer run reads the teacher's tokenizer: ``cross_tokenizer.tokenizer``, else the teacher's
+        own checkpoint directory or ``teacher_tokenizer``."""
+        return self.cross_tokenizer.tokenizer or self.serve.model or self.checkpoint or self.teacher_tokenizer
 
     @property
     def enabled(self) -> bool:

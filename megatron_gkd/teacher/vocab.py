@@ -3,7 +3,9 @@
 Embedding tables are often padded past the tokenizer (Qwen: 151936 vs 152064 rows); those extra ids are
 never real tokens. Teacher and student agree when their tokenizers map the same strings to the same
 ids; then ids at or past the tokenizer's size are ignored (dropped from the teacher's top-k with a log
-line). Different tokenizers are an error: a divergence over mismatched ids is meaningless.
+line). Different tokenizers are an error (a divergence over mismatched ids is meaningless) unless the run asks for
+cross-tokenizer distillation (``teacher.cross_tokenizer.method``, :mod:`megatron_gkd.xtok`): then the teacher's ids
+are its own vocabulary's, and ids at or past the teacher's tokenizer size are dropped.
 """
 
 from __future__ import annotations
@@ -37,15 +39,18 @@ class VocabAlignment:
             are dropped from outputs.
         teacher_vocab_size: rows of the teacher's output layer.
         student_vocab_size: rows of the student's output layer.
+        cross: the teacher's tokenizer is another (cross-tokenizer distillation): ``real_vocab_size`` is the
+            teacher tokenizer's size, and teacher ids never index the student's vocabulary.
     """
 
     real_vocab_size: int
     teacher_vocab_size: int
     student_vocab_size: int
+    cross: bool = False
 
 
 def check_vocab(*, teacher_vocab_size: int, teacher_tokenizer_size: int, teacher_digest: str,
-                student_vocab_size: int, student_tokenizer: Any) -> VocabAlignment:
+                student_vocab_size: int, student_tokenizer: Any, cross_tokenizer=None) -> VocabAlignment:
     """Compares teacher and student vocabularies.
 
     Args:
@@ -53,17 +58,26 @@ def check_vocab(*, teacher_vocab_size: int, teacher_tokenizer_size: int, teacher
             (:class:`~megatron_gkd.teacher.backends.BackendInfo`).
         student_vocab_size: rows of the student's (possibly padded) output layer.
         student_tokenizer: the student's HF tokenizer.
+        cross_tokenizer: the teacher's :class:`~megatron_gkd.xtok.config.CrossTokenizerConfig` (None: unset).
 
     Raises:
-        ValueError: the tokenizers differ, or a tokenizer defines ids past its embedding table.
+        ValueError: the tokenizers differ and the run did not ask for cross-tokenizer distillation (the message
+            names the key that does), or a tokenizer defines ids past its embedding table.
     """
+    from megatron_gkd.xtok.config import CrossTokenizerConfig, check_tokenizers
+
     student_size, student_digest = len(student_tokenizer), tokenizer_digest(student_tokenizer)
-    if (student_size, student_digest) != (teacher_tokenizer_size, teacher_digest):
-        raise ValueError(
-            f"tokenizer mismatch: the teacher's tokenizer ({teacher_tokenizer_size} tokens, digest "
-            f"{teacher_digest[:12]}) differs from the student's ({student_size} tokens, digest "
-            f"{student_digest[:12]}); distillation needs the same tokenizer on both sides"
-        )
+    same = (student_size, student_digest) == (teacher_tokenizer_size, teacher_digest)
+    cross = check_tokenizers(cross_tokenizer or CrossTokenizerConfig(), student_digest=student_digest,
+                             teacher_digest=teacher_digest if same else f"{teacher_digest}/{teacher_tokenizer_size}")
+    if cross:
+        if teacher_vocab_size < teacher_tokenizer_size:
+            raise ValueError(f"the teacher's output layer has {teacher_vocab_size} rows but its tokenizer defines "
+                             f"{teacher_tokenizer_size} ids; the checkpoint does not belong to its tokenizer")
+        logger.info("cross-tokenizer teacher: %d-id tokenizer (digest %s), student %d ids (digest %s)",
+                    teacher_tokenizer_size, teacher_digest[:12], student_size, student_digest[:12])
+        return VocabAlignment(real_vocab_size=teacher_tokenizer_size, teacher_vocab_size=teacher_vocab_size,
+                              student_vocab_size=student_vocab_size, cross=True)
     for side, rows in (("teacher", teacher_vocab_size), ("student", student_vocab_size)):
         if rows < student_size:
             raise ValueError(f"the {side} output layer has {rows} rows but the tokenizer defines "

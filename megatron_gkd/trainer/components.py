@@ -83,6 +83,29 @@ def build_teacher_head(teacher, state, student: Student, tokenizer) -> torch.Ten
     return head
 
 
+def build_cross_tokenizer(teacher, state, student: Student, tokenizer):
+    """``(CrossTokenizer, this rank's ProjectionShard or None)`` of ``teacher`` (a teacher config section) when it asks
+    for cross-tokenizer distillation, else ``(None, None)``. The map is built from the two tokenizers (seconds for two
+    150k vocabularies) or loaded (``cross_tokenizer.projection_map``) on every rank: each rank asks or computes."""
+    if not (teacher.enabled and teacher.cross_tokenizer.enabled):
+        return None, None
+    from megatron_gkd import platform
+    from megatron_gkd.data import load_tokenizer
+    from megatron_gkd.xtok.request import CrossTokenizer
+
+    if teacher.tokenizer_source is None:
+        raise ValueError("teacher.cross_tokenizer.method is set but the teacher's tokenizer is unknown: set "
+                         "teacher.cross_tokenizer.tokenizer=DIR (an HF tokenizer directory)")
+    cross = CrossTokenizer(teacher.cross_tokenizer, tokenizer, load_tokenizer(teacher.tokenizer_source),
+                           student_vocab_size=student.vocab_size)
+    shard = None
+    if state.is_pipeline_last_stage:
+        tp = state.config.tensor_model_parallel_size
+        shard = cross.shard(tp_rank=state.tp_rank, tp_size=tp, vocab_size_local=student.vocab_size // tp,
+                            device=platform.device())
+    return cross, shard
+
+
 def stop_token_ids(config: GKDConfig, tokenizer) -> tuple[int, ...]:
     """``rollout.stop_token_ids`` plus the tokenizer's EOS (the engine is given token ids, not text)."""
     ids = list(config.rollout.stop_token_ids)
@@ -165,16 +188,17 @@ def teacher_check(config: GKDConfig, tokenizer, student_vocab_size: int, tcad: d
     def check(teacher) -> None:
         check_teacher(teacher.client, config, tokenizer, student_vocab_size, tcad=tcad[teacher.name] is not None,
                       teacher_hidden_size=None if teacher.head is None else int(teacher.head.shape[1]),
-                      teacher=teacher.config, generates=teacher.name == generating_teacher(config))
+                      teacher=teacher.config, generates=teacher.name == generating_teacher(config), cross=teacher.cross)
 
     return check
 
 
 def check_teacher(client, config: GKDConfig, tokenizer, student_vocab_size: int, tcad: bool,
-                  teacher_hidden_size: int | None = None, teacher=None, generates: bool = False) -> None:
+                  teacher_hidden_size: int | None = None, teacher=None, generates: bool = False, cross=None) -> None:
     """Start-up checks against a teacher (``teacher``: its config section, default ``config.teacher``): vocabulary
     alignment, k, requested ids, temperature, and whether it can write responses (``generates``: GKD's mixture asks
-    it to, ``sample_mix.source=teacher``; checked now rather than at the first batch drawn for it, maybe far in).
+    it to, ``sample_mix.source=teacher``; checked now rather than at the first batch drawn for it, maybe far in;
+    ``cross``: the teacher's :class:`~megatron_gkd.xtok.request.CrossTokenizer`, whose tokenizer must be the teacher's).
 
     Raises:
         ValueError: the teacher cannot serve this run (the message names the key and the fix).
@@ -183,8 +207,12 @@ def check_teacher(client, config: GKDConfig, tokenizer, student_vocab_size: int,
     check_run = getattr(client, "check_run", None)
     if check_run is not None:  # a client answering from stored data (a teacher cache) refuses another run's
         check_run(config, tokenizer, teacher=teacher)
-    client.align_vocab(tokenizer, student_vocab_size)
     teacher = teacher if teacher is not None else config.teacher
+    client.align_vocab(tokenizer, student_vocab_size, teacher.cross_tokenizer)
+    if cross is not None and info.tokenizer_digest not in (None, cross.teacher_digest):
+        raise ValueError(f"teacher.cross_tokenizer.tokenizer={teacher.tokenizer_source} (digest "
+                         f"{cross.teacher_digest[:12]}) is not the teacher's own tokenizer (digest "
+                         f"{info.tokenizer_digest[:12]}): point it at the teacher's tokenizer directory")
     if teacher.top_k > info.max_top_k:
         raise ValueError(f"teacher.top_k={teacher.top_k} exceeds what the teacher serves (max {info.max_top_k}); lower "
                          "it or raise the teacher's max_top_k")

@@ -9,6 +9,7 @@ rank at the same point (:func:`megatron_gkd.parallel.comm.agree`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 
@@ -21,7 +22,7 @@ from megatron_gkd.config import needs_teacher
 from megatron_gkd.config.checks import generating_teacher
 from megatron_gkd.parallel.comm import agree, all_gather_msgpack, broadcast_msgpack
 from megatron_gkd.rollout.types import RolloutBatch
-from megatron_gkd.teacher import GenerateBatch
+from megatron_gkd.teacher import GenerateBatch, ScoreBatch
 from megatron_gkd.trainer.batch import (
     TCADSpec,
     TeacherRows,
@@ -254,12 +255,36 @@ class BatchFlow:
             config, indices = teacher.config, plan[teacher.name]
             if not indices or not self.asks(teacher) or local not in (None, teacher.local) or teacher.name in skip:
                 continue
+            if teacher.cross is not None:
+                requests[teacher.name] = self._cross_request(teacher, [samples[i] for i in indices], indices)
+                continue
             batch = score_batch([samples[i] for i in indices], top_k=config.top_k, temperature=config.temperature,
                                 vocab_size=len(self.tokenizer),
                                 request_student_topk=tcad and self.tcad[teacher.name] is not None,
                                 signal=config.signal, hidden_dtype=config.hidden_dtype)
             requests[teacher.name] = Request(indices, teacher.client.score_async(batch))
         return requests
+
+    @staticmethod
+    def _cross_request(teacher, samples, indices: list[int]) -> Request:
+        """A teacher of another tokenizer is asked the samples' text in its own ids (:mod:`megatron_gkd.xtok.request`);
+        its rows come back on the student's response positions."""
+        config, cross = teacher.config, teacher.cross
+        translated = [cross.translate(sample.tokens.numpy(), sample.prompt_len) for sample in samples]
+        batch = ScoreBatch(sequences=[t.sequence for t in translated], top_k=config.top_k,
+                           temperature=config.temperature, signal=config.signal, hidden_dtype=config.hidden_dtype)
+        asked = teacher.client.score_async(batch)
+        moved: concurrent.futures.Future = concurrent.futures.Future()
+
+        def done(future) -> None:
+            try:
+                moved.set_result([cross.student_output(output, t) for output, t in zip(future.result(), translated,
+                                                                                       strict=True)])
+            except BaseException as caught:  # noqa: BLE001 - the step's wait raises it
+                moved.set_exception(caught)
+
+        asked.add_done_callback(done)
+        return Request(indices, moved, translated=translated)
 
     def teacher_outputs(self, requests: dict[str, Request] | None) -> dict[str, list]:
         """Every teacher's outputs of this rank's requests; every rank stops if any rank's request failed (with
@@ -350,6 +375,7 @@ class BatchFlow:
             prefix = f"teacher{self.teachers.suffix(name)}/"
             metrics.update({f"{prefix}latency_s": float(latency[index]), f"{prefix}tokens_scored": float(counts[index, 0]),
                             f"{prefix}retries": float(counts[index, 1])})
+        metrics.update(self._alignment_metrics(requests))
         if self.teachers.several:
             metrics["teacher/retries"] = float(counts[:, 1].sum())
             # Which prompts each teacher scored this step: a record of the routing, per sample.
@@ -358,6 +384,33 @@ class BatchFlow:
             for name in names:
                 scored = {index for part in all_gather_msgpack(asked.get(name, []), self.control) for index in part}
                 metrics[f"teacher/{name}/prompts"] = sorted(scored)
+        return metrics
+
+    def _alignment_metrics(self, requests: dict[str, Request]) -> dict[str, float]:
+        """Per cross-tokenizer teacher: the share of the step's response tokens in each kind of aligned group
+        (``xtok/share/<kind>``), the share compared with the teacher (``xtok/compared``) and the samples left unaligned
+        (``xtok/unaligned_samples``), summed over the ranks that ask it. Collective over every rank when the run has
+        such a teacher."""
+        from megatron_gkd.xtok.align import Kind
+
+        crossed = [teacher for teacher in self.teachers if teacher.cross is not None]
+        if not crossed:
+            return {}
+        kinds = [kind.name.lower() for kind in Kind]
+        columns = [*kinds, "compared", "total"]
+        counts = torch.zeros(len(crossed), len(columns) + 1, dtype=torch.float64)
+        for row, teacher in enumerate(crossed):
+            for translated in (requests[teacher.name].translated if teacher.name in requests else None) or ():
+                found = translated.alignment.counts()
+                counts[row, :-1] += torch.tensor([float(found[column]) for column in columns], dtype=torch.float64)
+                counts[row, -1] += 0.0 if translated.aligned else 1.0
+        dist.all_reduce(counts, group=self.control)
+        metrics = {}
+        for row, teacher in enumerate(crossed):
+            prefix, total = f"xtok{self.teachers.suffix(teacher.name)}/", max(float(counts[row, len(columns) - 1]), 1.0)
+            metrics.update({f"{prefix}share/{kind}": float(counts[row, i]) / total for i, kind in enumerate(kinds)})
+            metrics[f"{prefix}compared"] = float(counts[row, len(kinds)]) / total
+            metrics[f"{prefix}unaligned_samples"] = float(counts[row, -1])
         return metrics
 
     # -------------------------------------------------------------------------------- micro-batches

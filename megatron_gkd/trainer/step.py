@@ -47,6 +47,9 @@ class LossSpec:
         teacher_temperature: hidden: the teacher's logits are divided by it.
         real_vocab_size: ids at or past it are padding rows of the tables (the tokenizer is shorter): no
             probability on either side, no gradient, never a teacher id.
+        projection: a teacher of another tokenizer: this rank's rows of the map ``W`` (a
+            :class:`~megatron_gkd.losses.projection_map.ProjectionShard`); the teacher rows hold its own vocabulary's
+            ids and the divergence is :func:`~megatron_gkd.losses.cross_vocab_distill_loss`. None: the same tokenizer.
     """
 
     kind: str = "distill"
@@ -59,6 +62,7 @@ class LossSpec:
     signal: str = "topk"
     teacher_temperature: float = 1.0
     real_vocab_size: int | None = None
+    projection: object = dataclasses.field(default=None, compare=False)
     coverage_coef: float | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self):
@@ -69,22 +73,23 @@ class LossSpec:
             object.__setattr__(self, "coverage_coef", coverage)
 
     @classmethod
-    def from_config(cls, loss, mode, teacher=None, real_vocab_size: int | None = None) -> "LossSpec":
+    def from_config(cls, loss, mode, teacher=None, real_vocab_size: int | None = None,
+                    projection=None) -> "LossSpec":
         """The spec of ``loss`` in ``mode`` (a :class:`~megatron_gkd.config.schema.Mode`); ``teacher`` (its
-        config) chooses the signal."""
+        config) chooses the signal; ``projection``: a cross-tokenizer teacher's map shard."""
         if not mode.distills:
             return cls(kind="cross_entropy")
         signal = teacher.signal if teacher is not None else "topk"
         return cls(loss_type=loss.type, options=dict(loss.options), temperature=loss.temperature, fused=loss.fused,
                    chunk_size=loss.chunk_size, diagnostics=loss.diagnostics, signal=signal,
                    teacher_temperature=teacher.temperature if teacher is not None else 1.0,
-                   real_vocab_size=real_vocab_size)
+                   real_vocab_size=real_vocab_size, projection=projection)
 
     def eval_kl(self) -> "LossSpec":
         """The evaluation's forward KL on this spec's teacher signal (top-k rows, or exact from hidden states)."""
         return LossSpec(loss_type="forward_kl", signal=self.signal, teacher_temperature=self.teacher_temperature,
                         real_vocab_size=self.real_vocab_size, fused=self.fused and self.signal == "hidden",
-                        chunk_size=self.chunk_size)
+                        chunk_size=self.chunk_size, projection=self.projection)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -133,7 +138,8 @@ def loss_specs(loss, mode, teachers, real_vocab_size: int) -> LossSpecs:
     not distil)."""
     if not mode.distills:
         return LossSpec(kind="cross_entropy")
-    return {t.name: LossSpec.from_config(loss, mode, t.config, real_vocab_size) for t in teachers}
+    return {t.name: LossSpec.from_config(loss, mode, t.config, real_vocab_size, getattr(t, "projection", None))
+            for t in teachers}
 
 
 @contextlib.contextmanager
@@ -332,7 +338,9 @@ class StepRunner:
         if spec.signal == "hidden":
             return self._hidden_loss(spec, share, captured, output, mask)
         tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
-        if spec.fused:  # hidden [b, s, h] as the model returned it; teacher rows and results [b, s]
+        if spec.projection is not None:  # a teacher of another tokenizer: its rows hold its own ids
+            per_token, metrics = self._cross_vocab(spec, share, captured, output, tp_group)
+        elif spec.fused:  # hidden [b, s, h] as the model returned it; teacher rows and results [b, s]
             riding = {} if token_ids is None else {"token_ids": token_ids}
             per_token, metrics = fused_vocab_parallel_distill_loss(
                 output, captured.weight, share.ids, share.logprobs, loss_type=spec.loss_type, tp_group=tp_group,
@@ -359,6 +367,21 @@ class StepRunner:
         if sampled is not None:
             stats["token_logprobs"] = sampled
         return contribution, stats
+
+    @staticmethod
+    def _cross_vocab(spec: LossSpec, share, captured, output: torch.Tensor, tp_group):
+        """A cross-tokenizer teacher's per-token divergence ``[b, s]`` against the student projected through ``W``."""
+        from megatron_gkd.losses import cross_vocab_distill_loss, fused_cross_vocab_distill_loss
+
+        common = dict(loss_type=spec.loss_type, tp_group=tp_group, temperature=spec.temperature,
+                      real_vocab_size=spec.real_vocab_size, **spec.options)
+        if spec.fused:  # hidden [b, s, h] as the model returned it
+            return fused_cross_vocab_distill_loss(output, captured.weight, share.ids, share.logprobs, spec.projection,
+                                                  chunk_size=spec.chunk_size,
+                                                  all_reduce_hidden_grad=not captured.sequence_parallel, **common)
+        per_token, metrics = cross_vocab_distill_loss(captured.logits, share.ids.transpose(0, 1),
+                                                      share.logprobs.transpose(0, 1), spec.projection, **common)
+        return per_token.transpose(0, 1), {key: value.transpose(0, 1) for key, value in metrics.items()}
 
     def _hidden_loss(self, spec: LossSpec, share, captured, output, mask):
         """The exact full-vocabulary loss from the teacher's hidden states (the student's hidden states and

@@ -37,6 +37,10 @@ class Teacher:
         client: the client on the ranks that ask it (built at start-up), else None.
         service: the service this run started for it (rank 0), else None.
         head: its output layer's shard on last-stage ranks (hidden signal), else None.
+        cross: a teacher of another tokenizer (``cross_tokenizer.method``): the pair's
+            :class:`~megatron_gkd.xtok.request.CrossTokenizer` (its requests are translated, its rows moved back to the
+            student's positions), else None.
+        projection: ``cross``'s map ``W``, this rank's rows (last stage), for the loss.
     """
 
     name: str
@@ -45,6 +49,8 @@ class Teacher:
     client: object = None
     service: object = None
     head: torch.Tensor | None = None
+    cross: object = None
+    projection: object = None
 
     @property
     def local(self) -> bool:
@@ -54,10 +60,13 @@ class Teacher:
 
 @dataclasses.dataclass
 class Request:
-    """One teacher's part of a step: the samples it scores (indices into the rank's samples) and the future."""
+    """One teacher's part of a step: the samples it scores (indices into the rank's samples) and the future
+    (``translated``: a cross-tokenizer teacher's view of each sample, :class:`~megatron_gkd.xtok.request.Translated`).
+    """
 
     indices: list[int]
     future: object
+    translated: list | None = None
     started: float = dataclasses.field(default_factory=time.perf_counter)
     latency_s: float | None = None
 

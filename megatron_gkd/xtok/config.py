@@ -6,13 +6,15 @@ meaningless"). It still is, unless the run names a method; the refusal now says 
     teacher:
       cross_tokenizer:
         method: projected        # null (default): same tokenizer required | projected (X-Token P-KL) | hybrid (H-KL)
+        tokenizer: null          # the teacher's tokenizer directory; null: teacher.serve.model, teacher.checkpoint or
+                                 # teacher.teacher_tokenizer
         projection_map: null     # a map saved by ProjectionMap.save; null: built from the two tokenizers at start-up
         max_pieces: 4            # the map's rule (megatron_gkd.xtok.projection)
         decay: 0.5
 
-The method names are the loss's (``megatron_gkd.losses`` ``PROJECTION_METHODS``). This dataclass is not wired
-into ``TeacherConfig`` yet (issue #29 point 7): whoever owns ``teacher/config.py`` adds
-``cross_tokenizer: CrossTokenizerConfig`` there and calls :func:`check_tokenizers` where ``check_vocab`` runs.
+The method names are the loss's (``megatron_gkd.losses`` ``PROJECTION_METHODS``). ``TeacherConfig.cross_tokenizer``
+holds it; :func:`check_tokenizers` runs where the client checks the vocabularies (``check_vocab``), and
+:mod:`.request` is what the trainer does with such a teacher.
 """
 
 from __future__ import annotations
@@ -37,12 +39,15 @@ class CrossTokenizerConfig:
         method: ``None`` (the teacher must share the student's tokenizer), ``projected`` (X-Token's P-KL: the
             student's distribution projected into the teacher's vocabulary through ``W``) or ``hybrid`` (H-KL:
             exact string matches compared directly, the projection elsewhere).
+        tokenizer: the teacher's tokenizer (an HF directory); ``None``: the teacher's own checkpoint directory
+            (``teacher.serve.model`` or ``teacher.checkpoint``) or ``teacher.teacher_tokenizer``.
         projection_map: path of a map saved by :meth:`ProjectionMap.save`; it must have been built for this pair
             of tokenizers. ``None``: built from the two tokenizers at start-up (seconds; see docs/performance.md).
         max_pieces, decay: the map's re-tokenisation rule (:func:`megatron_gkd.xtok.build_projection`).
     """
 
     method: str | None = None
+    tokenizer: str | None = None
     projection_map: str | None = None
     max_pieces: int = 4
     decay: float = 0.5

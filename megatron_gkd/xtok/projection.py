@@ -146,7 +146,8 @@ class ProjectionMap:
         return loaded
 
 
-def _special_names(tokenizer: Any, table: TokenTable) -> dict[str, int]:
+def special_names(tokenizer: Any, table: TokenTable) -> dict[str, int]:
+    """The tokenizer's special tokens by their string (``"</s>"`` -> its id): what pairs two tokenizers' specials."""
     core = backend(tokenizer)
     convert = core.id_to_token if core is not None else (lambda i: tokenizer.convert_ids_to_tokens(int(i)))
     return {convert(int(i)): int(i) for i in np.flatnonzero(table.special) if convert(int(i)) is not None}
@@ -214,8 +215,8 @@ def build_projection(student_tokenizer: Any, teacher_tokenizer: Any, *, student_
     writes = ~teacher.special & (teacher.lengths > 0)
     for t in np.concatenate([np.flatnonzero(writes & ~teacher.byte_tokens), np.flatnonzero(writes & teacher.byte_tokens)]):
         by_bytes.setdefault(teacher.pieces[t], int(t))
-    teacher_specials = _special_names(teacher_tokenizer, teacher)
-    pairs = {s: teacher_specials[name] for name, s in _special_names(student_tokenizer, student).items()
+    teacher_specials = special_names(teacher_tokenizer, teacher)
+    pairs = {s: teacher_specials[name] for name, s in special_names(student_tokenizer, student).items()
              if name in teacher_specials}
     pairs.update(special_pairs or {})
 

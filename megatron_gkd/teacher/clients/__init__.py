@@ -167,11 +167,12 @@ class TeacherClient(abc.ABC):
         """Like :meth:`generate`, returning a Future of the samples (its exception on failure)."""
         return self._pool.submit(self.generate, batch)
 
-    def align_vocab(self, student_tokenizer: Any, student_vocab_size: int) -> VocabAlignment:
-        """Start-up check against the student's tokenizer; later outputs drop padded ids.
+    def align_vocab(self, student_tokenizer: Any, student_vocab_size: int, cross_tokenizer=None) -> VocabAlignment:
+        """Start-up check against the student's tokenizer; later outputs drop padded ids (``cross_tokenizer``: the
+        teacher's :class:`~megatron_gkd.xtok.config.CrossTokenizerConfig`, which may allow another tokenizer).
 
         Raises:
-            ValueError: the tokenizers differ (or the teacher cannot tell which tokenizer it has).
+            ValueError: the tokenizers differ unasked (or the teacher cannot tell which tokenizer it has).
         """
         info = self.info()
         if info.tokenizer_digest is None:
@@ -180,7 +181,7 @@ class TeacherClient(abc.ABC):
         self._alignment = check_vocab(
             teacher_vocab_size=info.vocab_size, teacher_tokenizer_size=info.tokenizer_size,
             teacher_digest=info.tokenizer_digest, student_vocab_size=student_vocab_size,
-            student_tokenizer=student_tokenizer)
+            student_tokenizer=student_tokenizer, cross_tokenizer=cross_tokenizer)
         return self._alignment
 
     def close(self) -> None:

@@ -1,0 +1,209 @@
+"""A teacher of another tokenizer as the trainer asks it: its own tokenisation of each sample, and its rows put back
+on the student's positions.
+
+The student's sample is ids of the student's vocabulary. The teacher is sent the same *text* in its own ids (it never
+sees a student id): the prompt is the student's prompt decoded (special tokens dropped) and encoded by the teacher's
+tokenizer with the special tokens it adds itself (its BOS); the response is the student's response text encoded on
+its own (so that a token boundary lies at the response start on both sides), followed by the teacher's partner of each
+special token the student's response ends with (EOS with EOS). The student's chat template, if any, is part of the
+prompt text the teacher reads; only responses are aligned, so templates never need to match.
+
+:func:`megatron_gkd.xtok.align.align_ids` aligns the two responses from the bytes their ids write; where a normaliser
+or a whitespace-dropping pre-tokenizer makes the bytes differ, the tokenizers' offsets into the decoded text are used
+(:func:`~megatron_gkd.xtok.align.align_text`), which needs the student's ids to be its canonical tokenisation of the
+text; a sampled non-canonical tokenisation that also writes other bytes is left unaligned (counted, never guessed).
+
+The teacher's rows come back one per *teacher* response token; :meth:`CrossTokenizer.student_output` moves them to
+the student's response positions: a position at the head of an aligned group gets the teacher's row at the group's
+first teacher token (the same text prefix predicts both, :mod:`.align`); every other position gets an empty row
+(no teacher id, log-prob ``-inf``: the loss compares nothing there and gives it no gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import numpy as np
+
+from megatron_gkd.teacher.types import SequenceRequest, TeacherOutput
+from megatron_gkd.xtok.align import Alignment, Kind, align_ids, align_spans, align_text
+from megatron_gkd.xtok.config import CrossTokenizerConfig
+from megatron_gkd.xtok.projection import ProjectionMap, build_projection, special_names
+from megatron_gkd.xtok.tokens import TokenTable, token_table
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Translated:
+    """One sample as the teacher is asked it, and how its response positions map back.
+
+    Attributes:
+        sequence: the teacher-side prompt + response.
+        alignment: the student response positions' groups (:class:`~megatron_gkd.xtok.align.Alignment`); every
+            position unaligned when the two tokenisations could not be matched.
+        aligned: whether the response could be aligned at all.
+    """
+
+    sequence: SequenceRequest
+    alignment: Alignment
+    aligned: bool = True
+
+
+class CrossTokenizer:
+    """The student <-> teacher tokenizer pair of one teacher: translation of samples, alignment, the map ``W``.
+
+    Args:
+        config: the teacher's ``cross_tokenizer`` section.
+        student_tokenizer, teacher_tokenizer: HF tokenizers.
+        student_vocab_size: rows of the student's output layer (padding rows included: they stay unmapped).
+        teacher_vocab_size: rows of the teacher's output layer (default: its tokenizer's size).
+
+    Raises:
+        ValueError: a saved ``projection_map`` that belongs to another pair or is corrupted.
+    """
+
+    def __init__(self, config: CrossTokenizerConfig, student_tokenizer: Any, teacher_tokenizer: Any, *,
+                 student_vocab_size: int, teacher_vocab_size: int | None = None):
+        self.method = config.method
+        self.student_tokenizer, self.teacher_tokenizer = student_tokenizer, teacher_tokenizer
+        self.student_table: TokenTable = token_table(student_tokenizer)
+        self.teacher_table: TokenTable = token_table(teacher_tokenizer)
+        teacher_specials = special_names(teacher_tokenizer, self.teacher_table)
+        self.special_pairs = {s: teacher_specials[name]
+                              for name, s in special_names(student_tokenizer, self.student_table).items()
+                              if name in teacher_specials}
+        for attribute in ("eos_token_id", "bos_token_id", "pad_token_id"):  # EOS with EOS, whatever their names
+            s, t = getattr(student_tokenizer, attribute, None), getattr(teacher_tokenizer, attribute, None)
+            if s is not None and t is not None:
+                self.special_pairs.setdefault(int(s), int(t))
+        teacher_vocab_size = teacher_vocab_size or self.teacher_table.vocab_size
+        if config.projection_map is not None:
+            self.projection = ProjectionMap.load(config.projection_map, student_digest=self.student_table.digest,
+                                                 teacher_digest=self.teacher_table.digest)
+            if self.projection.student_vocab_size != student_vocab_size:
+                raise ValueError(f"teacher.cross_tokenizer.projection_map={config.projection_map} has "
+                                 f"{self.projection.student_vocab_size} student rows, the student's output layer "
+                                 f"{student_vocab_size}: rebuild it with student_vocab_size={student_vocab_size}")
+        else:
+            self.projection = build_projection(student_tokenizer, teacher_tokenizer,
+                                               student_vocab_size=student_vocab_size,
+                                               teacher_vocab_size=teacher_vocab_size, max_pieces=config.max_pieces,
+                                               decay=config.decay, special_pairs=self.special_pairs)
+        stats = self.projection.stats()
+        logger.info("cross-tokenizer map (%s): %d student rows mapped (%d exact), %d entries, %d unmapped rows",
+                    self.method, stats["mapped"], stats["exact"], stats["nnz"], stats["empty"])
+
+    @property
+    def teacher_digest(self) -> str:
+        return self.teacher_table.digest
+
+    @property
+    def teacher_vocab_size(self) -> int:
+        """Teacher ids the rows may hold (the map's columns)."""
+        return self.projection.teacher_vocab_size
+
+    def shard(self, *, tp_rank: int, tp_size: int, vocab_size_local: int, device="cpu"):
+        """This TP rank's rows of ``W`` for the loss (:func:`megatron_gkd.losses.shard_projection`)."""
+        from megatron_gkd.losses.projection_map import shard_projection
+
+        p = self.projection
+        return shard_projection(p.student_ids, p.teacher_ids, p.weights, student_vocab_size=p.student_vocab_size,
+                                teacher_vocab_size=p.teacher_vocab_size, exact=p.exact, tp_rank=tp_rank,
+                                tp_size=tp_size, vocab_size_local=vocab_size_local, method=self.method, device=device)
+
+    # ------------------------------------------------------------------------------------------ requests
+    def _decode(self, ids: np.ndarray) -> str:
+        return self.student_tokenizer.decode(ids.tolist(), skip_special_tokens=True,
+                                             clean_up_tokenization_spaces=False)
+
+    def _encode(self, text: str, *, special: bool) -> np.ndarray:
+        return np.asarray(self.teacher_tokenizer(text, add_special_tokens=special)["input_ids"], dtype=np.int64)
+
+    def translate(self, tokens: np.ndarray, prompt_len: int) -> Translated:
+        """The teacher's request for the student's ``tokens`` (prompt then response) and the response's alignment."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        prompt, response = tokens[:prompt_len], tokens[prompt_len:]
+        special = self.student_table.special[response]
+        tail = len(response) - (np.flatnonzero(~special)[-1] + 1 if (~special).any() else 0)
+        body = response[: len(response) - tail]  # text (and special tokens within it) before the closing specials
+        text = self._decode(body)
+        teacher_prompt = self._encode(self._decode(prompt), special=True)
+        if not len(teacher_prompt):  # an empty prompt text: the teacher needs one token of context
+            first = self.teacher_tokenizer.bos_token_id or self.teacher_tokenizer.eos_token_id or 0
+            teacher_prompt = np.asarray([first], dtype=np.int64)
+        closing = [self.special_pairs[int(i)] for i in response[len(body):] if int(i) in self.special_pairs]
+        teacher_response = np.concatenate([self._encode(text, special=False), np.asarray(closing, dtype=np.int64)])
+        if not len(teacher_response):  # nothing the teacher can write: one end-of-sequence row, compared nowhere
+            eos = self.teacher_tokenizer.eos_token_id
+            teacher_response = np.asarray([eos if eos is not None else teacher_prompt[-1]], dtype=np.int64)
+        alignment, aligned = self._align(response, teacher_response, text)
+        sequence = SequenceRequest(token_ids=np.concatenate([teacher_prompt, teacher_response]),
+                                   response_start=len(teacher_prompt))
+        return Translated(sequence, alignment, aligned)
+
+    def _align(self, student: np.ndarray, teacher: np.ndarray, text: str) -> tuple[Alignment, bool]:
+        try:  # the bytes the ids write agree (byte-level BPE, SentencePiece with byte fallback, ...)
+            return align_ids(student, teacher, self.student_table, self.teacher_table,
+                             special_pairs=self.special_pairs), True
+        except ValueError:
+            pass
+        s_special, t_special = self.student_table.special[student], self.teacher_table.special[teacher]
+        s_text, t_text = student[~s_special], teacher[~t_special]
+        try:
+            by_offsets, s_canonical, t_canonical = align_text(text, self.student_tokenizer, self.teacher_tokenizer,
+                                                              self.student_table, self.teacher_table)
+        except ValueError:  # the offsets do not cover the same text either
+            return _unaligned(len(student), len(teacher)), False
+        if not (np.array_equal(s_canonical, s_text) and np.array_equal(t_canonical, t_text)) or s_special[:len(
+                s_text)].any():
+            return _unaligned(len(student), len(teacher)), False
+        # The text tokens' groups from the offsets, then the closing special tokens paired at the end of the text.
+        ends = np.full(len(student), 0, dtype=np.int64)
+        t_ends = np.full(len(teacher), 0, dtype=np.int64)
+        s_ends_text = _ends_of(by_offsets, len(t_text))
+        ends[: len(s_text)], t_ends[: len(t_text)] = s_ends_text
+        ends[len(s_text):] = t_ends[len(t_text):] = max(int(ends[: len(s_text)].max(initial=0)),
+                                                         int(t_ends[: len(t_text)].max(initial=0)))
+        return align_spans(ends, t_ends, student_special=s_special, teacher_special=t_special, student_ids=student,
+                           teacher_ids=teacher, special_pairs=self.special_pairs), True
+
+    # ---------------------------------------------------------------------------------------------- rows
+    @staticmethod
+    def student_output(output: TeacherOutput, translated: Translated) -> TeacherOutput:
+        """``output`` (one row per teacher response token) as rows of the student's response positions (module
+        docstring): the head of each aligned group gets its first teacher token's row, every other position an empty
+        row. ``token_logprobs`` of an empty row is 0 (it weighs nothing)."""
+        position = translated.alignment.teacher_position.astype(np.int64)
+        found = position >= 0
+        source = np.where(found, position, 0)
+        ids = np.where(found[:, None], output.topk_ids[source], 0)
+        logprobs = np.where(found[:, None], output.topk_logprobs[source], -np.inf).astype(np.float32)
+        tokens = np.where(found, output.token_logprobs[source], 0.0).astype(np.float32)
+        hidden = None if output.hidden is None else np.where(found[:, None], output.hidden[source], 0.0).astype(
+            np.float32)
+        return TeacherOutput(topk_ids=ids.astype(np.int64), topk_logprobs=logprobs, token_logprobs=tokens,
+                             hidden=hidden)
+
+
+def _unaligned(num_student: int, num_teacher: int) -> Alignment:
+    none = np.full(num_student, -1, dtype=np.int32)
+    return Alignment(kind=np.full(num_student, Kind.UNALIGNED, dtype=np.uint8), student_start=none,
+                     teacher_start=none.copy(), teacher_end=none.copy(), num_teacher=num_teacher)
+
+
+def _ends_of(alignment: Alignment, num_teacher_text: int) -> tuple[np.ndarray, np.ndarray]:
+    """Monotone byte-like end offsets that rebuild ``alignment``'s groups of text tokens: each group ends at its index
+    (+1), on both sides (what :func:`align_spans` needs to reproduce the same groups with special tokens added)."""
+    n = len(alignment.kind)
+    student_group = np.zeros(n, dtype=np.int64)
+    teacher_group = np.zeros(num_teacher_text, dtype=np.int64)
+    group = -1
+    for i in range(n):
+        if alignment.student_start[i] == i:
+            group += 1
+            teacher_group[alignment.teacher_start[i]:alignment.teacher_end[i]] = group
+        student_group[i] = group
+    return student_group + 1, teacher_group + 1
