@@ -123,10 +123,11 @@ def build_cross_teachers(assets: str | pathlib.Path, out: str | pathlib.Path, *,
       embedding and output rows permuted with them). It is the same model over the same text, so a cross-tokenizer run
       against it must equal a same-tokenizer run against the tiny teacher (the map ``W`` is a permutation).
     * ``chars``: a random Qwen3 over a character tokenizer (``w``, the ten digits and the specials): every student
-      word ``w123`` is several teacher tokens (1:n groups), whitespace dropped on both sides like the student's.
+      word ``w123`` is several teacher tokens (1:n groups), whitespace dropped on both sides like the student's (so as
+      a *student* it suits one-word responses only: its decoding joins the characters).
     """
     from safetensors.torch import load_file, save_file
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     assets, out = pathlib.Path(assets), pathlib.Path(out)
     if (out / "READY").exists():
@@ -161,6 +162,7 @@ def build_cross_teachers(assets: str | pathlib.Path, out: str | pathlib.Path, *,
     core = Tokenizer(models.WordLevel({c: i for i, c in enumerate(characters)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
                                                   pre_tokenizers.Split(Regex("."), behavior="isolated")])
+    core.decoder = decoders.Fuse()  # characters decode joined ("w12"), not space-separated like words
     build_checkpoint(out / "chars", vocab_size=len(characters), hidden_size=128, num_layers=2, num_heads=2,
                      intermediate_size=256, seed=seed)
     _save_tokenizer(core, out / "chars")

@@ -1,0 +1,84 @@
+"""Cross-tokenizer distillation through the real entry point (issue #29 point 6): a served teacher of another
+tokenizer, asked in its own ids, its rows moved back to the student's positions, the loss through the projection W.
+
+* Exactness: the tiny teacher behind a permuted vocabulary (the same model over the same text; W a permutation) must
+  train the student exactly as the tiny teacher does through the same-tokenizer path: TP=1 unfused ``projected``
+  against TP=2 fused ``hybrid``, off-policy on fixed data, loss within 1e-5 at every step.
+* On-policy with vLLM rollout at TP=2: a character-level teacher (every student word is several teacher tokens),
+  with the xtok/* metrics and eval's KL to the teacher.
+* Unasked, the same teacher is refused at start-up, and the message names the key that enables it.
+
+The first runs in the default tier (about 45 s), the on-policy one in the slow tier (``-m slow``).
+"""
+
+import pytest
+
+from megatron_gkd.testing import runs as harness
+
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
+
+OFF_POLICY = ["trainer.mode=off_policy", "rollout.n=1", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
+              "trainer.num_steps=3", "eval.at_start=false", "eval.at_end=false", "checkpoint.save_interval=null",
+              "checkpoint.save_at_end=false", "checkpoint.hf_at_end=false", "optim.lr_warmup_steps=0", "optim.lr=2e-3",
+              "loss.type=jsd", "teacher.temperature=1.5"]
+
+
+@pytest.fixture(scope="module")
+def cross_teachers(assets, tmp_path_factory):
+    from megatron_gkd.recipes.tiny import build_cross_teachers
+
+    return build_cross_teachers(assets, tmp_path_factory.mktemp("cross_teachers"))
+
+
+def _run(assets, tmp_path_factory, name: str, overrides: list[str], nproc: int = 2):
+    out = tmp_path_factory.mktemp(name) / "run"
+    code, log = harness.run(out, harness.asset_overrides(assets) + overrides, nproc=nproc)
+    return out, code, log
+
+
+def test_a_permuted_vocabulary_trains_exactly_as_the_same_tokenizer(assets, cross_teachers, tmp_path_factory):
+    same, code, log = _run(assets, tmp_path_factory, "same", OFF_POLICY + ["parallel.tensor_model_parallel_size=1"],
+                           nproc=1)
+    assert code == 0, log[-4000:]
+    permuted = [f"teacher.serve.model={cross_teachers / 'permuted'}"]
+    runs = {}
+    for name, nproc, extra in (("projected_tp1", 1, ["parallel.tensor_model_parallel_size=1",
+                                                     "teacher.cross_tokenizer.method=projected"]),
+                               ("hybrid_tp2_fused", 2, ["parallel.tensor_model_parallel_size=2", "loss.fused=true",
+                                                        "teacher.cross_tokenizer.method=hybrid"])):
+        out, code, log = _run(assets, tmp_path_factory, name, OFF_POLICY + permuted + extra, nproc=nproc)
+        assert code == 0, f"{name}: {log[-4000:]}"
+        assert "cross-tokenizer map (" in log
+        runs[name] = harness.steps(out)
+    reference = harness.steps(same)
+    assert len(reference) == 3 and reference[0]["train/loss"] != reference[2]["train/loss"]
+    for name, got in runs.items():
+        assert [r["prompts"] for r in got] == [r["prompts"] for r in reference]
+        assert [r["train/loss"] for r in got] == pytest.approx([r["train/loss"] for r in reference], abs=1e-5), name
+        assert [r["train/grad_norm"] for r in got] == pytest.approx([r["train/grad_norm"] for r in reference],
+                                                                   rel=1e-5), name
+        for record in got:  # every response token is a 1:1 group (or the EOS pair), and all are compared
+            assert record["xtok/share/one_to_one"] + record["xtok/share/special"] == pytest.approx(1.0)
+            assert record["xtok/compared"] == 1.0 and record["xtok/unaligned_samples"] == 0
+
+
+@pytest.mark.slow  # 55 s: the exactness test above covers the loss and the request path in the default tier
+def test_on_policy_with_a_character_teacher(assets, cross_teachers, tmp_path_factory):
+    common = [f"teacher.serve.model={cross_teachers / 'chars'}", "teacher.top_k=8", "trainer.num_steps=3",
+              "eval.at_start=true", "eval.at_end=true", "checkpoint.save_interval=null", "checkpoint.save_at_end=false",
+              "checkpoint.hf_at_end=false"]
+    out, code, log = _run(assets, tmp_path_factory, "chars", common + ["teacher.cross_tokenizer.method=projected"])
+    assert code == 0, log[-4000:]
+    steps = harness.steps(out)
+    assert len(steps) == 3
+    for record in steps:
+        assert record["train/loss"] > 0
+        assert record["xtok/share/one_to_many"] > 0.9  # every word "w123" is characters to the teacher
+        assert record["xtok/compared"] > 0.9
+    kl = [record["eval/kl_to_teacher"] for record in harness.metrics(out) if "eval/kl_to_teacher" in record]
+    assert len(kl) == 2 and kl[1] < kl[0]  # eval's KL is measured through W too, and training lowers it
+
+    # The same teacher, not asked for: refused at start-up, naming the key.
+    _, code, log = _run(assets, tmp_path_factory, "refused", common)
+    assert code != 0
+    assert "tokenizer mismatch" in log and "teacher.cross_tokenizer.method=projected" in log
