@@ -145,3 +145,26 @@ def shard_projection(
         method=method,
         mapped_rows_end=int(key.max() // teacher_vocab_size) + 1 if key.size else 0,
     )
+
+
+def with_student_columns(shard: ProjectionShard, real_vocab_size: int) -> ProjectionShard:
+    """``shard`` with the student's own vocabulary appended as columns: teacher id ``V_t + s`` is student token ``s``
+    (``W[s, V_t + s] = 1`` for the real tokens ``s < real_vocab_size``; padding rows stay empty). A row whose ids all
+    lie in that block is the same-tokenizer comparison at those student ids; a row whose ids all lie below ``V_t`` is
+    the projection. A cross-tokenizer teacher's rows inside multi-token groups (the chain rule,
+    :mod:`megatron_gkd.xtok.request`) are student-vocabulary rows; a row never mixes the two.
+    """
+    start = shard.vocab_start
+    stop = max(start, min(start + shard.vocab_size_local, real_vocab_size))
+    local = torch.arange(stop - start, dtype=shard.student_index.dtype, device=shard.student_index.device)
+    # Column V_t + s holds this rank's student s; the columns of other ranks' students (and of padding) are empty.
+    counts = torch.zeros(shard.student_vocab_size, dtype=torch.int64, device=shard.indptr.device)
+    counts[start:stop] = 1
+    return dataclasses.replace(
+        shard,
+        teacher_vocab_size=shard.teacher_vocab_size + shard.student_vocab_size,
+        indptr=torch.cat([shard.indptr, shard.indptr[-1] + torch.cumsum(counts, 0)]),
+        student_index=torch.cat([shard.student_index, local]),
+        weight=torch.cat([shard.weight, torch.ones(len(local), dtype=shard.weight.dtype, device=shard.weight.device)]),
+        mapped_rows_end=max(shard.mapped_rows_end, real_vocab_size),
+    )

@@ -8,6 +8,8 @@ meaningless"). It still is, unless the run names a method; the refusal now says 
         method: projected        # null (default): same tokenizer required | projected (X-Token P-KL) | hybrid (H-KL)
         tokenizer: null          # the teacher's tokenizer directory; null: teacher.serve.model, teacher.checkpoint or
                                  # teacher.teacher_tokenizer
+        inside_groups: chain     # chain: the student tokens of a group the teacher writes as fewer tokens are compared
+                                 # through the chain rule (megatron_gkd.xtok.request) | skip: only group heads
         projection_map: null     # a map saved by ProjectionMap.save; null: built from the two tokenizers at start-up
         max_pieces: 4            # the map's rule (megatron_gkd.xtok.projection)
         decay: 0.5
@@ -29,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 ENABLE_KEY = "teacher.cross_tokenizer.method"
 METHODS = ("projected", "hybrid")
+INSIDE_GROUPS = ("chain", "skip")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -41,6 +44,10 @@ class CrossTokenizerConfig:
             exact string matches compared directly, the projection elsewhere).
         tokenizer: the teacher's tokenizer (an HF directory); ``None``: the teacher's own checkpoint directory
             (``teacher.serve.model`` or ``teacher.checkpoint``) or ``teacher.teacher_tokenizer``.
+        inside_groups: ``chain`` (default): in a group where the teacher's token is longer than the student's (n:1,
+            n:m; the numeral case), every student position is compared with the teacher's distribution over the
+            student token its tokens continue with (the chain rule over the teacher's top-k,
+            :mod:`megatron_gkd.xtok.request`); ``skip``: only the group's head is compared, through ``W``.
         projection_map: path of a map saved by :meth:`ProjectionMap.save`; it must have been built for this pair
             of tokenizers. ``None``: built from the two tokenizers at start-up (seconds; see docs/performance.md).
         max_pieces, decay: the map's re-tokenisation rule (:func:`megatron_gkd.xtok.build_projection`).
@@ -48,6 +55,7 @@ class CrossTokenizerConfig:
 
     method: str | None = None
     tokenizer: str | None = None
+    inside_groups: str = "chain"
     projection_map: str | None = None
     max_pieces: int = 4
     decay: float = 0.5
@@ -56,6 +64,9 @@ class CrossTokenizerConfig:
         if self.method is not None and self.method not in METHODS:
             raise ValueError(f"{ENABLE_KEY}={self.method!r} is not one of null, {', '.join(METHODS)}"
                              f"{closest(self.method, list(METHODS))}")
+        if self.inside_groups not in INSIDE_GROUPS:
+            raise ValueError(f"teacher.cross_tokenizer.inside_groups={self.inside_groups!r} is not one of "
+                             f"{', '.join(INSIDE_GROUPS)}{closest(self.inside_groups, list(INSIDE_GROUPS))}")
         if self.max_pieces < 1 or not 0.0 <= self.decay <= 1.0:
             raise ValueError(f"teacher.cross_tokenizer.max_pieces must be >= 1 and decay in [0, 1], got "
                              f"{self.max_pieces}, {self.decay}")

@@ -14,15 +14,33 @@ or a whitespace-dropping pre-tokenizer makes the bytes differ, the tokenizers' o
 text; a sampled non-canonical tokenisation that also writes other bytes is left unaligned (counted, never guessed).
 
 The teacher's rows come back one per *teacher* response token; :meth:`CrossTokenizer.student_output` moves them to
-the student's response positions: a position at the head of an aligned group gets the teacher's row at the group's
-first teacher token (the same text prefix predicts both, :mod:`.align`); every other position gets an empty row
-(no teacher id, log-prob ``-inf``: the loss compares nothing there and gives it no gradient).
+the student's response positions:
+
+* the head of a 1:1 or 1:n group (and a paired special token) gets the teacher's row at the group's first teacher
+  token, in the teacher's ids: the same text prefix predicts both (:mod:`.align`), and the loss projects the student
+  through ``W`` (X-Token's P-KL, or H-KL);
+* every position of an n:1 or n:m group (the teacher's token is longer: ``"1" "2" "3"`` / ``"123"``, the numeral case
+  that breaks a head-only comparison, since the teacher's mass sits on ``"123"``, not on ``"1"``) gets, with
+  ``inside_groups=chain``, the **chain rule over the teacher's top-k**: the teacher's distribution at the group's first
+  teacher position, restricted to the teacher tokens whose text extends the student's text so far in the group, and
+  pushed onto the student token each of them continues with (the longest student token that prefixes the rest of its
+  text). At the group's head that is the teacher's probability of each first student token (unnormalised, like any
+  top-k row); further in, it is conditioned on the student's tokens before (normalised over the teacher's top-k tokens
+  that agree with them: an estimate from a truncated distribution, exact when the top-k holds every such token).
+  These rows hold *student* ids, as ``V_t + s`` (:func:`megatron_gkd.losses.projection_map.with_student_columns`),
+  so the same loss compares them with the student's own probabilities, without ``W``. With ``inside_groups=skip``
+  the head is projected like a 1:1 head and the rest of the group gets an empty row;
+* every other position (unaligned, or a row no teacher token of the top-k agrees with) gets an empty row (no id,
+  log-prob ``-inf``: the loss compares nothing there and gives it no gradient).
+
+A student that drops whitespace from its tokens (a word-level pre-tokenizer) compares texts with whitespace removed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any
 
 import numpy as np
@@ -45,11 +63,15 @@ class Translated:
         alignment: the student response positions' groups (:class:`~megatron_gkd.xtok.align.Alignment`); every
             position unaligned when the two tokenisations could not be matched.
         aligned: whether the response could be aligned at all.
+        student_ids: ``[n_s]`` the student's response ids.
+        chained: ``[n_s]`` bool, the positions compared through the chain rule (``inside_groups=chain``).
     """
 
     sequence: SequenceRequest
     alignment: Alignment
-    aligned: bool = True
+    aligned: bool
+    student_ids: np.ndarray
+    chained: np.ndarray
 
 
 class CrossTokenizer:
@@ -67,7 +89,7 @@ class CrossTokenizer:
 
     def __init__(self, config: CrossTokenizerConfig, student_tokenizer: Any, teacher_tokenizer: Any, *,
                  student_vocab_size: int, teacher_vocab_size: int | None = None):
-        self.method = config.method
+        self.method, self.chain = config.method, config.inside_groups == "chain"
         self.student_tokenizer, self.teacher_tokenizer = student_tokenizer, teacher_tokenizer
         self.student_table: TokenTable = token_table(student_tokenizer)
         self.teacher_table: TokenTable = token_table(teacher_tokenizer)
@@ -92,6 +114,15 @@ class CrossTokenizer:
                                                student_vocab_size=student_vocab_size,
                                                teacher_vocab_size=teacher_vocab_size, max_pieces=config.max_pieces,
                                                decay=config.decay, special_pairs=self.special_pairs)
+        # The chain rule's lookups: each student text token by its bytes (the lowest id writing them), and whether
+        # the student drops whitespace (then texts are compared without it).
+        pieces = self.student_table.pieces
+        writes = np.flatnonzero(~self.student_table.special & (self.student_table.lengths > 0))
+        self._drops_space = not any(any(byte in pieces[i] for byte in b" \t\n") for i in writes)
+        self._student_by_bytes: dict[bytes, int] = {}
+        for i in writes:
+            self._student_by_bytes.setdefault(self._norm(pieces[i]), int(i))
+        self._longest = max(map(len, self._student_by_bytes), default=0)
         stats = self.projection.stats()
         logger.info("cross-tokenizer map (%s): %d student rows mapped (%d exact), %d entries, %d unmapped rows",
                     self.method, stats["mapped"], stats["exact"], stats["nnz"], stats["empty"])
@@ -106,13 +137,15 @@ class CrossTokenizer:
         return self.projection.teacher_vocab_size
 
     def shard(self, *, tp_rank: int, tp_size: int, vocab_size_local: int, device="cpu"):
-        """This TP rank's rows of ``W`` for the loss (:func:`megatron_gkd.losses.shard_projection`)."""
-        from megatron_gkd.losses.projection_map import shard_projection
+        """This TP rank's rows of ``W`` for the loss (:func:`megatron_gkd.losses.shard_projection`), with the student's
+        own vocabulary as extra columns when the chain rule sends student-vocabulary rows."""
+        from megatron_gkd.losses.projection_map import shard_projection, with_student_columns
 
         p = self.projection
-        return shard_projection(p.student_ids, p.teacher_ids, p.weights, student_vocab_size=p.student_vocab_size,
-                                teacher_vocab_size=p.teacher_vocab_size, exact=p.exact, tp_rank=tp_rank,
-                                tp_size=tp_size, vocab_size_local=vocab_size_local, method=self.method, device=device)
+        shard = shard_projection(p.student_ids, p.teacher_ids, p.weights, student_vocab_size=p.student_vocab_size,
+                                 teacher_vocab_size=p.teacher_vocab_size, exact=p.exact, tp_rank=tp_rank,
+                                 tp_size=tp_size, vocab_size_local=vocab_size_local, method=self.method, device=device)
+        return with_student_columns(shard, self.student_table.vocab_size) if self.chain else shard
 
     # ------------------------------------------------------------------------------------------ requests
     def _decode(self, ids: np.ndarray) -> str:
@@ -142,7 +175,9 @@ class CrossTokenizer:
         alignment, aligned = self._align(response, teacher_response, text)
         sequence = SequenceRequest(token_ids=np.concatenate([teacher_prompt, teacher_response]),
                                    response_start=len(teacher_prompt))
-        return Translated(sequence, alignment, aligned)
+        chained = np.isin(alignment.kind, (Kind.MANY_TO_ONE, Kind.MANY_TO_MANY)) if self.chain else \
+            np.zeros(len(response), dtype=bool)
+        return Translated(sequence, alignment, aligned, response, chained)
 
     def _align(self, student: np.ndarray, teacher: np.ndarray, text: str) -> tuple[Alignment, bool]:
         try:  # the bytes the ids write agree (byte-level BPE, SentencePiece with byte fallback, ...)
@@ -171,21 +206,55 @@ class CrossTokenizer:
                            teacher_ids=teacher, special_pairs=self.special_pairs), True
 
     # ---------------------------------------------------------------------------------------------- rows
-    @staticmethod
-    def student_output(output: TeacherOutput, translated: Translated) -> TeacherOutput:
+    def _norm(self, piece: bytes) -> bytes:
+        return piece.translate(None, b" \t\n\r") if self._drops_space else piece
+
+    def _continues_with(self, rest: bytes) -> int | None:
+        """The longest student token that prefixes ``rest``, or None."""
+        for length in range(min(len(rest), self._longest), 0, -1):
+            found = self._student_by_bytes.get(rest[:length])
+            if found is not None:
+                return found
+        return None
+
+    def _chain_row(self, ids: np.ndarray, logprobs: np.ndarray, prefix: bytes, head: bool, width: int):
+        """The chain rule's row (module docstring): ``(student ids, log-probs)``, at most ``width`` entries."""
+        mass: dict[int, float] = {}
+        for t, logprob in zip(ids.tolist(), logprobs.tolist()):
+            if logprob == -math.inf:
+                continue
+            text = self._norm(self.teacher_table.pieces[t])
+            if len(text) <= len(prefix) or not text.startswith(prefix):
+                continue
+            s = self._continues_with(text[len(prefix):])
+            if s is not None:
+                mass[s] = mass.get(s, 0.0) + math.exp(logprob)
+        total = 1.0 if head else sum(mass.values())
+        ranked = sorted(mass.items(), key=lambda item: -item[1])[:width]
+        return [s for s, _ in ranked], [math.log(m / total) for _, m in ranked]
+
+    def student_output(self, output: TeacherOutput, translated: Translated) -> TeacherOutput:
         """``output`` (one row per teacher response token) as rows of the student's response positions (module
-        docstring): the head of each aligned group gets its first teacher token's row, every other position an empty
-        row. ``token_logprobs`` of an empty row is 0 (it weighs nothing)."""
-        position = translated.alignment.teacher_position.astype(np.int64)
+        docstring): teacher ids at the heads compared through ``W``, student ids (``V_t + s``) at the chain rule's
+        positions, empty rows elsewhere. ``token_logprobs`` of a position that is not a head is 0 (nothing reads it)."""
+        alignment = translated.alignment
+        position = np.where(translated.chained, -1, alignment.teacher_position).astype(np.int64)
         found = position >= 0
         source = np.where(found, position, 0)
-        ids = np.where(found[:, None], output.topk_ids[source], 0)
+        ids = np.where(found[:, None], output.topk_ids[source], 0).astype(np.int64)
         logprobs = np.where(found[:, None], output.topk_logprobs[source], -np.inf).astype(np.float32)
         tokens = np.where(found, output.token_logprobs[source], 0.0).astype(np.float32)
         hidden = None if output.hidden is None else np.where(found[:, None], output.hidden[source], 0.0).astype(
             np.float32)
-        return TeacherOutput(topk_ids=ids.astype(np.int64), topk_logprobs=logprobs, token_logprobs=tokens,
-                             hidden=hidden)
+        offset, pieces, width = self.teacher_vocab_size, self.student_table.pieces, ids.shape[1]
+        for i in np.flatnonzero(translated.chained):
+            head, teacher = int(alignment.student_start[i]), int(alignment.teacher_start[i])
+            prefix = self._norm(b"".join(pieces[s] for s in translated.student_ids[head:i].tolist()))
+            row_ids, row_logprobs = self._chain_row(output.topk_ids[teacher], output.topk_logprobs[teacher], prefix,
+                                                    head == i, width)
+            ids[i, : len(row_ids)] = np.asarray(row_ids, dtype=np.int64) + offset
+            logprobs[i, : len(row_ids)] = row_logprobs
+        return TeacherOutput(topk_ids=ids, topk_logprobs=logprobs, token_logprobs=tokens, hidden=hidden)
 
 
 def _unaligned(num_student: int, num_teacher: int) -> Alignment:

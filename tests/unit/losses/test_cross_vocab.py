@@ -312,3 +312,51 @@ def test_the_map_builders_projection_map_feeds_the_loss():
             loss, grad, _ = run_case(case, loss_type, options, torch.float64, method, 0, 1, None)
             expected, expected_grad = reference_case(case, loss_type, options, torch.float64, method)
             assert relative(loss, expected) <= 1e-12 and relative(grad, expected_grad) <= 1e-12, (method, loss_type)
+
+
+@pytest.mark.parametrize("method", ["projected", "hybrid"])
+def test_student_columns_compare_student_rows_without_the_map(method):
+    """The chain rule's rows (megatron_gkd/xtok/request.py) hold student ids as ``V_t + s``: with the student's
+    vocabulary appended as columns, a micro-batch mixing such rows with teacher-vocabulary rows gives, row by row,
+    the dense reference of ``[W | I]``, and the student rows equal the same-tokenizer loss."""
+    from megatron_gkd.losses.projection_map import with_student_columns
+    from megatron_gkd.testing.cross_vocab import random_map, reference_cross_vocab_loss
+
+    generator = torch.Generator().manual_seed(11)
+    student_vocab, teacher_vocab, real, k, rows = 24, 30, 21, 5, 10
+    vocab_map = random_map(student_vocab, teacher_vocab, np.random.default_rng(2))
+    keep = vocab_map.student_ids < real  # the map leaves the padding rows (>= real) empty
+    vocab_map = type(vocab_map)(vocab_map.student_ids[keep], vocab_map.teacher_ids[keep], vocab_map.weights[keep],
+                                student_vocab, teacher_vocab, vocab_map.exact & (np.arange(student_vocab) < real))
+    logits = 2.0 * torch.randn(rows, student_vocab, generator=generator, dtype=torch.float64)
+    teacher_ids, teacher_lp = teacher_topk(rows, teacher_vocab, k, generator)
+    student_ids, student_lp = teacher_topk(rows, real, k, generator)
+    student_half = torch.arange(rows) >= rows // 2
+    ids = torch.where(student_half[:, None], student_ids + teacher_vocab, teacher_ids)
+    lp = torch.where(student_half[:, None], student_lp, teacher_lp)
+    grad_out = torch.randn(rows, generator=generator, dtype=torch.float64)
+    dense = torch.zeros(student_vocab, teacher_vocab + student_vocab, dtype=torch.float64)
+    dense[:, :teacher_vocab] = vocab_map.dense_hybrid() if method == "hybrid" else vocab_map.dense()
+    dense[torch.arange(real), teacher_vocab + torch.arange(real)] = 1.0
+    for loss_type, options in LOSS_CONFIGS:
+        full = logits.clone().requires_grad_()
+        expected = reference_cross_vocab_loss(full, dense, ids, lp, loss_type, 0.8, real_vocab_size=real, **options)
+        (expected * grad_out).sum().backward()
+        local = logits.clone().requires_grad_()
+        projection = with_student_columns(vocab_map.shard(0, 1, student_vocab, method), real)
+        loss, _ = cross_vocab_distill_loss(local, ids, lp, projection, loss_type=loss_type, tp_group=None,
+                                           temperature=0.8, real_vocab_size=real, **options)
+        (loss * grad_out).sum().backward()
+        assert relative(loss, expected.detach()) <= 1e-12, loss_type
+        assert relative(local.grad, full.grad) <= 1e-12, loss_type
+        same = vocab_parallel_distill_loss(logits[student_half], student_ids[student_half],
+                                           student_lp[student_half], loss_type=loss_type, tp_group=None,
+                                           temperature=0.8, real_vocab_size=real, **options)[0]
+        assert relative(loss.detach()[student_half], same) <= 1e-12, loss_type
+    # Over TP each rank holds the columns of its own students, and padding rows stay empty.
+    shards = [with_student_columns(vocab_map.shard(rank, 2, student_vocab // 2, method), real) for rank in (0, 1)]
+    for rank, part in enumerate(shards):
+        block = part.indptr[teacher_vocab:]
+        held = torch.nonzero(block[1:] - block[:-1]).flatten()
+        expected_held = torch.arange(rank * 12, min(rank * 12 + 12, real))
+        assert torch.equal(held, expected_held) and part.mapped_rows_end == real

@@ -79,22 +79,52 @@ def test_a_character_teacher_compares_each_word_at_its_first_character(tokenizer
     assert moved.token_logprobs.tolist() == [-1.0, -1.0, -1.0]
 
 
-def test_positions_inside_a_group_get_an_empty_row(tokenizers):
+def _reverse_pair(tokenizers, inside_groups: str):
+    """The character tokenizer as the student, the word tokenizer as the teacher: the teacher's word spans several
+    student tokens (one word: the characters decode joined)."""
     student, _, chars = tokenizers
-    # The reverse pair: the character tokenizer is the student's, so the teacher's word spans several student tokens
-    # (one word: the characters decode joined).
-    cross = CrossTokenizer(CrossTokenizerConfig(method="projected"), chars, student, student_vocab_size=14)
+    cross = CrossTokenizer(CrossTokenizerConfig(method="projected", inside_groups=inside_groups), chars, student,
+                           student_vocab_size=14)
     prompt = chars("w1 w2")["input_ids"]
     response = chars("w12", add_special_tokens=False)["input_ids"] + [chars.eos_token_id]
     translated = cross.translate(np.asarray(prompt + response), len(prompt))
     assert translated.alignment.kind.tolist() == [Kind.MANY_TO_ONE] * 3 + [Kind.SPECIAL]
+    words = student.convert_tokens_to_ids(["w12", "w13", "w5", "w1"])
+    output = TeacherOutput(topk_ids=np.asarray([words, [2, 0, 0, 0]]),
+                           topk_logprobs=np.log(np.asarray([[0.5, 0.2, 0.1, 0.1], [0.9, 0.05, 0, 0]],
+                                                           dtype=np.float32)),
+                           token_logprobs=np.asarray([-0.7, -0.1], dtype=np.float32))
+    return cross, translated, output, chars
+
+
+def test_positions_inside_a_group_get_an_empty_row_when_skipped(tokenizers):
+    cross, translated, output, _ = _reverse_pair(tokenizers, "skip")
     assert translated.alignment.teacher_position.tolist() == [0, -1, -1, 1]
-    output = TeacherOutput(topk_ids=np.asarray([[5, 6], [2, 0]]), topk_logprobs=np.log(np.asarray(
-        [[0.5, 0.25], [0.9, 0.05]], dtype=np.float32)), token_logprobs=np.asarray([-0.7, -0.1], dtype=np.float32))
     moved = cross.student_output(output, translated)
-    assert moved.topk_ids[0].tolist() == [5, 6] and moved.topk_ids[3].tolist() == [2, 0]
+    assert moved.topk_ids[0].tolist() == output.topk_ids[0].tolist() and moved.topk_ids[3].tolist() == [2, 0, 0, 0]
     assert np.isneginf(moved.topk_logprobs[1:3]).all()  # nothing compared, no gradient (the loss's empty row)
     assert moved.token_logprobs[1:3].tolist() == [0.0, 0.0]
+
+
+def test_the_chain_rule_compares_every_position_of_a_longer_teacher_token(tokenizers):
+    cross, translated, output, chars = _reverse_pair(tokenizers, "chain")
+    assert translated.chained.tolist() == [True, True, True, False]
+    moved = cross.student_output(output, translated)
+    offset = cross.teacher_vocab_size  # student ids travel as V_t + s
+
+    def row(i):
+        found = moved.topk_logprobs[i] > -np.inf
+        return dict(zip(chars.convert_ids_to_tokens((moved.topk_ids[i][found] - offset).tolist()),
+                        np.exp(moved.topk_logprobs[i][found]).tolist()))
+
+    # The head: every teacher word starts with "w" (0.9 of the teacher's mass, unnormalised like a top-k row).
+    assert row(0) == pytest.approx({"w": 0.9})
+    # After "w": w12, w13, w1 go on with "1", w5 with "5" (normalised over the words that agree with "w").
+    assert row(1) == pytest.approx({"1": 0.8 / 0.9, "5": 0.1 / 0.9})
+    # After "w1": only w12 and w13 go on ("w1" itself ends there: what follows it is another teacher position).
+    assert row(2) == pytest.approx({"2": 0.5 / 0.7, "3": 0.2 / 0.7})
+    # The closing EOS pair stays a teacher-vocabulary row, compared through W.
+    assert moved.topk_ids[3].tolist() == [2, 0, 0, 0]
 
 
 def test_a_mismatch_nobody_asked_for_is_refused_naming_the_key(tokenizers):
