@@ -363,9 +363,9 @@ def _check_cross_tokenizer(config, teacher, key: str) -> None:
     if teacher.signal != "topk":
         _fail(f"{where} compares the teacher's top-k in its own vocabulary: set {key}.signal=topk (the hidden signal's "
               "cross-tokenizer form is not built yet)")
-    if client_traits(teacher.client).collective or teacher.client == "cache":
-        _fail(f"{where}: {key}.client={teacher.client} reads the student's token ids; a teacher of another tokenizer "
-              f"is asked through its own ids: use {key}.client=zmq or openai")
+    if client_traits(teacher.client).collective:
+        _fail(f"{where}: {key}.client={teacher.client} runs the teacher on the student's token ids; a teacher of "
+              f"another tokenizer is asked through its own ids: use {key}.client=zmq, openai or cache")
     if config.rl.enabled and config.rl.combination.teacher_in_advantage:
         _fail(f"{where}: rl.combine={config.rl.combine!r} reads the teacher's log-prob of each sampled student token, "
               "which a teacher of another tokenizer has only where the tokens align; use rl.combine=loss or "

@@ -105,19 +105,41 @@ def build(config, out: pathlib.Path, *, records_per_shard: int, batch_size: int,
 def _score(teacher, config, tokenizer, records, out, *, records_per_shard, batch_size, teacher_checkpoint,
            service_secret, secret):
     from megatron_gkd.teacher.cache.build import build_cache, make_plan
+    from megatron_gkd.teacher.cache.store import CacheRecord
     from megatron_gkd.teacher.config import build_client_from_config
 
     client = build_client_from_config(teacher, service_secret)
+    cross = _cross_tokenizer(config.teacher, tokenizer)  # the run's section: it still names the served model
     try:
         identity = {"client": teacher.client, "model": str(teacher_checkpoint or teacher.address or teacher.base_url),
                     "backend": config.teacher.serve.backend if config.teacher.serve.model else None}
         plan = make_plan(client.info(), identity, teacher_checkpoint=teacher_checkpoint, tokenizer=tokenizer,
                          records=records, data_path=str(config.data.train_path), top_k=teacher.top_k,
                          temperature=teacher.temperature, signal=teacher.signal, hidden_dtype=teacher.hidden_dtype,
-                         records_per_shard=records_per_shard)
+                         records_per_shard=records_per_shard, cross=cross)
+        if cross is not None:  # scored as the trainer asks: the records' text in the teacher's own ids
+            records = [CacheRecord(r.index, *_teacher_side(cross, r)) for r in records]
         return build_cache(client, records, out, plan, batch_size=batch_size, show_progress=True, secret=secret)
     finally:
         client.close()
+
+
+def _cross_tokenizer(teacher, tokenizer):
+    """The pair of a cross-tokenizer teacher (``teacher.cross_tokenizer.method``), else None."""
+    if not teacher.cross_tokenizer.enabled:
+        return None
+    from megatron_gkd.data import load_tokenizer
+    from megatron_gkd.xtok.request import CrossTokenizer
+
+    if teacher.tokenizer_source is None:
+        raise ValueError("teacher.cross_tokenizer.method is set: set teacher.cross_tokenizer.tokenizer=DIR too")
+    return CrossTokenizer(teacher.cross_tokenizer, tokenizer, load_tokenizer(teacher.tokenizer_source),
+                          student_vocab_size=len(tokenizer))
+
+
+def _teacher_side(cross, record):
+    sequence = cross.translate(record.token_ids, record.response_start).sequence
+    return sequence.token_ids, sequence.response_start
 
 
 if __name__ == "__main__":

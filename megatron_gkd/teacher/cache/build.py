@@ -75,7 +75,7 @@ def score_records(client, records: Sequence[CacheRecord], plan: CacheManifest, b
 
 def make_plan(info, identity: dict, *, teacher_checkpoint: str | None, tokenizer, records: Sequence[CacheRecord],
               data_path: str, top_k: int, temperature: float, signal: str, hidden_dtype: str,
-              records_per_shard: int) -> CacheManifest:
+              records_per_shard: int, cross=None) -> CacheManifest:
     """The manifest (without shards) of scoring ``records`` with the teacher whose INFO is ``info``.
 
     Args:
@@ -83,16 +83,25 @@ def make_plan(info, identity: dict, *, teacher_checkpoint: str | None, tokenizer
         identity: how the config names the teacher (``client``, ``backend``, ``model``).
         teacher_checkpoint: the teacher's checkpoint directory, hashed into the manifest; None when it is not
             readable here (runs then cannot compare the cache's teacher with theirs: a warning says so).
-        tokenizer: the tokenizer that tokenized ``records`` (the student's); the teacher's must be the same.
+        tokenizer: the tokenizer that tokenized ``records`` (the student's); the teacher's must be the same unless
+            ``cross`` is given.
+        cross: a cross-tokenizer teacher's :class:`~megatron_gkd.xtok.request.CrossTokenizer`: the records are scored
+            as the teacher tokenizes their text, and the manifest records the pair.
 
     Raises:
-        ValueError: the tokenizers differ, or the teacher cannot serve the signal or k.
+        ValueError: the tokenizers differ (unasked, or not the pair ``cross`` names), or the teacher cannot serve the
+            signal or k.
     """
     digest = tokenizer_digest(tokenizer)
-    if (info.tokenizer_digest, info.tokenizer_size) != (digest, len(tokenizer)):
+    if cross is not None:
+        if info.tokenizer_digest != cross.teacher_digest:
+            raise ValueError(f"teacher.cross_tokenizer.tokenizer (digest {cross.teacher_digest[:12]}) is not the "
+                             f"teacher's own tokenizer (digest {str(info.tokenizer_digest)[:12]})")
+    elif (info.tokenizer_digest, info.tokenizer_size) != (digest, len(tokenizer)):
         raise ValueError(f"tokenizer mismatch: the teacher's tokenizer ({info.tokenizer_size} tokens, digest "
                          f"{str(info.tokenizer_digest)[:12]}) differs from student.tokenizer ({len(tokenizer)} tokens, "
-                         f"digest {digest[:12]}); distillation needs the same tokenizer on both sides")
+                         f"digest {digest[:12]}); to distil across tokenizers set teacher.cross_tokenizer.method="
+                         "projected (or hybrid), otherwise use a teacher with the student's tokenizer")
     hidden = signal == "hidden"
     if signal not in info.signals:
         raise ValueError(f"teacher.signal={signal}: this teacher serves {', '.join(info.signals)} only")
@@ -111,7 +120,7 @@ def make_plan(info, identity: dict, *, teacher_checkpoint: str | None, tokenizer
         temperature=float(temperature), hidden_dtype=hidden_dtype if hidden else None,
         dataset={"path": data_path, "blake3": dataset_digest(records), "num_records": len(records),
                  "num_response_tokens": sum(len(r.token_ids) - r.response_start for r in records)},
-        records_per_shard=records_per_shard)
+        records_per_shard=records_per_shard, teacher_tokenizer_digest=None if cross is None else cross.teacher_digest)
 
 
 def build_cache(client, records: Sequence[CacheRecord], out: str | pathlib.Path, plan: CacheManifest, *,

@@ -136,6 +136,9 @@ class CacheManifest:
         hidden_dtype: the hidden states' dtype (None with the top-k signal).
         dataset: ``path``, ``blake3`` (:func:`dataset_digest`), ``num_records``, ``num_response_tokens``.
         records_per_shard: records per shard (the last one may hold fewer).
+        teacher_tokenizer_digest: a cross-tokenizer teacher's own tokenizer (``teacher.cross_tokenizer``): the cache
+            was built for this pair of tokenizers, its rows hold teacher ids of the records' text as the teacher
+            tokenizes it (:mod:`megatron_gkd.xtok.request`). None: the teacher shares the student's tokenizer.
         shards: per shard ``name``, ``num_records``, ``num_rows``, ``bytes`` and ``blake3``; in a build's plan
             (``build.json``), the shards written so far.
         mac: ``hmac-sha256:HEX`` of every other field (:func:`manifest_mac`) with the run's secret, or None when the
@@ -150,6 +153,7 @@ class CacheManifest:
     hidden_dtype: str | None
     dataset: dict[str, Any]
     records_per_shard: int
+    teacher_tokenizer_digest: str | None = None
     shards: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     format: str = FORMAT
     version: int = VERSION
@@ -196,8 +200,10 @@ def manifest_mac(manifest: CacheManifest, secret: bytes) -> str:
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"the run's secret has {len(secret)} bytes; a teacher cache's MAC needs at least "
                          f"{MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32 > FILE; chmod 600 FILE`)")
-    content = json.dumps(dataclasses.asdict(dataclasses.replace(manifest, mac=None)), sort_keys=True,
-                         separators=(",", ":")).encode()
+    fields = dataclasses.asdict(dataclasses.replace(manifest, mac=None))
+    if fields["teacher_tokenizer_digest"] is None:  # a same-tokenizer cache signs as it did before the field existed
+        del fields["teacher_tokenizer_digest"]
+    content = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     return "hmac-sha256:" + hmac.new(secret, MAC_CONTEXT + content, hashlib.sha256).hexdigest()
 
 

@@ -120,7 +120,7 @@ class CacheTeacherClient(TeacherClient):
                 cache's and the run's value.
         """
         from megatron_gkd.config import eval_enabled
-        from megatron_gkd.data import load_prompts
+        from megatron_gkd.data import load_prompts, load_tokenizer
 
         if config.trainer.run_mode.samples:
             raise ValueError("teacher.client=cache cannot score on-policy samples (they are new every step): use "
@@ -130,7 +130,12 @@ class CacheTeacherClient(TeacherClient):
                              "eval.kl=false, or use a live teacher")
         manifest, teacher = self.manifest, teacher if teacher is not None else config.teacher
         self._check_bound(teacher)
+        cross = teacher.cross_tokenizer.enabled
         pairs = {"tokenizer_digest": (manifest.tokenizer_digest, tokenizer_digest(tokenizer)),
+                 # the teacher's own tokenizer, for a cache built for a pair (teacher.cross_tokenizer)
+                 "teacher.cross_tokenizer.tokenizer": (
+                     manifest.teacher_tokenizer_digest,
+                     tokenizer_digest(load_tokenizer(teacher.tokenizer_source)) if cross else None),
                  "teacher.signal": (manifest.signal, teacher.signal),
                  "teacher.temperature": (manifest.temperature, float(teacher.temperature))}
         if teacher.signal == "hidden" and manifest.signal == "hidden":

@@ -124,3 +124,33 @@ def test_killed_build_resumes_to_the_same_bytes(assets, small, cache, tmp_path):
     log = _build(_overrides(assets, small, "topk"), out)
     assert "resuming the teacher cache build" in log
     assert _files(out) == _files(cache)
+
+
+def test_a_cross_tokenizer_cache_equals_the_live_teacher_and_refuses_another_pair(assets, small, tmp_path):
+    """A teacher of another tokenizer (the tiny teacher behind a permuted vocabulary, issue #29): the cache is built
+    for the pair (the records' text in the teacher's own ids), trains exactly as the live teacher does, and a run
+    whose teacher has another tokenizer is refused, naming the key."""
+    from megatron_gkd.recipes.tiny import build_cross_teachers
+
+    teachers = build_cross_teachers(assets, tmp_path / "cross_teachers")
+    cross = [f"teacher.serve.model={teachers / 'permuted'}", "teacher.cross_tokenizer.method=projected"]
+    cache = tmp_path / "cross_cache"
+    _build(_overrides(assets, small, "topk") + cross, cache)
+    manifest = (cache / MANIFEST).read_text()
+    assert '"teacher_tokenizer_digest": "' in manifest  # built for a pair
+    live, cached = tmp_path / "live", tmp_path / "cached"
+    code, log = harness.run(live, _overrides(assets, small, "topk") + cross, nproc=1)
+    assert code == 0, log[-4000:]
+    from_cache = ["teacher.client=cache", f"teacher.cache_dir={cache}", "teacher.serve.model=null",
+                  f"teacher.checkpoint={teachers / 'permuted'}", "teacher.cross_tokenizer.method=projected"]
+    code, log = harness.run(cached, _overrides(assets, small, "topk") + from_cache, nproc=1)
+    assert code == 0, log[-4000:]
+    assert [r["train/loss"] for r in harness.steps(cached)] == [r["train/loss"] for r in harness.steps(live)]
+    # Another teacher tokenizer for the same cache: refused before training, naming the field.
+    other = from_cache + [f"teacher.cross_tokenizer.tokenizer={teachers / 'chars'}"]
+    code, log = harness.run(tmp_path / "refused", _overrides(assets, small, "topk") + other, nproc=1)
+    assert code != 0 and "teacher.cross_tokenizer.tokenizer" in log and "does not match this run" in log
+    # And the same-tokenizer run on it: refused too (the cache holds teacher ids of another vocabulary).
+    same = from_cache[:-1] + [f"teacher.checkpoint={assets / 'teacher'}"]
+    code, log = harness.run(tmp_path / "refused_same", _overrides(assets, small, "topk") + same, nproc=1)
+    assert code != 0 and "does not match this run" in log
