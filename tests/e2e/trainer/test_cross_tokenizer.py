@@ -82,3 +82,25 @@ def test_on_policy_with_a_character_teacher(assets, cross_teachers, tmp_path_fac
     _, code, log = _run(assets, tmp_path_factory, "refused", common)
     assert code != 0
     assert "tokenizer mismatch" in log and "teacher.cross_tokenizer.method=projected" in log
+
+
+@pytest.mark.slow  # two teacher services per run
+def test_a_cross_tokenizer_teacher_among_several(assets, cross_teachers, tmp_path_factory):
+    """teacher_mix=mixture of the tiny teacher and a second teacher: the permuted-vocabulary copy (cross-tokenizer)
+    trains exactly as the tiny teacher itself in its place, with the second teacher's xtok metrics named by it."""
+    common = [o for o in OFF_POLICY if not o.startswith("teacher.")] + [
+        "parallel.tensor_model_parallel_size=1", "teacher.client=none", "teacher.serve.model=null",
+        "teacher_mix.mode=mixture", "teacher_mix.weights={a: 0.5, b: 0.5}",
+        f"teachers.a={{client: zmq, top_k: 8, serve: {{model: '{assets / 'teacher'}', backend: hf}}}}"]
+    same = common + [f"teachers.b={{client: zmq, top_k: 8, serve: {{model: '{assets / 'teacher'}', backend: hf}}}}"]
+    crossed = common + [f"teachers.b={{client: zmq, top_k: 8, serve: {{model: '{cross_teachers / 'permuted'}', "
+                        "backend: hf}, cross_tokenizer: {method: projected}}"]
+    found = {}
+    for name, overrides in (("mix_same", same), ("mix_cross", crossed)):
+        out, code, log = _run(assets, tmp_path_factory, name, overrides, nproc=1)
+        assert code == 0, f"{name}: {log[-4000:]}"
+        found[name] = harness.steps(out)
+    assert [r["train/loss"] for r in found["mix_cross"]] == pytest.approx(
+        [r["train/loss"] for r in found["mix_same"]], abs=1e-5)
+    for record in found["mix_cross"]:
+        assert record["xtok/b/compared"] == 1.0 and "xtok/a/compared" not in record
