@@ -388,7 +388,8 @@ class BatchFlow:
 
     def _alignment_metrics(self, requests: dict[str, Request]) -> dict[str, float]:
         """Per cross-tokenizer teacher: the share of the step's response tokens in each kind of aligned group
-        (``xtok/share/<kind>``), the share compared with the teacher (``xtok/compared``) and the samples left unaligned
+        (``xtok/share/<kind>``), the share compared with the teacher at a group's head (``xtok/compared``) and through
+        the chain rule inside n:1 and n:m groups (``xtok/chained``), and the samples left unaligned
         (``xtok/unaligned_samples``), summed over the ranks that ask it. Collective over every rank when the run has
         such a teacher."""
         from megatron_gkd.xtok.align import Kind
@@ -397,11 +398,14 @@ class BatchFlow:
         if not crossed:
             return {}
         kinds = [kind.name.lower() for kind in Kind]
-        columns = [*kinds, "compared", "total"]
+        columns = [*kinds, "compared", "total", "chained"]
         counts = torch.zeros(len(crossed), len(columns) + 1, dtype=torch.float64)
         for row, teacher in enumerate(crossed):
             for translated in (requests[teacher.name].translated if teacher.name in requests else None) or ():
                 found = translated.alignment.counts()
+                found["chained"] = int(translated.chained.sum())
+                # A chained head is counted once, as chained.
+                found["compared"] -= int((translated.chained & translated.alignment.head).sum())
                 counts[row, :-1] += torch.tensor([float(found[column]) for column in columns], dtype=torch.float64)
                 counts[row, -1] += 0.0 if translated.aligned else 1.0
         dist.all_reduce(counts, group=self.control)
@@ -410,6 +414,7 @@ class BatchFlow:
             prefix, total = f"xtok{self.teachers.suffix(teacher.name)}/", max(float(counts[row, len(columns) - 1]), 1.0)
             metrics.update({f"{prefix}share/{kind}": float(counts[row, i]) / total for i, kind in enumerate(kinds)})
             metrics[f"{prefix}compared"] = float(counts[row, len(kinds)]) / total
+            metrics[f"{prefix}chained"] = float(counts[row, len(kinds) + 2]) / total
             metrics[f"{prefix}unaligned_samples"] = float(counts[row, -1])
         return metrics
 
