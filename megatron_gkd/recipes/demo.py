@@ -82,11 +82,17 @@ def final_eval(run_dir: pathlib.Path) -> dict:
     return evals[-1]
 
 
-def train(name: str, work: pathlib.Path, dest: pathlib.Path | None, extra: list[str] = ()) -> dict:
+def train(name: str, work: pathlib.Path, dest: pathlib.Path | None, extra: list[str] = (),
+          tokenizer=None) -> dict:
     """Builds the task and ``name``'s initial weights under ``work``, trains it with SFT, copies the HF
-    export to ``dest`` (when given); returns the final eval record."""
+    export to ``dest`` (when given); returns the final eval record. ``tokenizer(directory)``: writes the
+    model's tokenizer there (default: the task's own)."""
     task = build_task(work / "task")
-    init = initial_checkpoint(work / f"{name}_init", name, task / "tokenizer")
+    tokenizer_dir = task / "tokenizer"
+    if tokenizer is not None:
+        tokenizer_dir = work / "tokenizer"
+        tokenizer(tokenizer_dir)
+    init = initial_checkpoint(work / f"{name}_init", name, tokenizer_dir)
     run_dir = work / f"{name}_sft"
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a fresh run: a resumed one would not reproduce the committed tensors
