@@ -5,6 +5,8 @@
     python benchmarks/distill_quality.py --methods reverse_kl_full_vocab jsd_full_vocab --seeds 1   # diagnostics
     python benchmarks/distill_quality.py --report                   # aggregate what has finished
     python benchmarks/distill_quality.py --out outputs/rl_with_teacher --methods grpo forward_kl rl_loss rl_advantage rl_teacher
+    python benchmarks/distill_quality.py --out outputs/xtok_experiment --methods xtok_projected xtok_hybrid \
+        xtok_projected_heads_only sft_numeral_samples forward_kl    # a teacher of another tokenizer (issue #29)
     python benchmarks/distill_quality.py --out outputs/gkd_mixture --methods forward_kl_n1 gkd_dataset_l0.0 \
         gkd_dataset_l0.5 gkd_teacher_l0.0 gkd_teacher_l0.5            # GKD's mixture (issue #30)
 
@@ -37,6 +39,10 @@ teacher, on the arithmetic task, it compares:
                             the student's with probability lambda (0 or 0.5), else the record's own
                             reference response (``dataset``) or one the teacher writes at T=1 (``teacher``);
                             lambda 1 is ``forward_kl_n1``. The teacher scores every response (forward KL)
+``xtok_projected`` ...      a teacher of another tokenizer (``assets/xtok/numeral_teacher``: every number one
+                            token), on-policy forward KL through ``teacher.cross_tokenizer.method`` projected or
+                            hybrid (the chain rule inside numbers), or projected at group heads only
+                            (``inside_groups=skip``); ``sft_numeral_samples``: SFT on its samples as text
 ``forward_kl_hidden`` ...   on-policy ``forward_kl``, ``reverse_kl``, ``jsd`` from the teacher's hidden
                             states (``teacher.signal=hidden``, bf16 on the wire): exact over the whole
                             vocabulary, the student recomputing the teacher's logits with its head
@@ -71,6 +77,7 @@ from megatron_gkd.testing import runs as harness
 logger = logging.getLogger("distill_quality")
 
 DEMO_CONFIG = harness.REPO / "configs" / "demo_cpu.yaml"
+NUMERAL_TEACHER = harness.REPO / "assets" / "xtok" / "numeral_teacher"
 TOP_K = 4
 ON_POLICY = ["trainer.mode=on_policy", "rollout.n=4"]  # GKD's usual groups (TCAD's weights need them)
 OFF_POLICY = ["rollout.n=1", "data.train_path={samples}"]
@@ -118,6 +125,19 @@ METHODS.update({f"{loss}_hidden": [*ON_POLICY, f"loss.type={loss}", *HIDDEN] for
 MIX = [*ON_POLICY, "loss.type=forward_kl", "rollout.n=1", "sample_mix.per=prompt"]
 METHODS.update({f"gkd_{source}_l{lmbda}": [*MIX, f"sample_mix.source={source}", f"sample_mix.lmbda={lmbda}"]
                 for source in ("dataset", "teacher") for lmbda in ("0.0", "0.5")})
+# A teacher of another tokenizer (issue #29 point 5): the numeral teacher (megatron_gkd/recipes/numeral_teacher.py:
+# every number one token, the demo teacher's shape and recipe) distilled into the demo's one-digit student, on-policy
+# forward KL as `forward_kl` (whose same-tokenizer teacher is the ceiling), through each cross-tokenizer method; and
+# SFT on the numeral teacher's samples as text (decoded by its tokenizer, read by the student's).
+NUMERAL = ["teacher.serve.model={numeral}"]
+METHODS.update({
+    "xtok_projected": [*ON_POLICY, "loss.type=forward_kl", *NUMERAL, "teacher.cross_tokenizer.method=projected"],
+    "xtok_hybrid": [*ON_POLICY, "loss.type=forward_kl", *NUMERAL, "teacher.cross_tokenizer.method=hybrid"],
+    "xtok_projected_heads_only": [*ON_POLICY, "loss.type=forward_kl", *NUMERAL,
+                                  "teacher.cross_tokenizer.method=projected", "teacher.cross_tokenizer.inside_groups=skip"],
+    "sft_numeral_samples": ["trainer.mode=sft", "teacher.client=none", "teacher.serve.model=null", "rollout.n=1",
+                            "data.train_path={numeral_samples}"],
+})
 DIAGNOSTICS = ("reverse_kl_full_vocab", "jsd_full_vocab", "rl_advantage_lr3e-4", "rl_teacher_lr3e-4")  # on request
 
 
@@ -178,7 +198,7 @@ def run_record(out: pathlib.Path, method: str, seed: int, wall_s: float, kl: Hel
             "curve": [[tokens_at.get(r["step"], 0.0), r["eval/accuracy"]] for r in evals]}
 
 
-def run_all(jobs: list[tuple[str, int]], root: pathlib.Path, common: list[str], samples: pathlib.Path, kl: HeldOutKL,
+def run_all(jobs: list[tuple[str, int]], root: pathlib.Path, common: list[str], samples: dict, kl: HeldOutKL,
             parallel: int) -> None:
     """Runs the ``(method, seed)`` jobs without a ``result.json``, ``parallel`` at a time."""
     pending = [(m, s) for m, s in jobs if not (root / f"{m}-seed{s}" / "result.json").exists()]
@@ -188,7 +208,7 @@ def run_all(jobs: list[tuple[str, int]], root: pathlib.Path, common: list[str], 
             while pending and len(running) < parallel:
                 method, seed = pending.pop(0)
                 out = root / f"{method}-seed{seed}"
-                overrides = [o.format(samples=samples) for o in METHODS[method]]
+                overrides = [o.format(**samples) for o in METHODS[method]]
                 seeds = [f"trainer.seed={seed}", f"rollout.seed={seed}", f"data.seed={seed}"]
                 process = harness.start(out, common + overrides + seeds, nproc=1, config=DEMO_CONFIG)
                 running.append((method, seed, out, process, time.perf_counter()))
@@ -301,16 +321,18 @@ def main() -> None:
     task = arithmetic.build_task(root / "task")
     teacher = demo.ASSETS / "teacher"
     samples = root / "teacher_samples.jsonl"
-    needs_samples = any("{samples}" in override for method in args.methods for override in METHODS[method])
-    if not args.report and needs_samples and not samples.exists():  # 4 per prompt: enough that no run reuses one
-        teacher_samples.sample_teacher(teacher, task / "train.jsonl", samples.with_suffix(".partial"), n=4)
-        samples.with_suffix(".partial").rename(samples)
+    paths = {"samples": samples, "numeral": NUMERAL_TEACHER, "numeral_samples": root / "numeral_samples.jsonl"}
+    for key, source in (("samples", teacher), ("numeral_samples", NUMERAL_TEACHER)):
+        needed = any("{" + key + "}" in override for method in args.methods for override in METHODS[method])
+        if not args.report and needed and not paths[key].exists():  # 4 per prompt: enough that no run reuses one
+            teacher_samples.sample_teacher(source, task / "train.jsonl", paths[key].with_suffix(".partial"), n=4)
+            paths[key].with_suffix(".partial").rename(paths[key])
     kl = HeldOutKL(teacher, task / "eval.jsonl")
     start = {"accuracy": json.loads((demo.ASSETS / "student" / "accuracy.json").read_text())["eval/accuracy"],
              "heldout_kl": kl(demo.ASSETS / "student")}
     jobs = [(method, seed) for seed in args.seeds for method in args.methods]  # every method's first seed first
     if not args.report:
-        run_all(jobs, root, common_overrides(task, args.token_budget, args.num_steps, args.decay_steps), samples, kl,
+        run_all(jobs, root, common_overrides(task, args.token_budget, args.num_steps, args.decay_steps), paths, kl,
                 args.parallel)
     # Every finished run under the output directory, whichever invocation ran it.
     results = [json.loads(path.read_text()) for path in sorted(root.glob("*-seed*/result.json"))]
