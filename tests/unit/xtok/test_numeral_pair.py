@@ -1,6 +1,6 @@
 """The cross-tokenizer experiment's pair (issue #29 point 5): the demo's one-token-per-digit tokenizer as the student,
-the numeral tokenizer (every number one token) as the teacher. Every number is an n:1 group, and the chain rule turns
-the teacher's distribution over whole numbers into one over each next digit."""
+the numeral tokenizer (the answer one token) as the teacher. The answer is an n:1 group, and the chain rule turns the
+teacher's distribution over whole numbers into one over each next digit."""
 
 import numpy as np
 import pytest
@@ -21,7 +21,7 @@ def pair(tmp_path_factory):
     return student, build_numeral_tokenizer(root / "numerals")
 
 
-def test_numbers_are_many_to_one_groups_and_the_chain_rule_reads_digits_off_whole_numbers(pair):
+def test_the_answer_is_a_many_to_one_group_and_the_chain_rule_reads_digits_off_whole_numbers(pair):
     student, teacher = pair
     cross = CrossTokenizer(CrossTokenizerConfig(method="projected"), student, teacher, student_vocab_size=len(student))
     prompt = student("4 2 2 + 6 8 7 =")["input_ids"]
@@ -29,21 +29,20 @@ def test_numbers_are_many_to_one_groups_and_the_chain_rule_reads_digits_off_whol
     translated = cross.translate(np.asarray(prompt + response), len(prompt))
     sequence = translated.sequence
     assert teacher.convert_ids_to_tokens(sequence.token_ids.tolist()) == [
-        "4 2 2", "+", "6 8 7", "=", "9 0 1 1", "####", "1 1 0 9", "</s>"]
+        "4", "2", "2", "+", "6", "8", "7", "=", "9", "0", "1", "1", "####", "1 1 0 9", "</s>"]
     kinds = translated.alignment.kind.tolist()
-    assert kinds == [Kind.MANY_TO_ONE] * 4 + [Kind.ONE_TO_ONE] + [Kind.MANY_TO_ONE] * 4 + [Kind.SPECIAL]
-    assert translated.chained.tolist() == [True] * 4 + [False] + [True] * 4 + [False]
+    assert kinds == [Kind.ONE_TO_ONE] * 5 + [Kind.MANY_TO_ONE] * 4 + [Kind.SPECIAL]
+    assert translated.chained.tolist() == [False] * 5 + [True] * 4 + [False]
 
-    # The teacher's row predicting the worked sum: whole numbers.
-    rows = np.zeros((4, 4), dtype=np.int64)
-    logprobs = np.full((4, 4), -np.inf, dtype=np.float32)
-    # (Written units first: the reversed sums of 1109, 109, 1108 and 1119.)
-    rows[0] = teacher.convert_tokens_to_ids(["9 0 1 1", "9 0 1", "8 0 1 1", "9 1 1 1"])
-    assert teacher.unk_token_id not in rows[0]
-    logprobs[0] = np.log([0.6, 0.2, 0.1, 0.05])
-    for row in (1, 2, 3):  # the marker, the answer, the end: no concern here
+    # The teacher's row predicting the answer (teacher response position 5): whole numbers.
+    rows = np.zeros((7, 4), dtype=np.int64)
+    logprobs = np.full((7, 4), -np.inf, dtype=np.float32)
+    for row in range(7):  # the digits and the marker, and the end: no concern here
         rows[row, 0], logprobs[row, 0] = sequence.token_ids[sequence.response_start + row], 0.0
-    output = TeacherOutput(topk_ids=rows, topk_logprobs=logprobs, token_logprobs=np.zeros(4, dtype=np.float32))
+    rows[5] = teacher.convert_tokens_to_ids(["1 1 0 9", "1 1 0", "9 1", "1 0 1 9"])
+    assert teacher.unk_token_id not in rows[5]
+    logprobs[5] = np.log([0.6, 0.2, 0.1, 0.05])
+    output = TeacherOutput(topk_ids=rows, topk_logprobs=logprobs, token_logprobs=np.zeros(7, dtype=np.float32))
     moved = cross.student_output(output, translated)
     offset = cross.teacher_vocab_size
 
@@ -52,9 +51,9 @@ def test_numbers_are_many_to_one_groups_and_the_chain_rule_reads_digits_off_whol
         return dict(zip(student.convert_ids_to_tokens((moved.topk_ids[i][found] - offset).tolist()),
                         np.exp(moved.topk_logprobs[i][found]).tolist()))
 
-    assert digits(0) == pytest.approx({"9": 0.85, "8": 0.1})  # the first digit, unnormalised
-    assert digits(1) == pytest.approx({"0": 0.8 / 0.85, "1": 0.05 / 0.85})  # given "9", renormalised
-    assert digits(2) == pytest.approx({"1": 1.0})  # given "9 0": both numbers that start so go on with "1"
-    assert digits(3) == pytest.approx({"1": 1.0})  # given "9 0 1": "9 0 1" itself ends there and is left out
-    # "####" is a 1:1 head, compared through W (its teacher id is the marker's).
+    assert digits(5) == pytest.approx({"1": 0.85, "9": 0.1})  # the first digit, unnormalised
+    assert digits(6) == pytest.approx({"1": 0.8 / 0.85, "0": 0.05 / 0.85})  # given "1", renormalised
+    assert digits(7) == pytest.approx({"0": 1.0})  # given "1 1": 1109 and 110 go on with "0"
+    assert digits(8) == pytest.approx({"9": 1.0})  # given "1 1 0": "1 1 0" itself ends there and is left out
+    # "####" and the digits before it are 1:1 heads, compared through W (teacher ids: the same symbols').
     assert moved.topk_ids[4, 0] == teacher.convert_tokens_to_ids("####")
