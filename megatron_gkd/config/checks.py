@@ -360,9 +360,10 @@ def _check_cross_tokenizer(config, teacher, key: str) -> None:
     if config.loss.type == "tcad":
         _fail(f"{where}: loss.type=tcad has no cross-tokenizer form (its support is the student's own top-k, which the "
               "teacher would have to score through the inverse map); use forward_kl, reverse_kl, jsd or kl_rkl")
-    if teacher.signal != "topk":
-        _fail(f"{where} compares the teacher's top-k in its own vocabulary: set {key}.signal=topk (the hidden signal's "
-              "cross-tokenizer form is not built yet)")
+    if teacher.signal == "hidden" and teacher.cross_tokenizer.inside_groups == "chain":
+        _fail(f"{where} with {key}.signal=hidden: the chain rule reads the teacher's top-k where the teacher is asked, "
+              f"which the hidden signal makes only in the step; set {key}.cross_tokenizer.inside_groups=skip, or "
+              f"{key}.signal=topk")
     if client_traits(teacher.client).collective:
         _fail(f"{where}: {key}.client={teacher.client} runs the teacher on the student's token ids; a teacher of "
               f"another tokenizer is asked through its own ids: use {key}.client=zmq, openai or cache")

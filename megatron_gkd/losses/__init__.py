@@ -28,7 +28,7 @@ from megatron_gkd.losses.advantages import BatchCounts, aggregation_coefficients
 from megatron_gkd.losses.cross_vocab import cross_vocab_distill_loss
 from megatron_gkd.losses.cross_vocab_fused import fused_cross_vocab_distill_loss
 from megatron_gkd.losses.fused import fused_vocab_parallel_distill_loss
-from megatron_gkd.losses.hidden import hidden_distill_loss, hidden_token_logprobs
+from megatron_gkd.losses.hidden import hidden_distill_loss, hidden_token_logprobs, hidden_topk
 from megatron_gkd.losses.policy_gradient import (
     PolicyGradientOptions,
     fused_vocab_parallel_policy_gradient_loss,
@@ -61,6 +61,7 @@ __all__ = [
     "group_advantages",
     "hidden_distill_loss",
     "hidden_token_logprobs",
+    "hidden_topk",
     "register_divergence",
     "registered_divergences",
     "reverse_kl_estimate",

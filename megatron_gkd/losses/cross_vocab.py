@@ -32,9 +32,10 @@ the log-partitions and the partial ``y`` by ``logsumexp`` over ranks. The backwa
 Besides the same-tokenizer loss it holds the map entries under the support (the ids' fan-in), one block of rows at a
 time, at most one ``[c, V/tp]`` chunk's bytes.
 
-The fused output layer (``hidden @ W^T`` recomputed in token chunks) is :mod:`.cross_vocab_fused`. Not here yet: the
-``hidden`` signal (the comparison over the whole teacher vocabulary); docs/performance.md "Cross-tokenizer loss" holds
-its design and the figures.
+The fused output layer (``hidden @ W^T`` recomputed in token chunks) is :mod:`.cross_vocab_fused`. The teacher's
+``hidden`` signal is compared as its exact top-k (:func:`megatron_gkd.losses.hidden.hidden_topk`, made in the step from
+its hidden states and its head's rows of its own vocabulary); a comparison over the whole teacher vocabulary is not
+built. docs/performance.md "Cross-tokenizer loss" holds the figures.
 """
 
 from __future__ import annotations

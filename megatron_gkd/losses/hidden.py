@@ -322,3 +322,53 @@ def hidden_token_logprobs(
     logits = (hidden.to(teacher_weight.dtype) @ teacher_weight.t()).to(compute_dtype(teacher_weight.dtype))
     return vocab_parallel_token_logprobs(logits, token_ids, tp_group, temperature=teacher_temperature,
                                          real_vocab_size=real_vocab_size)
+
+
+def hidden_topk(
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    k: int,
+    *,
+    tp_group: dist.ProcessGroup | None,
+    teacher_temperature: float = 1.0,
+    real_vocab_size: int | None = None,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's exact top-``k`` from its hidden states: ids and log-probs normalised over its whole vocabulary
+    (collective over TP; no gradient). A cross-tokenizer teacher's hidden signal is compared this way: its
+    vocabulary is not the student's, so its rows are made here and compared through ``W`` like a top-k row.
+
+    The logits are made as :func:`hidden_distill_loss` makes them (the head's dtype, widened), ``chunk_size`` rows
+    at a time (one ``[c, V/tp]`` chunk held); each rank's top-``k`` and log-partition are combined over ``tp_group``
+    (:func:`~megatron_gkd.losses.vocab_parallel.vocab_parallel_topk`, one all-gather of ``[c]``).
+
+    Args:
+        teacher_hidden: ``[N, h_t]`` (or ``[s, b, h_t]``), the same on every rank.
+        teacher_weight: ``[V/tp, h_t]`` this rank's rows of the teacher's output layer.
+        k: ids per row.
+        teacher_temperature, real_vocab_size: see :class:`HiddenOptions` (``real_vocab_size``: the teacher's).
+
+    Returns:
+        ``(ids [..., k] int64, logprobs [..., k])`` in the compute dtype, best first, the same on every rank.
+    """
+    from megatron_gkd.losses.vocab_parallel import vocab_parallel_topk
+
+    check_temperature(teacher_temperature)
+    lead = teacher_hidden.shape[:-1]
+    hidden = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
+    dtype = compute_dtype(teacher_weight.dtype)
+    layout = ShardLayout.of(tp_group, teacher_weight.shape[0], real_vocab_size)
+    ids = torch.empty(hidden.shape[0], k, dtype=torch.int64, device=hidden.device)
+    logprobs = torch.empty(hidden.shape[0], k, dtype=dtype, device=hidden.device)
+    with torch.no_grad():
+        for start in range(0, hidden.shape[0], chunk_size):
+            logits = (hidden[start:start + chunk_size].to(teacher_weight.dtype) @ teacher_weight.t()).to(dtype)
+            logits = logits / teacher_temperature
+            real = logits[:, : layout.tokens_local]
+            local = torch.logsumexp(real, dim=1) if real.shape[1] else torch.full(
+                (real.shape[0],), float("-inf"), dtype=dtype, device=real.device)
+            lse = torch.logsumexp(all_gather_rows(local, layout), dim=0)
+            top_ids, top_logits = vocab_parallel_topk(logits, k, tp_group, real_vocab_size=real_vocab_size)
+            ids[start:start + chunk_size] = top_ids
+            logprobs[start:start + chunk_size] = top_logits - lse[:, None]
+    return ids.reshape(*lead, k), logprobs.reshape(*lead, k)

@@ -210,3 +210,25 @@ def failures(results: dict) -> list[str]:
     bad += [f"token_logprobs {key}: {value:.3g} nats" for key, value in results["token_logprobs"].items()
             if not value <= TOKEN_LOGPROB_TOLERANCES[getattr(torch, key.rsplit(".", 1)[1])]]
     return bad
+
+
+def check_hidden_topk(seed: int = 0) -> dict:
+    """On every rank of the default group: :func:`megatron_gkd.losses.hidden_topk` against the dense float64 top-k of
+    ``log_softmax(hidden @ head^T / T)`` over the real rows (a padded, unequally split table; chunks of 3 rows).
+    Returns ``{"ids_equal": bool, "logprob_error": float}``."""
+    from megatron_gkd.losses import hidden_topk
+
+    tp_group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+    tp_size, rank = (1, 0) if tp_group is None else (dist.get_world_size(), dist.get_rank())
+    generator = torch.Generator().manual_seed(seed)
+    real, hidden_size, rows, k, temperature = 37, 8, 10, 5, 1.3
+    padded = -(-real // tp_size) * tp_size + tp_size  # padding rows past the tokenizer, on the last rank(s)
+    head = torch.randn(padded, hidden_size, generator=generator, dtype=torch.float64)
+    head[real:] = 0.0
+    hidden = 2.0 * torch.randn(rows, hidden_size, generator=generator, dtype=torch.float64)
+    logprobs = torch.log_softmax(hidden @ head[:real].t() / temperature, dim=-1)
+    expected_lp, expected_ids = logprobs.topk(k, dim=-1)
+    local = head.chunk(tp_size)[rank]
+    ids, got = hidden_topk(hidden, local, k, tp_group=tp_group, teacher_temperature=temperature, real_vocab_size=real,
+                           chunk_size=3)
+    return {"ids_equal": bool(torch.equal(ids, expected_ids)), "logprob_error": float((got - expected_lp).abs().max())}

@@ -67,17 +67,23 @@ def build_student(config: GKDConfig, state: ParallelState) -> Student:
                    state=state)
 
 
-def build_teacher_head(teacher, state, student: Student, tokenizer) -> torch.Tensor | None:
+def build_teacher_head(teacher, state, student: Student, tokenizer, cross=None) -> torch.Tensor | None:
     """This rank's shard of ``teacher``'s output layer (a teacher config section with ``signal=hidden``, last
-    pipeline stage), split over the TP group like the student's own output layer; None when not needed."""
+    pipeline stage), split over the TP group like the student's own output layer; None when not needed. A teacher of
+    another tokenizer (``cross``, its :class:`~megatron_gkd.xtok.request.CrossTokenizer`) has its own vocabulary:
+    its rows are split over the TP group (padded to a multiple of it)."""
     if teacher.signal != "hidden" or not teacher.enabled or not state.is_pipeline_last_stage:
         return None
     from megatron_gkd import platform
     from megatron_gkd.models.teacher_head import load_teacher_head
 
-    head = load_teacher_head(teacher.head_source, student_vocab_size=student.vocab_size, tp_rank=state.tp_rank,
-                             tp_size=state.config.tensor_model_parallel_size, real_vocab_size=len(tokenizer),
-                             dtype=student.dtype, device=platform.device())
+    tp = state.config.tensor_model_parallel_size
+    rows, real = student.vocab_size, len(tokenizer)
+    if cross is not None:
+        real = cross.teacher_table.vocab_size
+        rows = -(-real // tp) * tp
+    head = load_teacher_head(teacher.head_source, student_vocab_size=rows, tp_rank=state.tp_rank, tp_size=tp,
+                             real_vocab_size=real, dtype=student.dtype, device=platform.device())
     logger.info("teacher head shard %s (%s, %.1f MiB) from %s", tuple(head.shape), head.dtype,
                 head.numel() * head.element_size() / 2**20, teacher.head_source)
     return head

@@ -411,10 +411,11 @@ class BatchFlow:
         dist.all_reduce(counts, group=self.control)
         metrics = {}
         for row, teacher in enumerate(crossed):
-            prefix, total = f"xtok{self.teachers.suffix(teacher.name)}/", max(float(counts[row, len(columns) - 1]), 1.0)
-            metrics.update({f"{prefix}share/{kind}": float(counts[row, i]) / total for i, kind in enumerate(kinds)})
-            metrics[f"{prefix}compared"] = float(counts[row, len(kinds)]) / total
-            metrics[f"{prefix}chained"] = float(counts[row, len(kinds) + 2]) / total
+            found = dict(zip(columns, counts[row].tolist()))
+            prefix, total = f"xtok{self.teachers.suffix(teacher.name)}/", max(found["total"], 1.0)
+            metrics.update({f"{prefix}share/{kind}": found[kind] / total for kind in kinds})
+            metrics[f"{prefix}compared"] = found["compared"] / total
+            metrics[f"{prefix}chained"] = found["chained"] / total
             metrics[f"{prefix}unaligned_samples"] = float(counts[row, -1])
         return metrics
 
@@ -465,7 +466,9 @@ class BatchFlow:
         log-probs against ``hidden @ head`` on a sample of tokens (:mod:`.head_check`); a mismatch stops every rank.
         Collective over every rank when any check is due."""
         first, self._heads_checked = not self._heads_checked, True
-        due = [t for t in self.teachers if check_due(t.config, batch.index, first=first, scoring=scoring)]
+        # A cross-tokenizer teacher's rows sit on the student's positions, whose ids are not its own: not checked here.
+        due = [t for t in self.teachers
+               if t.cross is None and check_due(t.config, batch.index, first=first, scoring=scoring)]
         if not due:
             return
         error, tp_group = None, self.state.tp_group if dist.get_world_size(self.state.tp_group) > 1 else None

@@ -86,9 +86,9 @@ class Trainer:
         config = self.config
         self.student = build_student(config, self.state)
         for teacher in self.teachers:
-            teacher.head = build_teacher_head(teacher.config, self.state, self.student, self.tokenizer)
             teacher.cross, teacher.projection = build_cross_tokenizer(teacher.config, self.state, self.student,
                                                                       self.tokenizer)
+            teacher.head = build_teacher_head(teacher.config, self.state, self.student, self.tokenizer, teacher.cross)
         self.runner = StepRunner(self.student.chunks, self.student.optimizer, self.student.lr_scheduler,
                                  tp_group=self.state.tp_group, dp_group=self._dp_gloo, dp_size=self.state.data_parallel_size,
                                  is_last_stage=self.state.is_pipeline_last_stage,

@@ -50,6 +50,9 @@ class LossSpec:
         projection: a teacher of another tokenizer: this rank's rows of the map ``W`` (a
             :class:`~megatron_gkd.losses.projection_map.ProjectionShard`); the teacher rows hold its own vocabulary's
             ids and the divergence is :func:`~megatron_gkd.losses.cross_vocab_distill_loss`. None: the same tokenizer.
+        teacher_top_k, teacher_real_vocab_size: a cross-tokenizer teacher's hidden signal: its exact top-k
+            (:func:`~megatron_gkd.losses.hidden_topk`, k ids of its vocabulary's first ``teacher_real_vocab_size``) is
+            the row compared through ``W``.
     """
 
     kind: str = "distill"
@@ -63,6 +66,8 @@ class LossSpec:
     teacher_temperature: float = 1.0
     real_vocab_size: int | None = None
     projection: object = dataclasses.field(default=None, compare=False)
+    teacher_top_k: int | None = None
+    teacher_real_vocab_size: int | None = None
     coverage_coef: float | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self):
@@ -74,22 +79,26 @@ class LossSpec:
 
     @classmethod
     def from_config(cls, loss, mode, teacher=None, real_vocab_size: int | None = None,
-                    projection=None) -> "LossSpec":
+                    projection=None, teacher_real_vocab_size: int | None = None) -> "LossSpec":
         """The spec of ``loss`` in ``mode`` (a :class:`~megatron_gkd.config.schema.Mode`); ``teacher`` (its
-        config) chooses the signal; ``projection``: a cross-tokenizer teacher's map shard."""
+        config) chooses the signal; ``projection``, ``teacher_real_vocab_size``: a cross-tokenizer teacher's map
+        shard and its tokenizer's size."""
         if not mode.distills:
             return cls(kind="cross_entropy")
         signal = teacher.signal if teacher is not None else "topk"
         return cls(loss_type=loss.type, options=dict(loss.options), temperature=loss.temperature, fused=loss.fused,
                    chunk_size=loss.chunk_size, diagnostics=loss.diagnostics, signal=signal,
                    teacher_temperature=teacher.temperature if teacher is not None else 1.0,
-                   real_vocab_size=real_vocab_size, projection=projection)
+                   real_vocab_size=real_vocab_size, projection=projection,
+                   teacher_top_k=teacher.top_k if projection is not None else None,
+                   teacher_real_vocab_size=teacher_real_vocab_size)
 
     def eval_kl(self) -> "LossSpec":
         """The evaluation's forward KL on this spec's teacher signal (top-k rows, or exact from hidden states)."""
         return LossSpec(loss_type="forward_kl", signal=self.signal, teacher_temperature=self.teacher_temperature,
                         real_vocab_size=self.real_vocab_size, fused=self.fused and self.signal == "hidden",
-                        chunk_size=self.chunk_size, projection=self.projection)
+                        chunk_size=self.chunk_size, projection=self.projection, teacher_top_k=self.teacher_top_k,
+                        teacher_real_vocab_size=self.teacher_real_vocab_size)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -138,8 +147,12 @@ def loss_specs(loss, mode, teachers, real_vocab_size: int) -> LossSpecs:
     not distil)."""
     if not mode.distills:
         return LossSpec(kind="cross_entropy")
-    return {t.name: LossSpec.from_config(loss, mode, t.config, real_vocab_size, getattr(t, "projection", None))
-            for t in teachers}
+    specs = {}
+    for t in teachers:
+        cross = getattr(t, "cross", None)
+        specs[t.name] = LossSpec.from_config(loss, mode, t.config, real_vocab_size, getattr(t, "projection", None),
+                                             None if cross is None else cross.teacher_table.vocab_size)
+    return specs
 
 
 @contextlib.contextmanager
@@ -335,9 +348,11 @@ class StepRunner:
         ``token_ids`` ``[b, s]``, also ``stats["token_logprobs"]``: their differentiable log-probs, same pass)."""
         from megatron_gkd.losses import fused_vocab_parallel_distill_loss, vocab_parallel_distill_loss
 
-        if spec.signal == "hidden":
-            return self._hidden_loss(spec, share, captured, output, mask)
         tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
+        if spec.signal == "hidden" and spec.projection is not None:  # the cross-tokenizer teacher's exact top-k
+            share = self._hidden_rows(spec, share, tp_group)
+        elif spec.signal == "hidden":
+            return self._hidden_loss(spec, share, captured, output, mask)
         if spec.projection is not None:  # a teacher of another tokenizer: its rows hold its own ids
             per_token, metrics = self._cross_vocab(spec, share, captured, output, tp_group)
         elif spec.fused:  # hidden [b, s, h] as the model returned it; teacher rows and results [b, s]
@@ -367,6 +382,21 @@ class StepRunner:
         if sampled is not None:
             stats["token_logprobs"] = sampled
         return contribution, stats
+
+    def _hidden_rows(self, spec: LossSpec, share, tp_group):
+        """A cross-tokenizer teacher's hidden states as top-k rows of its own vocabulary (exact log-probs, computed with
+        its head shard over TP); a position without a teacher row (all-zero hidden state: inside a group, or not
+        aligned) gets an empty row."""
+        from megatron_gkd.losses import hidden_topk
+
+        head = self.teacher_heads.get(share.name)
+        assert head is not None, f"teacher {share.name!r} sends hidden states but this rank has no head for it"
+        ids, logprobs = hidden_topk(share.hidden, head, spec.teacher_top_k, tp_group=tp_group,
+                                    teacher_temperature=spec.teacher_temperature,
+                                    real_vocab_size=spec.teacher_real_vocab_size, chunk_size=spec.chunk_size)
+        present = (share.hidden != 0).any(dim=-1, keepdim=True)
+        logprobs = torch.where(present, logprobs.float(), torch.full_like(logprobs, float("-inf"), dtype=torch.float32))
+        return dataclasses.replace(share, ids=torch.where(present, ids, torch.zeros_like(ids)), logprobs=logprobs)
 
     @staticmethod
     def _cross_vocab(spec: LossSpec, share, captured, output: torch.Tensor, tp_group):

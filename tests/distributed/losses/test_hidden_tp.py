@@ -17,3 +17,8 @@ def test_hidden_losses_at_tp2_match_the_reference():
         assert len(result["topk"]) >= 3 * len(cases.LOSS_CONFIGS)
         assert len(result["token_logprobs"]) == len(cases.make_cases(2)) * len(cases.TOKEN_LOGPROB_TOLERANCES)
         assert cases.failures(result) == [], f"rank {rank}"
+
+
+def test_the_teachers_exact_top_k_at_tp2():
+    for rank, result in enumerate(run_distributed(cases.check_hidden_topk, 2)):
+        assert result["ids_equal"] and result["logprob_error"] <= 1e-12, f"rank {rank}: {result}"
