@@ -29,6 +29,9 @@ _handed_out: set[int] = set()
 # while the child is still loading (before it calls exit_with_parent) must be noticed too, and by then
 # os.getppid() already names the process that adopted the orphan.
 _STARTED_AS = (os.getpid(), os.getppid())
+# The parent's pid, as the parent put it into the child's environment (ServiceProcess): it closes the window before
+# this module is imported (the interpreter's start, under load seconds), in which a parent's death went unnoticed.
+PARENT_PID_ENV = "MEGATRON_GKD_PARENT_PID"
 
 
 def exit_with_parent() -> None:
@@ -37,6 +40,9 @@ def exit_with_parent() -> None:
     Call it from the child's main thread once its signal handlers are installed.
     """
     pid, parent = _STARTED_AS
+    declared = os.environ.get(PARENT_PID_ENV, "")
+    if declared.isdigit() and pid == os.getpid():
+        parent = int(declared)
     if pid != os.getpid():  # a fork of the process that imported this module: its parent is that process
         parent = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
@@ -90,7 +96,7 @@ class ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._ready = re.compile(ready)
         environment = {key: value for key, value in os.environ.items() if key not in _WORLD_VARIABLES}
-        environment.update(env or {})
+        environment.update(env or {}, **{PARENT_PID_ENV: str(os.getpid())})
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=environment,
                                             start_new_session=True)

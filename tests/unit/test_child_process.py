@@ -46,3 +46,24 @@ def test_a_fork_of_the_importing_process_takes_that_process_as_its_parent():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60,
                           env=dict(os.environ, PYTHONPATH=os.getcwd()))
     assert done.stdout.strip() == "7", f"the fork was stopped: exit code {done.stdout.strip()}"
+
+
+def test_a_parent_that_dies_before_the_child_imports_anything_still_stops_it():
+    # The child's interpreter starts slowly (here: 2 s before any import); its parent is gone by then, and the
+    # parent pid the child reads at import is already its adopter's. The pid its parent put into its
+    # environment (as ServiceProcess does) is the one it must outlive.
+    child = ("import time; time.sleep(2); import megatron_gkd.child_process as c; c.exit_with_parent(); "
+             "time.sleep(30)")
+    parent = ("import os, subprocess, sys; child = subprocess.Popen([sys.executable, '-c', sys.argv[1]], "
+              "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ, "
+              "MEGATRON_GKD_PARENT_PID=str(os.getpid()))); print(child.pid, flush=True)")
+    done = subprocess.run([sys.executable, "-c", parent, child], capture_output=True, text=True, check=True,
+                          env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    pid = int(done.stdout.split()[0])
+    end = time.monotonic() + 20
+    while time.monotonic() < end and _alive(pid):
+        time.sleep(0.2)
+    alive = _alive(pid)
+    if alive:
+        os.kill(pid, 9)
+    assert not alive, "the child outlived a parent that died before it imported the module"
