@@ -180,11 +180,12 @@ def check_token_logprobs(case: HiddenCase, dtype: torch.dtype, tp_group, device:
 
 def check_everything(tp_size: int | None = None, device: torch.device | str = "cpu") -> dict:
     """On every rank of the default group (its TP group): every case x loss x dtype x chunking on ``device``, the
-    top-k equivalence at k = V (host), and the teacher's token log-probs per case and head dtype. Returns
-    ``{"cases": {key: errors}, "topk": {key: error}, "token_logprobs": {key: nats}}``."""
+    top-k equivalence at k = V (host), the teacher's token log-probs per case and head dtype, and its exact top-k
+    (:func:`check_hidden_topk`). Returns ``{"cases": {key: errors}, "topk": {key: error}, "token_logprobs": {key:
+    nats}, "hidden_topk": {...}}``."""
     tp_group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
     tp_size = 1 if tp_group is None else dist.get_world_size()
-    results: dict = {"cases": {}, "topk": {}, "token_logprobs": {}}
+    results: dict = {"cases": {}, "topk": {}, "token_logprobs": {}, "hidden_topk": check_hidden_topk()}
     for case in make_cases(tp_size):
         for dtype in TOKEN_LOGPROB_TOLERANCES:
             results["token_logprobs"][f"{case.name}/{dtype}"] = check_token_logprobs(case, dtype, tp_group, device)
@@ -209,6 +210,9 @@ def failures(results: dict) -> list[str]:
     bad += [f"topk {key}: {value:.3g}" for key, value in results["topk"].items() if not value <= 1e-9]
     bad += [f"token_logprobs {key}: {value:.3g} nats" for key, value in results["token_logprobs"].items()
             if not value <= TOKEN_LOGPROB_TOLERANCES[getattr(torch, key.rsplit(".", 1)[1])]]
+    topk = results.get("hidden_topk")
+    if topk is not None and not (topk["ids_equal"] and topk["logprob_error"] <= 1e-12):
+        bad.append(f"hidden_topk: {topk}")
     return bad
 
 

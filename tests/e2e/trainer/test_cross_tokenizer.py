@@ -2,14 +2,14 @@
 tokenizer, asked in its own ids, its rows moved back to the student's positions, the loss through the projection W.
 
 * Exactness: the tiny teacher behind a permuted vocabulary (the same model over the same text; W a permutation) must
-  train the student exactly as the tiny teacher does through the same-tokenizer path: TP=1 unfused ``projected``,
-  TP=2 fused ``hybrid`` and TP=2 with the hidden signal (the teacher's top-k made in the step from its hidden states),
-  off-policy on fixed data, loss within 1e-5 at every step.
+  train the student exactly as the tiny teacher does through the same-tokenizer path: TP=1 unfused ``projected`` on
+  the served top-k, and TP=2 fused ``hybrid`` on the hidden signal (the teacher's top-k made in the step from its
+  hidden states), off-policy on fixed data, loss within 1e-5 at every step.
 * On-policy with vLLM rollout at TP=2: a character-level teacher (every student word is several teacher tokens),
   with the xtok/* metrics and eval's KL to the teacher.
 * Unasked, the same teacher is refused at start-up, and the message names the key that enables it.
 
-The first runs in the default tier (about 60 s), the on-policy one in the slow tier (``-m slow``).
+The first runs in the default tier (about 50 s), the on-policy one in the slow tier (``-m slow``).
 """
 
 import pytest
@@ -45,13 +45,12 @@ def test_a_permuted_vocabulary_trains_exactly_as_the_same_tokenizer(assets, cros
     runs = {}
     for name, nproc, extra in (("projected_tp1", 1, ["parallel.tensor_model_parallel_size=1",
                                                      "teacher.cross_tokenizer.method=projected"]),
-                               ("hybrid_tp2_fused", 2, ["parallel.tensor_model_parallel_size=2", "loss.fused=true",
-                                                        "teacher.cross_tokenizer.method=hybrid"]),
-                               # The hidden signal: the teacher's exact top-k made in the step from its hidden
-                               # states and its head's rows of its own vocabulary, sharded over TP.
-                               ("hidden_tp2", 2, ["parallel.tensor_model_parallel_size=2", "teacher.signal=hidden",
-                                                  "teacher.hidden_dtype=float32", "teacher.cross_tokenizer.method=projected",
-                                                  "teacher.cross_tokenizer.inside_groups=skip"])):
+                               # TP=2, fused, hybrid, and the hidden signal: the teacher's exact top-k made in
+                               # the step from its hidden states and its head's rows of its own vocabulary.
+                               ("hybrid_tp2_fused_hidden", 2, [
+                                   "parallel.tensor_model_parallel_size=2", "loss.fused=true", "teacher.signal=hidden",
+                                   "teacher.hidden_dtype=float32", "teacher.cross_tokenizer.method=hybrid",
+                                   "teacher.cross_tokenizer.inside_groups=skip"])):
         out, code, log = _run(assets, tmp_path_factory, name, OFF_POLICY + permuted + extra, nproc=nproc)
         assert code == 0, f"{name}: {log[-4000:]}"
         assert "cross-tokenizer map (" in log
