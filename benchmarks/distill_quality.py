@@ -42,7 +42,8 @@ teacher, on the arithmetic task, it compares:
 ``xtok_projected`` ...      a teacher of another tokenizer (``assets/xtok/numeral_teacher``: every number one
                             token), on-policy forward KL through ``teacher.cross_tokenizer.method`` projected or
                             hybrid (the chain rule inside numbers), or projected at group heads only
-                            (``inside_groups=skip``); ``sft_numeral_samples``: SFT on its samples as text
+                            (``inside_groups=skip``), or read at the text level (``xtok_text``: boundary=text);
+                            ``sft_numeral_samples``: SFT on its samples as text
 ``forward_kl_hidden`` ...   on-policy ``forward_kl``, ``reverse_kl``, ``jsd`` from the teacher's hidden
                             states (``teacher.signal=hidden``, bf16 on the wire): exact over the whole
                             vocabulary, the student recomputing the teacher's logits with its head
@@ -133,6 +134,10 @@ NUMERAL = ["teacher.serve.model={numeral}"]
 METHODS.update({
     "xtok_projected": [*ON_POLICY, "loss.type=forward_kl", *NUMERAL, "teacher.cross_tokenizer.method=projected"],
     "xtok_hybrid": [*ON_POLICY, "loss.type=forward_kl", *NUMERAL, "teacher.cross_tokenizer.method=hybrid"],
+    # The teacher read at the text level (boundary=text: the chain rule at every position, corrected for its token
+    # boundaries): the teacher's boundary after a short answer's "1" means "the number 1", not the student's "1...".
+    "xtok_text": [*ON_POLICY, "loss.type=forward_kl", *NUMERAL, "teacher.cross_tokenizer.method=projected",
+                  "teacher.cross_tokenizer.boundary=text"],
     "xtok_projected_heads_only": [*ON_POLICY, "loss.type=forward_kl", *NUMERAL,
                                   "teacher.cross_tokenizer.method=projected", "teacher.cross_tokenizer.inside_groups=skip"],
     "sft_numeral_samples": ["trainer.mode=sft", "teacher.client=none", "teacher.serve.model=null", "rollout.n=1",

@@ -10,6 +10,8 @@ meaningless"). It still is, unless the run names a method; the refusal now says 
                                  # teacher.teacher_tokenizer
         inside_groups: chain     # chain: the student tokens of a group the teacher writes as fewer tokens are compared
                                  # through the chain rule (megatron_gkd.xtok.request) | skip: only group heads
+        boundary: teacher        # teacher: group heads compared at the teacher's token boundaries through W | text: every
+                                 # position read at the text level (chain rule at heads too, boundary-corrected)
         projection_map: null     # a map saved by ProjectionMap.save; null: built from the two tokenizers at start-up
         max_pieces: 4            # the map's rule (megatron_gkd.xtok.projection)
         decay: 0.5
@@ -32,6 +34,7 @@ logger = logging.getLogger(__name__)
 ENABLE_KEY = "teacher.cross_tokenizer.method"
 METHODS = ("projected", "hybrid")
 INSIDE_GROUPS = ("chain", "skip")
+BOUNDARIES = ("teacher", "text")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -48,6 +51,12 @@ class CrossTokenizerConfig:
             n:m; the numeral case), every student position is compared with the teacher's distribution over the
             student token its tokens continue with (the chain rule over the teacher's top-k,
             :mod:`megatron_gkd.xtok.request`); ``skip``: only the group's head is compared, through ``W``.
+        boundary: ``teacher`` (default): a group's head is compared with the teacher's row at its first token, through
+            ``W``. ``text``: every position but a 1:n head (the student's token longer) is compared in the student's
+            vocabulary with the teacher's distribution read at the text level: the chain rule at heads too, and at a
+            head that follows a teacher token other teacher tokens extend (``"1"`` of ``"1 6 3 8"``), the teacher's
+            row there (conditioned on its token having ended) mixed with the previous row's tokens that go on past
+            the boundary, by their probabilities (:mod:`megatron_gkd.xtok.request`). Needs ``inside_groups=chain``.
         projection_map: path of a map saved by :meth:`ProjectionMap.save`; it must have been built for this pair
             of tokenizers. ``None``: built from the two tokenizers at start-up (seconds; see docs/performance.md).
         max_pieces, decay: the map's re-tokenisation rule (:func:`megatron_gkd.xtok.build_projection`).
@@ -56,6 +65,7 @@ class CrossTokenizerConfig:
     method: str | None = None
     tokenizer: str | None = None
     inside_groups: str = "chain"
+    boundary: str = "teacher"
     projection_map: str | None = None
     max_pieces: int = 4
     decay: float = 0.5
@@ -67,6 +77,12 @@ class CrossTokenizerConfig:
         if self.inside_groups not in INSIDE_GROUPS:
             raise ValueError(f"teacher.cross_tokenizer.inside_groups={self.inside_groups!r} is not one of "
                              f"{', '.join(INSIDE_GROUPS)}{closest(self.inside_groups, list(INSIDE_GROUPS))}")
+        if self.boundary not in BOUNDARIES:
+            raise ValueError(f"teacher.cross_tokenizer.boundary={self.boundary!r} is not one of {', '.join(BOUNDARIES)}"
+                             f"{closest(self.boundary, list(BOUNDARIES))}")
+        if self.boundary == "text" and self.inside_groups != "chain":
+            raise ValueError("teacher.cross_tokenizer.boundary=text reads every position through the chain rule: set "
+                             "teacher.cross_tokenizer.inside_groups=chain")
         if self.max_pieces < 1 or not 0.0 <= self.decay <= 1.0:
             raise ValueError(f"teacher.cross_tokenizer.max_pieces must be >= 1 and decay in [0, 1], got "
                              f"{self.max_pieces}, {self.decay}")

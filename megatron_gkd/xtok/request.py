@@ -90,6 +90,7 @@ class CrossTokenizer:
     def __init__(self, config: CrossTokenizerConfig, student_tokenizer: Any, teacher_tokenizer: Any, *,
                  student_vocab_size: int, teacher_vocab_size: int | None = None):
         self.method, self.chain = config.method, config.inside_groups == "chain"
+        self.text_boundaries = config.boundary == "text"
         self.student_tokenizer, self.teacher_tokenizer = student_tokenizer, teacher_tokenizer
         self.student_table: TokenTable = token_table(student_tokenizer)
         self.teacher_table: TokenTable = token_table(teacher_tokenizer)
@@ -101,6 +102,7 @@ class CrossTokenizer:
             s, t = getattr(student_tokenizer, attribute, None), getattr(teacher_tokenizer, attribute, None)
             if s is not None and t is not None:
                 self.special_pairs.setdefault(int(s), int(t))
+        self._student_special = {t: s for s, t in sorted(self.special_pairs.items(), reverse=True)}
         teacher_vocab_size = teacher_vocab_size or self.teacher_table.vocab_size
         if config.projection_map is not None:
             self.projection = ProjectionMap.load(config.projection_map, student_digest=self.student_table.digest,
@@ -177,6 +179,8 @@ class CrossTokenizer:
                                    response_start=len(teacher_prompt))
         chained = np.isin(alignment.kind, (Kind.MANY_TO_ONE, Kind.MANY_TO_MANY)) if self.chain else \
             np.zeros(len(response), dtype=bool)
+        if self.text_boundaries:  # every position the chain rule can read: all but 1:n heads and the unaligned
+            chained = ~np.isin(alignment.kind, (Kind.ONE_TO_MANY, Kind.UNALIGNED))
         return Translated(sequence, alignment, aligned, response, chained)
 
     def _align(self, student: np.ndarray, teacher: np.ndarray, text: str) -> tuple[Alignment, bool]:
@@ -217,21 +221,46 @@ class CrossTokenizer:
                 return found
         return None
 
-    def _chain_row(self, ids: np.ndarray, logprobs: np.ndarray, prefix: bytes, head: bool, width: int):
-        """The chain rule's row (module docstring): ``(student ids, log-probs)``, at most ``width`` entries."""
+    def _continuations(self, ids: np.ndarray, logprobs: np.ndarray, prefix: bytes) -> dict[int, float]:
+        """Teacher mass of the row's tokens whose text extends ``prefix``, by the student token each goes on with
+        (at an empty prefix, a special token counts for its student partner)."""
         mass: dict[int, float] = {}
         for t, logprob in zip(ids.tolist(), logprobs.tolist()):
             if logprob == -math.inf:
                 continue
-            text = self._norm(self.teacher_table.pieces[t])
-            if len(text) <= len(prefix) or not text.startswith(prefix):
-                continue
-            s = self._continues_with(text[len(prefix):])
+            if self.teacher_table.special[t]:
+                s = self._student_special.get(t) if not prefix else None
+            else:
+                text = self._norm(self.teacher_table.pieces[t])
+                if len(text) <= len(prefix) or not text.startswith(prefix):
+                    continue
+                s = self._continues_with(text[len(prefix):])
             if s is not None:
                 mass[s] = mass.get(s, 0.0) + math.exp(logprob)
-        total = 1.0 if head else sum(mass.values())
-        ranked = sorted(mass.items(), key=lambda item: -item[1])[:width]
-        return [s for s, _ in ranked], [math.log(m / total) for _, m in ranked]
+        return mass
+
+    def _across_boundary(self, output: TeacherOutput, teacher_ids: np.ndarray, position: int,
+                         mass: dict[int, float]) -> dict[int, float]:
+        """``boundary=text`` at a head: the teacher's row at ``position`` (``mass``, conditioned on its previous token
+        having ended) mixed with the previous row's tokens that extend that token past the boundary."""
+        if position < 1:
+            return mass
+        previous = int(teacher_ids[position - 1])
+        text = self._norm(self.teacher_table.pieces[previous])
+        if self.teacher_table.special[previous] or not text:
+            return mass
+        ended = math.exp(float(output.token_logprobs[position - 1]))
+        extended = self._continuations(np.asarray([t for t in output.topk_ids[position - 1].tolist() if t != previous]),
+                                       np.asarray([lp for t, lp in zip(output.topk_ids[position - 1].tolist(),
+                                                                        output.topk_logprobs[position - 1].tolist())
+                                                   if t != previous]), text)
+        if not extended:
+            return mass
+        total = ended + sum(extended.values())
+        mixed = {s: ended * m / total for s, m in mass.items()}
+        for s, m in extended.items():
+            mixed[s] = mixed.get(s, 0.0) + m / total
+        return mixed
 
     def student_output(self, output: TeacherOutput, translated: Translated) -> TeacherOutput:
         """``output`` (one row per teacher response token) as rows of the student's response positions (module
@@ -247,13 +276,17 @@ class CrossTokenizer:
         hidden = None if output.hidden is None else np.where(found[:, None], output.hidden[source], 0.0).astype(
             np.float32)
         offset, pieces, width = self.teacher_vocab_size, self.student_table.pieces, ids.shape[1]
+        teacher_ids = translated.sequence.response_ids
         for i in np.flatnonzero(translated.chained):
             head, teacher = int(alignment.student_start[i]), int(alignment.teacher_start[i])
             prefix = self._norm(b"".join(pieces[s] for s in translated.student_ids[head:i].tolist()))
-            row_ids, row_logprobs = self._chain_row(output.topk_ids[teacher], output.topk_logprobs[teacher], prefix,
-                                                    head == i, width)
-            ids[i, : len(row_ids)] = np.asarray(row_ids, dtype=np.int64) + offset
-            logprobs[i, : len(row_ids)] = row_logprobs
+            mass = self._continuations(output.topk_ids[teacher], output.topk_logprobs[teacher], prefix)
+            if head == i and self.text_boundaries:
+                mass = self._across_boundary(output, teacher_ids, teacher, mass)
+            total = 1.0 if head == i else sum(mass.values())  # at the head a top-k row; further in, conditioned
+            ranked = sorted(mass.items(), key=lambda item: -item[1])[:width]
+            ids[i, : len(ranked)] = np.asarray([s for s, _ in ranked], dtype=np.int64) + offset
+            logprobs[i, : len(ranked)] = [math.log(m / total) for _, m in ranked]
         return TeacherOutput(topk_ids=ids, topk_logprobs=logprobs, token_logprobs=tokens, hidden=hidden)
 
 

@@ -57,3 +57,39 @@ def test_the_answer_is_a_many_to_one_group_and_the_chain_rule_reads_digits_off_w
     assert digits(8) == pytest.approx({"9": 1.0})  # given "1 1 0": "1 1 0" itself ends there and is left out
     # "####" and the digits before it are 1:1 heads, compared through W (teacher ids: the same symbols').
     assert moved.topk_ids[4, 0] == teacher.convert_tokens_to_ids("####")
+
+
+def test_text_boundaries_keep_a_short_answer_from_being_taught_to_stop(pair):
+    """The failure the experiment found (docs/results.md): a student that writes only "1" of the answer 1109 reads,
+    at the teacher's boundaries, a teacher that saw the *number* 1 and says "stop"; read at the text level the
+    teacher says "go on with 1" (its mass on 1109, which extends 1 past the boundary)."""
+    student, teacher = pair
+    prompt = student("4 2 2 + 6 8 7 =")["input_ids"]
+    response = student("9 0 1 1 #### 1", add_special_tokens=False)["input_ids"] + [student.eos_token_id]
+    rows = {}
+    for boundary in ("teacher", "text"):
+        cross = CrossTokenizer(CrossTokenizerConfig(method="projected", boundary=boundary), student, teacher,
+                               student_vocab_size=len(student))
+        translated = cross.translate(np.asarray(prompt + response), len(prompt))
+        sequence = translated.sequence
+        assert teacher.convert_ids_to_tokens(sequence.response_ids.tolist()) == [
+            "9", "0", "1", "1", "####", "1", "</s>"]
+        ids = np.zeros((7, 3), dtype=np.int64)
+        logprobs = np.full((7, 3), -np.inf, dtype=np.float32)
+        for row in range(7):
+            ids[row, 0], logprobs[row, 0] = sequence.response_ids[row], 0.0
+        ids[5] = teacher.convert_tokens_to_ids(["1 1 0 9", "1", "1 0 0 9"])  # the answer's row
+        logprobs[5] = np.log([0.9, 0.01, 0.05])
+        ids[6, 0], logprobs[6, 0] = teacher.eos_token_id, np.log(0.99)  # after the number 1: stop
+        tokens = logprobs[np.arange(7), 0].copy()
+        tokens[5] = np.log(0.01)  # the teacher's log-prob of its own token "1"
+        output = TeacherOutput(topk_ids=ids, topk_logprobs=logprobs, token_logprobs=tokens)
+        moved = cross.student_output(output, translated)
+        offset = cross.teacher_vocab_size
+        found = moved.topk_logprobs[6] > -np.inf
+        rows[boundary] = dict(zip(moved.topk_ids[6][found].tolist(), np.exp(moved.topk_logprobs[6][found]).tolist()))
+        if boundary == "text":
+            rows[boundary] = {student.convert_ids_to_tokens(i - offset): p for i, p in rows[boundary].items()}
+    assert rows["teacher"] == pytest.approx({teacher.eos_token_id: 0.99})  # teacher ids, through W: "stop"
+    # Read at the text level: 1109 and 1009 go on past "1" (0.95), the number 1 itself ended (0.01) then stops.
+    assert rows["text"] == pytest.approx({"1": 0.9 / 0.96, "0": 0.05 / 0.96, "</s>": 0.01 * 0.99 / 0.96})
