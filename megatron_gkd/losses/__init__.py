@@ -9,6 +9,8 @@ Public API::
                                                       teacher_logprobs, loss_type=..., tp_group=...)
     total, loss, metrics = hidden_distill_loss(student_hidden, teacher_hidden, teacher_head_shard, weights,
                                                student_weight=output_weight_shard, loss_type=..., tp_group=...)
+    total, loss, metrics = hidden_cross_vocab_distill_loss(logits_shard, teacher_hidden, teacher_head_shard,
+                                                           projection_shard, weights, loss_type=..., tp_group=...)
     logprobs = hidden_token_logprobs(teacher_hidden, teacher_head_shard, token_ids, tp_group=...)  # a sample's check
     logprobs = vocab_parallel_token_logprobs(logits_shard, token_ids, tp_group)  # differentiable; fused_... too
     loss, metrics = vocab_parallel_policy_gradient_loss(logits_shard, token_ids, advantages, tp_group=tp_group,
@@ -27,6 +29,7 @@ token log-probs), :func:`rollout_mismatch` (trainer vs sampler log-probs).
 from megatron_gkd.losses.advantages import BatchCounts, aggregation_coefficients, group_advantages
 from megatron_gkd.losses.cross_vocab import cross_vocab_distill_loss
 from megatron_gkd.losses.cross_vocab_fused import fused_cross_vocab_distill_loss
+from megatron_gkd.losses.cross_vocab_hidden import hidden_cross_vocab_distill_loss
 from megatron_gkd.losses.fused import fused_vocab_parallel_distill_loss
 from megatron_gkd.losses.hidden import hidden_distill_loss, hidden_token_logprobs, hidden_topk
 from megatron_gkd.losses.policy_gradient import (
@@ -59,6 +62,7 @@ __all__ = [
     "fused_vocab_parallel_token_logprobs",
     "get_divergence",
     "group_advantages",
+    "hidden_cross_vocab_distill_loss",
     "hidden_distill_loss",
     "hidden_token_logprobs",
     "hidden_topk",

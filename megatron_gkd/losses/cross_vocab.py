@@ -34,8 +34,8 @@ time, at most one ``[c, V/tp]`` chunk's bytes.
 
 The fused output layer (``hidden @ W^T`` recomputed in token chunks) is :mod:`.cross_vocab_fused`. The teacher's
 ``hidden`` signal is compared as its exact top-k (:func:`megatron_gkd.losses.hidden.hidden_topk`, made in the step from
-its hidden states and its head's rows of its own vocabulary); a comparison over the whole teacher vocabulary is not
-built. docs/performance.md "Cross-tokenizer loss" holds the figures.
+its hidden states and its head's rows of its own vocabulary); the comparison over the whole teacher vocabulary is
+:mod:`.cross_vocab_hidden`. docs/performance.md "Cross-tokenizer loss" holds the figures.
 """
 
 from __future__ import annotations

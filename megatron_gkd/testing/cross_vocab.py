@@ -276,3 +276,96 @@ def check_fused_tp(dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float
                         "grad_weight": relative(w.grad, shard(full_w.grad.t(), rank, tp_size).t()),
                     })
     return results
+
+
+def reference_hidden_cross_vocab_loss(full_logits: torch.Tensor, projection: torch.Tensor, teacher_hidden: torch.Tensor,
+                                      teacher_head: torch.Tensor, loss_type: str, temperature: float = 1.0,
+                                      teacher_temperature: float = 1.0, *, real_vocab_size: int | None = None,
+                                      teacher_real_vocab_size: int | None = None, **options) -> torch.Tensor:
+    """Per-token loss ``[N]`` (float64, autograd) of megatron_gkd.losses.cross_vocab_hidden from its definition: the
+    teacher's exact distribution ``softmax(hidden @ head^T / T_t)`` over its real vocabulary is a top-k row with
+    ``K = V_t``, compared by :func:`reference_cross_vocab_loss` with the student projected through the dense ``W``."""
+    teacher_logits = (teacher_hidden.double() @ teacher_head.double().t())[:, :teacher_real_vocab_size]
+    logprobs = torch.log_softmax(teacher_logits / teacher_temperature, dim=-1)
+    ids = torch.arange(logprobs.shape[1]).expand(logprobs.shape[0], -1)
+    return reference_cross_vocab_loss(full_logits, projection[:, : logprobs.shape[1]], ids, logprobs, loss_type,
+                                      temperature, real_vocab_size=real_vocab_size, **options)
+
+
+@dataclasses.dataclass(frozen=True)
+class HiddenCrossCase:
+    """A cross-tokenizer case with the teacher's hidden states and head (megatron_gkd.losses.cross_vocab_hidden)."""
+
+    vocab_map: VocabMap
+    logits: torch.Tensor  # [N, V_s] float64, padding rows included
+    teacher_hidden: torch.Tensor  # [N, h]
+    teacher_head: torch.Tensor  # [V_t, h], padding rows included
+    weights: torch.Tensor  # [N], zeros skip rows
+    real_vocab_size: int | None = None
+    teacher_real_vocab_size: int | None = None
+
+
+def make_hidden_case(seed: int = 0, *, student_vocab: int = 24, teacher_vocab: int = 20, num_rows: int = 10,
+                     hidden_size: int = 6, real_vocab_size: int | None = None,
+                     teacher_real_vocab_size: int | None = None) -> HiddenCrossCase:
+    generator = torch.Generator().manual_seed(seed)
+    vocab_map = random_map(real_vocab_size or student_vocab, teacher_real_vocab_size or teacher_vocab,
+                           np.random.default_rng(seed))
+    weights = torch.rand(num_rows, generator=generator, dtype=torch.float64) + 0.5
+    weights[1] = 0.0  # a skipped row
+    return HiddenCrossCase(vocab_map, 2.0 * torch.randn(num_rows, student_vocab, generator=generator, dtype=torch.float64),
+                           torch.randn(num_rows, hidden_size, generator=generator, dtype=torch.float64),
+                           torch.randn(teacher_vocab, hidden_size, generator=generator, dtype=torch.float64),
+                           weights, real_vocab_size, teacher_real_vocab_size)
+
+
+def run_hidden_case(case: HiddenCrossCase, loss_type: str, options: dict, dtype: torch.dtype, rank: int,
+                    tp_size: int, group, *, temperature: float = 0.8, teacher_temperature: float = 1.3,
+                    chunk_size: int = 4):
+    """This rank's ``(total, per_token, grad shard, metrics)`` of hidden_cross_vocab_distill_loss."""
+    from megatron_gkd.losses.cross_vocab_hidden import hidden_cross_vocab_distill_loss
+
+    logits = shard(case.logits, rank, tp_size).to(dtype).requires_grad_()
+    head = case.teacher_head.chunk(tp_size, dim=0)[rank].to(dtype)
+    projection = case.vocab_map.shard(rank, tp_size, logits.shape[1])
+    total, per_token, metrics = hidden_cross_vocab_distill_loss(
+        logits, case.teacher_hidden.to(dtype), head, projection, case.weights.to(dtype), loss_type=loss_type,
+        tp_group=group, temperature=temperature, teacher_temperature=teacher_temperature,
+        real_vocab_size=case.real_vocab_size, teacher_real_vocab_size=case.teacher_real_vocab_size,
+        chunk_size=chunk_size, **options)
+    total.backward()
+    return total.detach(), per_token, logits.grad, metrics
+
+
+def reference_hidden_case(case: HiddenCrossCase, loss_type: str, options: dict, *, temperature: float = 0.8,
+                          teacher_temperature: float = 1.3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(total, per_token, grad [N, V_s])`` of the float64 reference."""
+    logits = case.logits.clone().requires_grad_()
+    per_token = reference_hidden_cross_vocab_loss(
+        logits, case.vocab_map.dense(), case.teacher_hidden, case.teacher_head, loss_type, temperature,
+        teacher_temperature, real_vocab_size=case.real_vocab_size,
+        teacher_real_vocab_size=case.teacher_real_vocab_size, **options)
+    total = (per_token * case.weights).sum()
+    total.backward()
+    return total.detach(), per_token.detach(), logits.grad
+
+
+def check_hidden_tp(dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32)) -> list[dict]:
+    """On each gloo rank: the hidden cross-tokenizer loss at this TP against the reference and TP=1."""
+    rank, tp_size = dist.get_rank(), dist.get_world_size()
+    results = []
+    for name, kwargs in (("plain", {}), ("padding", {"real_vocab_size": 21, "teacher_real_vocab_size": 17})):
+        case = make_hidden_case(3, **kwargs)
+        for loss_type, options in LOSS_CONFIGS:
+            expected, _, expected_grad = reference_hidden_case(case, loss_type, options)
+            for dtype in dtypes:
+                total, _, grad, _ = run_hidden_case(case, loss_type, options, dtype, rank, tp_size, dist.group.WORLD)
+                single, _, single_grad, _ = run_hidden_case(case, loss_type, options, dtype, 0, 1, None)
+                results.append({
+                    "case": name, "loss_type": loss_type, "dtype": str(dtype),
+                    "loss_vs_reference": relative(total, expected),
+                    "grad_vs_reference": relative(grad, shard(expected_grad, rank, tp_size)),
+                    "loss_vs_tp1": relative(total, single),
+                    "grad_vs_tp1": relative(grad, shard(single_grad, rank, tp_size)),
+                })
+    return results
