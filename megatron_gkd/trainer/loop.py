@@ -21,14 +21,7 @@ from megatron_gkd.parallel.comm import all_gather_msgpack, broadcast_msgpack
 from megatron_gkd.trainer import metrics as run_metrics
 from megatron_gkd.trainer import run_dir
 from megatron_gkd.trainer.checkpointing import RunCheckpoints
-from megatron_gkd.trainer.components import (
-    build_cross_tokenizer,
-    build_rollout,
-    build_student,
-    build_teacher_head,
-    stop_token_ids,
-    teacher_check,
-)
+from megatron_gkd.trainer.components import build_rollout, build_student, stop_token_ids, teacher_check
 from megatron_gkd.trainer.eval import Evaluator, TeacherKL
 from megatron_gkd.trainer.flow import BatchFlow, InFlight
 from megatron_gkd.trainer.metrics import MetricsWriter, Progress, Timers, batch_metrics, loss_metrics
@@ -85,10 +78,7 @@ class Trainer:
     def _build_student(self) -> None:
         config = self.config
         self.student = build_student(config, self.state)
-        for teacher in self.teachers:
-            teacher.cross, teacher.projection = build_cross_tokenizer(teacher.config, self.state, self.student,
-                                                                      self.tokenizer)
-            teacher.head = build_teacher_head(teacher.config, self.state, self.student, self.tokenizer, teacher.cross)
+        self.teachers.build_local_parts(self.state, self.student, self.tokenizer)
         self.runner = StepRunner(self.student.chunks, self.student.optimizer, self.student.lr_scheduler,
                                  tp_group=self.state.tp_group, dp_group=self._dp_gloo, dp_size=self.state.data_parallel_size,
                                  is_last_stage=self.state.is_pipeline_last_stage,

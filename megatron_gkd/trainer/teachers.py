@@ -148,6 +148,16 @@ class Teachers:
                 error = caught
         agree(error, control)
 
+    def build_local_parts(self, state, student, tokenizer) -> None:
+        """What each teacher needs on this rank besides its client: the tokenizer pair of a teacher of another tokenizer
+        and this rank's rows of its map ``W`` (``cross``, ``projection``), and the shard of its output layer (``head``,
+        the hidden signal; a cross-tokenizer teacher's split by its own vocabulary)."""
+        from megatron_gkd.trainer.components import build_cross_tokenizer, build_teacher_head
+
+        for teacher in self:
+            teacher.cross, teacher.projection = build_cross_tokenizer(teacher.config, state, student, tokenizer)
+            teacher.head = build_teacher_head(teacher.config, state, student, tokenizer, teacher.cross)
+
     def connect(self, state, asks, check) -> None:
         """Waits for the services this run started, then builds the client of every teacher on the ranks that ask
         it (``asks(teacher)``) and checks it against the run (``check(teacher)``); every rank stops on a failure
