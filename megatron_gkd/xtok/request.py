@@ -170,11 +170,17 @@ class CrossTokenizer:
             first = self.teacher_tokenizer.bos_token_id or self.teacher_tokenizer.eos_token_id or 0
             teacher_prompt = np.asarray([first], dtype=np.int64)
         closing = [self.special_pairs[int(i)] for i in response[len(body):] if int(i) in self.special_pairs]
-        teacher_response = np.concatenate([self._encode(text, special=False), np.asarray(closing, dtype=np.int64)])
+        written = self._encode(text, special=False)
+        teacher_response = np.concatenate([written, np.asarray(closing, dtype=np.int64)])
         if not len(teacher_response):  # nothing the teacher can write: one end-of-sequence row, compared nowhere
             eos = self.teacher_tokenizer.eos_token_id
             teacher_response = np.asarray([eos if eos is not None else teacher_prompt[-1]], dtype=np.int64)
         alignment, aligned = self._align(response, teacher_response, text)
+        unknown = self.teacher_tokenizer.unk_token_id
+        if aligned and unknown is not None and unknown in written and unknown not in body:
+            # The teacher cannot spell part of the student's text (its tokenizer maps it to its unknown token): its
+            # rows there and after would score a token it never learnt to read. Left unaligned, counted.
+            alignment, aligned = _unaligned(len(response), len(teacher_response)), False
         sequence = SequenceRequest(token_ids=np.concatenate([teacher_prompt, teacher_response]),
                                    response_start=len(teacher_prompt))
         chained = np.isin(alignment.kind, (Kind.MANY_TO_ONE, Kind.MANY_TO_MANY)) if self.chain else \

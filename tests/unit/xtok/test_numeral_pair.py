@@ -93,3 +93,16 @@ def test_text_boundaries_keep_a_short_answer_from_being_taught_to_stop(pair):
     assert rows["teacher"] == pytest.approx({teacher.eos_token_id: 0.99})  # teacher ids, through W: "stop"
     # Read at the text level: 1109 and 1009 go on past "1" (0.95), the number 1 itself ended (0.01) then stops.
     assert rows["text"] == pytest.approx({"1": 0.9 / 0.96, "0": 0.05 / 0.96, "</s>": 0.01 * 0.99 / 0.96})
+
+
+def test_text_the_teacher_cannot_spell_is_left_unaligned(pair):
+    """An answer outside the numeral tokenizer's numbers (9991: it knows 0..1999) is its unknown token: the teacher
+    would score a token it never learnt to read, so the response is counted as unaligned, not compared."""
+    student, teacher = pair
+    cross = CrossTokenizer(CrossTokenizerConfig(method="projected"), student, teacher, student_vocab_size=len(student))
+    prompt = student("4 2 2 + 6 8 7 =")["input_ids"]
+    for answer, aligned in (("1 1 0 9", True), ("9 9 9 1", False)):
+        response = student(f"9 0 1 1 #### {answer}", add_special_tokens=False)["input_ids"] + [student.eos_token_id]
+        translated = cross.translate(np.asarray(prompt + response), len(prompt))
+        assert translated.aligned == aligned
+        assert (translated.alignment.counts()["unaligned"] == len(response)) == (not aligned)
