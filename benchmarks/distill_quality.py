@@ -39,7 +39,7 @@ teacher, on the arithmetic task, it compares:
                             the student's with probability lambda (0 or 0.5), else the record's own
                             reference response (``dataset``) or one the teacher writes at T=1 (``teacher``);
                             lambda 1 is ``forward_kl_n1``. The teacher scores every response (forward KL)
-``xtok_projected`` ...      a teacher of another tokenizer (``assets/xtok/numeral_teacher``: every number one
+``xtok_projected`` ...      a teacher of another tokenizer (``assets/xtok/numeral_teacher``: the answer one
                             token), on-policy forward KL through ``teacher.cross_tokenizer.method`` projected or
                             hybrid (the chain rule inside numbers), or projected at group heads only
                             (``inside_groups=skip``), or read at the text level (``xtok_text``: boundary=text);
@@ -127,7 +127,7 @@ MIX = [*ON_POLICY, "loss.type=forward_kl", "rollout.n=1", "sample_mix.per=prompt
 METHODS.update({f"gkd_{source}_l{lmbda}": [*MIX, f"sample_mix.source={source}", f"sample_mix.lmbda={lmbda}"]
                 for source in ("dataset", "teacher") for lmbda in ("0.0", "0.5")})
 # A teacher of another tokenizer (issue #29 point 5): the numeral teacher (megatron_gkd/recipes/numeral_teacher.py:
-# every number one token, the demo teacher's shape and recipe) distilled into the demo's one-digit student, on-policy
+# the answer one token, the demo teacher's shape and recipe) distilled into the demo's one-digit student, on-policy
 # forward KL as `forward_kl` (whose same-tokenizer teacher is the ceiling), through each cross-tokenizer method; and
 # SFT on the numeral teacher's samples as text (decoded by its tokenizer, read by the student's).
 NUMERAL = ["teacher.serve.model={numeral}"]
@@ -138,6 +138,9 @@ METHODS.update({
     # boundaries): the teacher's boundary after a short answer's "1" means "the number 1", not the student's "1...".
     "xtok_text": [*ON_POLICY, "loss.type=forward_kl", *NUMERAL, "teacher.cross_tokenizer.method=projected",
                   "teacher.cross_tokenizer.boundary=text"],
+    # One sample per prompt, as forward_kl_n1 (64 prompts a step): what the demo's student learns most from.
+    "xtok_text_n1": [*ON_POLICY, "loss.type=forward_kl", *NUMERAL, "teacher.cross_tokenizer.method=projected",
+                     "teacher.cross_tokenizer.boundary=text", "rollout.n=1"],
     "xtok_projected_heads_only": [*ON_POLICY, "loss.type=forward_kl", *NUMERAL,
                                   "teacher.cross_tokenizer.method=projected", "teacher.cross_tokenizer.inside_groups=skip"],
     "sft_numeral_samples": ["trainer.mode=sft", "teacher.client=none", "teacher.serve.model=null", "rollout.n=1",
