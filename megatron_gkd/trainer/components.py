@@ -214,7 +214,7 @@ def check_teacher(client, config: GKDConfig, tokenizer, student_vocab_size: int,
     if check_run is not None:  # a client answering from stored data (a teacher cache) refuses another run's
         check_run(config, tokenizer, teacher=teacher)
     teacher = teacher if teacher is not None else config.teacher
-    client.align_vocab(tokenizer, student_vocab_size, teacher.cross_tokenizer)
+    client.align_vocab(tokenizer, student_vocab_size, cross_tokenizer=teacher.cross_tokenizer)
     if cross is not None and info.tokenizer_digest not in (None, cross.teacher_digest):
         raise ValueError(f"teacher.cross_tokenizer.tokenizer={teacher.tokenizer_source} (digest "
                          f"{cross.teacher_digest[:12]}) is not the teacher's own tokenizer (digest "

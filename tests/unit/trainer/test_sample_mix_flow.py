@@ -176,7 +176,7 @@ def test_a_teacher_that_cannot_write_responses_is_refused_at_start_up(can_genera
             return TeacherInfo(vocab_size=512, tokenizer_size=512, tokenizer_digest="d", max_top_k=64,
                                supports_requested_ids=True, supports_temperature=True, supports_generate=can_generate)
 
-        def align_vocab(self, tokenizer, vocab_size):
+        def align_vocab(self, tokenizer, vocab_size, cross_tokenizer=None):
             pass
 
     config, flow, _ = _flow(TEACHER, Served())
