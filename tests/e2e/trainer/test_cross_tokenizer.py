@@ -6,7 +6,7 @@ tokenizer, asked in its own ids, its rows moved back to the student's positions,
   the served top-k, and TP=2 fused ``hybrid`` on the hidden signal (the teacher's top-k made in the step from its
   hidden states), off-policy on fixed data, loss within 1e-5 at every step.
 * On-policy with vLLM rollout at TP=2: a character-level teacher (every student word is several teacher tokens),
-  with the xtok/* metrics and eval's KL to the teacher.
+  with the xtok/* metrics and eval's KL to the teacher, on both signals.
 * Unasked, the same teacher is refused at start-up, and the message names the key that enables it.
 
 The first runs in the default tier (about 50 s), the on-policy one in the slow tier (``-m slow``).
@@ -82,6 +82,14 @@ def test_on_policy_with_a_character_teacher(assets, cross_teachers, tmp_path_fac
         assert record["xtok/compared"] > 0.9
     kl = [record["eval/kl_to_teacher"] for record in harness.metrics(out) if "eval/kl_to_teacher" in record]
     assert len(kl) == 2 and kl[1] < kl[0]  # eval's KL is measured through W too, and training lowers it
+
+    # The hidden signal on-policy: the teacher's exact top-k made in the step from its hidden states.
+    out, code, log = _run(assets, tmp_path_factory, "chars_hidden", common + [
+        "teacher.cross_tokenizer.method=hybrid", "teacher.cross_tokenizer.inside_groups=skip", "teacher.signal=hidden"])
+    assert code == 0, log[-4000:]
+    assert "teacher head shard" in log and all(record["train/loss"] > 0 for record in harness.steps(out))
+    kl = [record["eval/kl_to_teacher"] for record in harness.metrics(out) if "eval/kl_to_teacher" in record]
+    assert len(kl) == 2 and kl[1] < kl[0]
 
     # The same teacher, not asked for: refused at start-up, naming the key.
     _, code, log = _run(assets, tmp_path_factory, "refused", common)
