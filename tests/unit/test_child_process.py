@@ -17,14 +17,18 @@ def test_a_parent_that_dies_while_the_child_loads_still_stops_the_child():
     # parent for the one that started it and lived on (an orphaned teacher server held 560 MB for 2 h).
     parent = subprocess.run([sys.executable, "-c", PARENT, CHILD], capture_output=True, text=True, check=True,
                             env=dict(os.environ, PYTHONPATH=os.getcwd()))
-    child = int(parent.stdout.split()[0])
-    end = time.monotonic() + 20
-    while time.monotonic() < end and _alive(child):
+    assert _stops(int(parent.stdout.split()[0])), "the orphaned child outlived its parent"
+
+
+def _stops(pid: int, timeout_s: float = 20) -> bool:
+    """Whether ``pid`` ends within ``timeout_s`` (it is killed otherwise)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and _alive(pid):
         time.sleep(0.2)
-    alive = _alive(child)
-    if alive:
-        os.kill(child, 9)
-    assert not alive, "the orphaned child outlived its parent"
+    if _alive(pid):
+        os.kill(pid, 9)
+        return False
+    return True
 
 
 def _alive(pid: int) -> bool:
@@ -59,11 +63,4 @@ def test_a_parent_that_dies_before_the_child_imports_anything_still_stops_it():
               "MEGATRON_GKD_PARENT_PID=str(os.getpid()))); print(child.pid, flush=True)")
     done = subprocess.run([sys.executable, "-c", parent, child], capture_output=True, text=True, check=True,
                           env=dict(os.environ, PYTHONPATH=os.getcwd()))
-    pid = int(done.stdout.split()[0])
-    end = time.monotonic() + 20
-    while time.monotonic() < end and _alive(pid):
-        time.sleep(0.2)
-    alive = _alive(pid)
-    if alive:
-        os.kill(pid, 9)
-    assert not alive, "the child outlived a parent that died before it imported the module"
+    assert _stops(int(done.stdout.split()[0])), "the child outlived a parent that died before it imported the module"
