@@ -80,4 +80,3 @@ def test_bad_inputs_name_what_is_wrong():
     with pytest.raises(ValueError, match="no option 'betta'"):
         hidden_distill_loss(hidden, teacher_hidden, teacher_table, weights, student_weight=table,
                             loss_type="jsd", tp_group=None, betta=0.2)
-
