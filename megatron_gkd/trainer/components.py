@@ -93,19 +93,11 @@ def build_cross_tokenizer(teacher, state, student: Student, tokenizer):
     """``(CrossTokenizer, this rank's ProjectionShard or None)`` of ``teacher`` (a teacher config section) when it asks
     for cross-tokenizer distillation, else ``(None, None)``. The map is built from the two tokenizers (seconds for two
     150k vocabularies) or loaded (``cross_tokenizer.projection_map``) on every rank: each rank asks or computes."""
-    if not (teacher.enabled and teacher.cross_tokenizer.enabled):
-        return None, None
     from megatron_gkd import platform
-    from megatron_gkd.data import load_tokenizer
     from megatron_gkd.xtok.request import CrossTokenizer
 
-    if teacher.tokenizer_source is None:
-        raise ValueError("teacher.cross_tokenizer.method is set but the teacher's tokenizer is unknown: set "
-                         "teacher.cross_tokenizer.tokenizer=DIR (an HF tokenizer directory)")
-    cross = CrossTokenizer(teacher.cross_tokenizer, tokenizer, load_tokenizer(teacher.tokenizer_source),
-                           student_vocab_size=student.vocab_size)
-    shard = None
-    if state.is_pipeline_last_stage:
+    cross, shard = CrossTokenizer.of_teacher(teacher, tokenizer, student.vocab_size), None
+    if cross is not None and state.is_pipeline_last_stage:
         tp = state.config.tensor_model_parallel_size
         shard = cross.shard(tp_rank=state.tp_rank, tp_size=tp, vocab_size_local=student.vocab_size // tp,
                             device=platform.device())

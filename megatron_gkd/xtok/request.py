@@ -129,6 +129,24 @@ class CrossTokenizer:
         logger.info("cross-tokenizer map (%s): %d student rows mapped (%d exact), %d entries, %d unmapped rows",
                     self.method, stats["mapped"], stats["exact"], stats["nnz"], stats["empty"])
 
+    @classmethod
+    def of_teacher(cls, teacher, student_tokenizer: Any, student_vocab_size: int) -> "CrossTokenizer | None":
+        """The pair of ``teacher`` (a teacher config section) when it asks for cross-tokenizer distillation, its
+        tokenizer read from ``teacher.tokenizer_source``; None otherwise.
+
+        Raises:
+            ValueError: the teacher's tokenizer is not known (the config's check says the same, earlier).
+        """
+        if not (teacher.enabled and teacher.cross_tokenizer.enabled):
+            return None
+        from megatron_gkd.data import load_tokenizer
+
+        if teacher.tokenizer_source is None:
+            raise ValueError("teacher.cross_tokenizer.method is set but the teacher's tokenizer is unknown: set "
+                             "teacher.cross_tokenizer.tokenizer=DIR (an HF tokenizer directory)")
+        return cls(teacher.cross_tokenizer, student_tokenizer, load_tokenizer(teacher.tokenizer_source),
+                   student_vocab_size=student_vocab_size)
+
     @property
     def teacher_digest(self) -> str:
         return self.teacher_table.digest
@@ -256,10 +274,9 @@ class CrossTokenizer:
         if self.teacher_table.special[previous] or not text:
             return mass
         ended = math.exp(float(output.token_logprobs[position - 1]))
-        extended = self._continuations(np.asarray([t for t in output.topk_ids[position - 1].tolist() if t != previous]),
-                                       np.asarray([lp for t, lp in zip(output.topk_ids[position - 1].tolist(),
-                                                                        output.topk_logprobs[position - 1].tolist())
-                                                   if t != previous]), text)
+        others = output.topk_ids[position - 1] != previous
+        extended = self._continuations(output.topk_ids[position - 1][others],
+                                       output.topk_logprobs[position - 1][others], text)
         if not extended:
             return mass
         total = ended + sum(extended.values())

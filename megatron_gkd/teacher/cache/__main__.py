@@ -107,9 +107,11 @@ def _score(teacher, config, tokenizer, records, out, *, records_per_shard, batch
     from megatron_gkd.teacher.cache.build import build_cache, make_plan
     from megatron_gkd.teacher.cache.store import CacheRecord
     from megatron_gkd.teacher.config import build_client_from_config
+    from megatron_gkd.xtok.request import CrossTokenizer
 
     client = build_client_from_config(teacher, service_secret)
-    cross = _cross_tokenizer(config.teacher, tokenizer)  # the run's section: it still names the served model
+    # The run's section: it still names the served model (the teacher's tokenizer).
+    cross = CrossTokenizer.of_teacher(config.teacher, tokenizer, len(tokenizer))
     try:
         identity = {"client": teacher.client, "model": str(teacher_checkpoint or teacher.address or teacher.base_url),
                     "backend": config.teacher.serve.backend if config.teacher.serve.model else None}
@@ -122,19 +124,6 @@ def _score(teacher, config, tokenizer, records, out, *, records_per_shard, batch
         return build_cache(client, records, out, plan, batch_size=batch_size, show_progress=True, secret=secret)
     finally:
         client.close()
-
-
-def _cross_tokenizer(teacher, tokenizer):
-    """The pair of a cross-tokenizer teacher (``teacher.cross_tokenizer.method``), else None."""
-    if not teacher.cross_tokenizer.enabled:
-        return None
-    from megatron_gkd.data import load_tokenizer
-    from megatron_gkd.xtok.request import CrossTokenizer
-
-    if teacher.tokenizer_source is None:
-        raise ValueError("teacher.cross_tokenizer.method is set: set teacher.cross_tokenizer.tokenizer=DIR too")
-    return CrossTokenizer(teacher.cross_tokenizer, tokenizer, load_tokenizer(teacher.tokenizer_source),
-                          student_vocab_size=len(tokenizer))
 
 
 def _teacher_side(cross, record):
