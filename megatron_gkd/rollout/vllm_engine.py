@@ -46,13 +46,16 @@ class TokenizerlessWarmupWarning(logging.Filter):
 
 # vLLM's start-up warnings that follow from what this engine chooses on purpose (token ids in, no tokenizer;
 # eager mode) or from the CPU build of vLLM (no Triton, threads pinned by vLLM itself): per logger, the start
-# of each message. Its other warnings (libtcmalloc / libiomp advice included) still show.
+# of each message. Its other warnings still show.
 EXPECTED_STARTUP_WARNINGS = {
     "vllm.config.vllm": ("Enforce eager set", "Inductor compilation was disabled by user settings",
                          "Model Runner V2 requires Triton; using the V1 model runner instead."),
     "vllm.platforms.cpu": ("Triton is not installed. triton-cpu is expected on x86 CPUs.",),
     "vllm.triton_utils.importing": ("Triton is installed, but doesn't include CPU backend.",),
-    "vllm.v1.worker.cpu_worker": ("CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding",),
+    # ... and its advice to preload libtcmalloc and libiomp for speed: vLLM on the CPU is this project's development
+    # and CI path, whose tiny models gain nothing measurable from them (docs/running.md says how to preload them).
+    "vllm.v1.worker.cpu_worker": ("CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding",
+                                  "%s is not found in LD_PRELOAD"),
     "vllm.renderers.base": ("Using None for EOS token id because tokenizer is not initialized",),
 }
 
@@ -139,6 +142,12 @@ class VLLMEngine(RolloutEngine):
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         super().__init__(max_model_len, weight_version)
         self._joined_world = distributed
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # vLLM's CPU platform stores SSM state in float32 and, asked for its default, resets it with a warning
+            # at every start (vllm/platforms/cpu.py); asking for float32 is the same engine without the warning.
+            engine_kwargs = {"mamba_ssm_cache_dtype": "float32", **engine_kwargs}
         self.llm = vllm.LLM(model=model, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                             max_model_len=max_model_len, max_logprobs=max_logprobs,
                             gpu_memory_utilization=gpu_memory_utilization, seed=seed,
