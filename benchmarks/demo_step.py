@@ -32,6 +32,9 @@ LAYOUTS = {
     "tp2_engine": ["rollout.tensor_parallel_size=2", "trainer.micro_batch_size=32"],  # the demo until 2026-11-26
     "replicas": ["rollout.tensor_parallel_size=1", "trainer.micro_batch_size=32"],
     "replicas_one_microbatch": ["rollout.tensor_parallel_size=1", "trainer.micro_batch_size=64"],  # the demo now
+    # More prompts a step (issue #30: less gradient noise), one micro-batch.
+    **{f"prompts_{n}": ["rollout.tensor_parallel_size=1", f"trainer.global_batch_size={n}",
+                        f"trainer.micro_batch_size={n}"] for n in (96, 128)},
 }
 PHASES = ("rollout", "train", "weight_sync", "teacher_wait", "batch")
 
