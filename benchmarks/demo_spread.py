@@ -82,6 +82,26 @@ def report(out: pathlib.Path) -> None:
         print(f"| {name}{status} | {cells} | **{final:.3f}** | {summary['wall_s'] / 60:.1f} min | {lines} | {warnings} |")
     landed = sum(final >= 0.8 for final in finals)
     print(f"\n{landed}/{len(finals)} at >= 0.8; finals {min(finals):.3f}-{max(finals):.3f}")
+    plot(rows, out / "spread.png")
+
+
+def plot(rows: list, path: pathlib.Path) -> None:
+    """Every member's held-out accuracy against steps, on one axis (the spread at a glance)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for name, points, *_ in rows:
+        steps = sorted(points)
+        axis.plot(steps, [points[s] for s in steps], marker=".", label=name)
+    axis.axhline(0.8, color="grey", linestyle="--", linewidth=1, label="the bar (0.8)")
+    axis.set(xlabel="step", ylabel="held-out accuracy", ylim=(0, 1), title="the demo's perturbation set")
+    axis.legend(fontsize=7, loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    print(f"plot: {path}")
 
 
 def main() -> None:
