@@ -200,7 +200,8 @@ def report() -> None:
         rows.setdefault(result["args"]["tag"], []).append(result)
     print("| recipe | seeds | finals | min | landed (>= 0.8) |\n|---|---|---|---|---|")
     for tag, results in rows.items():
-        finals = [r["final"] for r in sorted(results, key=lambda r: r["seed"])]
+        results = sorted(results, key=lambda r: r["seed"])
+        finals = [r["final"] for r in results]
         print(f"| {tag} | {' '.join(str(r['seed']) for r in results)} | {' '.join(f'{f:.3f}' for f in finals)} | "
               f"{min(finals):.3f} | {sum(f >= 0.8 for f in finals)}/{len(finals)} |")
 
