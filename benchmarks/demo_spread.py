@@ -25,12 +25,14 @@ import pathlib
 import subprocess
 import time
 
+from megatron_gkd.recipes.report import read_metrics
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SEED = ["trainer.seed={n}", "rollout.seed={n}", "data.seed={n}"]
 MEMBERS: dict[str, tuple[dict, list[str]]] = {
     "command": ({}, []),
     **{f"seed{n}": ({}, [s.format(n=n) for s in SEED]) for n in (1, 2, 3, 4)},
-    "two_micro_batches": ({}, ["trainer.micro_batch_size=64"]),  # the config has one of 128
+    "two_micro_batches": ({}, ["trainer.micro_batch_size=32"]),  # the config trains in one of 64
     "threads_2": ({"OMP_NUM_THREADS": "2"}, []),
     "rollout_tp2": ({}, ["rollout.tensor_parallel_size=2"]),
 }
@@ -43,20 +45,18 @@ def run_member(name: str, out: pathlib.Path, extra: list[str]) -> dict:
            "MEGATRON_GKD_TASK_DIR": str(out / f"{name}_task")}
     start = time.perf_counter()
     with open(out / f"{name}.log", "w") as log:
-        code = subprocess.run(["bash", "scripts/run_demo.sh", *overrides, *extra], cwd=ROOT, env=env,
+        code = subprocess.run(["bash", "scripts/run_demo.sh", *extra, *overrides], cwd=ROOT, env=env,
                               stdout=log, stderr=subprocess.STDOUT).returncode
-    summary = {"member": name, "code": code, "wall_s": time.perf_counter() - start, "overrides": overrides + extra,
+    summary = {"member": name, "code": code, "wall_s": time.perf_counter() - start, "overrides": extra + overrides,
                "env": env_changes}
     (out / f"{name}.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
 def curve(directory: pathlib.Path) -> dict[int, float]:
-    path = directory / "metrics.jsonl"
-    if not path.exists():
+    if not (directory / "metrics.jsonl").exists():
         return {}
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {int(r["step"]): r["eval/accuracy"] for r in records if "eval/accuracy" in r}
+    return {int(r["step"]): r["eval/accuracy"] for r in read_metrics(directory)[1]}
 
 
 def report(out: pathlib.Path) -> None:
@@ -110,7 +110,8 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time")
     parser.add_argument("--out", default="outputs/demo_spread")
     parser.add_argument("--report", action="store_true", help="only the table of what has finished")
-    parser.add_argument("overrides", nargs="*", help="config overrides for every member (a recipe to try)")
+    parser.add_argument("overrides", nargs="*", help="config overrides for every member (a recipe to try); a "
+                        "member's own change comes after them, so it still applies")
     args = parser.parse_args()
     out = ROOT / args.out
     if not args.report:
