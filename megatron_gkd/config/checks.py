@@ -11,7 +11,10 @@ import logging
 
 from megatron_gkd import platform
 from megatron_gkd.config.sample_mix import SampleMixConfig
+from megatron_gkd.losses.advantages import get_advantage_estimator
 from megatron_gkd.planning.model import model_shape, read_config
+from megatron_gkd.rewards.config import check_reward_settings
+from megatron_gkd.rollout.registry import ENGINES
 from megatron_gkd.teacher.backends import backend_names, backend_traits
 from megatron_gkd.teacher.clients import client_names, client_traits
 
@@ -68,8 +71,6 @@ def check_config(config) -> None:
     Raises:
         ValueError: the first inconsistency found, naming its keys and the fix.
     """
-    from megatron_gkd.rollout.registry import ENGINES
-
     trainer, rollout, loss, data = config.trainer, config.rollout, config.loss, config.data
     teachers = teacher_configs(config)
     # trainer.scheduler and eval.scorer name entries of the trainer's registries: checked by
@@ -124,9 +125,6 @@ def check_config(config) -> None:
 
 def _check_rl(config, teachers: dict) -> None:
     """The policy-gradient term against the mode, the rewards, the sampling and the teachers."""
-    from megatron_gkd.losses.advantages import get_advantage_estimator
-    from megatron_gkd.rewards.config import check_reward_settings
-
     rl = config.rl
     combination = rl.combination
     if combination is None:

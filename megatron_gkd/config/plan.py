@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megatron_gkd import planning
 from megatron_gkd.config.checks import check_layout, eval_enabled, generating_teacher, needs_rollout, needs_teacher
 from megatron_gkd.config.schema import GKDConfig
 from megatron_gkd.teacher.clients import client_traits
@@ -14,8 +15,6 @@ def rank_coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
 
 def _teacher_head_text(config: GKDConfig) -> str:
     """The teacher's output-layer shard per student rank, or why the configs at hand cannot say."""
-    from megatron_gkd import planning
-
     try:
         head = planning.teacher_head.plan_teacher_head_from_checkpoints(
             config.student.checkpoint, config.teacher.head_source,

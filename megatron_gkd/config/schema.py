@@ -17,9 +17,14 @@ import dataclasses
 import math
 from typing import Any
 
+from megatron_gkd.config.checks import check_config
 from megatron_gkd.config.optim import OptimizerConfig
 from megatron_gkd.config.sample_mix import SampleMixConfig
 from megatron_gkd.data.config import DataConfig
+from megatron_gkd.losses import PolicyGradientOptions, get_divergence
+from megatron_gkd.losses.advantages import get_advantage_estimator, get_aggregation
+from megatron_gkd.losses.combinations import get_combination
+from megatron_gkd.losses.sampled_kl import KL_ESTIMATORS
 from megatron_gkd.parallel.state import ParallelConfig
 from megatron_gkd.platform.npu import MindSpeedConfig
 from megatron_gkd.rewards.config import RewardConfig
@@ -155,8 +160,6 @@ class LossConfig:
     """Also measure the teacher/student top-k overlap (an extra vocab-parallel top-k; unfused only)."""
 
     def __post_init__(self):
-        from megatron_gkd.losses import get_divergence
-
         divergence = get_divergence(self.type)
         try:
             divergence.build_options(dict(self.options))
@@ -209,11 +212,6 @@ class RLConfig:
     """Added to the group's standard deviation (``grpo``)."""
 
     def __post_init__(self):
-        from megatron_gkd.losses import PolicyGradientOptions
-        from megatron_gkd.losses.advantages import get_advantage_estimator, get_aggregation
-        from megatron_gkd.losses.combinations import get_combination
-        from megatron_gkd.losses.sampled_kl import KL_ESTIMATORS
-
         if self.combine is not None:
             get_combination(self.combine)
         get_advantage_estimator(self.advantage)
@@ -236,8 +234,6 @@ class RLConfig:
     @property
     def combination(self):
         """The :class:`~megatron_gkd.losses.combinations.Combination` of ``combine`` (None without one)."""
-        from megatron_gkd.losses.combinations import get_combination
-
         return get_combination(self.combine) if self.combine is not None else None
 
     @property
@@ -403,6 +399,4 @@ class GKDConfig:
     mindspeed: MindSpeedConfig = dataclasses.field(default_factory=MindSpeedConfig)
 
     def __post_init__(self):
-        from megatron_gkd.config.checks import check_config
-
         check_config(self)

@@ -20,8 +20,13 @@ import pathlib
 import sys
 
 from megatron_gkd import planning
+from megatron_gkd.config import load_config
 from megatron_gkd.launcher import nodes as nodes_
 from megatron_gkd.launcher.plan import ROLES, JobOptions, build_plan, dry_run_text
+from megatron_gkd.launcher.processes import LocalExecutor, SlurmExecutor
+from megatron_gkd.launcher.runner import Job
+from megatron_gkd.log_setup import setup_logging
+from megatron_gkd.trainer.checks import check_registered_names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,9 +71,6 @@ def _allocation(args: argparse.Namespace) -> nodes_.Allocation:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)
-    from megatron_gkd.config import load_config
-    from megatron_gkd.log_setup import setup_logging
-    from megatron_gkd.trainer.checks import check_registered_names
 
     setup_logging("INFO")
     try:
@@ -89,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         sys.stdout.write(dry_run_text(plan) + "\n")  # the dry run's product: plain text on stdout
         return 0
-    from megatron_gkd.launcher.processes import LocalExecutor, SlurmExecutor
-    from megatron_gkd.launcher.runner import Job
 
     executor_class = LocalExecutor if allocation.scheduler == "local" else SlurmExecutor
     return Job(plan, executor_class(options.launch_dir)).run()

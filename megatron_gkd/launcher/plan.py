@@ -9,6 +9,7 @@ import pathlib
 import shlex
 
 from megatron_gkd import planning
+from megatron_gkd.config import load_config
 from megatron_gkd.config.plan import layout_plan
 from megatron_gkd.launcher import commands, memory
 from megatron_gkd.launcher.commands import Step
@@ -132,8 +133,6 @@ def build_plan(options: JobOptions, config, allocation: Allocation) -> JobPlan:
     else:
         student_allocation = allocation
     if student_allocation is not None:
-        from megatron_gkd.config import load_config
-
         student_config = config if student_overrides == options.overrides else load_config(
             options.config_path, student_overrides)
         command = commands.torchrun(student_allocation, commands.TRAINER_CLI,

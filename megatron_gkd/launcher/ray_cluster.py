@@ -16,6 +16,8 @@ import collections
 import logging
 import time
 
+from megatron_gkd.log_setup import setup_logging
+
 logger = logging.getLogger(__name__)
 
 
@@ -90,8 +92,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args(argv)
     import ray
-
-    from megatron_gkd.log_setup import setup_logging
 
     setup_logging("INFO")
     ray.init(address=args.address, logging_level=logging.WARNING)

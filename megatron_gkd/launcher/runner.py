@@ -13,6 +13,9 @@ import time
 from megatron_gkd.launcher.plan import JobPlan
 from megatron_gkd.launcher.processes import Executor, Running
 from megatron_gkd.launcher.teacher import RayGate
+from megatron_gkd.teacher.clients import RetryPolicy
+from megatron_gkd.teacher.clients.zmq_client import ZmqTeacherClient, load_secret
+from megatron_gkd.teacher.types import TeacherError
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +45,6 @@ def wait_for_teacher(address: str, secret_file, timeout_s: float, check) -> dict
         TimeoutError: no answer within ``timeout_s``.
     """
     import dataclasses
-
-    from megatron_gkd.teacher.clients import RetryPolicy
-    from megatron_gkd.teacher.clients.zmq_client import ZmqTeacherClient, load_secret
-    from megatron_gkd.teacher.types import TeacherError
 
     retry = RetryPolicy(attempt_timeout_s=5.0, deadline_s=10.0, max_attempts=1)
     client = ZmqTeacherClient(address, secret=load_secret(str(secret_file)), retry=retry)

@@ -39,6 +39,8 @@ import pathlib
 
 import numpy as np
 
+from megatron_gkd.log_setup import setup_logging
+
 logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
@@ -165,7 +167,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-eval", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from megatron_gkd.log_setup import setup_logging
 
     setup_logging("INFO")
     build_task(args.out, num_train=args.num_train, num_eval=args.num_eval, seed=args.seed)

@@ -29,7 +29,12 @@ import pathlib
 import shutil
 import subprocess
 
+from megatron_gkd.data import DataConfig, load_prompts, load_tokenizer
+from megatron_gkd.data.tokenization import eos_token_id
+from megatron_gkd.log_setup import setup_logging
 from megatron_gkd.recipes import arithmetic, demo, tiny
+from megatron_gkd.rewards.answers import final_answer
+from megatron_gkd.rollout import SamplingConfig, build_engine
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +69,6 @@ def task_accuracy(model: str | pathlib.Path, task_dir: pathlib.Path, *,
                   max_tokens: int = MAX_TOKENS) -> dict[str, float]:
     """Greedy accuracy of ``model`` on each task's held-out problems under ``task_dir``, as the trainer's
     eval scores it (vLLM, temperature 0, the ``final_answer`` scorer); one process, no torch.distributed."""
-    from megatron_gkd.data import DataConfig, load_prompts, load_tokenizer
-    from megatron_gkd.data.tokenization import eos_token_id
-    from megatron_gkd.rewards.answers import final_answer
-    from megatron_gkd.rollout import SamplingConfig, build_engine
-
     tokenizer = load_tokenizer(str(model))
     eos = eos_token_id(tokenizer)
     engine = build_engine("vllm", model=str(model), tensor_parallel_size=1, max_model_len=64, seed=0,
@@ -134,7 +134,6 @@ def main(argv: list[str] | None = None) -> None:
     task = commands.add_parser("task", help="only the task files (both tasks, and each alone) and the tokenizer")
     task.add_argument("--out", default="outputs/multi_teacher_task")
     args = parser.parse_args(argv)  # subcommands: parse_intermixed_args refuses them
-    from megatron_gkd.log_setup import setup_logging
 
     setup_logging("INFO")
     if args.command == "teacher":

@@ -23,6 +23,7 @@ import argparse
 import logging
 import pathlib
 
+from megatron_gkd.log_setup import setup_logging
 from megatron_gkd.recipes import arithmetic, demo
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dest", default=str(DEST))
     parser.add_argument("overrides", nargs="*", help="extra config overrides of the SFT run")
     args = parser.parse_intermixed_args(argv)
-    from megatron_gkd.log_setup import setup_logging
 
     setup_logging("INFO")
     demo.train("teacher", pathlib.Path(args.work).resolve(), pathlib.Path(args.dest), args.overrides,

@@ -17,6 +17,7 @@ import argparse
 import logging
 import pathlib
 
+from megatron_gkd.log_setup import setup_logging
 from megatron_gkd.recipes import tiny
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,6 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="outputs/real_vocab_assets")
     args = parser.parse_args(argv)
-    from megatron_gkd.log_setup import setup_logging
 
     setup_logging("INFO")
     build_assets(args.out)

@@ -14,6 +14,8 @@ import json
 import logging
 import pathlib
 
+from megatron_gkd.log_setup import setup_logging
+
 logger = logging.getLogger(__name__)
 
 
@@ -76,7 +78,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--teacher", help="the teacher's directory (its accuracy.json)")
     parser.add_argument("--wall-time", type=float, help="seconds the run took, as the caller measured them")
     args = parser.parse_args(argv)
-    from megatron_gkd.log_setup import setup_logging
 
     setup_logging("INFO")
     run_dir = pathlib.Path(args.run_dir)

@@ -16,6 +16,12 @@ import json
 import logging
 import pathlib
 
+from megatron_gkd.data import DataConfig, load_prompts, load_tokenizer
+from megatron_gkd.data.tokenization import eos_token_id
+from megatron_gkd.log_setup import setup_logging
+from megatron_gkd.rewards.answers import final_answer
+from megatron_gkd.rollout import SamplingConfig, build_engine
+
 logger = logging.getLogger(__name__)
 
 
@@ -27,10 +33,6 @@ def sample_teacher(teacher: str | pathlib.Path, prompts_path: str | pathlib.Path
 
     One process, no ``torch.distributed``: vLLM keeps its engine in this process.
     """
-    from megatron_gkd.data import DataConfig, load_prompts, load_tokenizer
-    from megatron_gkd.data.tokenization import eos_token_id
-    from megatron_gkd.rollout import SamplingConfig, build_engine
-
     tokenizer = load_tokenizer(str(teacher))
     dataset = load_prompts(str(prompts_path), DataConfig(train_path=str(prompts_path)), tokenizer)
     records = [dataset[i] for i in range(len(dataset))]
@@ -69,8 +71,6 @@ def sample_teacher(teacher: str | pathlib.Path, prompts_path: str | pathlib.Path
 def answer_accuracy(path: str | pathlib.Path) -> float | None:
     """Share of the samples in ``path`` whose final answer is right (the ``final_answer`` scorer); None
     when the records carry no answers."""
-    from megatron_gkd.rewards.answers import final_answer
-
     records = [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
     scored = [r for r in records if "answer" in r]
     return sum(final_answer(r["response"], r["answer"]) for r in scored) / len(scored) if scored else None
@@ -86,7 +86,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from megatron_gkd.log_setup import setup_logging
 
     setup_logging("INFO")
     sample_teacher(args.teacher, args.prompts, args.out, n=args.n, temperature=args.temperature,

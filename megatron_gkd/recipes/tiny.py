@@ -19,6 +19,8 @@ import pathlib
 import numpy as np
 import torch
 
+from megatron_gkd.log_setup import setup_logging
+
 logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
@@ -175,7 +177,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="outputs/tiny_assets")
     parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE student (4 experts, top-2)")
     args = parser.parse_args(argv)
-    from megatron_gkd.log_setup import setup_logging
 
     setup_logging("INFO")
     build_assets(args.out, moe=args.moe)
