@@ -32,7 +32,10 @@ import torch.distributed as dist
 
 from megatron_gkd.losses import vocab_parallel_topk
 from megatron_gkd.losses.shard_ops import LocalSupport, ShardLayout, combine_shards
+from megatron_gkd.models import load_hf, parallel_state_of, unwrap
+from megatron_gkd.parallel import run_schedule
 from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, SequenceRequest, TeacherError, TeacherOutput
+from megatron_gkd.teacher.vocab import tokenizer_digest
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +61,6 @@ def load_teacher(path: str, dtype: str = "float32", *, state,
     :class:`~megatron_gkd.parallel.ParallelState` to shard it with, ``None`` for the process's; in eval mode) and
     its vocabulary sizes."""
     from transformers import AutoTokenizer
-
-    from megatron_gkd.models import load_hf
-    from megatron_gkd.teacher.vocab import tokenizer_digest
 
     chunks = load_hf(path, dtype=getattr(torch, dtype), state=state, **config_overrides)
     for chunk in chunks:
@@ -124,8 +124,6 @@ class MegatronScorer:
     """
 
     def __init__(self, chunks: list[torch.nn.Module], vocab: TeacherVocab, device: torch.device):
-        from megatron_gkd.models import parallel_state_of, unwrap
-
         self.chunks, self.vocab, self.device = chunks, vocab, device
         self.hidden_size = int(unwrap(chunks[0]).config.hidden_size)
         # The last stage's output layer (None elsewhere): its input is the hidden signal.
@@ -161,8 +159,6 @@ class MegatronScorer:
         return self._broadcast(rows, batch)
 
     def _forward(self, batch: ScoreBatch) -> list[dict[str, torch.Tensor]]:
-        from megatron_gkd.parallel import run_schedule
-
         # Pipeline stages exchange fixed-shape activations, so there every micro-batch has the batch's
         # longest length; a single stage runs each sequence at its own length. Sequence parallelism
         # splits the sequence over TP: lengths are rounded up to a multiple of its size. Right padding

@@ -64,6 +64,7 @@ def check_vocab(*, teacher_vocab_size: int, teacher_tokenizer_size: int, teacher
         ValueError: the tokenizers differ and the run did not ask for cross-tokenizer distillation (the message
             names the key that does), or a tokenizer defines ids past its embedding table.
     """
+    # deferred: import cycle, xtok/ imports this module's tokenizer_digest (through xtok/tokens.py)
     from megatron_gkd.xtok.config import CrossTokenizerConfig, check_tokenizers
 
     student_size, student_digest = len(student_tokenizer), tokenizer_digest(student_tokenizer)

@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from megatron_gkd.data import load_tokenizer
+from megatron_gkd.losses.projection_map import shard_projection, with_student_columns
 from megatron_gkd.teacher.types import SequenceRequest, TeacherOutput
 from megatron_gkd.xtok.align import Alignment, Kind, align_ids, align_spans, align_text
 from megatron_gkd.xtok.config import CrossTokenizerConfig
@@ -139,7 +141,6 @@ class CrossTokenizer:
         """
         if not (teacher.enabled and teacher.cross_tokenizer.enabled):
             return None
-        from megatron_gkd.data import load_tokenizer
 
         if teacher.tokenizer_source is None:
             raise ValueError("teacher.cross_tokenizer.method is set but the teacher's tokenizer is unknown: set "
@@ -159,8 +160,6 @@ class CrossTokenizer:
     def shard(self, *, tp_rank: int, tp_size: int, vocab_size_local: int, device="cpu"):
         """This TP rank's rows of ``W`` for the loss (:func:`megatron_gkd.losses.shard_projection`), with the student's
         own vocabulary as extra columns when the chain rule sends student-vocabulary rows."""
-        from megatron_gkd.losses.projection_map import shard_projection, with_student_columns
-
         p = self.projection
         shard = shard_projection(p.student_ids, p.teacher_ids, p.weights, student_vocab_size=p.student_vocab_size,
                                  teacher_vocab_size=p.teacher_vocab_size, exact=p.exact, tp_rank=tp_rank,

@@ -25,9 +25,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_gkd import parallel, platform
 from megatron_gkd.teacher import sampling
 from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
 from megatron_gkd.teacher.identity import checkpoint_fingerprint
+from megatron_gkd.teacher.megatron_scoring import MegatronScorer, load_teacher
 from megatron_gkd.teacher.types import (
     TEACHER_SIGNALS,
     ErrorCode,
@@ -67,12 +69,8 @@ class MegatronBackend(TeacherBackend):
     def __init__(self, model: str, dtype: str = "float32", tensor_model_parallel_size: int = 1,
                  pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: int | None = None,
                  expert_model_parallel_size: int = 1, max_top_k: int = 4096):
-        from megatron_gkd import platform
-
         if not platform.is_set_up():  # the server process: before anything imports Megatron-Core
             platform.setup()
-        from megatron_gkd import parallel
-        from megatron_gkd.teacher.megatron_scoring import MegatronScorer, load_teacher
 
         state = parallel.initialize(tensor_model_parallel_size=tensor_model_parallel_size,
                                     pipeline_model_parallel_size=pipeline_model_parallel_size,
@@ -146,8 +144,6 @@ class MegatronBackend(TeacherBackend):
         logger.info("megatron teacher rank %d: the leader closed", dist.get_rank())
 
     def close(self) -> None:
-        from megatron_gkd import parallel
-
         if self._closed:
             return
         self._closed = True

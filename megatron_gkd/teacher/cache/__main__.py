@@ -19,8 +19,16 @@ import logging
 import pathlib
 import sys
 
+from megatron_gkd.config import load_config
+from megatron_gkd.data import load_prompts, load_tokenizer
+from megatron_gkd.log_setup import setup_logging
+from megatron_gkd.teacher.cache.build import build_cache, make_plan
+from megatron_gkd.teacher.cache.store import CacheRecord, dataset_records
 from megatron_gkd.teacher.clients import client_traits
+from megatron_gkd.teacher.config import build_client_from_config
 from megatron_gkd.teacher.security import SECRET_ENV, load_secret
+from megatron_gkd.trainer.teacher_service import TeacherService
+from megatron_gkd.xtok.request import CrossTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +53,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from megatron_gkd.config import load_config
-    from megatron_gkd.log_setup import setup_logging
 
     setup_logging("INFO")
     try:
@@ -65,9 +71,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def build(config, out: pathlib.Path, *, records_per_shard: int, batch_size: int, teacher_checkpoint: str | None):
     """Loads the data, connects to (or starts) the teacher, and builds the cache; stops the teacher at the end."""
-    from megatron_gkd.data import load_prompts, load_tokenizer
-    from megatron_gkd.teacher.cache.store import dataset_records
-
     teacher = config.teacher
     if not teacher.enabled or not client_traits(teacher.client).fills_cache:
         raise ValueError(f"teacher.client={teacher.client}: the cache is built through a teacher service or "
@@ -84,8 +87,6 @@ def build(config, out: pathlib.Path, *, records_per_shard: int, batch_size: int,
     service = service_secret = None
     try:
         if teacher.serve.model is not None:
-            from megatron_gkd.trainer.teacher_service import TeacherService
-
             service = TeacherService(teacher.serve, out.with_name(out.name + ".teacher_service.log"))
             address = service.wait_ready(teacher.serve.startup_timeout_s)
             service_secret = service.secret.encode()
@@ -104,11 +105,6 @@ def build(config, out: pathlib.Path, *, records_per_shard: int, batch_size: int,
 
 def _score(teacher, config, tokenizer, records, out, *, records_per_shard, batch_size, teacher_checkpoint,
            service_secret, secret):
-    from megatron_gkd.teacher.cache.build import build_cache, make_plan
-    from megatron_gkd.teacher.cache.store import CacheRecord
-    from megatron_gkd.teacher.config import build_client_from_config
-    from megatron_gkd.xtok.request import CrossTokenizer
-
     client = build_client_from_config(teacher, service_secret)
     # The run's section: it still names the served model (the teacher's tokenizer).
     cross = CrossTokenizer.of_teacher(config.teacher, tokenizer, len(tokenizer))

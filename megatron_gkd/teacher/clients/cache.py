@@ -17,6 +17,8 @@ import logging
 import threading
 import time
 
+from megatron_gkd.config import eval_enabled
+from megatron_gkd.data import load_prompts, load_tokenizer
 from megatron_gkd.teacher.cache.store import CacheReader, checkpoint_digest, dataset_digest, dataset_records
 from megatron_gkd.teacher.clients import TeacherClient, TeacherInfo
 from megatron_gkd.teacher.security import SECRET_ENV, load_secret
@@ -119,9 +121,6 @@ class CacheTeacherClient(TeacherClient):
                 teacher, or it differs from the cache; the message names every field that differs with the
                 cache's and the run's value.
         """
-        from megatron_gkd.config import eval_enabled
-        from megatron_gkd.data import load_prompts, load_tokenizer
-
         if config.trainer.run_mode.samples:
             raise ValueError("teacher.client=cache cannot score on-policy samples (they are new every step): use "
                              "trainer.mode=off_policy, or a live teacher")

@@ -18,8 +18,10 @@ import logging
 
 import torch
 
+from megatron_gkd import platform
 from megatron_gkd.teacher import wire
 from megatron_gkd.teacher.clients import TeacherClient, TeacherInfo
+from megatron_gkd.teacher.megatron_scoring import MegatronScorer, load_teacher
 from megatron_gkd.teacher.types import ScoreBatch, TeacherOutput
 
 logger = logging.getLogger(__name__)
@@ -34,8 +36,6 @@ class WeightOffload:
     """
 
     def __init__(self, modules: list[torch.nn.Module], enabled: bool):
-        from megatron_gkd import platform
-
         self._modules = modules
         self._device = platform.device()
         self.active = enabled and self._device.type != "cpu"
@@ -52,7 +52,6 @@ class WeightOffload:
         """Copies every tensor to pinned host memory and frees its device memory."""
         if not self.active:
             return
-        from megatron_gkd import platform
 
         for tensor in self._tensors():
             host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
@@ -89,9 +88,6 @@ class LocalTeacherClient(TeacherClient):
 
     def __init__(self, model: str, dtype: str = "float32", offload: bool = False, max_top_k: int = 4096, *,
                  state=None):
-        from megatron_gkd import platform
-        from megatron_gkd.teacher.megatron_scoring import MegatronScorer, load_teacher
-
         super().__init__(max_inflight=1)
         chunks, vocab = load_teacher(model, dtype, state=state)
         self._scorer = MegatronScorer(chunks, vocab, platform.device())
