@@ -30,6 +30,7 @@ import torch
 
 from megatron_gkd.rollout.registry import ENGINES, RolloutEngine, StaleWeightsError
 from megatron_gkd.rollout.types import RolloutBatch, SamplingConfig, decode_batch, encode_batch
+from megatron_gkd.weight_sync.errors import WeightSyncError
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +70,6 @@ class RolloutServer:
 
     def serve(self) -> int:
         """Answers requests until the trainers close; returns the number of generate requests answered."""
-        from megatron_gkd.weight_sync.errors import WeightSyncError
-
         answered = 0
         while True:
             request = _broadcast(None, self._trainer_rank, self._group)

@@ -18,8 +18,11 @@ from typing import Sequence
 import torch
 
 from megatron_gkd import platform
+from megatron_gkd.models import parallel_state_of
+from megatron_gkd.parallel import gather_tp
 from megatron_gkd.rollout.registry import RolloutEngine
 from megatron_gkd.rollout.types import RolloutBatch, SamplingConfig, check_prompt_lengths
+from megatron_gkd.weight_sync.verify import student_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +44,6 @@ class MegatronEngine(RolloutEngine):
 
     def __init__(self, chunks, *, max_model_len: int, eos_token_id: int | None = None,
                  vocab_size: int | None = None, tp_group=None, pad_token_id: int = 0):
-        from megatron_gkd.models import parallel_state_of
-
         state = parallel_state_of(chunks[0])
         if len(chunks) != 1 or state.pp_size != 1:
             raise ValueError("rollout engine 'megatron' needs pipeline_model_parallel_size=1 (one model "
@@ -62,15 +63,11 @@ class MegatronEngine(RolloutEngine):
         self._weight_version = int(version)
 
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        from megatron_gkd.weight_sync.verify import student_prompt_logprobs
-
         return student_prompt_logprobs([self._model], prompts)
 
     @torch.no_grad()
     def _next_logits(self, sequences: list[list[int]]) -> torch.Tensor:
         """``[N, v]`` float32 raw logits after the last token of each sequence."""
-        from megatron_gkd.parallel import gather_tp
-
         lengths = torch.tensor([len(s) for s in sequences])
         tokens = torch.full((len(sequences), int(lengths.max())), self._pad_token_id, dtype=torch.long)
         for i, sequence in enumerate(sequences):

@@ -149,6 +149,7 @@ def build_engine(name: str, *, layout: str = "colocated", **kwargs) -> RolloutEn
     if layout == "colocated":
         return ENGINES.build(name, **kwargs)
     if layout == "disaggregated":
+        # deferred: import cycle, rollout/disaggregated.py subclasses this module's RolloutEngine
         from megatron_gkd.rollout.disaggregated import build_disaggregated
 
         return build_disaggregated(engine=name, **kwargs)

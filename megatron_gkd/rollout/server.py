@@ -16,6 +16,13 @@ import os
 import signal
 import sys
 
+from megatron_gkd import platform
+from megatron_gkd.child_process import exit_with_parent
+from megatron_gkd.log_setup import setup_logging
+from megatron_gkd.rollout.disaggregated import RolloutServer
+from megatron_gkd.rollout.registry import ENGINES
+from megatron_gkd.weight_sync import TorchDistributedTransport, WeightReceiver, WeightSyncConfig, connect_rollout
+
 logger = logging.getLogger(__name__)
 
 SECRET_ENV = "MEGATRON_GKD_ROLLOUT_SECRET"
@@ -36,16 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron_gkd.log_setup import setup_logging
 
     setup_logging("INFO")
-    from megatron_gkd import platform
 
     platform.setup()
-    from megatron_gkd.child_process import exit_with_parent
-    from megatron_gkd.rollout.disaggregated import RolloutServer
-    from megatron_gkd.rollout.registry import ENGINES
-    from megatron_gkd.weight_sync import TorchDistributedTransport, WeightReceiver, WeightSyncConfig, connect_rollout
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     if args.exit_with_parent:

@@ -27,6 +27,8 @@ import torch
 
 from megatron_gkd.rollout.registry import RolloutEngine
 from megatron_gkd.rollout.types import RolloutBatch, SamplingConfig, check_prompt_lengths
+from megatron_gkd.weight_sync.receiver import reload_vllm_weights
+from megatron_gkd.weight_sync.verify import vllm_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 # vLLM clamps logit biases to [-100, 100]: the floor, e^-100 (about 4e-44) times a padding row's probability.
@@ -182,15 +184,11 @@ class VLLMEngine(RolloutEngine):
             named_tensors: ``(hf_name, full tensor)`` pairs, any subset of the model's weights.
             version: the version of the weights after this load (recorded in later batches).
         """
-        from megatron_gkd.weight_sync.receiver import reload_vllm_weights
-
         reload_vllm_weights(self.llm, named_tensors)
         self._weight_version = int(version)
         logger.debug("vLLM rollout engine now holds weight version %d", version)  # every step: DEBUG
 
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        from megatron_gkd.weight_sync.verify import vllm_prompt_logprobs
-
         return vllm_prompt_logprobs(self.llm, prompts)
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 
 from megatron_gkd.weight_sync.checksums import CHECKSUMS
+from megatron_gkd.weight_sync.transports import TRANSPORTS
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +41,6 @@ class WeightSyncConfig:
     verify_tolerance: float = 1e-4
 
     def __post_init__(self):
-        from megatron_gkd.weight_sync.transports import TRANSPORTS
-
         if self.transport not in TRANSPORTS:
             raise TRANSPORTS.unknown(self.transport)
         if self.bucket_size_mb <= 0:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gkd.models import mapped_tensors, parallel_state_of, shard_coordinates, unwrap
+from megatron_gkd.models.export import _is_owner, holds_shard
 
 _DTYPES = {str(d).removeprefix("torch."): d
            for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8)}
@@ -142,8 +143,6 @@ def local_entries(chunks) -> list[dict]:
 
     No communication and no copies (shapes come from the fusion applied to meta tensors).
     """
-    from megatron_gkd.models.export import _is_owner, holds_shard
-
     rank = dist.get_rank() if dist.is_initialized() else 0
     entries, position = [], 0
     for vpp_chunk, chunk in enumerate(chunks):

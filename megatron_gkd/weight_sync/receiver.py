@@ -20,6 +20,7 @@ from megatron_gkd.weight_sync.buckets import BucketSpec, allocate, arena_views, 
 from megatron_gkd.weight_sync.config import WeightSyncConfig, warn_if_unauthenticated
 from megatron_gkd.weight_sync.errors import ChecksumMismatch, WeightSyncError, WeightSyncTransportError
 from megatron_gkd.weight_sync.plan import WeightSyncPlan
+from megatron_gkd.weight_sync.reload_logs import quiet_reload_logs
 from megatron_gkd.weight_sync.verify import check_prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -35,8 +36,6 @@ def reload_vllm_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
     buckets into it. One worker per process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` or ``external_launcher``): the iterator is consumed once.
     """
-    from megatron_gkd.weight_sync.reload_logs import quiet_reload_logs
-
     weights = iter(named_tensors)
 
     def reload(worker):

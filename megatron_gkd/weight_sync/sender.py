@@ -25,6 +25,7 @@ from megatron_gkd.weight_sync.buckets import (
 from megatron_gkd.weight_sync.config import WeightSyncConfig, warn_if_unauthenticated
 from megatron_gkd.weight_sync.errors import WeightSyncError
 from megatron_gkd.weight_sync.plan import WeightSyncPlan
+from megatron_gkd.weight_sync.verify import student_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +151,6 @@ class WeightSender:
 
     def share_student_logprobs(self, chunks) -> torch.Tensor | None:
         """``verify``: the student's log-probs on the verify prompts, broadcast to the receivers."""
-        from megatron_gkd.weight_sync.verify import student_prompt_logprobs
-
         reference = student_prompt_logprobs(chunks, self.config.verify_prompts)
         if self.transport is not None and hasattr(self.transport, "share_tensor"):
             size = sum(len(p) - 1 for p in self.config.verify_prompts)

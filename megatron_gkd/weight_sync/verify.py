@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_gkd.parallel import forward_logits
 from megatron_gkd.weight_sync.errors import WeightSyncError
 
 
@@ -26,8 +27,6 @@ def vllm_prompt_logprobs(llm, prompts) -> torch.Tensor:
 
 def student_prompt_logprobs(chunks, prompts) -> torch.Tensor | None:
     """The same log-probs from the Megatron student (collective; the result on the last stage, else ``None``)."""
-    from megatron_gkd.parallel import forward_logits
-
     values = []
     for prompt in prompts:
         tokens = torch.tensor([list(prompt)])
