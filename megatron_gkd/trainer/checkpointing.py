@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_gkd import platform
+from megatron_gkd.config import to_yaml
+from megatron_gkd.models import save_hf
 from megatron_gkd.parallel import ParallelState
 from megatron_gkd.trainer import checkpoint_dirs, run_dir
 
@@ -505,8 +507,6 @@ class RunCheckpoints:
 
     def save(self, step: int, sampler_state: dict, tokens_trained: int) -> None:
         """Saves step ``step`` (``sampler_state``: where the data resumes; collective)."""
-        from megatron_gkd.config import to_yaml
-
         data_state = {"sampler": sampler_state, "tokens_trained": tokens_trained, "config": to_yaml(self.config)}
         with self.timers("checkpoint"):
             save_checkpoint(self.root, step, model_chunks=self.student.chunks, optimizer=self.student.optimizer,
@@ -528,8 +528,6 @@ class RunCheckpoints:
 
     def export_hf(self, step: int) -> None:
         """Writes the student as an HF checkpoint to ``out/hf/step_N`` in ``checkpoint.hf_dtype`` (collective)."""
-        from megatron_gkd.models import save_hf
-
         dtype = self.section.hf_dtype
         with self.timers("hf_export"):
             save_hf(self.student.chunks, run_dir.hf_export(self.out, step), dtype=dtype and getattr(torch, dtype),

@@ -3,6 +3,9 @@ import it, so the trainer's command line and the launcher run these right after 
 
 from __future__ import annotations
 
+from megatron_gkd.trainer.eval import SCORERS
+from megatron_gkd.trainer.schedulers import SCHEDULERS
+
 
 def check_registered_names(config) -> None:
     """``trainer.scheduler`` and ``eval.scorer`` name registered entries.
@@ -10,8 +13,5 @@ def check_registered_names(config) -> None:
     Raises:
         ValueError: an unknown name, with the key, the closest registered name and all of them.
     """
-    from megatron_gkd.trainer.eval import SCORERS
-    from megatron_gkd.trainer.schedulers import SCHEDULERS
-
     SCHEDULERS.get(config.trainer.scheduler)
     SCORERS.get(config.eval.scorer)

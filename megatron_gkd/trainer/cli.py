@@ -16,7 +16,13 @@ import json
 import os
 import sys
 
+from megatron_gkd import platform
+from megatron_gkd.config import load_config, to_yaml
+from megatron_gkd.config.plan import layout_plan
+from megatron_gkd.log_setup import setup_logging
 from megatron_gkd.trainer import run_dir
+from megatron_gkd.trainer.checks import check_registered_names
+from megatron_gkd.trainer.loop import Trainer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,9 +39,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from megatron_gkd.config import load_config, to_yaml
-    from megatron_gkd.log_setup import setup_logging
-    from megatron_gkd.trainer.checks import check_registered_names
 
     overrides = list(args.overrides)
     try:
@@ -50,8 +53,6 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(config), end="")
         return 0
     if args.dry_run:
-        from megatron_gkd.config.plan import layout_plan
-
         world_size = args.world_size or int(os.environ.get("WORLD_SIZE", "0")) or None
         try:
             print(layout_plan(config, world_size))
@@ -61,12 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     setup_logging(config.logging.level, all_ranks=config.logging.all_ranks,
                   log_file=str(run_dir.train_log(config.trainer.output_dir)))
-    from megatron_gkd import platform
 
     platform.setup(mindspeed=config.mindspeed)  # MindSpeed (npu) reads its options as it is imported
     import torch.distributed as dist
-
-    from megatron_gkd.trainer.loop import Trainer
 
     trainer = None
     try:

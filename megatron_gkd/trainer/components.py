@@ -12,10 +12,20 @@ import logging
 
 import torch
 
-from megatron_gkd.config import GKDConfig
+from megatron_gkd import platform
+from megatron_gkd.config import GKDConfig, needs_rollout
 from megatron_gkd.config.checks import generating_teacher
+from megatron_gkd.models import load_hf, unwrap
+from megatron_gkd.models.teacher_head import load_teacher_head
 from megatron_gkd.parallel import ParallelState
 from megatron_gkd.rewards import RewardRunner
+from megatron_gkd.rollout import build_engine
+from megatron_gkd.teacher.config import build_client_from_config
+from megatron_gkd.trainer.disaggregated import RemoteRollout
+from megatron_gkd.trainer.optim import build_lr_scheduler, build_optimizer, wrap_for_training
+from megatron_gkd.trainer.rollout import Rollout
+from megatron_gkd.weight_sync import build_plan
+from megatron_gkd.xtok.request import CrossTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -40,17 +50,12 @@ class Student:
     @property
     def is_moe(self) -> bool:
         """Whether the student routes tokens to experts (Megatron's ``num_moe_experts`` is set)."""
-        from megatron_gkd.models import unwrap
-
         return bool(unwrap(self.chunks[0]).config.num_moe_experts)
 
 
 def build_student(config: GKDConfig, state: ParallelState) -> Student:
     """Loads the student from its HF checkpoint into the layout of ``state``, wraps it for training and builds
     Megatron's optimizer and LR schedule."""
-    from megatron_gkd.models import load_hf
-    from megatron_gkd.trainer.optim import build_lr_scheduler, build_optimizer, wrap_for_training
-
     dtype = getattr(torch, config.student.dtype)
     overrides = {}
     if config.student.recompute:
@@ -74,8 +79,6 @@ def build_teacher_head(teacher, state, student: Student, tokenizer, cross=None) 
     its rows are split over the TP group (padded to a multiple of it)."""
     if teacher.signal != "hidden" or not teacher.enabled or not state.is_pipeline_last_stage:
         return None
-    from megatron_gkd import platform
-    from megatron_gkd.models.teacher_head import load_teacher_head
 
     tp = state.config.tensor_model_parallel_size
     rows, real = student.vocab_size, len(tokenizer)
@@ -93,9 +96,6 @@ def build_cross_tokenizer(teacher, state, student: Student, tokenizer):
     """``(CrossTokenizer, this rank's ProjectionShard or None)`` of ``teacher`` (a teacher config section) when it asks
     for cross-tokenizer distillation, else ``(None, None)``. The map is built from the two tokenizers (seconds for two
     150k vocabularies) or loaded (``cross_tokenizer.projection_map``) on every rank: each rank asks or computes."""
-    from megatron_gkd import platform
-    from megatron_gkd.xtok.request import CrossTokenizer
-
     cross, shard = CrossTokenizer.of_teacher(teacher, tokenizer, student.vocab_size), None
     if cross is not None and state.is_pipeline_last_stage:
         tp = state.config.tensor_model_parallel_size
@@ -128,8 +128,6 @@ def rollout_engine_kwargs(config: GKDConfig, tokenizer) -> dict:
 
 def build_rollout_engine(config: GKDConfig, student: Student, tokenizer):
     """The colocated rollout engine of this rank (a vLLM shard, or the student itself)."""
-    from megatron_gkd.rollout import build_engine
-
     if config.rollout.engine == "megatron":
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         return build_engine("megatron", chunks=student.chunks, max_model_len=config.rollout.max_model_len,
@@ -141,23 +139,16 @@ def build_rollout_engine(config: GKDConfig, student: Student, tokenizer):
 def build_rollout(config: GKDConfig, student: Student, tokenizer, *, control, out, layout: dict, stop_ids, timers):
     """The run's :class:`~megatron_gkd.trainer.rollout.Rollout` (a colocated engine, or the rollout server this
     builds), or None when nothing is sampled (collective over the trainer ranks)."""
-    from megatron_gkd.config import needs_rollout
-    from megatron_gkd.trainer.rollout import Rollout
-
     if not needs_rollout(config):
         return None
     parts = dict(config=config, control=control, stop_ids=stop_ids, timers=timers)
     if config.rollout.layout == "disaggregated":
-        from megatron_gkd.trainer.disaggregated import RemoteRollout
-
         remote = RemoteRollout(config, student.chunks, rollout_engine_kwargs(config, tokenizer), out / "rollout_server.log",
                                control)
         return Rollout(remote=remote, **parts)
     engine = build_rollout_engine(config, student, tokenizer)
     plan = None
     if not engine.shares_student_weights:
-        from megatron_gkd.weight_sync import build_plan
-
         plan = build_plan(student.chunks)
     return Rollout(engine=engine, sync_plan=plan, replicas=layout["rollout_replicas"], **parts)
 
@@ -171,8 +162,6 @@ def build_reward_runner(config: GKDConfig, *, asks: bool) -> RewardRunner | None
 def build_teacher_client(teacher, address: str | None, secret: bytes | None, state: ParallelState):
     """The client of ``teacher`` (a teacher config section; ``address``/``secret``: of a service this run started,
     else its ``address`` and secret file; ``state``: the trainer's, which a colocated teacher is sharded on)."""
-    from megatron_gkd.teacher.config import build_client_from_config
-
     if address is not None:
         # The client talks to the service; the head (hidden signal) still comes from the served checkpoint.
         teacher = dataclasses.replace(teacher, address=address, serve=dataclasses.replace(teacher.serve, model=None),

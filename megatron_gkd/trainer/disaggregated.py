@@ -19,6 +19,9 @@ import sys
 
 from megatron_gkd.child_process import ServiceProcess, free_port
 from megatron_gkd.parallel.comm import agree, broadcast_msgpack
+from megatron_gkd.rollout.disaggregated import RolloutClient
+from megatron_gkd.rollout.server import SECRET_ENV
+from megatron_gkd.weight_sync import TorchDistributedTransport, WeightSender, build_plan, connect_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +41,6 @@ class RemoteRollout:
 
     def __init__(self, config, chunks, engine_kwargs: dict, log_path, control):
         import torch.distributed as dist
-
-        from megatron_gkd.rollout.disaggregated import RolloutClient
-        from megatron_gkd.rollout.server import SECRET_ENV
-        from megatron_gkd.weight_sync import TorchDistributedTransport, WeightSender, build_plan, connect_trainer
 
         rank, world = dist.get_rank(), dist.get_world_size()
         self.service = None

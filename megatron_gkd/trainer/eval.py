@@ -11,8 +11,11 @@ import logging
 import re
 from typing import Callable, Sequence
 
+from megatron_gkd import parallel
+from megatron_gkd.parallel.comm import broadcast_msgpack
 from megatron_gkd.registry import Registry
 from megatron_gkd.rewards.answers import final_answer
+from megatron_gkd.rollout import SamplingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +50,6 @@ class Evaluator:
     """
 
     def __init__(self, dataset, tokenizer, generate, kl, config, stop_token_ids: Sequence[int]):
-        from megatron_gkd.rollout import SamplingConfig
-
         self.dataset, self.tokenizer, self._generate, self._kl = dataset, tokenizer, generate, kl
         self.scorer = SCORERS.get(config.scorer)
         self.sampling = SamplingConfig(temperature=0.0, max_tokens=config.max_tokens,
@@ -103,9 +104,6 @@ class TeacherKL:
 
     def __call__(self, rollout, prompt_indices: list[int]) -> float | None:
         import torch
-
-        from megatron_gkd import parallel
-        from megatron_gkd.parallel.comm import broadcast_msgpack
 
         if len(prompt_indices) < self.flow.state.data_parallel_size:  # every DP rank needs a share of the prompts
             return None

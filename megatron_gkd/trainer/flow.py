@@ -42,6 +42,7 @@ from megatron_gkd.trainer.policy import policy_share, tp_rewards
 from megatron_gkd.trainer.reward_exchange import RewardExchange
 from megatron_gkd.trainer.sample_mix import STUDENT, dataset_batch, draw_sources, generated_batch, merge_by_prompt, source_metrics
 from megatron_gkd.trainer.teachers import Request, Teachers
+from megatron_gkd.xtok.align import Kind
 
 logger = logging.getLogger(__name__)
 
@@ -392,8 +393,6 @@ class BatchFlow:
         the chain rule inside n:1 and n:m groups (``xtok/chained``), and the samples left unaligned
         (``xtok/unaligned_samples``), summed over the ranks that ask it. Collective over every rank when the run has
         such a teacher."""
-        from megatron_gkd.xtok.align import Kind
-
         crossed = [teacher for teacher in self.teachers if teacher.cross is not None]
         if not crossed:
             return {}

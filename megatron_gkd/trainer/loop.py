@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gkd import parallel, platform
-from megatron_gkd.config import GKDConfig, check_layout, eval_enabled, needs_responses, needs_teacher, to_yaml
+from megatron_gkd.config import GKDConfig, check_layout, eval_enabled, needs_responses, needs_teacher, to_dict, to_yaml
 from megatron_gkd.config.schema import MODES
 from megatron_gkd.data import PromptSampler, load_prompts, load_tokenizer
 from megatron_gkd.parallel.comm import all_gather_msgpack, broadcast_msgpack
@@ -168,7 +168,6 @@ class Trainer:
     def _open_sinks(self) -> None:
         if self.rank != 0:
             return
-        from megatron_gkd.config import to_dict
 
         self.writer = MetricsWriter(self.out, self.config.logging, resume_step=self.step, run_config=to_dict(self.config))
         self.progress = Progress(self.config.trainer.num_steps, self.step, self.config.logging)

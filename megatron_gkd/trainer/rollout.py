@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_gkd.parallel.comm import all_gather_msgpack, broadcast_msgpack
 from megatron_gkd.rollout.types import RolloutBatch, concat_batches, decode_batch, encode_batch
+from megatron_gkd.weight_sync import colocated_sync
 
 
 class Rollout:
@@ -88,8 +89,6 @@ class Rollout:
             elif self.engine.shares_student_weights:
                 self.engine.load_weights(iter(()), version)
             else:
-                from megatron_gkd.weight_sync import colocated_sync
-
                 self._receiver = colocated_sync(chunks, self.engine, self._plan, self.config.weight_sync, version=version,
                                                 receiver=self._receiver)
         self.version = version

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_gkd.models import unwrap
+
 
 class RoutingStats:
     """Counts routed tokens per layer and expert on this rank, and reports a step's MoE metrics.
@@ -26,8 +28,6 @@ class RoutingStats:
 
     def __init__(self, chunks, group, *, data_parallel_size: int):
         from megatron.core.transformer.moe.router import TopKRouter
-
-        from megatron_gkd.models import unwrap
 
         config = unwrap(chunks[0]).config
         assert config.num_moe_experts, "RoutingStats needs an MoE model"

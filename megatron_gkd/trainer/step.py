@@ -18,6 +18,22 @@ from typing import Iterator, Mapping, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from megatron_gkd.losses import (
+    cross_vocab_distill_loss,
+    fused_cross_vocab_distill_loss,
+    fused_vocab_parallel_distill_loss,
+    fused_vocab_parallel_token_logprobs,
+    get_divergence,
+    hidden_distill_loss,
+    hidden_topk,
+    vocab_parallel_distill_loss,
+    vocab_parallel_token_logprobs,
+)
+from megatron_gkd.losses.combinations import token_advantages
+from megatron_gkd.losses.policy_gradient import PolicyGradientOptions, policy_gradient_from_logprobs
+from megatron_gkd.losses.sampled_kl import mismatch_sums
+from megatron_gkd.models import unwrap
+from megatron_gkd.parallel import run_schedule
 from megatron_gkd.trainer.batch import MicroBatch
 from megatron_gkd.trainer.metrics import teacher_suffix
 
@@ -72,8 +88,6 @@ class LossSpec:
 
     def __post_init__(self):
         if self.kind == "distill" and self.loss_type == "tcad" and self.signal == "topk":
-            from megatron_gkd.losses import get_divergence
-
             coverage = get_divergence("tcad").build_options(dict(self.options)).coverage_coef
             object.__setattr__(self, "coverage_coef", coverage)
 
@@ -159,8 +173,6 @@ def loss_specs(loss, mode, teachers, real_vocab_size: int) -> LossSpecs:
 def _patched_output_layer(model, captured: types.SimpleNamespace, make_forward) -> Iterator[types.SimpleNamespace]:
     """Replaces the last stage's output-layer ``forward`` by ``make_forward(layer)`` for the block
     (nothing on other stages) and yields ``captured``."""
-    from megatron_gkd.models import unwrap
-
     gpt = unwrap(model)
     layer = getattr(gpt, "output_layer", None) if getattr(gpt, "post_process", False) else None
     if layer is None:
@@ -275,8 +287,6 @@ class StepRunner:
         ``GPTModel`` cuts the mask along the sequence for sequence parallelism on the first pipeline stage only;
         later stages get this rank's cut from here.
         """
-        from megatron_gkd.models import unwrap
-
         if not getattr(model.config, "num_moe_experts", None) or microbatch.padding_mask is None:
             return {}
         mask = microbatch.padding_mask.to(device)
@@ -346,8 +356,6 @@ class StepRunner:
                       token_ids: torch.Tensor | None = None):
         """One teacher's ``sum(coefficient x divergence)`` over the micro-batch and its statistics (with
         ``token_ids`` ``[b, s]``, also ``stats["token_logprobs"]``: their differentiable log-probs, same pass)."""
-        from megatron_gkd.losses import fused_vocab_parallel_distill_loss, vocab_parallel_distill_loss
-
         tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
         if spec.signal == "hidden" and spec.projection is not None:  # the cross-tokenizer teacher's exact top-k
             share = self._hidden_rows(spec, share, tp_group)
@@ -387,8 +395,6 @@ class StepRunner:
         """A cross-tokenizer teacher's hidden states as top-k rows of its own vocabulary (exact log-probs, computed with
         its head shard over TP); a position without a teacher row (all-zero hidden state: inside a group, or not
         aligned) gets an empty row."""
-        from megatron_gkd.losses import hidden_topk
-
         head = self.teacher_heads.get(share.name)
         assert head is not None, f"teacher {share.name!r} sends hidden states but this rank has no head for it"
         ids, logprobs = hidden_topk(share.hidden, head, spec.teacher_top_k, tp_group=tp_group,
@@ -401,8 +407,6 @@ class StepRunner:
     @staticmethod
     def _cross_vocab(spec: LossSpec, share, captured, output: torch.Tensor, tp_group):
         """A cross-tokenizer teacher's per-token divergence ``[b, s]`` against the student projected through ``W``."""
-        from megatron_gkd.losses import cross_vocab_distill_loss, fused_cross_vocab_distill_loss
-
         common = dict(loss_type=spec.loss_type, tp_group=tp_group, temperature=spec.temperature,
                       real_vocab_size=spec.real_vocab_size, **spec.options)
         if spec.fused:  # hidden [b, s, h] as the model returned it
@@ -416,8 +420,6 @@ class StepRunner:
     def _hidden_loss(self, spec: LossSpec, share, captured, output, mask):
         """The exact full-vocabulary loss from the teacher's hidden states (the student's hidden states and
         output weight when fused, else its ``[s, b, V/tp]`` logits)."""
-        from megatron_gkd.losses import hidden_distill_loss
-
         head = self.teacher_heads.get(share.name)
         assert head is not None, f"teacher {share.name!r} sends hidden states but this rank has no head for it"
         weights = torch.where(mask, share.coefficients, torch.zeros_like(share.coefficients))
@@ -441,11 +443,6 @@ class StepRunner:
         """The policy-gradient term ``sum(coefficient x pg loss)`` over the micro-batch and its statistics: the
         sampled tokens' log-probs from the same logit shards (or hidden states) as the divergence, no gather
         (``sampled``: already taken in the divergence's pass, ``[b, s]``)."""
-        from megatron_gkd.losses import fused_vocab_parallel_token_logprobs, vocab_parallel_token_logprobs
-        from megatron_gkd.losses.combinations import token_advantages
-        from megatron_gkd.losses.policy_gradient import PolicyGradientOptions, policy_gradient_from_logprobs
-        from megatron_gkd.losses.sampled_kl import mismatch_sums
-
         tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
         common = dict(real_vocab_size=spec.real_vocab_size)
 
@@ -500,8 +497,6 @@ class StepRunner:
         Args:
             spec: a :class:`LossSpec` for every teacher, or ``{teacher name: LossSpec}``.
         """
-        from megatron_gkd.parallel import run_schedule
-
         self._scale = float(len(microbatches) * self.dp_size)
         longest = max(mb.shape[1] for mb in microbatches)
         outputs = run_schedule(self.chunks, partial(self._forward_step, spec), list(microbatches), seq_length=longest,

@@ -22,8 +22,11 @@ from typing import Sequence
 import torch
 
 from megatron_gkd.config.checks import teacher_configs, teacher_key
+from megatron_gkd.parallel.comm import agree, broadcast_msgpack
 from megatron_gkd.teacher.clients import client_traits
+from megatron_gkd.trainer.components import build_cross_tokenizer, build_teacher_client, build_teacher_head
 from megatron_gkd.trainer.metrics import teacher_suffix
+from megatron_gkd.trainer.teacher_service import TeacherService
 
 
 @dataclasses.dataclass
@@ -134,9 +137,6 @@ class Teachers:
     # ------------------------------------------------------------------------------------ life cycle
     def start_services(self, rank: int, out, control) -> None:
         """Rank 0 starts a service for every teacher with ``serve.model``; every rank stops if one fails."""
-        from megatron_gkd.parallel.comm import agree
-        from megatron_gkd.trainer.teacher_service import TeacherService
-
         error = None
         if rank == 0:
             try:
@@ -152,8 +152,6 @@ class Teachers:
         """What each teacher needs on this rank besides its client: the tokenizer pair of a teacher of another tokenizer
         and this rank's rows of its map ``W`` (``cross``, ``projection``), and the shard of its output layer (``head``,
         the hidden signal; a cross-tokenizer teacher's split by its own vocabulary)."""
-        from megatron_gkd.trainer.components import build_cross_tokenizer, build_teacher_head
-
         for teacher in self:
             teacher.cross, teacher.projection = build_cross_tokenizer(teacher.config, state, student, tokenizer)
             teacher.head = build_teacher_head(teacher.config, state, student, tokenizer, teacher.cross)
@@ -163,9 +161,6 @@ class Teachers:
         it (``asks(teacher)``) and checks it against the run (``check(teacher)``); every rank stops on a failure
         (``state``: the trainer's :class:`~megatron_gkd.parallel.ParallelState`, its control group and the layout a
         colocated teacher is sharded on)."""
-        from megatron_gkd.parallel.comm import agree, broadcast_msgpack
-        from megatron_gkd.trainer.components import build_teacher_client
-
         rank, control = state.rank, state.control_group
         for teacher in self:
             address = secret = error = None
