@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from megatron_gkd import platform
+from megatron_gkd import parallel, platform
 from megatron_gkd.models.hf_config import architecture_name
 from megatron_gkd.models.registry import ArchitectureSpec, get_architecture
 
@@ -153,8 +153,6 @@ def _place_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
     host (Megatron's training script moves the whole model to the GPU): without the move a forward on a
     GPU failed in the first norm ("weight is on cpu").
     """
-    from megatron_gkd import platform
-
     for param in model.parameters():
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
@@ -168,8 +166,6 @@ def _ensure_rng_tracker() -> None:
     A trainer that seeds itself (``parallel.seed``) before building keeps its seed.
     """
     from megatron.core import tensor_parallel
-
-    from megatron_gkd import parallel
 
     if not tensor_parallel.get_cuda_rng_tracker().get_states():
         logger.info("Megatron's RNG tracker is not seeded; seeding it with %d", DEFAULT_SEED)
@@ -201,8 +197,6 @@ def build_model(
         ValueError: unsupported architecture, or sizes that the layout cannot split.
     """
     from megatron.core.models.gpt import GPTModel
-
-    from megatron_gkd import parallel
 
     state = state or parallel.get_state()
     _ensure_rng_tracker()

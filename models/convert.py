@@ -27,7 +27,12 @@ import shutil
 
 import torch
 
+from megatron_gkd import parallel, platform
 from megatron_gkd.log_setup import setup_logging
+from megatron_gkd.models.builder import build_model
+from megatron_gkd.models.export import TOKENIZER_FILES, save_hf
+from megatron_gkd.models.hf_config import read_hf_config
+from megatron_gkd.models.loading import load_hf
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +96,6 @@ def hf_to_mcore(hf_path: str, out: str, dtype: torch.dtype) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from megatron_gkd.models.export import TOKENIZER_FILES
-    from megatron_gkd.models.loading import load_hf
-
     chunks = load_hf(hf_path, dtype=dtype)
     final, out = out, _partial(out)
     dist_checkpointing.save(sharded_model_state(chunks), out)
@@ -113,10 +115,6 @@ def mcore_to_hf(mcore_path: str, out: str, dtype: torch.dtype) -> None:
     """Rebuilds the model from ``<mcore>/hf/config.json``, loads the dist checkpoint, saves HF."""
     from megatron.core import dist_checkpointing
 
-    from megatron_gkd.models.builder import build_model
-    from megatron_gkd.models.export import save_hf
-    from megatron_gkd.models.hf_config import read_hf_config
-
     hf_dir = os.path.join(mcore_path, HF_SUBDIR)
     chunks = build_model(read_hf_config(hf_dir), dtype=dtype, source=hf_dir, perform_initialization=False)
     state = dist_checkpointing.load(sharded_model_state(chunks), mcore_path)
@@ -131,10 +129,8 @@ def mcore_to_hf(mcore_path: str, out: str, dtype: torch.dtype) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     setup_logging("INFO")
-    from megatron_gkd import platform
 
     platform.setup()
-    from megatron_gkd import parallel
 
     parallel.initialize(
         tensor_model_parallel_size=args.tensor_model_parallel_size,

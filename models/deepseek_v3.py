@@ -232,14 +232,14 @@ def deepseek_v3_layer_spec(config, *, use_transformer_engine: bool, vp_stage=Non
         vp_stage=vp_stage,
         pp_rank=pp_rank,
     )
-    from megatron_gkd.models.mla import TensorParallelMLASelfAttention
+    from megatron_gkd.models.mla import TensorParallelMLASelfAttention  # deferred: mla.py imports megatron.core
 
     if use_transformer_engine:
         from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
 
         changes = dict(linear_q_down_proj=TEColumnParallelLinear, linear_kv_down_proj=TEColumnParallelLinear)
     else:
-        from megatron_gkd.models.attention import SDPAttention
+        from megatron_gkd.models.attention import SDPAttention  # deferred: attention.py imports megatron.core
 
         changes = dict(core_attention=SDPAttention)
     rebuilt: dict[int, object] = {}  # layers share spec objects; keep them shared

@@ -12,6 +12,9 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from megatron_gkd import platform
+from megatron_gkd.parallel.shards import gather_tp
+
 
 @contextlib.contextmanager
 def eval_mode(chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
@@ -75,9 +78,6 @@ def forward_logits(chunks: Sequence[torch.nn.Module], tokens: torch.Tensor) -> t
     tokens may be on the host: they go to the platform's device, where the logits stay.
     """
     from megatron.core import parallel_state as mpu
-
-    from megatron_gkd import platform
-    from megatron_gkd.parallel.shards import gather_tp
 
     tokens = tokens.to(platform.device())
     batch, seq = tokens.shape

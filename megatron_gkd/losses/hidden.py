@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megatron_gkd.losses.dense import DenseDivergence, dense_divergence
 from megatron_gkd.losses.shard_ops import ShardLayout, all_gather_rows, compute_dtype, rows_per_chunk
 from megatron_gkd.losses.token_logprobs import vocab_parallel_token_logprobs
-from megatron_gkd.losses.vocab_parallel import check_temperature
+from megatron_gkd.losses.vocab_parallel import check_temperature, vocab_parallel_topk
 
 DEFAULT_CHUNK_SIZE = 256
 METRIC_KEYS = ("teacher_entropy", "student_entropy", "top1_agreement")
@@ -351,8 +351,6 @@ def hidden_topk(
     Returns:
         ``(ids [..., k] int64, logprobs [..., k])`` in the compute dtype, best first, the same on every rank.
     """
-    from megatron_gkd.losses.vocab_parallel import vocab_parallel_topk
-
     check_temperature(teacher_temperature)
     lead = teacher_hidden.shape[:-1]
     hidden = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])

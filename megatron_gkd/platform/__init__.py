@@ -26,6 +26,7 @@ import sys
 
 import torch
 
+from megatron_gkd.platform import cpu_adaptor, npu
 from megatron_gkd.platform.npu import MindSpeedConfig
 
 logger = logging.getLogger(__name__)
@@ -123,8 +124,6 @@ def setup(name: str | None = None, *, mindspeed: MindSpeedConfig | None = None) 
             "platform.setup() first thing in the entry point, before any import of megatron.core"
         )
     if resolved.name == "cpu":
-        from megatron_gkd.platform import cpu_adaptor
-
         cpu_adaptor.install()
     elif resolved.name == "cuda" and importlib.util.find_spec("transformer_engine") is None:
         # Megatron-Core's fallbacks without Transformer Engine have bugs of their own (the MoE router's
@@ -133,12 +132,8 @@ def setup(name: str | None = None, *, mindspeed: MindSpeedConfig | None = None) 
             logger.warning("megatron.core was imported before platform.setup(): without Transformer Engine "
                            "its MoE router fails on CUDA (te_general_gemm); call setup() first")
         else:
-            from megatron_gkd.platform import cpu_adaptor
-
             cpu_adaptor.install(only=cpu_adaptor.WITHOUT_TRANSFORMER_ENGINE)
     elif resolved.name == "npu":
-        from megatron_gkd.platform import npu
-
         npu.install(mindspeed)
         _mindspeed = mindspeed or MindSpeedConfig()
     _warn_inert(resolved, mindspeed)
