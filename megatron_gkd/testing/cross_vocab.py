@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_gkd.losses.cross_vocab import cross_vocab_distill_loss
 from megatron_gkd.losses.cross_vocab_fused import fused_cross_vocab_distill_loss
+from megatron_gkd.losses.cross_vocab_hidden import hidden_cross_vocab_distill_loss
 from megatron_gkd.losses.projection_map import shard_projection
 from megatron_gkd.losses.reference import reference_cross_vocab_loss
 
@@ -323,8 +324,6 @@ def run_hidden_case(case: HiddenCrossCase, loss_type: str, options: dict, dtype:
                     tp_size: int, group, *, temperature: float = 0.8, teacher_temperature: float = 1.3,
                     chunk_size: int = 4):
     """This rank's ``(total, per_token, grad shard, metrics)`` of hidden_cross_vocab_distill_loss."""
-    from megatron_gkd.losses.cross_vocab_hidden import hidden_cross_vocab_distill_loss
-
     logits = shard(case.logits, rank, tp_size).to(dtype).requires_grad_()
     head = case.teacher_head.chunk(tp_size, dim=0)[rank].to(dtype)
     projection = case.vocab_map.shard(rank, tp_size, logits.shape[1])

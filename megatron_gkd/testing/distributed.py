@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.multiprocessing as mp
 
+from megatron_gkd import platform
 from megatron_gkd.child_process import free_port  # noqa: F401 - tests take ports from here
 
 
@@ -63,8 +64,6 @@ def _child(
     )
     torch.set_num_threads(num_threads)
     try:
-        from megatron_gkd import platform
-
         resolved = platform.setup(platform_name)
         if init_process_group:
             platform.set_local_device(rank)

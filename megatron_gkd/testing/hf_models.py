@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from megatron_gkd.parallel import forward_logits
+
 # head_dim >= 32 everywhere (vLLM's CPU attention rejects 16); sizes that split across TP=2 and EP=2.
 _COMMON = dict(
     vocab_size=256,
@@ -158,8 +160,6 @@ def hf_logits(path: str | os.PathLike, tokens: torch.Tensor) -> torch.Tensor:
 
 def megatron_logits(chunks, tokens: torch.Tensor) -> torch.Tensor | None:
     """Full-vocabulary logits ``[b, s, v]`` on the last pipeline stage (:func:`megatron_gkd.parallel.forward_logits`)."""
-    from megatron_gkd.parallel import forward_logits
-
     return forward_logits(chunks, tokens)
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from megatron_gkd.losses import vocab_parallel_distill_loss
+from megatron_gkd.losses import hidden_topk, vocab_parallel_distill_loss
 from megatron_gkd.losses.hidden import hidden_distill_loss, hidden_token_logprobs
 from megatron_gkd.losses.reference import reference_full_vocab_loss
 
@@ -220,8 +220,6 @@ def check_hidden_topk(seed: int = 0) -> dict:
     """On every rank of the default group: :func:`megatron_gkd.losses.hidden_topk` against the dense float64 top-k of
     ``log_softmax(hidden @ head^T / T)`` over the real rows (a padded, unequally split table; chunks of 3 rows).
     Returns ``{"ids_equal": bool, "logprob_error": float}``."""
-    from megatron_gkd.losses import hidden_topk
-
     tp_group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
     tp_size, rank = (1, 0) if tp_group is None else (dist.get_world_size(), dist.get_rank())
     generator = torch.Generator().manual_seed(seed)

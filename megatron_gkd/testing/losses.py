@@ -14,7 +14,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from megatron_gkd.losses import fused_vocab_parallel_distill_loss, vocab_parallel_distill_loss
+from megatron_gkd.losses import fused_vocab_parallel_distill_loss, vocab_parallel_distill_loss, vocab_parallel_topk
 from megatron_gkd.losses.reference import reference_distill_loss
 
 LOSS_CONFIGS: list[tuple[str, dict]] = [
@@ -276,8 +276,6 @@ def check_fused_against_unfused(chunk_size: int = 5, hidden_size: int = 16, devi
 
 def check_topk(k: int = 5) -> tuple[list[list[int]], list[list[int]]]:
     """Body for ``run_distributed``: vocab-parallel top-k ids vs ``torch.topk`` of the full logits."""
-    from megatron_gkd.losses import vocab_parallel_topk
-
     tp_size, rank = dist.get_world_size(), dist.get_rank()
     generator = torch.Generator().manual_seed(2)
     full = torch.randn(6, 64, generator=generator)

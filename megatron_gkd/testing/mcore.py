@@ -15,7 +15,10 @@ from typing import Iterator
 
 import torch
 
-from megatron_gkd.parallel import ParallelState, shard_for_rank
+from megatron_gkd.models import global_name
+from megatron_gkd.parallel import ParallelState, run_schedule, seed, shard_for_rank
+from megatron_gkd.trainer import optim
+from megatron_gkd.trainer.optim import OptimizerConfig, build_lr_scheduler, wrap_for_training
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -90,9 +93,6 @@ def build_model_chunks(spec: TinyGPTSpec, state: ParallelState) -> list[torch.nn
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_gkd.parallel import seed
-    from megatron_gkd.trainer.optim import wrap_for_training
-
     seed(spec.seed)
     config = transformer_config(spec, state)
     layer_spec = get_gpt_layer_local_spec(num_experts=spec.num_moe_experts, moe_grouped_gemm=False)
@@ -117,8 +117,6 @@ def build_model_chunks(spec: TinyGPTSpec, state: ParallelState) -> list[torch.nn
 def optimizer_config(spec: TinyGPTSpec):
     """The library's optimizer section for ``spec``: Adam, clipping, warm-up from ``lr / 10``, cosine
     decay to ``lr / 10``."""
-    from megatron_gkd.trainer.optim import OptimizerConfig
-
     return OptimizerConfig(
         lr=spec.lr, min_lr=spec.lr / 10, lr_warmup_init=spec.lr / 10, lr_warmup_steps=spec.lr_warmup_steps,
         lr_decay_steps=spec.lr_decay_steps, lr_decay_style="cosine", clip_grad=spec.clip_grad,
@@ -128,15 +126,11 @@ def optimizer_config(spec: TinyGPTSpec):
 
 def build_optimizer(spec: TinyGPTSpec, chunks: list[torch.nn.Module]):
     """Megatron's optimizer (Adam, fp32 main parameters, gradient clipping at ``spec.clip_grad``)."""
-    from megatron_gkd.trainer.optim import build_optimizer as build
-
-    return build(optimizer_config(spec), chunks, dtype=spec.params_dtype)
+    return optim.build_optimizer(optimizer_config(spec), chunks, dtype=spec.params_dtype)
 
 
 def build_scheduler(spec: TinyGPTSpec, optimizer):
     """Megatron's ``OptimizerParamScheduler``: linear warm-up, then cosine decay (see ``spec``)."""
-    from megatron_gkd.trainer.optim import build_lr_scheduler
-
     return build_lr_scheduler(optimizer_config(spec), optimizer, num_steps=spec.lr_decay_steps)
 
 
@@ -203,8 +197,6 @@ def train_step(
     """
     from megatron.core.distributed import finalize_model_grads
 
-    from megatron_gkd.parallel import run_schedule
-
     for chunk in chunks:
         chunk.config.finalize_model_grads_func = finalize_model_grads
         chunk.zero_grad_buffer()
@@ -223,8 +215,6 @@ def train_step(
 
 def global_parameter_name(chunk: torch.nn.Module, name: str) -> str:
     """``name`` of a parameter in ``chunk`` (DDP-wrapped or not) with global layer and expert indices."""
-    from megatron_gkd.models import global_name
-
     return global_name(chunk.module if hasattr(chunk, "module") else chunk, name)
 
 

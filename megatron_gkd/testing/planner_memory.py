@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_gkd import models, parallel
+from megatron_gkd.planning import Batch, StudentLayout, plan_student
+from megatron_gkd.testing import mcore
+from megatron_gkd.testing.distributed import run_distributed
 from megatron_gkd.testing.hf_models import TINY_CONFIGS
 from megatron_gkd.testing.memory import LiveTensorPeak
 
@@ -67,9 +71,6 @@ def measure_training(
     """
     import resource
 
-    from megatron_gkd import models, parallel
-    from megatron_gkd.testing import mcore
-
     state = parallel.initialize(**parallel_sizes)
     try:
         spec = mcore.TinyGPTSpec(
@@ -103,8 +104,6 @@ def measure_training(
 
 def count_model_parameters(hf_config: dict, parallel_sizes: dict) -> dict:
     """This rank's parameter and state-buffer elements of a freshly built model (no training)."""
-    from megatron_gkd import models, parallel
-
     state = parallel.initialize(**parallel_sizes)
     try:
         chunks = models.build_model(hf_config)
@@ -142,8 +141,6 @@ class MemoryCase:
 
     def measure(self) -> list[dict]:
         """Runs the case on ``world_size`` ranks (call from the parent process)."""
-        from megatron_gkd.testing.distributed import run_distributed
-
         return run_distributed(
             measure_training,
             self.world_size,
@@ -162,8 +159,6 @@ class MemoryCase:
 
     def plan(self):
         """The planner's :class:`~megatron_gkd.planning.StudentPlan` for this case (local kernels, CE loss)."""
-        from megatron_gkd.planning import Batch, StudentLayout, plan_student
-
         layout = StudentLayout.from_parallel_sizes(
             self.parallel_sizes,
             self.world_size,

@@ -14,6 +14,12 @@ import os
 
 import torch
 
+from megatron_gkd.config import load_config
+from megatron_gkd.models.export import export_hf_weights
+from megatron_gkd.testing.hf_models import read_safetensors_dir
+from megatron_gkd.trainer.loop import Trainer
+from megatron_gkd.weight_sync import receiver as receiver_module
+
 # vLLM module holding an HF tensor of a Qwen3 layer, and the HF tensors it fuses along dim 0.
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
@@ -76,12 +82,6 @@ def on_policy_rank(config_path: str, overrides: list[str]) -> dict:
     (read after the last sync) that differ from the trainer's weights and those that still equal the
     initial checkpoint; rank 0 also returns the trainer's HF tensors.
     """
-    from megatron_gkd.config import load_config
-    from megatron_gkd.models.export import export_hf_weights
-    from megatron_gkd.testing.hf_models import read_safetensors_dir
-    from megatron_gkd.trainer.loop import Trainer
-    from megatron_gkd.weight_sync import receiver as receiver_module
-
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     verify_errors: list[float] = []  # weight_sync.verify's |vLLM - student| prompt log-prob error per sync
     check = receiver_module.check_prompt_logprobs

@@ -13,7 +13,22 @@ import types
 
 import torch
 
-from megatron_gkd.rollout import RolloutEngine
+from megatron_gkd import parallel
+from megatron_gkd.models import load_hf, save_hf, unwrap
+from megatron_gkd.rollout import RolloutBatch, RolloutEngine, build_engine, check_prompt_lengths
+from megatron_gkd.testing.hf_models import megatron_logits, read_safetensors_dir
+from megatron_gkd.testing.mcore import train_step
+from megatron_gkd.trainer import optim
+from megatron_gkd.trainer.optim import OptimizerConfig, build_optimizer
+from megatron_gkd.weight_sync import (
+    TorchDistributedTransport,
+    WeightReceiver,
+    WeightSender,
+    build_plan,
+    colocated_sync,
+    connect_rollout,
+    connect_trainer,
+)
 
 # Layout name -> parallel.initialize sizes (2 trainer ranks each).
 LAYOUTS = {
@@ -35,8 +50,6 @@ class RecordingEngine(RolloutEngine):
         self.weights: dict[str, torch.Tensor] = {}
 
     def generate(self, prompts, sampling):
-        from megatron_gkd.rollout import RolloutBatch, check_prompt_lengths
-
         check_prompt_lengths(prompts, sampling, self.max_model_len)
         rows = [(list(prompt), i) for i, prompt in enumerate(prompts) for _ in range(sampling.n)]
         return RolloutBatch.from_samples(
@@ -51,18 +64,13 @@ class RecordingEngine(RolloutEngine):
 
 def wrap_for_training(chunks):
     """DDP-wrap ``load_hf`` chunks and build Megatron's Adam optimizer over them."""
-    from megatron_gkd.trainer.optim import OptimizerConfig, build_optimizer
-    from megatron_gkd.trainer.optim import wrap_for_training as wrap
-
     config = OptimizerConfig(lr=3e-3, clip_grad=1.0)
-    wrapped = wrap(chunks, config)
+    wrapped = optim.wrap_for_training(chunks, config)
     return wrapped, build_optimizer(config, wrapped)
 
 
 def train(chunks, optimizer, num_steps: int, vocab_size: int, seed: int = 0) -> None:
     """``num_steps`` Adam steps of next-token cross entropy on random tokens (same on every rank)."""
-    from megatron_gkd.testing.mcore import train_step
-
     spec = types.SimpleNamespace(seq_length=SEQ_LENGTH, micro_batch_size=1)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(num_steps):
@@ -82,10 +90,6 @@ def tp2_trainer(path: str, trainer_port: int, transport_for, config):
     """
     import torch.distributed as dist
 
-    from megatron_gkd import parallel
-    from megatron_gkd.models import load_hf
-    from megatron_gkd.weight_sync import WeightSender, build_plan, connect_trainer
-
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{trainer_port}", rank=rank, world_size=2)
     parallel.initialize(**LAYOUTS["tp2"])
@@ -97,8 +101,6 @@ def tp2_trainer(path: str, trainer_port: int, transport_for, config):
 
 
 def _transport(port: int, rank: int, num_trainers: int, num_rollout: int):
-    from megatron_gkd.weight_sync import TorchDistributedTransport
-
     return TorchDistributedTransport(address="127.0.0.1", port=port, rank=rank, num_trainer_ranks=num_trainers,
                                      num_rollout_ranks=num_rollout, timeout_s=600)
 
@@ -111,11 +113,6 @@ def trainer_rank(runs, trainer_port: int, num_trainers: int, num_rollout: int, c
     ``save_hf`` directory.
     """
     import torch.distributed as dist
-
-    from megatron_gkd import parallel
-    from megatron_gkd.models import load_hf, save_hf
-    from megatron_gkd.testing.hf_models import megatron_logits
-    from megatron_gkd.weight_sync import WeightSender, build_plan, connect_trainer
 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{trainer_port}", rank=rank, world_size=num_trainers)
@@ -151,8 +148,6 @@ def _greedy_and_logprobs(engine, prompts, num_tokens: int):
 
 def make_engine(path: str, **kwargs):
     """A small vLLM rollout engine (fp32, eager, little KV cache); in-process unless ``kwargs`` join a world."""
-    from megatron_gkd.rollout import build_engine
-
     kwargs = {"join_world": False, **kwargs}
     return build_engine("vllm", model=path, dtype="float32", skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4,
                         gpu_memory_utilization=0.02, seed=0, **kwargs)
@@ -161,8 +156,6 @@ def make_engine(path: str, **kwargs):
 def rollout_rank(runs, num_trainers: int, num_rollout: int, config, prompts, num_tokens: int, use_vllm: bool):
     """For each run (``engine``: the checkpoint vLLM starts from): (vLLM only) outputs before the sync, receive the
     weights, outputs after."""
-    from megatron_gkd.weight_sync import WeightReceiver, connect_rollout
-
     rank = int(os.environ["RANK"])
     # vLLM's own single-process group must not see the spawner's multi-rank environment.
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_PORT=str(29500 + rank))
@@ -200,11 +193,6 @@ def disaggregated(runs, trainer_port, num_trainers, num_rollout, config, prompts
 
 def colocated_rank(path: str, steps: int, config, prompts, out_root: str, num_tokens: int = 4):
     """Training TP=2 and a vLLM TP=2 shard on each rank (``external_launcher``): sync without broadcast."""
-    from megatron_gkd import parallel
-    from megatron_gkd.models import load_hf, save_hf
-    from megatron_gkd.testing.hf_models import megatron_logits
-    from megatron_gkd.weight_sync import build_plan, colocated_sync
-
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     engine = make_engine(path, join_world=True, tensor_parallel_size=2)
     before = _greedy_and_logprobs(engine, prompts, num_tokens)
@@ -231,9 +219,6 @@ def trainer_experts(chunks) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch
     import re
 
     import torch.distributed as dist
-
-    from megatron_gkd import parallel
-    from megatron_gkd.models import unwrap
 
     state = parallel.get_state()
     group, size = state.ep_group, state.ep_size
@@ -301,11 +286,6 @@ def compare_vllm_experts(engine, experts) -> dict[int, dict]:
 def colocated_moe_rank(path: str, steps: int, config, prompts, num_tokens: int = 4):
     """Training a Qwen3-MoE at EP=2 and a vLLM TP=2 shard on each rank (``external_launcher``): the colocated sync
     gathers the experts over EP; every expert tensor in the engine is compared with the trainer's before and after."""
-    from megatron_gkd import parallel
-    from megatron_gkd.models import load_hf
-    from megatron_gkd.testing.hf_models import megatron_logits
-    from megatron_gkd.weight_sync import build_plan, colocated_sync
-
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     engine = make_engine(path, join_world=True, tensor_parallel_size=2)
     loaded = compare_vllm_experts(engine, _initial_experts(path))
@@ -327,8 +307,6 @@ def colocated_moe_rank(path: str, steps: int, config, prompts, num_tokens: int =
 
 def _initial_experts(path: str) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The checkpoint's experts in :func:`trainer_experts`' layout (the comparison itself is checked on them)."""
-    from megatron_gkd.testing.hf_models import read_safetensors_dir
-
     tensors = read_safetensors_dir(path)
     layers = sorted({int(name.split(".")[2]) for name in tensors if ".mlp.experts." in name})
     experts = {}
