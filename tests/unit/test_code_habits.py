@@ -301,3 +301,77 @@ def test_the_trainer_loop_stays_a_table_of_contents():
     assert not offenders, "pass what a part needs when it is built instead:\n" + "\n".join(offenders)
     assert REACHES_INTO.search("self.flow.engine = build()") and REACHES_INTO.search("self.flow._asks, check")
     assert not REACHES_INTO.search("if self.flow.engine == other") and not REACHES_INTO.search("self.flow.prepare(batch)")
+
+
+# The project's own packages, imported at the top of a module so that its import graph can be read (issue 31). An
+# import inside a function stays only with a ``# deferred: <why>`` comment on its line or the line above: a module
+# that pulls a heavy optional dependency (megatron.core, vLLM) at import, or an import cycle.
+IMPORTS_AT_TOP = ("megatron_gkd/", "models/", "parallel/", "launch/")
+OWN_PACKAGES = ("megatron_gkd", "models", "parallel", "launch")
+DEFERRED = re.compile(r"#\s*deferred:\s*\S")
+# (file, module) left for a change in flight: megatron_gkd/recipes/demo.py is being reworked for issue 30; its
+# setup_logging import moves to the top with that change, and this entry goes.
+DEFERRED_PENDING = {("megatron_gkd/recipes/demo.py", "megatron_gkd.log_setup")}
+
+
+def _function_imports(source: str) -> list[tuple[int, str]]:
+    """``(line, module)`` of each import of the project's own modules inside a function that no ``# deferred:``
+    comment explains (relative imports count as the project's own: ``"."`` + module)."""
+    lines = source.splitlines()
+
+    def explained(node) -> bool:
+        above = lines[node.lineno - 2].strip() if node.lineno > 1 else ""
+        return any(DEFERRED.search(lines[number - 1]) for number in {node.lineno, node.end_lineno}) or (
+            above.startswith("#") and bool(DEFERRED.search(above)))
+
+    found = []
+
+    def visit(node, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if in_function and isinstance(child, (ast.Import, ast.ImportFrom)) and not explained(child):
+                if isinstance(child, ast.ImportFrom):
+                    modules = ["." * child.level + (child.module or "")]
+                else:
+                    modules = [alias.name for alias in child.names]
+                found.extend((child.lineno, module) for module in modules
+                             if module.startswith(".") or module.split(".")[0] in OWN_PACKAGES)
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def test_the_project_is_imported_at_the_top():
+    """A module's own dependencies are listed at its top; a function that imports the project hides an arrow of
+    the import graph (and, often, a cycle)."""
+    offenders = [f"{path}:{line}: {module}" for path in _python_files() if path.startswith(IMPORTS_AT_TOP)
+                 for line, module in _function_imports((ROOT / path).read_text())
+                 if (path, module) not in DEFERRED_PENDING]
+    assert not offenders, ("import the project's modules at the top of the file, or say why not on the line (or the "
+                           "line above) with `# deferred: <why>` (a heavy optional dependency, an import cycle):\n"
+                           + "\n".join(offenders))
+
+
+def test_import_lint_catches_violations():
+    source = ("from megatron_gkd import config\n"
+              "import numpy\n"
+              "def f():\n"
+              "    from megatron_gkd.data import load_prompts\n"                       # 4: flagged
+              "    import json\n"
+              "    from . import sibling\n"                                             # 6: flagged
+              "    from megatron_gkd.models import mla  # deferred: imports megatron.core\n"
+              "    # deferred: import cycle with megatron_gkd.x\n"
+              "    import megatron_gkd.y\n"
+              "    import parallel.shards  # deferred:\n"                               # 10: no reason given
+              "class C:\n"
+              "    from models import llama\n"                                          # a class body, not a function
+              "    def m(self):\n"
+              "        def inner():\n"
+              "            from models.builder import (\n"                              # 15: flagged
+              "                build_model,\n"
+              "            )\n"
+              "        from launch import pretrain_gkd\n"                               # 18: flagged
+              "        from ..losses import (  # deferred: import cycle with losses\n"
+              "            dense)\n")
+    assert _function_imports(source) == [(4, "megatron_gkd.data"), (6, "."), (10, "parallel.shards"),
+                                         (15, "models.builder"), (18, "launch")]
