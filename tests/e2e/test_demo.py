@@ -12,9 +12,9 @@ from megatron_gkd.testing import runs as harness
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 DEMO_CONFIG = harness.REPO / "configs" / "demo_cpu.yaml"
-# A shortened demo: 1000 of its 2500 steps (the learning rate decays over them), a 200-problem slice of
-# the eval set, no intermediate checkpoints. About 4 minutes a seed on 2 CPU cores.
-SHORT = ["trainer.num_steps=1000", "eval.interval=null", "data.num_eval_prompts=200", "checkpoint.save_interval=null",
+# A shortened demo: 500 of its 1000 steps (the learning rate decays over them), a 200-problem slice of
+# the eval set, no intermediate evals or checkpoints. About 3 minutes a seed on 2 CPU cores.
+SHORT = ["trainer.num_steps=500", "eval.interval=null", "data.num_eval_prompts=200", "checkpoint.save_interval=null",
          "checkpoint.hf_at_end=false", "eval.kl=false"]
 
 
@@ -50,10 +50,12 @@ def _tensors(directory):
     return tensors
 
 
-@pytest.mark.parametrize("name", ["teacher", "student"])
+@pytest.mark.parametrize("name", ["teacher", "student", "student_warm"])
 def test_committed_model_is_reproduced_by_its_script(name, tmp_path):
     """Bitwise: the SFT run is one process with deterministic algorithms, a fixed thread count, seeded
-    data order and init, on the same torch build; any difference in a tensor is a reproduction failure."""
+    data order and init, on the same torch build; any difference in a tensor is a reproduction failure.
+    On the machine that made the model: another CPU's kernels change the last bits, and hundreds of steps
+    amplify them (``megatron_gkd/recipes/demo.py``)."""
     record = demo.train(name, tmp_path / "work", tmp_path / name)
     committed = demo.ASSETS / name
     expected, produced = _tensors(committed), _tensors(tmp_path / name)
