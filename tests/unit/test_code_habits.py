@@ -309,9 +309,6 @@ def test_the_trainer_loop_stays_a_table_of_contents():
 IMPORTS_AT_TOP = ("megatron_gkd/", "models/", "parallel/", "launch/")
 OWN_PACKAGES = ("megatron_gkd", "models", "parallel", "launch")
 DEFERRED = re.compile(r"#\s*deferred:\s*\S")
-# (file, module) left for a change in flight: megatron_gkd/recipes/demo.py is being reworked for issue 30; its
-# setup_logging import moves to the top with that change, and this entry goes.
-DEFERRED_PENDING = {("megatron_gkd/recipes/demo.py", "megatron_gkd.log_setup")}
 
 
 def _function_imports(source: str) -> list[tuple[int, str]]:
@@ -345,8 +342,7 @@ def test_the_project_is_imported_at_the_top():
     """A module's own dependencies are listed at its top; a function that imports the project hides an arrow of
     the import graph (and, often, a cycle)."""
     offenders = [f"{path}:{line}: {module}" for path in _python_files() if path.startswith(IMPORTS_AT_TOP)
-                 for line, module in _function_imports((ROOT / path).read_text())
-                 if (path, module) not in DEFERRED_PENDING]
+                 for line, module in _function_imports((ROOT / path).read_text())]
     assert not offenders, ("import the project's modules at the top of the file, or say why not on the line (or the "
                            "line above) with `# deferred: <why>` (a heavy optional dependency, an import cycle):\n"
                            + "\n".join(offenders))
