@@ -154,6 +154,9 @@ def common_overrides(task: pathlib.Path, budget: int, num_steps: int, decay_step
             "parallel.tensor_model_parallel_size=1", "rollout.tensor_parallel_size=1", "trainer.scheduler=sync",
             # The micro-batch these experiments were measured with (the demo's config now trains in one of 64).
             "trainer.micro_batch_size=32",
+            # Their start: the student on the plateau before the carries (0.002); the demo's config now starts from
+            # the same SFT run 50 steps further (assets/demo/student_warm), which would hide what a method does there.
+            f"student.checkpoint={demo.ASSETS / 'student'}",
             f"trainer.token_budget={budget}", f"trainer.num_steps={num_steps}", f"optim.lr_decay_steps={decay_steps}",
             f"teacher.top_k={TOP_K}", "eval.at_start=false", "eval.interval=250", "eval.kl=false",
             "checkpoint.save_interval=null", "checkpoint.save_at_end=false", "checkpoint.hf_at_end=true"]
