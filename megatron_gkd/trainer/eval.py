@@ -36,6 +36,14 @@ def exact_match(response: str, answer: str) -> float:
 SCORERS.register("final_answer", final_answer)
 
 
+def response_text(tokenizer, ids, stop_ids) -> str:
+    """A response's text as a scorer reads it: trailing stop ids dropped, special tokens skipped."""
+    ids, stop = list(ids), set(stop_ids)
+    while ids and ids[-1] in stop:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class Evaluator:
     """Runs one evaluation (a collective: every rank calls :meth:`run`).
 
@@ -54,19 +62,15 @@ class Evaluator:
         self.scorer = SCORERS.get(config.scorer)
         self.sampling = SamplingConfig(temperature=0.0, max_tokens=config.max_tokens,
                                        stop_token_ids=tuple(stop_token_ids), seed=0)
-        self._stop = set(stop_token_ids)
-
-    def _text(self, ids: list[int]) -> str:
-        while ids and ids[-1] in self._stop:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        self._stop = tuple(stop_token_ids)
 
     def run(self) -> dict[str, float]:
         records = [self.dataset[i] for i in range(len(self.dataset))]
         rollout = self._generate([list(r.prompt_ids) for r in records], self.sampling)
         metrics = {"eval/response_length": float(rollout.response_lengths.float().mean()),
                    "eval/num_prompts": float(len(records))}
-        scored = [(self._text(rollout.response(i)), records[i].answer) for i in range(len(records))]
+        scored = [(response_text(self.tokenizer, rollout.response(i), self._stop), record.answer)
+                  for i, record in enumerate(records)]
         with_answers = [(text, answer) for text, answer in scored if answer is not None]
         if with_answers:
             metrics["eval/accuracy"] = sum(self.scorer(text, answer) for text, answer in with_answers) / len(with_answers)

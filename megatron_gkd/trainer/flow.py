@@ -37,10 +37,19 @@ from megatron_gkd.trainer.batch import (
     token_coefficients,
 )
 from megatron_gkd.trainer.components import build_reward_runner
+from megatron_gkd.trainer.eval import SCORERS, response_text
 from megatron_gkd.trainer.head_check import TeacherHeadMismatch, check_due, check_teacher_head, where
 from megatron_gkd.trainer.policy import policy_share, tp_rewards
 from megatron_gkd.trainer.reward_exchange import RewardExchange
-from megatron_gkd.trainer.sample_mix import STUDENT, dataset_batch, draw_sources, generated_batch, merge_by_prompt, source_metrics
+from megatron_gkd.trainer.sample_mix import (
+    STUDENT,
+    dataset_batch,
+    draw_sources,
+    generated_batch,
+    merge_by_prompt,
+    sample_scores,
+    source_metrics,
+)
 from megatron_gkd.trainer.teachers import Request, Teachers
 from megatron_gkd.xtok.align import Kind
 
@@ -70,6 +79,7 @@ class InFlight:
         reward: the future of this rank's rewards (:mod:`.reward_exchange`; ranks that compute them), or None.
         rewards: this rank's rewards, one per sample, once :meth:`BatchFlow.prepare` has them, or None.
         sources: each prompt's source (``student``, ``dataset`` or ``teacher``) with ``sample_mix``, else None.
+        answers: each prompt's answer (None where it has none) with ``sample_mix``, else None.
     """
 
     index: int
@@ -82,6 +92,7 @@ class InFlight:
     reward: object = None
     rewards: list[float] | None = None
     sources: list[str] | None = None
+    answers: list[str | None] | None = None
 
     def resolve(self) -> None:
         """Waits for a rollout still running on the rollout server (a no-op otherwise)."""
@@ -142,6 +153,7 @@ class BatchFlow:
         fields = {record.index: {"index": record.index, "answer": record.answer, "group": record.group}
                   for record in records}
         sources = self.sources(index, len(records))
+        answers = None if sources is None else [record.answer for record in records]
         if config.trainer.run_mode.samples:
             student = [i for i in range(len(records)) if sources is None or sources[i] == STUDENT]
             parts = self._off_policy_parts(index, records, sources, version)
@@ -157,7 +169,8 @@ class BatchFlow:
             elif self.rollout.in_background:  # sampled on the rollout server while this rank trains
                 pending = self.rollout.generate_then(prompts, sampling, lambda batch: self._background_share(
                     merged(batch), prompt_indices, prompt_groups, fields, sources))
-                return InFlight(index, data_state, prompt_indices, None, None, pending=pending, sources=sources)
+                return InFlight(index, data_state, prompt_indices, None, None, pending=pending, sources=sources,
+                                answers=answers)
             else:
                 with self.timers("rollout"):
                     rollout = merged(self.rollout.generate(prompts, sampling))
@@ -169,7 +182,8 @@ class BatchFlow:
             with self.timers("teacher_send"):
                 teacher = self.request(samples)
         reward = self.rewards.send(samples, fields)  # decoded here, computed in the reward worker meanwhile
-        return InFlight(index, data_state, prompt_indices, rollout, samples, teacher, reward=reward, sources=sources)
+        return InFlight(index, data_state, prompt_indices, rollout, samples, teacher, reward=reward, sources=sources,
+                        answers=answers)
 
     def _background_share(self, rollout, prompt_indices, prompt_groups, fields, sources=None):
         """On the rollout thread: the server's batch and this rank's teacher and reward requests for its share (a
@@ -356,8 +370,13 @@ class BatchFlow:
         """The teachers', the rewards' and the mixture's metrics of a trained batch (collective over every rank)."""
         metrics = {**self.teacher_metrics(batch.teacher, batch.samples), **self.rewards.metrics(batch.rewards)}
         if batch.sources is not None:  # from the global batch, the same on every rank
-            metrics.update(source_metrics(batch.rollout, batch.sources, self.mix.source, self.mix.lmbda_at(batch.index)))
+            metrics.update(source_metrics(batch.rollout, batch.sources, self.mix.source, self.mix.lmbda_at(batch.index),
+                                          sample_scores(batch.rollout, batch.answers, self._score)))
         return metrics
+
+    def _score(self, response: list[int], answer: str) -> float:
+        """One response's score against its prompt's answer with ``eval.scorer``, as the eval reads an answer."""
+        return float(SCORERS.get(self.config.eval.scorer)(response_text(self.tokenizer, response, self.stop_ids), answer))
 
     def teacher_metrics(self, requests: dict[str, Request] | None, samples) -> dict[str, float]:
         """Per teacher: request latency (the slowest rank's), response tokens scored and attempts retried so far

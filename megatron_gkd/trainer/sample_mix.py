@@ -12,7 +12,7 @@ response per prompt (its record's), so a dataset prompt brings one sample.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -89,9 +89,25 @@ def merge_by_prompt(parts: Sequence[tuple[Sequence[int], RolloutBatch]], version
                                      topk=topk if topk_width else None, pad_token_id=pad_id)
 
 
-def source_metrics(rollout: RolloutBatch, sources: Sequence[str], off_policy: str, lmbda: float) -> dict[str, float]:
+def sample_scores(rollout: RolloutBatch, answers: Sequence[str | None] | None,
+                  score: Callable[[list[int], str], float]) -> list[float | None] | None:
+    """Each sample's ``score(response_ids, answer)`` against its prompt's answer (None where the prompt has none);
+    None when no prompt has one."""
+    if not answers or all(answer is None for answer in answers):
+        return None
+    found = [answers[int(group)] for group in rollout.group_ids]
+    return [None if answer is None else score(rollout.response(i), answer) for i, answer in enumerate(found)]
+
+
+def source_metrics(rollout: RolloutBatch, sources: Sequence[str], off_policy: str, lmbda: float,
+                   scores: Sequence[float | None] | None = None) -> dict[str, float]:
     """``mix/*`` of a step's global batch: the scheduled ``lmbda``, the student's share of the samples and each
-    source's samples and response tokens (both sources every step, 0 where one brought nothing)."""
+    source's samples and response tokens (both sources every step, 0 where one brought nothing).
+
+    ``scores``: each sample's score against its prompt's answer (``eval.scorer``; None where the prompt has no
+    answer). With them, ``mix/accuracy/<source>`` is the mean score of the source's scored samples (absent for a
+    source with none this step): how good the responses the student learns from are, source by source.
+    """
     lengths = rollout.response_lengths
     metrics = {"mix/lmbda": float(lmbda)}
     counts = {}
@@ -100,5 +116,8 @@ def source_metrics(rollout: RolloutBatch, sources: Sequence[str], off_policy: st
         counts[source] = len(mine)
         metrics[f"mix/samples/{source}"] = float(len(mine))
         metrics[f"mix/tokens/{source}"] = float(lengths[mine].sum()) if mine else 0.0
+        scored = [scores[i] for i in mine if scores is not None and scores[i] is not None]
+        if scored:
+            metrics[f"mix/accuracy/{source}"] = sum(scored) / len(scored)
     metrics["mix/student_fraction"] = counts[STUDENT] / max(rollout.num_samples, 1)
     return metrics

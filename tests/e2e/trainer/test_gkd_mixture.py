@@ -39,6 +39,9 @@ def _teacher_mixture_steps(assets, tmp_path, *overrides) -> list[dict]:
         assert record["mix/loss/student"] + record["mix/loss/teacher"] == pytest.approx(record["train/loss"], rel=1e-5)
         for source in ("student", "teacher"):
             assert (record.get(f"mix/loss_per_token/{source}", 0.0) > 0) == (record[f"mix/tokens/{source}"] > 0)
+            # the records carry answers: each source that brought samples has its samples' accuracy
+            assert (f"mix/accuracy/{source}" in record) == (record[f"mix/samples/{source}"] > 0)
+            assert 0.0 <= record.get(f"mix/accuracy/{source}", 0.0) <= 1.0
     return steps
 
 
@@ -55,6 +58,7 @@ def test_dataset_responses_mixed_per_prompt_over_two_vllm_replicas(assets, tmp_p
     """The records' own responses (one per prompt) beside the student's ``rollout.n`` samples, with two colocated
     vLLM replicas: seed 1 draws one student prompt at step 0 (one replica samples nothing) and four at step 2."""
     from megatron_gkd.data import load_prompts, load_tokenizer
+    from megatron_gkd.trainer.eval import exact_match
 
     out = tmp_path / "run"
     code, log = harness.run(out, harness.asset_overrides(assets) + SHORT + [
@@ -63,8 +67,8 @@ def test_dataset_responses_mixed_per_prompt_over_two_vllm_replicas(assets, tmp_p
     assert code == 0, log[-4000:]
     steps = harness.steps(out)
     config = load_config(out / "config.yaml")
-    records = {r.index: r for r in load_prompts(config.data.train_path, config.data,
-                                                 load_tokenizer(config.student.tokenizer_path), require_responses=True)}
+    tokenizer = load_tokenizer(config.student.tokenizer_path)
+    records = {r.index: r for r in load_prompts(config.data.train_path, config.data, tokenizer, require_responses=True)}
     assert [r["mix/samples/student"] for r in steps] == [4.0, 8.0, 16.0]
     for index, record in enumerate(steps):
         sources = draw_sources(config.sample_mix, seed=1, step=index, num_prompts=4)
@@ -72,6 +76,10 @@ def test_dataset_responses_mixed_per_prompt_over_two_vllm_replicas(assets, tmp_p
         assert record["mix/samples/dataset"] == len(dataset)  # one response per record
         assert record["mix/tokens/dataset"] == sum(len(records[p].response_ids) for p in dataset)
         assert record["mix/tokens/student"] + record["mix/tokens/dataset"] == record["train/num_loss_tokens"]
+        # the references scored against their answers (the prompt's first word) with eval.scorer (exact_match)
+        texts = {p: tokenizer.decode(list(records[p].response_ids), skip_special_tokens=True) for p in dataset}
+        expected = [exact_match(texts[p], records[p].answer) for p in dataset]
+        assert record.get("mix/accuracy/dataset") == (sum(expected) / len(expected) if expected else None)
 
 
 @pytest.mark.slow  # a vLLM rollout server: minutes

@@ -11,7 +11,15 @@ import torch
 from megatron_gkd.config.sample_mix import SampleMixConfig
 from megatron_gkd.rollout.types import RolloutBatch
 from megatron_gkd.trainer.batch import build_microbatch, plan_microbatches, samples_from_rollout, token_coefficients
-from megatron_gkd.trainer.sample_mix import STUDENT, dataset_batch, draw_sources, generated_batch, merge_by_prompt, source_metrics
+from megatron_gkd.trainer.sample_mix import (
+    STUDENT,
+    dataset_batch,
+    draw_sources,
+    generated_batch,
+    merge_by_prompt,
+    sample_scores,
+    source_metrics,
+)
 
 
 def _mix(**fields) -> SampleMixConfig:
@@ -161,3 +169,27 @@ def test_each_sources_part_of_the_loss_adds_up_to_the_step_loss():
     assert sum(metrics[f"mix/loss/{name}"] for name in divergences) == pytest.approx(loss)
     for name, values in divergences.items():  # the token mean: each source's mean divergence over its tokens
         assert metrics[f"mix/loss_per_token/{name}"] == pytest.approx(sum(values) / len(values))
+
+
+def test_each_sources_accuracy_is_the_mean_score_of_its_own_samples():
+    _, _, sources, batch = _mixed_batch()
+    answers = [None] + [f"answer {g}" for g in range(1, len(sources))]  # the first prompt has no answer
+
+    def score(response, answer):  # a scorer that accepts a response whose first id is odd
+        assert answer == f"answer {answers.index(answer)}"
+        return float(response[0] % 2)
+
+    scores = sample_scores(batch, answers, score)
+    expected = {}
+    for i in range(batch.num_samples):
+        group = int(batch.group_ids[i])
+        assert (scores[i] is None) == (answers[group] is None)
+        if answers[group] is not None:
+            expected.setdefault(sources[group], []).append(float(batch.response(i)[0] % 2))
+    metrics = source_metrics(batch, sources, "teacher", lmbda=0.5, scores=scores)
+    assert {s: len(found) for s, found in expected.items()} == {"student": 2, "teacher": 4, "dataset": 2}
+    assert set(expected["teacher"]) == {0.0, 1.0}
+    for source in ("student", "teacher"):
+        assert metrics[f"mix/accuracy/{source}"] == pytest.approx(sum(expected[source]) / len(expected[source]))
+    assert sample_scores(batch, [None] * len(sources), score) is None
+    assert not any(key.startswith("mix/accuracy") for key in source_metrics(batch, sources, "teacher", lmbda=0.5))
