@@ -112,7 +112,7 @@ class TeacherKL:
         if len(prompt_indices) < self.flow.state.data_parallel_size:  # every DP rank needs a share of the prompts
             return None
         batch = self.flow.scoring_batch(rollout, prompt_indices, [self.groups.get(i) for i in prompt_indices])
-        microbatches = self.flow.prepare(batch, scoring=True)
+        microbatches = self.flow.prepare(batch, scoring=True).microbatches
         with parallel.eval_mode(self.runner.chunks), torch.no_grad():
             stats = self.runner.run(self.specs, microbatches, forward_only=True)
         return broadcast_msgpack(stats["loss"] if stats else None, self.source_rank, self.control)

@@ -1,6 +1,11 @@
 """From a step's prompts to its micro-batches: sampling (through the run's
-:class:`~megatron_gkd.trainer.rollout.Rollout`), this rank's teacher request, and the teacher rows and loss
-coefficients each micro-batch carries.
+:class:`~megatron_gkd.trainer.rollout.Rollout`), the hand-off to the teacher exchange
+(:class:`~megatron_gkd.trainer.teacher_exchange.TeacherExchange`: requests, outputs, rows) and the micro-batcher (each
+token's loss coefficient, the cuts every rank agrees on, the teacher rows each micro-batch carries).
+
+A batch is an :class:`InFlight`: ``produce`` makes its samples, records which teacher scores each one (once) and
+sends the remote teachers' requests; ``prepare`` waits for it, asks a colocated teacher, gets the rows and returns
+:class:`Prepared` (the micro-batches and what the loop logs of them).
 
 Every rank runs the same calls in the same order (they are collectives on the control group, the TP
 group or the rollout server's group); a failure on one rank (a teacher past its deadline) stops every
@@ -9,36 +14,28 @@ rank at the same point (:func:`megatron_gkd.parallel.comm.agree`).
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import logging
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_gkd import platform
 from megatron_gkd.config import needs_teacher
 from megatron_gkd.config.checks import generating_teacher
-from megatron_gkd.parallel.comm import agree, all_gather_msgpack, broadcast_msgpack
+from megatron_gkd.parallel.comm import agree, broadcast_msgpack
 from megatron_gkd.rollout.types import RolloutBatch
-from megatron_gkd.teacher import GenerateBatch, ScoreBatch
+from megatron_gkd.teacher import GenerateBatch
 from megatron_gkd.trainer.batch import (
-    TCADSpec,
-    TeacherRows,
     TeacherShare,
     build_microbatch,
     common_shape,
     plan_microbatches,
     samples_from_rollout,
-    score_batch,
     split_to_count,
-    teacher_rows,
     token_coefficients,
 )
 from megatron_gkd.trainer.components import build_reward_runner
 from megatron_gkd.trainer.eval import SCORERS, response_text
-from megatron_gkd.trainer.head_check import TeacherHeadMismatch, check_due, check_teacher_head, where
 from megatron_gkd.trainer.policy import policy_share, tp_rewards
 from megatron_gkd.trainer.reward_exchange import RewardExchange
 from megatron_gkd.trainer.sample_mix import (
@@ -50,18 +47,8 @@ from megatron_gkd.trainer.sample_mix import (
     sample_scores,
     source_metrics,
 )
-from megatron_gkd.trainer.teachers import Request, Teachers
-from megatron_gkd.xtok.align import Kind
-
-logger = logging.getLogger(__name__)
-
-
-class TeacherFailed(RuntimeError):
-    """One of several teachers failed: the run stops after its last complete step, naming the teacher."""
-
-    def __init__(self, name: str, error: BaseException):
-        super().__init__(f"teacher {name!r} failed: {type(error).__name__}: {error}")
-        self.name = name
+from megatron_gkd.trainer.teacher_exchange import TeacherExchange, TeacherFailed
+from megatron_gkd.trainer.teachers import Teachers
 
 
 @dataclasses.dataclass
@@ -74,8 +61,11 @@ class InFlight:
         prompt_indices: dataset rows of the batch's prompts, in group order.
         rollout: the sampled batch (all samples of all data-parallel ranks).
         samples: this rank's data-parallel share.
+        assignment: the indices in ``samples`` that each teacher scores ``{teacher name: [index]}``, recorded when the
+            samples are made (:meth:`TeacherExchange.assign`); every later use reads it.
         teacher: this rank's requests ``{teacher name: Request}`` (ranks that ask a teacher), or None.
-        pending: disaggregated rollout: the future of ``(rollout, samples, teacher, reward)`` from the rollout thread.
+        pending: disaggregated rollout: the future of ``(rollout, samples, assignment, teacher, reward)`` from the
+            rollout thread.
         reward: the future of this rank's rewards (:mod:`.reward_exchange`; ranks that compute them), or None.
         rewards: this rank's rewards, one per sample, once :meth:`BatchFlow.prepare` has them, or None.
         sources: each prompt's source (``student``, ``dataset`` or ``teacher``) with ``sample_mix``, else None.
@@ -87,6 +77,7 @@ class InFlight:
     prompt_indices: list[int]
     rollout: RolloutBatch | None
     samples: list | None
+    assignment: dict[str, list[int]] | None = None
     teacher: object = None
     pending: object = None
     reward: object = None
@@ -97,12 +88,27 @@ class InFlight:
     def resolve(self) -> None:
         """Waits for a rollout still running on the rollout server (a no-op otherwise)."""
         if self.pending is not None:
-            self.rollout, self.samples, self.teacher, self.reward = self.pending.result()
+            self.rollout, self.samples, self.assignment, self.teacher, self.reward = self.pending.result()
             self.pending = None
 
 
+@dataclasses.dataclass
+class Prepared:
+    """What :meth:`BatchFlow.prepare` hands the update.
+
+    Attributes:
+        microbatches: the batch's micro-batches (:class:`~megatron_gkd.trainer.batch.MicroBatch`), in order.
+        confidence: TCAD's confidence-weight metrics of the batch (``train/confidence_weight_*``) where
+            ``loss.confidence_alpha`` weighs its tokens, else empty.
+    """
+
+    microbatches: list
+    confidence: dict = dataclasses.field(default_factory=dict)
+
+
 class BatchFlow:
-    """Samples batches and turns them, with the teacher's rows, into micro-batches.
+    """Samples batches and turns them, with the teacher's rows (through its :class:`TeacherExchange`, ``exchange``),
+    into micro-batches.
 
     Args:
         config: the run's config.
@@ -125,23 +131,25 @@ class BatchFlow:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.rank = dist.get_rank()
         self.teachers = teachers
-        # One rank per TP group of the last stage asks a remote teacher and sends the rows to its TP group.
-        self.is_teacher_rank = state.is_pipeline_last_stage and state.tp_rank == 0
+        self.exchange = TeacherExchange(config, state, control=control, tokenizer=tokenizer, timers=timers,
+                                        teachers=teachers)
         # Rewards are computed where the teacher is asked, each rank's for its share; their worker starts now.
         self.rewards = RewardExchange(enabled=config.reward.enabled, control=control, timers=timers,
-                                      runner=build_reward_runner(config, asks=self.is_teacher_rank),
+                                      runner=build_reward_runner(config, asks=self.exchange.is_teacher_rank),
                                       tokenizer=tokenizer, stop_token_ids=stop_ids)
-        self.confidence: dict = {}
-        self.tcad = {teacher.name: self._tcad_spec(teacher.config) for teacher in teachers}
-        self._heads_checked = False  # the first batch checks every hidden-signal teacher's head
         self.mix = config.sample_mix
         self.generator = generating_teacher(config)  # the teacher that writes responses (sample_mix), or None
         if self.generator is not None:
             # One rank asks for every teacher-written response of a batch (the teacher rank of the first data-parallel
             # share): the responses then do not depend on the layout. Collective over every rank.
-            asker = torch.tensor([self.rank if self.is_teacher_rank and state.dp_rank == 0 else -1])
+            asker = torch.tensor([self.rank if self.exchange.is_teacher_rank and state.dp_rank == 0 else -1])
             dist.all_reduce(asker, op=dist.ReduceOp.MAX, group=control)
             self._generator_rank = int(asker)
+
+    @property
+    def tcad(self) -> dict:
+        """TCAD's support per teacher name (None where it does not apply): the exchange's, for the start-up checks."""
+        return self.exchange.tcad
 
     # -------------------------------------------------------------------------------------- sampling
     def produce(self, index: int, records, data_state: dict, version: int) -> InFlight:
@@ -177,20 +185,22 @@ class BatchFlow:
         else:
             rollout = dataset_batch(records, version, self.pad_id)
         samples = self.my_samples(rollout, prompt_indices, prompt_groups, sources)
+        assignment = self.exchange.assign(samples)
         teacher = None
         if needs_teacher(config):
             with self.timers("teacher_send"):
-                teacher = self.request(samples)
+                teacher = self.exchange.request(samples, assignment)
         reward = self.rewards.send(samples, fields)  # decoded here, computed in the reward worker meanwhile
-        return InFlight(index, data_state, prompt_indices, rollout, samples, teacher, reward=reward, sources=sources,
-                        answers=answers)
+        return InFlight(index, data_state, prompt_indices, rollout, samples, assignment, teacher, reward=reward,
+                        sources=sources, answers=answers)
 
     def _background_share(self, rollout, prompt_indices, prompt_groups, fields, sources=None):
         """On the rollout thread: the server's batch and this rank's teacher and reward requests for its share (a
         colocated Megatron teacher is a collective of the training ranks: it is asked in the update)."""
         samples = self.my_samples(rollout, prompt_indices, prompt_groups, sources)
-        teacher = self.request(samples, local=False) if needs_teacher(self.config) else None
-        return rollout, samples, teacher, self.rewards.send(samples, fields)
+        assignment = self.exchange.assign(samples)
+        teacher = self.exchange.request(samples, assignment, local=False) if needs_teacher(self.config) else None
+        return rollout, samples, assignment, teacher, self.rewards.send(samples, fields)
 
     # ------------------------------------------------------------------------------- GKD's mixture
     def sources(self, index: int, num_prompts: int) -> list[str] | None:
@@ -245,130 +255,9 @@ class BatchFlow:
         rows = [i for i in range(rollout.num_samples) if int(rollout.group_ids[i]) in mine]
         return samples_from_rollout(rollout, rows, prompt_indices, prompt_groups, sources)
 
-    # --------------------------------------------------------------------------------------- teacher
-    def _tcad_spec(self, teacher) -> TCADSpec | None:
-        loss = self.config.loss
-        if self.loss_kind != "distill" or loss.type != "tcad" or teacher.signal == "hidden":
-            return None  # the hidden signal's support is the whole vocabulary
-        width = loss.support_k or teacher.top_k
-        if loss.support_mode == "union":
-            width = teacher.top_k + self.config.rollout.logprobs_k
-        return TCADSpec(support_k=width, mode=loss.support_mode)
-
-    def asks(self, teacher) -> bool:
-        """Whether this rank sends ``teacher``'s requests (one rank per TP group of the last stage asks a remote
-        teacher and sends the rows to its TP group; a colocated teacher is a collective of every rank)."""
-        return teacher.local or self.is_teacher_rank
-
-    def request(self, samples, *, local: bool | None = None, tcad: bool = True, skip=()) -> dict[str, Request]:
-        """This rank's requests, one per teacher that scores some of ``samples`` (TCAD also asks for the student's
-        top-k ids). ``local``: only the colocated (True) or only the remote (False) teachers; ``skip``: teachers
-        already asked."""
-        plan = self.teachers.assign([s.data_group for s in samples])
-        requests = {}
-        for teacher in self.teachers:
-            config, indices = teacher.config, plan[teacher.name]
-            if not indices or not self.asks(teacher) or local not in (None, teacher.local) or teacher.name in skip:
-                continue
-            if teacher.cross is not None:
-                requests[teacher.name] = self._cross_request(teacher, [samples[i] for i in indices], indices)
-                continue
-            batch = score_batch([samples[i] for i in indices], top_k=config.top_k, temperature=config.temperature,
-                                vocab_size=len(self.tokenizer),
-                                request_student_topk=tcad and self.tcad[teacher.name] is not None,
-                                signal=config.signal, hidden_dtype=config.hidden_dtype)
-            requests[teacher.name] = Request(indices, teacher.client.score_async(batch))
-        return requests
-
-    @staticmethod
-    def _cross_request(teacher, samples, indices: list[int]) -> Request:
-        """A teacher of another tokenizer is asked the samples' text in its own ids (:mod:`megatron_gkd.xtok.request`);
-        its rows come back on the student's response positions."""
-        config, cross = teacher.config, teacher.cross
-        translated = [cross.translate(sample.tokens.numpy(), sample.prompt_len) for sample in samples]
-        batch = ScoreBatch(sequences=[t.sequence for t in translated], top_k=config.top_k,
-                           temperature=config.temperature, signal=config.signal, hidden_dtype=config.hidden_dtype)
-        asked = teacher.client.score_async(batch)
-        moved: concurrent.futures.Future = concurrent.futures.Future()
-
-        def done(future) -> None:
-            try:
-                moved.set_result([cross.student_output(output, t) for output, t in zip(future.result(), translated,
-                                                                                       strict=True)])
-            except BaseException as caught:  # noqa: BLE001 - the step's wait raises it
-                moved.set_exception(caught)
-
-        asked.add_done_callback(done)
-        return Request(indices, moved, translated=translated)
-
-    def teacher_outputs(self, requests: dict[str, Request] | None) -> dict[str, list]:
-        """Every teacher's outputs of this rank's requests; every rank stops if any rank's request failed (with
-        several teachers, the error names the teacher)."""
-        outputs, error = {}, None
-        with self.timers("teacher_wait"):
-            for name, request in (requests or {}).items():
-                try:
-                    outputs[name] = request.future.result()
-                except Exception as caught:  # noqa: BLE001 - shared with every rank below
-                    error = caught if not self.teachers.several else TeacherFailed(name, caught)
-                    break
-            agree(error, self.control)
-        return outputs
-
-    def rows(self, samples, outputs: dict[str, list], tcad: bool = True) -> dict[str, tuple[list[int], TeacherRows]]:
-        """Each teacher's rows of the samples it scores on the last stage (sent by the TP group's teacher rank),
-        with their indices in ``samples``; nothing elsewhere."""
-        if not self.state.is_pipeline_last_stage:
-            return {}
-        plan = self.teachers.assign([s.data_group for s in samples])
-        found = {}
-        for teacher in self.teachers:  # every teacher, so that every micro-batch has the same slices and statistics
-            indices = plan[teacher.name]
-            chosen = [samples[i] for i in indices]
-            spec = self.tcad[teacher.name] if tcad else None
-            mine = outputs.get(teacher.name)
-            if not indices:
-                rows = self._no_rows(teacher, spec)
-            elif mine is not None:
-                rows = teacher_rows(mine, chosen, tcad=spec, vocab_size=len(self.tokenizer))
-            else:
-                rows = None
-            if indices and not teacher.local and dist.get_world_size(self.state.tp_group) > 1:
-                rows = self._share_rows(rows, chosen, teacher, spec)
-            found[teacher.name] = (indices, rows)
-        return found
-
-    def _widths(self, teacher, tcad: TCADSpec | None) -> tuple[int, int | None]:
-        """Ids per row and hidden size of ``teacher``'s rows."""
-        hidden_size = int(teacher.head.shape[1]) if teacher.config.signal == "hidden" else None
-        return (0 if hidden_size else tcad.width if tcad else teacher.config.top_k), hidden_size
-
-    def _no_rows(self, teacher, tcad: TCADSpec | None) -> TeacherRows:
-        """Rows of a teacher that scores none of this rank's samples (every sample gets padding from it)."""
-        width, hidden_size = self._widths(teacher, tcad)
-        return TeacherRows(torch.zeros(0, width, dtype=torch.int64), torch.zeros(0, width), torch.zeros(0),
-                           None if hidden_size is None else torch.zeros(0, hidden_size))
-
-    def _share_rows(self, rows: TeacherRows | None, samples, teacher, tcad: TCADSpec | None) -> TeacherRows:
-        """The TP group's teacher rank sends its rows to the other ranks of the group."""
-        total = sum(s.response_len for s in samples)
-        width, hidden_size = self._widths(teacher, tcad)
-        device = platform.device()
-        ids = rows.ids.to(device) if rows else torch.empty(total, width, dtype=torch.int64, device=device)
-        logprobs = rows.logprobs.to(device) if rows else torch.empty(total, width, dtype=torch.float32, device=device)
-        tokens = rows.token_logprobs.to(device) if rows else torch.empty(total, dtype=torch.float32, device=device)
-        tensors = [ids, logprobs, tokens]
-        if hidden_size:
-            tensors.append(rows.hidden.to(device) if rows else
-                           torch.empty(total, hidden_size, dtype=torch.float32, device=device))
-        source = dist.get_global_rank(self.state.tp_group, 0)
-        for tensor in tensors:
-            dist.broadcast(tensor, src=source, group=self.state.tp_group)
-        return TeacherRows(*(tensor.cpu() for tensor in tensors))
-
     def annotation_metrics(self, batch: InFlight) -> dict:
         """The teachers', the rewards' and the mixture's metrics of a trained batch (collective over every rank)."""
-        metrics = {**self.teacher_metrics(batch.teacher, batch.samples), **self.rewards.metrics(batch.rewards)}
+        metrics = {**self.exchange.metrics(batch.teacher, batch.samples), **self.rewards.metrics(batch.rewards)}
         if batch.sources is not None:  # from the global batch, the same on every rank
             metrics.update(source_metrics(batch.rollout, batch.sources, self.mix.source, self.mix.lmbda_at(batch.index),
                                           sample_scores(batch.rollout, batch.answers, self._score)))
@@ -378,67 +267,8 @@ class BatchFlow:
         """One response's score against its prompt's answer with ``eval.scorer``, as the eval reads an answer."""
         return float(SCORERS.get(self.config.eval.scorer)(response_text(self.tokenizer, response, self.stop_ids), answer))
 
-    def teacher_metrics(self, requests: dict[str, Request] | None, samples) -> dict[str, float]:
-        """Per teacher: request latency (the slowest rank's), response tokens scored and attempts retried so far
-        (summed over the ranks that ask it). Collective over every rank."""
-        requests = requests or {}
-        names = self.teachers.names
-        latency = torch.tensor([requests[n].latency_s or 0.0 if n in requests else 0.0 for n in names],
-                               dtype=torch.float64)
-        counts = torch.tensor([[sum(samples[i].response_len for i in requests[n].indices) if n in requests else 0,
-                                teacher.client.num_retries if teacher.client is not None and self.asks(teacher) else 0]
-                               for n, teacher in zip(names, self.teachers)], dtype=torch.float64)
-        dist.all_reduce(latency, op=dist.ReduceOp.MAX, group=self.control)
-        dist.all_reduce(counts, group=self.control)
-        metrics = {}
-        for index, name in enumerate(names):
-            prefix = f"teacher{self.teachers.suffix(name)}/"
-            metrics.update({f"{prefix}latency_s": float(latency[index]), f"{prefix}tokens_scored": float(counts[index, 0]),
-                            f"{prefix}retries": float(counts[index, 1])})
-        metrics.update(self._alignment_metrics(requests))
-        if self.teachers.several:
-            metrics["teacher/retries"] = float(counts[:, 1].sum())
-            # Which prompts each teacher scored this step: a record of the routing, per sample.
-            asked = {name: sorted({samples[i].prompt_index for i in request.indices})
-                     for name, request in requests.items() if not self.teachers.by_name[name].local or self.rank == 0}
-            for name in names:
-                scored = {index for part in all_gather_msgpack(asked.get(name, []), self.control) for index in part}
-                metrics[f"teacher/{name}/prompts"] = sorted(scored)
-        return metrics
-
-    def _alignment_metrics(self, requests: dict[str, Request]) -> dict[str, float]:
-        """Per cross-tokenizer teacher: the share of the step's response tokens in each kind of aligned group
-        (``xtok/share/<kind>``), the share compared with the teacher at a group's head (``xtok/compared``) and through
-        the chain rule inside n:1 and n:m groups (``xtok/chained``), and the samples left unaligned
-        (``xtok/unaligned_samples``), summed over the ranks that ask it. Collective over every rank when the run has
-        such a teacher."""
-        crossed = [teacher for teacher in self.teachers if teacher.cross is not None]
-        if not crossed:
-            return {}
-        kinds = [kind.name.lower() for kind in Kind]
-        columns = [*kinds, "compared", "total", "chained"]
-        counts = torch.zeros(len(crossed), len(columns) + 1, dtype=torch.float64)
-        for row, teacher in enumerate(crossed):
-            for translated in (requests[teacher.name].translated if teacher.name in requests else None) or ():
-                found = translated.alignment.counts()
-                found["chained"] = int(translated.chained.sum())
-                # A chained head is counted once, as chained.
-                found["compared"] -= int((translated.chained & translated.alignment.head).sum())
-                counts[row, :-1] += torch.tensor([float(found[column]) for column in columns], dtype=torch.float64)
-                counts[row, -1] += 0.0 if translated.aligned else 1.0
-        dist.all_reduce(counts, group=self.control)
-        metrics = {}
-        for row, teacher in enumerate(crossed):
-            found = dict(zip(columns, counts[row].tolist()))
-            prefix, total = f"xtok{self.teachers.suffix(teacher.name)}/", max(found["total"], 1.0)
-            metrics.update({f"{prefix}share/{kind}": found[kind] / total for kind in kinds})
-            metrics[f"{prefix}compared"] = found["compared"] / total
-            metrics[f"{prefix}chained"] = found["chained"] / total
-            metrics[f"{prefix}unaligned_samples"] = float(counts[row, -1])
-        return metrics
-
     # -------------------------------------------------------------------------------- micro-batches
-    def prepare(self, batch: InFlight, *, scoring: bool = False) -> list:
+    def prepare(self, batch: InFlight, *, scoring: bool = False) -> Prepared:
         """Waits for the batch and its teacher rows, and cuts it into micro-batches.
 
         ``scoring``: the micro-batches that score the batch against every teacher whatever the mode (eval's KL):
@@ -446,26 +276,30 @@ class BatchFlow:
         """
         with self.timers("rollout_wait"):
             batch.resolve()
+        exchange, samples, assignment = self.exchange, batch.samples, batch.assignment
         if scoring or needs_teacher(self.config):
             asked = batch.teacher if batch.teacher is not None else {}
             # A colocated Megatron teacher is a collective of the training ranks: it is asked here, in the update.
-            asked.update(self.request(batch.samples, local=None if scoring else True, skip=asked, tcad=not scoring))
+            asked.update(exchange.request(samples, assignment, local=None if scoring else True, skip=asked,
+                                          tcad=not scoring))
             batch.teacher = asked
-        outputs = self.teacher_outputs(batch.teacher)
+        outputs = exchange.outputs(batch.teacher)
         if not scoring:  # computed meanwhile; waited for after the teacher's rows (a no-op without rewards)
             batch.rewards = self.rewards.receive(batch.reward)
         with self.timers("batch"):
-            rows = self.rows(batch.samples, outputs, tcad=not scoring) if scoring or self.loss_kind == "distill" else {}
-            self.check_heads(batch, rows, scoring=scoring)
-            coefficients = self.coefficients(batch, rows, confidence=not scoring)
+            distills = scoring or self.loss_kind == "distill"
+            rows = exchange.rows(samples, assignment, outputs, tcad=not scoring) if distills else {}
+            exchange.check_heads(batch.index, samples, rows, scoring=scoring)
+            coefficients, confidence = self.coefficients(batch, rows, confidence=not scoring)
             policy = None if scoring else self.policy(batch, rows)
             if policy is not None and not self.config.rl.combination.uses_divergence:
                 rows = {}  # the teacher is in the advantage only: no divergence term
             elif policy is not None:  # rl.combine=loss: the divergence weighs rl.kd_coef beside the policy gradient
                 coefficients = [c * self.config.rl.kd_coef for c in coefficients]
             sources = (STUDENT, self.mix.source) if self.mix.enabled and not scoring else None
-            return self.microbatches(batch.samples, coefficients, rows, labels=False if scoring else None,
-                                     policy=policy, sources=sources)
+            microbatches = self.microbatches(samples, coefficients, rows, labels=False if scoring else None,
+                                             policy=policy, sources=sources)
+        return Prepared(microbatches, confidence)
 
     def policy(self, batch: InFlight, rows: dict):
         """The policy-gradient inputs of this rank's share (:mod:`.policy`) on the last stage; None elsewhere or
@@ -479,46 +313,21 @@ class BatchFlow:
         return policy_share(self.config, samples, rewards, rows, weights, num_tokens=batch.rollout.num_generated_tokens,
                             num_sequences=batch.rollout.num_samples)
 
-    def check_heads(self, batch: InFlight, rows: dict, *, scoring: bool = False) -> None:
-        """The hidden signal, on the first batch and every ``head_check_interval`` steps: each teacher's own token
-        log-probs against ``hidden @ head`` on a sample of tokens (:mod:`.head_check`); a mismatch stops every rank.
-        Collective over every rank when any check is due."""
-        first, self._heads_checked = not self._heads_checked, True
-        # A cross-tokenizer teacher's rows sit on the student's positions, whose ids are not its own: not checked here.
-        due = [t for t in self.teachers
-               if t.cross is None and check_due(t.config, batch.index, first=first, scoring=scoring)]
-        if not due:
-            return
-        error, tp_group = None, self.state.tp_group if dist.get_world_size(self.state.tp_group) > 1 else None
-        for teacher in due:
-            indices, found = rows.get(teacher.name, ((), None))
-            if not indices or teacher.head is None:  # not the last stage, or no sample of this rank goes to it
-                continue
-            try:
-                agreement = check_teacher_head(found, [batch.samples[i] for i in indices], teacher.head,
-                                               key=self.teachers.key(teacher.name), config=teacher.config,
-                                               tp_group=tp_group, real_vocab_size=len(self.tokenizer), step=batch.index)
-            except TeacherHeadMismatch as caught:
-                error = caught
-                break
-            if self.state.tp_rank == 0 and self.state.dp_rank == 0:
-                logger.log(logging.INFO if first else logging.DEBUG, "teacher %r head check %s: %s", teacher.name,
-                           where(batch.index), agreement.describe(teacher.config.head_check_tolerance))
-        agree(error, self.control)
-
     def scoring_batch(self, rollout: RolloutBatch, prompt_indices: list[int], prompt_groups: list) -> InFlight:
         """``rollout`` (sampled elsewhere, e.g. eval answers) as a batch for :meth:`prepare` with ``scoring``."""
-        return InFlight(-1, {}, prompt_indices, rollout, self.my_samples(rollout, prompt_indices, prompt_groups))
+        samples = self.my_samples(rollout, prompt_indices, prompt_groups)
+        return InFlight(-1, {}, prompt_indices, rollout, samples, self.exchange.assign(samples))
 
-    def coefficients(self, batch: InFlight, rows: dict, *, confidence: bool = True) -> list[torch.Tensor]:
+    def coefficients(self, batch: InFlight, rows: dict, *, confidence: bool = True) -> tuple[list[torch.Tensor], dict]:
         """Each response token's share of the step's loss (see :mod:`.batch`), on the last stage (``confidence``:
-        TCAD's confidence weights where ``loss.confidence_alpha`` asks for them)."""
+        TCAD's confidence weights where ``loss.confidence_alpha`` asks for them), and the metrics of those weights
+        (empty without them)."""
         samples, alpha = batch.samples, self.config.loss.confidence_alpha if confidence else None
         if not self.state.is_pipeline_last_stage:
-            return [torch.zeros(s.response_len, dtype=torch.float64) for s in samples]
+            return [torch.zeros(s.response_len, dtype=torch.float64) for s in samples], {}
         total, groups = batch.rollout.num_generated_tokens, len(batch.prompt_indices)
         if alpha is None or not rows:
-            return token_coefficients(samples, total_tokens=total, num_groups=groups)
+            return token_coefficients(samples, total_tokens=total, num_groups=groups), {}
         # Each sample's confidence comes from the one teacher that scores it (route; mixtures refuse alpha).
         token_logprobs: list = [None] * len(samples)
         for indices, teacher_rows_ in rows.values():
@@ -527,8 +336,7 @@ class BatchFlow:
                 token_logprobs[index] = values
         coefficients = token_coefficients(samples, total_tokens=total, num_groups=groups,
                                           teacher_token_logprobs=token_logprobs, confidence_alpha=alpha)
-        self.confidence = self._confidence_weights(samples, coefficients, groups)
-        return coefficients
+        return coefficients, self._confidence_weights(samples, coefficients, groups)
 
     def _confidence_weights(self, samples, coefficients, num_groups: int) -> dict:
         """Mean, max and entropy of TCAD's confidence weights per prompt group, over every DP rank."""

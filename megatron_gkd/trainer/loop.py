@@ -137,8 +137,8 @@ class Trainer:
         config = self.config
         if not (needs_teacher(config) or (eval_enabled(config) and config.eval.kl and len(self.teachers))):
             return
-        check = teacher_check(config, self.tokenizer, self.student.vocab_size, self.flow.tcad)
-        self.teachers.connect(self.state, self.flow.asks, check)
+        check = teacher_check(config, self.tokenizer, self.student.vocab_size, self.flow.exchange.tcad)
+        self.teachers.connect(self.state, self.flow.exchange.asks, check)
 
     def _build_rollout(self) -> None:
         config = self.config
@@ -231,19 +231,19 @@ class Trainer:
 
     def _update(self, batch: InFlight) -> dict:
         """Waits for the batch and its teacher rows, runs forward/backward over its micro-batches, steps the optimizer."""
-        microbatches = self.flow.prepare(batch)
+        prepared = self.flow.prepare(batch)
         with self.timers("train"):
-            stats, optim = self.runner.train_step(self.loss_spec, microbatches)
+            stats, optim = self.runner.train_step(self.loss_spec, prepared.microbatches)
         self.tokens_trained += batch.rollout.num_generated_tokens  # the whole global batch, the same on every rank
         metrics = batch_metrics(batch.rollout, self.timers.pop(), step=self.step, tokens_trained=self.tokens_trained,
                                 epoch=self.sampler.epoch, batches_sampled=self.pipeline.num_sampled)
         metrics["prompts"] = batch.prompt_indices
         metrics.update({f"train/{key}": value for key, value in optim.items()})
         if self.routing is not None:  # MoE: load-balancing loss and expert load (collective)
-            metrics.update(self.routing.collect(len(microbatches)))
+            metrics.update(self.routing.collect(len(prepared.microbatches)))
         if stats is not None:
             metrics.update(loss_metrics(stats, self.teachers.names if self.teachers.several else None))
-            metrics.update(self.flow.confidence)
+            metrics.update(prepared.confidence)
         metrics.update(self.flow.annotation_metrics(batch))
         return metrics
 

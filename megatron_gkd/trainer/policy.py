@@ -77,7 +77,7 @@ def policy_share(config, samples, rewards: torch.Tensor | None, rows: dict, weig
         config: the run's config (``rl``, ``rollout.max_tokens``).
         samples: this rank's share (whole prompt groups).
         rewards: ``[len(samples)]`` their rewards, or None where the combination does not train on rewards.
-        rows: the teachers' rows (``BatchFlow.rows``), read where the teacher is in the advantage.
+        rows: the teachers' rows (``TeacherExchange.rows``), read where the teacher is in the advantage.
         weights: each teacher's mixture weight.
         num_tokens, num_sequences: the global batch's response tokens and responses (the aggregation's counts).
     """
