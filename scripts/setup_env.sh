@@ -23,7 +23,12 @@ want=$(cat setup.py scripts/setup_env.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-pip() { "$VENV/bin/python" -m pip "$@" --disable-pip-version-check -q; }
+# A machine's pip config may name local indexes that are absent here (file:///opt/pypi/simple): pip then warns once
+# per package and index, 200 lines a fresh install. Those lines only are dropped; pip's exit status is kept.
+pip() {
+  { "$VENV/bin/python" -m pip "$@" --disable-pip-version-check -q 2>&1 1>&3 |
+      { grep -v "' is ignored: it is neither a file nor a directory\.$" || true; } 1>&2; } 3>&1
+}
 pip install --upgrade pip
 pip install "torch==2.13.0"
 pip install -e ".[test,cpu]"

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from megatron_gkd.config import load_config
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.e2e
@@ -77,15 +79,19 @@ def test_run_command_trains_and_says_where_outputs_are(tmp_path):
 
 @pytest.mark.slow
 def test_both_commands_in_a_fresh_clone_with_a_fresh_virtualenv(tmp_path):
-    """The whole demo as a user runs it: the student closes at least half its accuracy gap to the teacher
-    (the demo's target; its wall time is measured, not asserted: README and docs/results.md)."""
+    """The whole demo as a user runs it, environment set up included (issue #30's bar): the student ends at 0.8 or
+    better, and the log is short and has no WARNING a user must ignore (its wall time is measured, not asserted:
+    README and docs/results.md)."""
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
     env = _environment(tmp_path, str(clone / ".venv"))
     run_command, test_command = readme_commands()
     demo = subprocess.run(run_command, shell=True, cwd=clone, env=env, capture_output=True, text=True, timeout=3000)
-    result = _check_demo(demo, tmp_path / "out", num_steps=1500)
-    assert result["after"] - result["before"] >= 0.5 * (result["teacher"] - result["before"]), result
+    result = _check_demo(demo, tmp_path / "out", num_steps=load_config(ROOT / "configs" / "demo_cpu.yaml").trainer.num_steps)
+    assert result["after"] >= 0.8, result
+    lines = (demo.stdout + demo.stderr).splitlines()
+    assert len(lines) < 400, "\n".join(lines[:50])
+    assert not [line for line in lines if "WARNING" in line], [line for line in lines if "WARNING" in line][:20]
     # The whole suite inside a test would recurse into this test; the unit tier proves the command.
     tests = subprocess.run(
         f"{test_command} tests/unit -q", shell=True, cwd=clone, env=env, capture_output=True, text=True, timeout=3000
