@@ -12,6 +12,7 @@ import logging
 from megatron_gkd import platform
 from megatron_gkd.config.sample_mix import SampleMixConfig
 from megatron_gkd.losses.advantages import get_advantage_estimator
+from megatron_gkd.losses.cross_vocab import CROSS_VOCAB_DIVERGENCES
 from megatron_gkd.planning.model import model_shape, read_config
 from megatron_gkd.rewards.config import check_reward_settings
 from megatron_gkd.rollout.registry import ENGINES
@@ -347,6 +348,10 @@ def _check_teacher(config, teacher, key: str) -> None:
         logger.warning("%s.* has no effect in trainer.mode=sft without eval (it is only used for eval's KL)", key)
     if teacher.enabled and teacher.cross_tokenizer.enabled:
         _check_cross_tokenizer(config, teacher, key)
+    elif teacher.enabled and teacher.cross_tokenizer.hidden_support != "topk":
+        logger.warning("%s.cross_tokenizer.hidden_support=%s has no effect without %s.cross_tokenizer.method (a teacher "
+                       "of the student's tokenizer with signal=hidden is always compared over its whole vocabulary)",
+                       key, teacher.cross_tokenizer.hidden_support, key)
 
 
 def _check_cross_tokenizer(config, teacher, key: str) -> None:
@@ -362,6 +367,8 @@ def _check_cross_tokenizer(config, teacher, key: str) -> None:
         _fail(f"{where} with {key}.signal=hidden: the chain rule reads the teacher's top-k where the teacher is asked, "
               f"which the hidden signal makes only in the step; set {key}.cross_tokenizer.inside_groups=skip, or "
               f"{key}.signal=topk")
+    if teacher.cross_tokenizer.hidden_support == "full":
+        _check_full_support(config, teacher, key)
     if client_traits(teacher.client).collective:
         _fail(f"{where}: {key}.client={teacher.client} runs the teacher on the student's token ids; a teacher of "
               f"another tokenizer is asked through its own ids: use {key}.client=zmq, openai or cache")
@@ -369,6 +376,21 @@ def _check_cross_tokenizer(config, teacher, key: str) -> None:
         _fail(f"{where}: rl.combine={config.rl.combine!r} reads the teacher's log-prob of each sampled student token, "
               "which a teacher of another tokenizer has only where the tokens align; use rl.combine=loss or "
               "rl.combine=null")
+
+
+def _check_full_support(config, teacher, key: str) -> None:
+    """``cross_tokenizer.hidden_support=full``: the teacher's whole distribution from its hidden states against the
+    student's logit shard through ``W`` (megatron_gkd.losses.cross_vocab_hidden)."""
+    where = f"{key}.cross_tokenizer.hidden_support=full"
+    if teacher.signal != "hidden":
+        _fail(f"{where} compares with the teacher's whole distribution, made in the step from its hidden states: set "
+              f"{key}.signal=hidden, or {key}.cross_tokenizer.hidden_support=topk")
+    if config.loss.type not in CROSS_VOCAB_DIVERGENCES:
+        _fail(f"{where}: loss.type={config.loss.type} has no cross-tokenizer form over the whole vocabulary; use "
+              f"{', '.join(CROSS_VOCAB_DIVERGENCES)}")
+    if config.loss.fused:
+        _fail(f"{where} reads the student's logit shard [s, b, V/tp], which loss.fused=true never builds; set "
+              f"loss.fused=false, or {key}.cross_tokenizer.hidden_support=topk (its fused form)")
 
 
 def _check_teacher_mix(config, teachers: dict) -> None:

@@ -231,7 +231,9 @@ def teacher_suffix(name: str, several: bool) -> str:
     return f"/{name}" if several else ""
 
 
-_PER_TOKEN = ("teacher_mass", "student_mass", "topk_overlap", "teacher_entropy", "student_entropy", "top1_agreement")
+# unmapped_teacher_mass: a cross-tokenizer teacher's mass on its ids no student token maps to (megatron_gkd.xtok).
+_PER_TOKEN = ("teacher_mass", "student_mass", "unmapped_teacher_mass", "topk_overlap", "teacher_entropy",
+              "student_entropy", "top1_agreement")
 
 
 def loss_metrics(stats: dict, teacher_names: list[str] | None = None) -> dict:

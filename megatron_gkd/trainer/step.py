@@ -24,6 +24,7 @@ from megatron_gkd.losses import (
     fused_vocab_parallel_distill_loss,
     fused_vocab_parallel_token_logprobs,
     get_divergence,
+    hidden_cross_vocab_distill_loss,
     hidden_distill_loss,
     hidden_topk,
     vocab_parallel_distill_loss,
@@ -69,6 +70,9 @@ class LossSpec:
         teacher_top_k, teacher_real_vocab_size: a cross-tokenizer teacher's hidden signal: its exact top-k
             (:func:`~megatron_gkd.losses.hidden_topk`, k ids of its vocabulary's first ``teacher_real_vocab_size``) is
             the row compared through ``W``.
+        hidden_support: a cross-tokenizer teacher's hidden signal: ``topk`` (the row above) or ``full`` (its exact
+            distribution over its whole vocabulary, :func:`~megatron_gkd.losses.hidden_cross_vocab_distill_loss`;
+            unfused only: it reads the student's logit shard).
     """
 
     kind: str = "distill"
@@ -84,12 +88,15 @@ class LossSpec:
     projection: object = dataclasses.field(default=None, compare=False)
     teacher_top_k: int | None = None
     teacher_real_vocab_size: int | None = None
+    hidden_support: str = "topk"
     coverage_coef: float | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self):
         if self.kind == "distill" and self.loss_type == "tcad" and self.signal == "topk":
             coverage = get_divergence("tcad").build_options(dict(self.options)).coverage_coef
             object.__setattr__(self, "coverage_coef", coverage)
+        assert not (self.hidden_support == "full" and self.fused), \
+            "hidden_support=full reads the student's logits, which the fused path never builds (config checks refuse it)"
 
     @classmethod
     def from_config(cls, loss, mode, teacher=None, real_vocab_size: int | None = None,
@@ -105,14 +112,15 @@ class LossSpec:
                    teacher_temperature=teacher.temperature if teacher is not None else 1.0,
                    real_vocab_size=real_vocab_size, projection=projection,
                    teacher_top_k=teacher.top_k if projection is not None else None,
-                   teacher_real_vocab_size=teacher_real_vocab_size)
+                   teacher_real_vocab_size=teacher_real_vocab_size,
+                   hidden_support=teacher.cross_tokenizer.hidden_support if projection is not None else "topk")
 
     def eval_kl(self) -> "LossSpec":
         """The evaluation's forward KL on this spec's teacher signal (top-k rows, or exact from hidden states)."""
         return LossSpec(loss_type="forward_kl", signal=self.signal, teacher_temperature=self.teacher_temperature,
                         real_vocab_size=self.real_vocab_size, fused=self.fused and self.signal == "hidden",
                         chunk_size=self.chunk_size, projection=self.projection, teacher_top_k=self.teacher_top_k,
-                        teacher_real_vocab_size=self.teacher_real_vocab_size)
+                        teacher_real_vocab_size=self.teacher_real_vocab_size, hidden_support=self.hidden_support)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -357,9 +365,9 @@ class StepRunner:
         """One teacher's ``sum(coefficient x divergence)`` over the micro-batch and its statistics (with
         ``token_ids`` ``[b, s]``, also ``stats["token_logprobs"]``: their differentiable log-probs, same pass)."""
         tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
-        if spec.signal == "hidden" and spec.projection is not None:  # the cross-tokenizer teacher's exact top-k
-            share = self._hidden_rows(spec, share, tp_group)
-        elif spec.signal == "hidden":
+        if spec.signal == "hidden" and spec.projection is not None and spec.hidden_support == "topk":
+            share = self._hidden_rows(spec, share, tp_group)  # the cross-tokenizer teacher's exact top-k
+        elif spec.signal == "hidden":  # the teacher's whole distribution (its own vocabulary's when cross-tokenizer)
             return self._hidden_loss(spec, share, captured, output, mask)
         if spec.projection is not None:  # a teacher of another tokenizer: its rows hold its own ids
             per_token, metrics = self._cross_vocab(spec, share, captured, output, tp_group)
@@ -419,9 +427,13 @@ class StepRunner:
 
     def _hidden_loss(self, spec: LossSpec, share, captured, output, mask):
         """The exact full-vocabulary loss from the teacher's hidden states (the student's hidden states and
-        output weight when fused, else its ``[s, b, V/tp]`` logits)."""
+        output weight when fused, else its ``[s, b, V/tp]`` logits). A teacher of another tokenizer
+        (``hidden_support=full``, unfused) is compared with the student projected through ``W``; a position it sent no
+        hidden state for (all zero: inside a group, or unaligned) is not compared."""
         head = self.teacher_heads.get(share.name)
         assert head is not None, f"teacher {share.name!r} sends hidden states but this rank has no head for it"
+        if spec.projection is not None:
+            mask = mask & (share.hidden != 0).any(dim=-1)
         weights = torch.where(mask, share.coefficients, torch.zeros_like(share.coefficients))
         tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
         common = dict(loss_type=spec.loss_type, tp_group=tp_group, temperature=spec.temperature,
@@ -431,6 +443,12 @@ class StepRunner:
             contribution, per_token, metrics = hidden_distill_loss(
                 output, share.hidden, head, weights, student_weight=captured.weight,
                 all_reduce_hidden_grad=not captured.sequence_parallel, **common)
+        elif spec.projection is not None:  # logits [s, b, V/tp]; the teacher's ids are its own vocabulary's
+            contribution, per_token, metrics = hidden_cross_vocab_distill_loss(
+                captured.logits, share.hidden.transpose(0, 1), head, spec.projection, weights.transpose(0, 1),
+                teacher_real_vocab_size=spec.teacher_real_vocab_size, **common)
+            metrics = {key: value.transpose(0, 1) for key, value in metrics.items()}
+            per_token = per_token.transpose(0, 1)
         else:  # logits [s, b, V/tp] as the output layer made them; teacher rows and results [b, s]
             contribution, per_token, metrics = hidden_distill_loss(
                 captured.logits, share.hidden.transpose(0, 1), head, weights.transpose(0, 1), **common)

@@ -12,6 +12,7 @@ meaningless"). It still is, unless the run names a method; the refusal now says 
                                  # through the chain rule (megatron_gkd.xtok.request) | skip: only group heads
         boundary: teacher        # teacher: group heads compared at the teacher's token boundaries through W | text: every
                                  # position read at the text level (chain rule at heads too, boundary-corrected)
+        hidden_support: topk     # teacher.signal=hidden: topk (its exact top-k through W) | full (its whole vocabulary)
         projection_map: null     # a map saved by ProjectionMap.save; null: built from the two tokenizers at start-up
         max_pieces: 4            # the map's rule (megatron_gkd.xtok.projection)
         decay: 0.5
@@ -35,6 +36,7 @@ ENABLE_KEY = "teacher.cross_tokenizer.method"
 METHODS = ("projected", "hybrid")
 INSIDE_GROUPS = ("chain", "skip")
 BOUNDARIES = ("teacher", "text")
+HIDDEN_SUPPORTS = ("topk", "full")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -57,6 +59,12 @@ class CrossTokenizerConfig:
             head that follows a teacher token other teacher tokens extend (``"1"`` of ``"1 6 3 8"``), the teacher's
             row there (conditioned on its token having ended) mixed with the previous row's tokens that go on past
             the boundary, by their probabilities (:mod:`megatron_gkd.xtok.request`). Needs ``inside_groups=chain``.
+        hidden_support: with ``teacher.signal=hidden``, what the projected student is compared with. ``topk``
+            (default): the teacher's exact top-``teacher.top_k`` made in the step from its hidden states
+            (:func:`~megatron_gkd.losses.hidden_topk`), through the log-space top-k loss
+            (:func:`~megatron_gkd.losses.cross_vocab_distill_loss`). ``full``: its exact distribution over its whole
+            vocabulary (:func:`~megatron_gkd.losses.hidden_cross_vocab_distill_loss`): no truncation, at 3-6x the
+            same-tokenizer hidden loss's time and with fp32 limits (docs/running.md "A teacher of another tokenizer").
         projection_map: path of a map saved by :meth:`ProjectionMap.save`; it must have been built for this pair
             of tokenizers. ``None``: built from the two tokenizers at start-up (seconds; see docs/performance.md).
         max_pieces, decay: the map's re-tokenisation rule (:func:`megatron_gkd.xtok.build_projection`).
@@ -66,6 +74,7 @@ class CrossTokenizerConfig:
     tokenizer: str | None = None
     inside_groups: str = "chain"
     boundary: str = "teacher"
+    hidden_support: str = "topk"
     projection_map: str | None = None
     max_pieces: int = 4
     decay: float = 0.5
@@ -80,6 +89,9 @@ class CrossTokenizerConfig:
         if self.boundary not in BOUNDARIES:
             raise ValueError(f"teacher.cross_tokenizer.boundary={self.boundary!r} is not one of {', '.join(BOUNDARIES)}"
                              f"{closest(self.boundary, list(BOUNDARIES))}")
+        if self.hidden_support not in HIDDEN_SUPPORTS:
+            raise ValueError(f"teacher.cross_tokenizer.hidden_support={self.hidden_support!r} is not one of "
+                             f"{', '.join(HIDDEN_SUPPORTS)}{closest(self.hidden_support, list(HIDDEN_SUPPORTS))}")
         if self.boundary == "text" and self.inside_groups != "chain":
             raise ValueError("teacher.cross_tokenizer.boundary=text reads every position through the chain rule: set "
                              "teacher.cross_tokenizer.inside_groups=chain")

@@ -4,12 +4,14 @@ tokenizer, asked in its own ids, its rows moved back to the student's positions,
 * Exactness: the tiny teacher behind a permuted vocabulary (the same model over the same text; W a permutation) must
   train the student exactly as the tiny teacher does through the same-tokenizer path: TP=1 unfused ``projected`` on
   the served top-k, and TP=2 fused ``hybrid`` on the hidden signal (the teacher's top-k made in the step from its
-  hidden states), off-policy on fixed data, loss within 1e-5 at every step.
+  hidden states), off-policy on fixed data, loss within 1e-5 at every step; and TP=2 unfused with
+  ``hidden_support=full`` (the teacher's whole distribution), both methods, against the same-tokenizer hidden signal.
 * On-policy with vLLM rollout at TP=2: a character-level teacher (every student word is several teacher tokens),
   with the xtok/* metrics and eval's KL to the teacher, on both signals.
 * Unasked, the same teacher is refused at start-up, and the message names the key that enables it.
 
-The first runs in the default tier (about 50 s), the on-policy one in the slow tier (``-m slow``).
+The first runs in the default tier (about 50 s), the ``full`` one and the on-policy one in the slow tier
+(``-m slow``).
 """
 
 import pytest
@@ -65,6 +67,37 @@ def test_a_permuted_vocabulary_trains_exactly_as_the_same_tokenizer(assets, cros
         for record in got:  # every response token is a 1:1 group (or the EOS pair), and all are compared
             assert record["xtok/share/one_to_one"] + record["xtok/share/special"] == pytest.approx(1.0)
             assert record["xtok/compared"] == 1.0 and record["xtok/unaligned_samples"] == 0
+
+
+@pytest.fixture(scope="module")
+def same_hidden(assets, tmp_path_factory):
+    """The tiny teacher's hidden signal on the same tokenizer: the exact loss over its whole vocabulary."""
+    out, code, log = _run(assets, tmp_path_factory, "same_hidden", OFF_POLICY + [
+        "parallel.tensor_model_parallel_size=1", "teacher.signal=hidden", "teacher.hidden_dtype=float32"], nproc=1)
+    assert code == 0, log[-4000:]
+    return harness.steps(out)
+
+
+@pytest.mark.slow  # a TP=2 run a method and the same-tokenizer reference once: 2-7 min on a shared 2-core host
+@pytest.mark.parametrize("method", ["projected", "hybrid"])
+def test_full_hidden_support_trains_exactly_as_the_same_tokenizer_hidden_signal(assets, cross_teachers, same_hidden,
+                                                                                 tmp_path_factory, method):
+    """hidden_support=full at TP=2: the permuted teacher's whole distribution from its hidden states, compared through
+    W (a permutation), is the same-tokenizer hidden loss over the whole vocabulary."""
+    out, code, log = _run(assets, tmp_path_factory, f"full_{method}", OFF_POLICY + [
+        f"teacher.serve.model={cross_teachers / 'permuted'}", "parallel.tensor_model_parallel_size=2",
+        "teacher.signal=hidden", "teacher.hidden_dtype=float32", f"teacher.cross_tokenizer.method={method}",
+        "teacher.cross_tokenizer.inside_groups=skip", "teacher.cross_tokenizer.hidden_support=full"])
+    assert code == 0, log[-4000:]
+    assert "cross-tokenizer map (" in log and "teacher head shard" in log
+    got = harness.steps(out)
+    assert len(same_hidden) == 3 and same_hidden[0]["train/loss"] != same_hidden[2]["train/loss"]
+    assert [r["prompts"] for r in got] == [r["prompts"] for r in same_hidden]
+    assert [r["train/loss"] for r in got] == pytest.approx([r["train/loss"] for r in same_hidden], abs=1e-5)
+    assert [r["train/grad_norm"] for r in got] == pytest.approx([r["train/grad_norm"] for r in same_hidden], rel=1e-5)
+    for record in got:  # a permutation reaches every teacher id: no unmapped mass, every position compared
+        assert record["train/unmapped_teacher_mass"] == pytest.approx(0.0, abs=1e-6)
+        assert record["xtok/compared"] == 1.0 and record["xtok/unaligned_samples"] == 0
 
 
 @pytest.mark.slow  # 55 s: the exactness test above covers the loss and the request path in the default tier

@@ -1,11 +1,14 @@
 """The cross-tokenizer switch: a mismatch is refused unless a method is named (and the refusal names the key), a
-map built for another pair is refused, and a method on one shared tokenizer warns that it is inert."""
+map built for another pair is refused, and a method on one shared tokenizer warns that it is inert. The hidden
+signal's ``hidden_support=full`` is refused where it cannot run, naming the key and the fix."""
 
 import logging
+import pathlib
 
 import numpy as np
 import pytest
 
+from megatron_gkd.config import checks, load_config
 from megatron_gkd.xtok import ProjectionMap
 from megatron_gkd.xtok.config import ENABLE_KEY, CrossTokenizerConfig, check_tokenizers
 
@@ -43,3 +46,43 @@ def test_bad_values_are_refused():
         CrossTokenizerConfig(method="hybird")
     with pytest.raises(ValueError, match="decay"):
         CrossTokenizerConfig(method="projected", decay=2.0)
+
+
+BASE = pathlib.Path(__file__).resolve().parents[3] / "configs" / "cpu_tiny.yaml"
+CROSS_HIDDEN = ["teacher.cross_tokenizer.method=projected", "teacher.cross_tokenizer.inside_groups=skip",
+                "teacher.signal=hidden"]
+FULL = "teacher.cross_tokenizer.hidden_support=full"
+
+
+def test_hidden_support_defaults_to_topk_and_full_is_accepted_where_it_applies():
+    assert load_config(BASE, CROSS_HIDDEN).teacher.cross_tokenizer.hidden_support == "topk"
+    config = load_config(BASE, CROSS_HIDDEN + [FULL, "loss.type=jsd"])
+    assert config.teacher.cross_tokenizer.hidden_support == "full"
+    with pytest.raises(ValueError, match="hidden_support='ful' is not one of topk, full; did you mean 'full'"):
+        load_config(BASE, CROSS_HIDDEN + ["teacher.cross_tokenizer.hidden_support=ful"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["teacher.signal=topk"], f"{FULL} compares with the teacher's whole distribution, made in the step from its "
+                              "hidden states: set teacher.signal=hidden, or teacher.cross_tokenizer.hidden_support=topk"),
+    (["loss.fused=true"], f"{FULL} reads the student's logit shard [s, b, V/tp], which loss.fused=true never builds; "
+                          "set loss.fused=false, or teacher.cross_tokenizer.hidden_support=topk"),
+    (["loss.type=tcad"], "loss.type=tcad has no cross-tokenizer form"),
+], ids=["topk_signal", "fused", "tcad"])
+def test_full_support_is_refused_where_it_cannot_run(overrides, message):
+    with pytest.raises(ValueError) as refused:
+        load_config(BASE, CROSS_HIDDEN + [FULL] + overrides)
+    assert message in str(refused.value)
+
+
+def test_full_support_refuses_a_divergence_without_a_cross_tokenizer_form(monkeypatch):
+    monkeypatch.setattr(checks, "CROSS_VOCAB_DIVERGENCES", ("forward_kl", "reverse_kl"))  # as if jsd had none
+    with pytest.raises(ValueError, match=f"{FULL}: loss.type=jsd has no cross-tokenizer form over the whole "
+                                         "vocabulary; use forward_kl, reverse_kl"):
+        load_config(BASE, CROSS_HIDDEN + [FULL, "loss.type=jsd"])
+
+
+def test_full_support_without_a_method_warns_that_it_is_inert(caplog):
+    with caplog.at_level(logging.WARNING):
+        load_config(BASE, ["teacher.signal=hidden", FULL])
+    assert f"{FULL} has no effect without teacher.cross_tokenizer.method" in caplog.text
