@@ -194,11 +194,16 @@ def _check_sample_mix(config, teachers: dict) -> None:
         _fail(f"sample_mix.source=teacher trains the student on the teacher's responses, which "
               f"{teacher_key(config, name)} (another tokenizer: cross_tokenizer.method) writes in its own ids; use "
               "sample_mix.source=dataset, or a teacher of the student's tokenizer")
-    if not client_traits(teacher.client).generates:
+    traits = client_traits(teacher.client)
+    if traits.from_files and mix.never_student(config.trainer.num_steps):
+        return  # a cache of teacher-written responses (sequence-level KD); its check_run compares it at start-up
+    if not traits.generates:
         _fail(f"sample_mix.source=teacher asks the teacher for responses, which "
               f"{teacher_key(config, name)}.client={teacher.client!r} cannot do; use {teacher_key(config, name)}"
               ".client=zmq (a teacher service with the hf, vllm or megatron backend) or openai, or "
-              "sample_mix.source=dataset")
+              "sample_mix.source=dataset" + (" (a cache of teacher-written responses serves sample_mix.lmbda=0 at "
+                                             "every step only: it holds no scores of the student's own samples)"
+                                             if traits.from_files else ""))
 
 
 def generating_teacher(config) -> str | None:

@@ -138,6 +138,17 @@ class SampleMixConfig:
             return passed[-1] if passed else self.lmbda
         return self.lmbda
 
+    def never_student(self, num_steps: int) -> bool:
+        """Whether no step of ``0 .. num_steps - 1`` draws the student's own samples (``lmbda`` 0 throughout: pure
+        off-policy data, e.g. sequence-level KD from a cache of teacher-written responses). The schedules are
+        monotone between their breakpoints, so the first step, the last and each milestone decide."""
+        if not self.enabled:
+            return False
+        steps = {0, max(num_steps - 1, 0)}
+        if self.schedule == "step":
+            steps |= {milestone for milestone in self.milestones if milestone < num_steps}
+        return all(self.lmbda_at(step) == 0 for step in steps)
+
     def inert_options(self) -> list[str]:
         """Options set away from their defaults that the chosen path ignores (the config checks warn about them)."""
         inert = []

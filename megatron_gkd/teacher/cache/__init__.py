@@ -8,7 +8,11 @@ safetensors shards beside a JSON manifest (docs/teacher_cache.md). ``teacher.cli
 (:class:`~megatron_gkd.teacher.clients.cache.CacheTeacherClient`), after refusing a cache that does not
 belong to the run (another teacher, tokenizer, k, temperature, signal or dataset).
 
+A run of sequence-level KD (``sample_mix.source=teacher``, ``sample_mix.lmbda`` 0 at every step) builds a cache of
+responses the teacher writes, which the client then also answers generate requests from.
+
 Modules: :mod:`.store` (the file format, digests, the manifest), :mod:`.build` (the resumable scoring pass),
+:mod:`.generated` (teacher-written responses: their settings, the writing pass, the choice among them),
 ``__main__`` (the command).
 """
 

@@ -8,6 +8,9 @@ written (altered, or copied from another build), scores again one it had not rec
 rename and the record), and scores the rest. The records of a shard are sent in the same batches whether or
 not the build was interrupted, and nothing in the files depends on time, so a resumed build writes the same
 bytes as an uninterrupted one (given a deterministic teacher).
+
+A plan with ``generation`` (:mod:`.generated`) has the teacher write the responses first: each shard's prompts are
+sent in the same seeded generate requests whether or not the build was interrupted, so the same holds.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Callable, Sequence
 
 import tqdm
 
+from megatron_gkd.teacher.cache.generated import num_requests, write_responses
 from megatron_gkd.teacher.cache.store import (
     MANIFEST,
     PLAN,
@@ -75,7 +79,7 @@ def score_records(client, records: Sequence[CacheRecord], plan: CacheManifest, b
 
 def make_plan(info, identity: dict, *, teacher_checkpoint: str | None, tokenizer, records: Sequence[CacheRecord],
               data_path: str, top_k: int, temperature: float, signal: str, hidden_dtype: str,
-              records_per_shard: int, cross=None) -> CacheManifest:
+              records_per_shard: int, cross=None, generation: dict | None = None) -> CacheManifest:
     """The manifest (without shards) of scoring ``records`` with the teacher whose INFO is ``info``.
 
     Args:
@@ -87,10 +91,12 @@ def make_plan(info, identity: dict, *, teacher_checkpoint: str | None, tokenizer
             ``cross`` is given.
         cross: a cross-tokenizer teacher's :class:`~megatron_gkd.xtok.request.CrossTokenizer`: the records are scored
             as the teacher tokenizes their text, and the manifest records the pair.
+        generation: the teacher writes the responses (:func:`~.generated.generation_settings`); ``records`` are then
+            the prompts alone (:func:`~.generated.prompt_records`).
 
     Raises:
-        ValueError: the tokenizers differ (unasked, or not the pair ``cross`` names), or the teacher cannot serve the
-            signal or k.
+        ValueError: the tokenizers differ (unasked, or not the pair ``cross`` names), the teacher cannot serve the
+            signal or k, or it is asked to write responses it cannot (or in another tokenizer's ids).
     """
     digest = tokenizer_digest(tokenizer)
     if cross is not None:
@@ -107,6 +113,12 @@ def make_plan(info, identity: dict, *, teacher_checkpoint: str | None, tokenizer
         raise ValueError(f"teacher.signal={signal}: this teacher serves {', '.join(info.signals)} only")
     if not hidden and top_k > info.max_top_k:
         raise ValueError(f"teacher.top_k={top_k} exceeds what the teacher serves (max {info.max_top_k})")
+    if generation is not None and cross is not None:
+        raise ValueError("teacher.cross_tokenizer: a teacher of another tokenizer writes its responses in its own ids, "
+                         "which the student cannot train on (sample_mix.source=teacher is refused for it too)")
+    if generation is not None and not info.supports_generate:
+        raise ValueError("this teacher cannot write responses (a backend without sampling, or a server older than "
+                         "generate requests): serve it with the hf, vllm or megatron backend")
     if records_per_shard < 1:
         raise ValueError(f"records_per_shard={records_per_shard} must be >= 1")
     if teacher_checkpoint is None:
@@ -120,7 +132,8 @@ def make_plan(info, identity: dict, *, teacher_checkpoint: str | None, tokenizer
         temperature=float(temperature), hidden_dtype=hidden_dtype if hidden else None,
         dataset={"path": data_path, "blake3": dataset_digest(records), "num_records": len(records),
                  "num_response_tokens": sum(len(r.token_ids) - r.response_start for r in records)},
-        records_per_shard=records_per_shard, teacher_tokenizer_digest=None if cross is None else cross.teacher_digest)
+        records_per_shard=records_per_shard, teacher_tokenizer_digest=None if cross is None else cross.teacher_digest,
+        generation=generation)
 
 
 def build_cache(client, records: Sequence[CacheRecord], out: str | pathlib.Path, plan: CacheManifest, *,
@@ -130,10 +143,12 @@ def build_cache(client, records: Sequence[CacheRecord], out: str | pathlib.Path,
 
     Args:
         client: a teacher client (``score_async``); its outputs are stored as it returns them.
-        records: the dataset's records, in order (:func:`~megatron_gkd.teacher.cache.store.dataset_records`).
+        records: the dataset's records, in order (:func:`~megatron_gkd.teacher.cache.store.dataset_records`); with
+            ``plan.generation``, its prompts (:func:`~.generated.prompt_records`), each answered
+            ``num_per_prompt`` times by the teacher.
         out: the cache directory.
         plan: the manifest to write, without shards (teacher, tokenizer, k, temperature, signal, dataset).
-        batch_size: sequences per teacher request.
+        batch_size: sequences per teacher request (a generation plan sends its own ``prompts_per_request``).
         show_progress: draw a progress bar over the records.
         on_shard: called with each shard's number once it is on disk and recorded (written or found).
         secret: the run's secret: the plan and the manifest are signed with it (:func:`~.store.manifest_mac`), and
@@ -173,9 +188,9 @@ def build_cache(client, records: Sequence[CacheRecord], out: str | pathlib.Path,
             chunk = records[number * per_shard:(number + 1) * per_shard]
             path = out / shard_name(number)
             if not (path.is_file() and _kept(path, recorded.get(path.name))):
-                outputs = score_records(client, chunk, plan, batch_size)
-                write_atomically(path, encode_shard(chunk, outputs, signal=plan.signal, hidden_dtype=plan.hidden_dtype,
-                                                    number=number))
+                stored, outputs = _shard_answers(client, chunk, plan, batch_size, number)
+                write_atomically(path, encode_shard(stored, outputs, signal=plan.signal, hidden_dtype=plan.hidden_dtype,
+                                                    number=number, generated=plan.generation is not None))
                 # Hashed once, as written; the plan then records it (rewritten whole: a few hundred bytes a shard).
                 recorded[path.name] = _shard_entry(path)
                 shards = [recorded[shard_name(n)] for n in range(plan.num_shards) if shard_name(n) in recorded]
@@ -188,10 +203,22 @@ def build_cache(client, records: Sequence[CacheRecord], out: str | pathlib.Path,
     write_atomically(done, manifest.to_json().encode())
     (out / PLAN).unlink()
     total = sum(shard["bytes"] for shard in manifest.shards)
-    tokens = max(plan.dataset["num_response_tokens"], 1)
+    tokens = sum(shard["num_rows"] for shard in manifest.shards)
     logger.info("teacher cache %s: %d records, %d response tokens, %d shards, %.1f MiB (%.1f bytes per response token)",
-                out, len(records), plan.dataset["num_response_tokens"], plan.num_shards, total / 2**20, total / tokens)
+                out, sum(shard["num_records"] for shard in manifest.shards), tokens, plan.num_shards, total / 2**20,
+                total / max(tokens, 1))
     return manifest
+
+
+def _shard_answers(client, chunk: Sequence[CacheRecord], plan: CacheManifest, batch_size: int,
+                   number: int) -> tuple[Sequence[CacheRecord], list[TeacherOutput]]:
+    """The records shard ``number`` stores and the teacher's outputs for them: ``chunk`` scored, or (a generation
+    plan) the teacher's responses to ``chunk``'s prompts, scored."""
+    if plan.generation is None:
+        return chunk, score_records(client, chunk, plan, batch_size)
+    # Every shard but the last holds records_per_shard prompts: the requests before this shard's are counted so.
+    first = number * num_requests(plan.records_per_shard, plan.generation["prompts_per_request"])
+    return write_responses(client, chunk, plan, first_request=first)
 
 
 def _adopt_plan(out: pathlib.Path, plan: CacheManifest, secret: bytes | None) -> CacheManifest:

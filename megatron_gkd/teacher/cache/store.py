@@ -14,6 +14,14 @@ over its records (``N`` response rows, ``n`` records):
 - hidden signal: ``hidden`` ``[N, h]`` in the requested ``hidden_dtype`` (the values already travelled in
   that dtype, so storing them in it loses nothing).
 
+A cache of teacher-written responses (``manifest.generation`` set; :mod:`.generated`) holds, per prompt of the
+dataset, ``num_per_prompt`` records of prompt + response (shard ``i`` holds prompts ``i * records_per_shard ...``,
+each with its responses in the order the teacher wrote them), and two more tensors:
+
+- ``prompt_digest`` ``[n, 32]`` uint8: :func:`sequence_digest` of each record's prompt alone (``response_start`` =
+  its length): the key a generate request's prompt is looked up by;
+- ``response_ids`` ``[N]`` int32: the response's ids, row for row with ``token_logprobs``.
+
 Files carry no timestamps and at most one metadata key (safetensors writes several keys in a random
 order), so the same build writes the same bytes.
 """
@@ -136,6 +144,9 @@ class CacheManifest:
         hidden_dtype: the hidden states' dtype (None with the top-k signal).
         dataset: ``path``, ``blake3`` (:func:`dataset_digest`), ``num_records``, ``num_response_tokens``.
         records_per_shard: records per shard (the last one may hold fewer).
+        generation: a cache of teacher-written responses: how the teacher wrote them (``num_per_prompt``,
+            ``temperature``, ``top_p``, ``top_k``, ``max_tokens``, ``stop_ids``, ``seed``, ``prompts_per_request``;
+            :mod:`.generated`); ``dataset`` then describes the prompts. None: the dataset's own responses, scored.
         teacher_tokenizer_digest: a cross-tokenizer teacher's own tokenizer (``teacher.cross_tokenizer``): the cache
             was built for this pair of tokenizers, its rows hold teacher ids of the records' text as the teacher
             tokenizes it (:mod:`megatron_gkd.xtok.request`). None: the teacher shares the student's tokenizer.
@@ -154,6 +165,7 @@ class CacheManifest:
     dataset: dict[str, Any]
     records_per_shard: int
     teacher_tokenizer_digest: str | None = None
+    generation: dict[str, Any] | None = None
     shards: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     format: str = FORMAT
     version: int = VERSION
@@ -173,7 +185,7 @@ class CacheManifest:
         return dataclasses.replace(self, mac=manifest_mac(self, secret) if secret else None)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True) + "\n"
+        return json.dumps(_stored_fields(self), indent=1, sort_keys=True) + "\n"
 
     @classmethod
     def from_json(cls, text: str, source: str) -> "CacheManifest":
@@ -189,6 +201,15 @@ class CacheManifest:
             raise ValueError(f"{source} is not a teacher cache manifest: {error}") from None
 
 
+def _stored_fields(manifest: CacheManifest) -> dict[str, Any]:
+    """The manifest's fields as written; a cache of the dataset's responses has no ``generation`` key, so its files
+    (and its MAC) are what they were before the field existed, and older readers still read it."""
+    fields = dataclasses.asdict(manifest)
+    if fields["generation"] is None:
+        del fields["generation"]
+    return fields
+
+
 def manifest_mac(manifest: CacheManifest, secret: bytes) -> str:
     """HMAC-SHA256 under ``secret`` of the manifest's every field but ``mac``, as canonical JSON (sorted keys, no
     spaces): the teacher's identity and checkpoint digest, tokenizer, signal, k, temperature, dataset digest and
@@ -200,7 +221,7 @@ def manifest_mac(manifest: CacheManifest, secret: bytes) -> str:
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"the run's secret has {len(secret)} bytes; a teacher cache's MAC needs at least "
                          f"{MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32 > FILE; chmod 600 FILE`)")
-    fields = dataclasses.asdict(dataclasses.replace(manifest, mac=None))
+    fields = _stored_fields(dataclasses.replace(manifest, mac=None))
     if fields["teacher_tokenizer_digest"] is None:  # a same-tokenizer cache signs as it did before the field existed
         del fields["teacher_tokenizer_digest"]
     content = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
@@ -242,8 +263,9 @@ def write_atomically(path: pathlib.Path, data: bytes) -> None:
 
 
 def encode_shard(records: list[CacheRecord], outputs: list[TeacherOutput], *, signal: str, hidden_dtype: str | None,
-                 number: int) -> bytes:
-    """The bytes of one shard (see the module docstring for its tensors)."""
+                 number: int, generated: bool = False) -> bytes:
+    """The bytes of one shard (see the module docstring for its tensors; ``generated``: the records are teacher-written
+    responses, stored with their ids and their prompts' digests)."""
     assert len(records) == len(outputs) and records
     lengths = [len(output.token_logprobs) for output in outputs]
     tensors = {
@@ -267,6 +289,13 @@ def encode_shard(records: list[CacheRecord], outputs: list[TeacherOutput], *, si
             raise ValueError(f"teacher id {int(ids.max())} does not fit the cache's int32 ids")
         tensors["topk_ids"] = torch.from_numpy(ids.astype(np.int32))
         tensors["topk_logprobs"] = torch.from_numpy(np.concatenate([o.topk_logprobs for o in outputs]))
+    if generated:
+        prompts = b"".join(sequence_digest(r.token_ids[:r.response_start], r.response_start) for r in records)
+        tensors["prompt_digest"] = torch.from_numpy(np.frombuffer(prompts, dtype=np.uint8).reshape(-1, 32).copy())
+        responses = np.concatenate([r.token_ids[r.response_start:] for r in records])
+        if responses.max() > np.iinfo(np.int32).max:
+            raise ValueError(f"response id {int(responses.max())} does not fit the cache's int32 ids")
+        tensors["response_ids"] = torch.from_numpy(responses.astype(np.int32))
     from safetensors.torch import save
 
     metadata = json.dumps({"format": FORMAT, "version": VERSION, "shard": number, "signal": signal}, sort_keys=True)
@@ -317,6 +346,7 @@ class CacheReader:
         if len(self.manifest.shards) != self.manifest.num_shards:
             raise ValueError(f"{path} lists {len(self.manifest.shards)} shards, expected {self.manifest.num_shards}")
         self._index: dict[bytes, tuple[int, int]] = {}
+        self._prompts: dict[bytes, list[tuple[int, int]]] = {}  # generation caches: a prompt's responses, in order
         self._offsets: list[np.ndarray] = []
         for number, shard in enumerate(self.manifest.shards):
             shard_path = self.directory / shard["name"]
@@ -329,15 +359,28 @@ class CacheReader:
             with safe_open(str(shard_path), framework="pt") as handle:
                 digests = handle.get_tensor("digest").numpy()
                 self._offsets.append(handle.get_tensor("offsets").numpy())
+                prompts = handle.get_tensor("prompt_digest").numpy() if self.manifest.generation else ()
             for position, digest in enumerate(digests):
                 self._index[digest.tobytes()] = (number, position)
-        if len(self._index) < self.manifest.dataset["num_records"]:
-            logger.info("teacher cache %s: %d records share %d distinct requests", self.directory,
-                        self.manifest.dataset["num_records"], len(self._index))
+            self._add_prompts(prompts, number)
+        num_records = sum(shard["num_records"] for shard in self.manifest.shards)
+        if len(self._index) < num_records:
+            logger.info("teacher cache %s: %d records share %d distinct requests", self.directory, num_records,
+                        len(self._index))
         self._handles: collections.OrderedDict[int, Any] = collections.OrderedDict()
         self._max_open = max_open_shards
         self._verified: set[int] = set()
         self._lock = threading.Lock()
+
+    def _add_prompts(self, digests, number: int) -> None:
+        """Indexes a generation cache's records by prompt: ``num_per_prompt`` consecutive records answer one prompt
+        (a prompt that two records of the dataset share keeps the first one's responses)."""
+        per_prompt = self.manifest.generation["num_per_prompt"] if self.manifest.generation else 1
+        for first in range(0, len(digests), per_prompt):
+            key = digests[first].tobytes()
+            if key in self._prompts:
+                continue
+            self._prompts[key] = [(number, position) for position in range(first, first + per_prompt)]
 
     def __len__(self) -> int:
         return len(self._index)
@@ -345,6 +388,19 @@ class CacheReader:
     def find(self, token_ids: np.ndarray, response_start: int) -> tuple[int, int] | None:
         """``(shard, record)`` of the request, or None when the cache does not hold it."""
         return self._index.get(sequence_digest(token_ids, response_start))
+
+    def responses(self, prompt_ids: np.ndarray) -> list[np.ndarray] | None:
+        """A generation cache's responses to ``prompt_ids`` (``num_per_prompt`` int64 arrays, in the order the teacher
+        wrote them), or None when the cache holds no such prompt."""
+        locations = self._prompts.get(sequence_digest(prompt_ids, len(prompt_ids)))
+        if locations is None:
+            return None
+        found = []
+        with self._lock:
+            for number, position in locations:
+                start, end = (int(x) for x in self._offsets[number][position:position + 2])
+                found.append(self._handle(number).get_slice("response_ids")[start:end].numpy().astype(np.int64))
+        return found
 
     def output(self, location: tuple[int, int]) -> TeacherOutput:
         """The teacher's output stored at ``location`` (from :meth:`find`), as the teacher's client returned it."""

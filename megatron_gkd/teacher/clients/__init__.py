@@ -213,6 +213,8 @@ class ClientTraits:
         token_logprobs: it returns the teacher's log-prob of each response token (the advantage-side and
             teacher-only forms of ``rl.combine`` read nothing else).
         generates: it can ask its teacher for responses (``generate``; GKD's teacher-written data).
+        from_files: it answers from a teacher cache's files: only what the cache's build asked the teacher (the
+            dataset's responses scored, or responses the teacher wrote, scored), never the student's own samples.
         any_temperature: it gets the teacher's log-probs at any ``teacher.temperature``; False: at 1.0 only (an
             OpenAI-compatible server returns the raw distribution's top-k). A service's backend has its own traits
             (``BackendTraits``).
@@ -228,6 +230,7 @@ class ClientTraits:
     fills_cache: bool = False
     token_logprobs: bool = True
     generates: bool = False
+    from_files: bool = False
     any_temperature: bool = True
 
 
@@ -269,7 +272,7 @@ register_client("local", "megatron_gkd.teacher.clients.local:LocalTeacherClient"
 register_client("cache", "megatron_gkd.teacher.clients.cache:CacheTeacherClient", ClientTraits(
     "a teacher cache", required=(("cache_dir", "build one with python -m megatron_gkd.teacher.cache build "
                                                "--config CONFIG.yaml --out DIR"),),
-    options=("cache_dir", "checkpoint", "secret_file", "cache_trust_unverified")))
+    options=("cache_dir", "checkpoint", "secret_file", "cache_trust_unverified"), from_files=True))
 
 
 def client_names() -> list[str]:

@@ -9,6 +9,10 @@ At start-up the trainer calls :meth:`CacheTeacherClient.check_run`, which refuse
 tokenizer, k, temperature, signal or dataset, and one it cannot bind to a teacher: a manifest whose MAC does not
 verify with the run's secret, or, without a secret, a run without ``teacher.checkpoint`` (docs/teacher_cache.md,
 SECURITY.md).
+
+A cache of teacher-written responses (:mod:`megatron_gkd.teacher.cache.generated`) also answers generate requests:
+the stored responses of each prompt, looked up by its ids; their scores are then found by the same lookup as any
+sequence's. It serves sequence-level KD only (``sample_mix.source=teacher``, ``sample_mix.lmbda`` 0 at every step).
 """
 
 from __future__ import annotations
@@ -17,22 +21,44 @@ import logging
 import threading
 import time
 
-from megatron_gkd.config import eval_enabled
+from megatron_gkd.config import eval_enabled, needs_responses
 from megatron_gkd.data import load_prompts, load_tokenizer
+from megatron_gkd.teacher.cache.generated import (
+    REBUILD_FLAG,
+    SAMPLING_KEYS,
+    pick_responses,
+    prompt_records,
+    sampling_settings,
+    setting_differences,
+)
 from megatron_gkd.teacher.cache.store import CacheReader, checkpoint_digest, dataset_digest, dataset_records
 from megatron_gkd.teacher.clients import TeacherClient, TeacherInfo
 from megatron_gkd.teacher.security import SECRET_ENV, load_secret
-from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, TeacherError, TeacherOutput
+from megatron_gkd.teacher.types import (
+    ErrorCode,
+    GenerateBatch,
+    GeneratedSample,
+    ScoreBatch,
+    TeacherError,
+    TeacherOutput,
+    check_generated,
+)
 from megatron_gkd.teacher.vocab import tokenizer_digest
+from megatron_gkd.trainer.components import stop_token_ids
 
 logger = logging.getLogger(__name__)
 
 _FIX = ("a teacher cache answers the dataset's own responses only (trainer.mode=off_policy); score other sequences "
         "with a live teacher (teacher.client=zmq, openai or local)")
+_GENERATED_FIX = ("a cache of teacher-written responses answers its own responses to the dataset's prompts only "
+                  "(sample_mix.source=teacher, sample_mix.lmbda=0); score other sequences with a live teacher "
+                  "(teacher.client=zmq, openai or local)")
+_BUILD = "python -m megatron_gkd.teacher.cache build --config CONFIG --out DIR"
 
 
 class CacheTeacherClient(TeacherClient):
-    """Answers :class:`ScoreBatch` requests from a teacher cache.
+    """Answers :class:`ScoreBatch` requests from a teacher cache (and :class:`GenerateBatch` requests from a cache of
+    teacher-written responses).
 
     Args:
         cache_dir: the cache directory (``python -m megatron_gkd.teacher.cache build ... --out DIR``).
@@ -55,6 +81,8 @@ class CacheTeacherClient(TeacherClient):
         super().__init__(max_inflight=max_inflight)
         self.reader = CacheReader(cache_dir, secret=secret)
         self.manifest = self.reader.manifest
+        self.generation = self.manifest.generation  # how the teacher wrote the responses, or None
+        self._fix = _FIX if self.generation is None else _GENERATED_FIX
         self._num_scored = 0
         self._count_lock = threading.Lock()
         teacher = self.manifest.teacher
@@ -71,8 +99,10 @@ class CacheTeacherClient(TeacherClient):
         stored = dict(self.manifest.teacher["info"])
         hidden = self.manifest.signal == "hidden"
         # The cache serves what it holds: its signal only, its k, no requested ids (they depend on the student).
+        # It writes no responses: it answers generate requests only with those its build stored.
         stored.update(signals=[self.manifest.signal], hidden_size=stored.get("hidden_size") if hidden else None,
-                      supports_requested_ids=False, supports_temperature=True)
+                      supports_requested_ids=False, supports_temperature=True,
+                      supports_generate=self.generation is not None)
         if not hidden:
             stored["max_top_k"] = self.manifest.top_k
         return TeacherInfo(**stored)
@@ -89,7 +119,7 @@ class CacheTeacherClient(TeacherClient):
             raise TeacherError(ErrorCode.BAD_REQUEST, f"the request asks for {asked}, the teacher cache holds {held}")
         if batch.num_requested is not None:
             raise TeacherError(ErrorCode.UNSUPPORTED, "requested ids (TCAD) depend on the student's top-k at each "
-                                                      "step, which no teacher cache holds; " + _FIX)
+                                                      "step, which no teacher cache holds; " + self._fix)
         hidden_size = manifest.teacher["info"].get("hidden_size") if batch.is_hidden else None
         outputs = []
         for number, sequence in enumerate(batch.sequences):
@@ -98,13 +128,47 @@ class CacheTeacherClient(TeacherClient):
                 raise TeacherError(ErrorCode.BAD_REQUEST,
                                    f"sequence {number} of the batch ({len(sequence.token_ids)} tokens, response from "
                                    f"{sequence.response_start}) is not in the teacher cache {self.reader.directory}; "
-                                   + _FIX)
+                                   + self._fix)
             output = self.reader.output(location)
             outputs.append(output.validate(sequence.num_response_tokens, batch.top_k, name=f"cached sequence {number}",
                                            sequence=sequence, hidden_size=hidden_size))
         with self._count_lock:
             self._num_scored += len(outputs)
         return outputs
+
+    def _generate(self, batch: GenerateBatch) -> list[GeneratedSample]:
+        """Each prompt's stored responses, ``num_samples`` of them (:func:`~megatron_gkd.teacher.cache.generated.
+        pick_responses`), with their stored rows when ``score_top_k`` asks for them."""
+        generation = self.generation
+        if generation is None:
+            raise TeacherError(ErrorCode.UNSUPPORTED, f"teacher cache {self.reader.directory} holds the dataset's own "
+                               "responses scored, not responses the teacher wrote; build one of teacher-written "
+                               f"responses from a config with sample_mix.source=teacher ({_BUILD})")
+        asked = {"temperature": batch.temperature, "top_p": batch.top_p, "top_k": batch.top_k,
+                 "max_tokens": batch.max_tokens, "stop_ids": list(batch.stop_ids)}
+        differences = setting_differences(generation, asked)
+        if differences:
+            raise TeacherError(ErrorCode.BAD_REQUEST, f"the teacher cache {self.reader.directory} holds responses "
+                               f"written with other settings: {'; '.join(differences)}")
+        stored = generation["num_per_prompt"]
+        if batch.num_samples > stored:
+            raise TeacherError(ErrorCode.BAD_REQUEST, f"the request asks for {batch.num_samples} responses per prompt, "
+                               f"the teacher cache {self.reader.directory} holds {stored}; rebuild it with "
+                               f"{REBUILD_FLAG} {batch.num_samples} (or more)")
+        samples = []
+        for index, prompt in enumerate(batch.prompts):
+            responses = self.reader.responses(prompt)
+            if responses is None:
+                raise TeacherError(ErrorCode.BAD_REQUEST, f"prompt {index} of the request ({len(prompt)} tokens) is not "
+                                   f"in the teacher cache {self.reader.directory}; " + self._fix)
+            samples += [GeneratedSample(prompt_index=index, response_ids=responses[pick])
+                        for pick in pick_responses(stored, batch.num_samples, batch.seed, index)]
+        if batch.score_top_k is not None:
+            for sample, output in zip(samples, self._score(batch.score_batch(samples)), strict=True):
+                sample.output = output
+        info = self.manifest.teacher["info"]
+        vocab = info["tokenizer_size"] if info.get("tokenizer_size") is not None else info["vocab_size"]
+        return check_generated(samples, batch, vocab, name=f"teacher cache {self.reader.directory}")
 
     def check_run(self, config, tokenizer, teacher=None) -> None:
         """Refuses a cache that does not belong to the run ``config`` describes (the trainer calls it at start-up;
@@ -116,14 +180,16 @@ class CacheTeacherClient(TeacherClient):
         manifest is trusted to name the cache's teacher only when its MAC verified with the run's secret; without
         one, the run must name its teacher (``teacher.checkpoint``) or opt out (``teacher.cache_trust_unverified``).
 
+        A cache of teacher-written responses serves sequence-level KD only (``sample_mix.source=teacher``, ``lmbda``
+        0 at every step); its dataset is the prompts, and the run's ``sample_mix.teacher.*`` settings and stop ids
+        must be those the responses were written with, ``rollout.n`` at most the responses stored per prompt.
+
         Raises:
-            ValueError: the run cannot be served from a cache (on-policy, eval KL), it cannot bind the cache to a
-                teacher, or it differs from the cache; the message names every field that differs with the
-                cache's and the run's value.
+            ValueError: the run cannot be served from a cache (on-policy, eval KL, the student's samples mixed in, a
+                cache of the other kind), it cannot bind the cache to a teacher, or it differs from the cache; the
+                message names every field that differs with the cache's and the run's value.
         """
-        if config.trainer.run_mode.samples:
-            raise ValueError("teacher.client=cache cannot score on-policy samples (they are new every step): use "
-                             "trainer.mode=off_policy, or a live teacher")
+        self._check_kind(config)
         if eval_enabled(config) and config.eval.kl:
             raise ValueError("eval.kl scores the student's own eval answers, which no teacher cache holds: set "
                              "eval.kl=false, or use a live teacher")
@@ -148,8 +214,12 @@ class CacheTeacherClient(TeacherClient):
                 started = time.monotonic()
                 pairs[f"teacher.{key}"] = (cached_checkpoint, checkpoint_digest(directory))
                 logger.info("teacher.%s=%s hashed in %.1f s", key, directory, time.monotonic() - started)
-        dataset = load_prompts(config.data.train_path, config.data, tokenizer, require_responses=True)
-        pairs["data.train_path"] = (manifest.dataset["blake3"], dataset_digest(dataset_records(dataset)))
+        dataset = load_prompts(config.data.train_path, config.data, tokenizer, require_responses=needs_responses(config))
+        records = dataset_records(dataset) if self.generation is None else prompt_records(dataset)
+        pairs["data.train_path"] = (manifest.dataset["blake3"], dataset_digest(records))
+        if self.generation is not None:
+            run = sampling_settings(config, stop_token_ids(config, tokenizer))
+            pairs.update({name: (self.generation[key], run[key]) for key, name in SAMPLING_KEYS.items()})
         mismatches = [f"{field}: {cached!r} in the cache, {wanted!r} in this run"
                       for field, (cached, wanted) in pairs.items() if cached != wanted]
         if mismatches:
@@ -160,6 +230,38 @@ class CacheTeacherClient(TeacherClient):
                              "at one")
         logger.info("teacher cache %s matches this run (%d records of %s)", self.reader.directory,
                     manifest.dataset["num_records"], config.data.train_path)
+
+    def _check_kind(self, config) -> None:
+        """Refuses a run whose responses this kind of cache does not hold.
+
+        Raises:
+            ValueError: a run that samples without taking every response from the teacher, a run that takes them from
+                the teacher with a cache of the dataset's responses (or the reverse), or one that asks for more
+                responses per prompt than the cache holds.
+        """
+        mix, directory = config.sample_mix, self.reader.directory
+        written = mix.enabled and mix.source == "teacher"
+        if config.trainer.run_mode.samples and not written:
+            raise ValueError("teacher.client=cache cannot score on-policy samples (they are new every step): use "
+                             "trainer.mode=off_policy, or a live teacher (or, for sequence-level KD, a cache of "
+                             "teacher-written responses with sample_mix.source=teacher sample_mix.lmbda=0)")
+        if written and not mix.never_student(config.trainer.num_steps):
+            raise ValueError(f"sample_mix.lmbda={mix.lmbda} (schedule {mix.schedule}) draws the student's own samples "
+                             "at some step, which no teacher cache can score: a cache of teacher-written responses "
+                             "serves sample_mix.lmbda=0 at every step only; use a live teacher for the mixture")
+        if written and self.generation is None:
+            raise ValueError(f"teacher cache {directory} holds the dataset's own responses scored, and "
+                             "sample_mix.source=teacher trains on responses the teacher writes: build a cache of "
+                             f"teacher-written responses from this run's config ({_BUILD}), or use a live teacher")
+        if not written and self.generation is not None:
+            raise ValueError(f"teacher cache {directory} holds responses the teacher wrote, which only a run with "
+                             "sample_mix.source=teacher (and sample_mix.lmbda=0) trains on; build a cache of the "
+                             f"dataset's responses for this run ({_BUILD}), or set sample_mix.source=teacher "
+                             "sample_mix.lmbda=0")
+        if written and config.rollout.n > self.generation["num_per_prompt"]:
+            raise ValueError(f"rollout.n={config.rollout.n}: teacher cache {directory} holds "
+                             f"{self.generation['num_per_prompt']} responses per prompt; rebuild it with "
+                             f"{REBUILD_FLAG} {config.rollout.n} (or more), or lower rollout.n")
 
     def _check_bound(self, teacher) -> None:
         """Refuses a cache this run cannot bind to a teacher, unless ``teacher.cache_trust_unverified`` is set."""

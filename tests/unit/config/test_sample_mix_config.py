@@ -89,7 +89,9 @@ def test_the_generates_trait_says_which_clients_can_ask_for_responses():
 
     for name in client_names():
         overrides = CLIENTS.get(name)._generate is not TeacherClient._generate
-        assert client_traits(name).generates == overrides, name
+        traits = client_traits(name)
+        # A teacher cache answers generate requests from its files (a cache of teacher-written responses only).
+        assert (traits.generates or traits.from_files) == overrides, name
 
 
 def test_the_dry_run_plan_says_what_the_mixture_draws():
@@ -99,3 +101,34 @@ def test_the_dry_run_plan_says_what_the_mixture_draws():
     plan = layout_plan(load_config(BASE, MIX + ["sample_mix.per=prompt", "sample_mix.source=teacher"]))
     assert ("GKD's mixture: lmbda 0.5 (constant) student samples, drawn per prompt; otherwise responses written by "
             "teacher 'teacher' (4 a prompt, temperature 1.0)") in plan
+
+
+@pytest.mark.parametrize("overrides, num_steps, expected", [
+    (["sample_mix.lmbda=0"], 10, True),
+    (["sample_mix.lmbda=0.5"], 10, False),
+    (["sample_mix.lmbda=0", "sample_mix.schedule=linear", "sample_mix.lmbda_end=0.5", "sample_mix.ramp_steps=4"], 10,
+     False),
+    (["sample_mix.lmbda=0", "sample_mix.schedule=linear", "sample_mix.lmbda_end=0.5", "sample_mix.ramp_steps=4",
+      "sample_mix.ramp_start=10"], 10, True),  # the ramp starts after the run's last step
+    (["sample_mix.lmbda=0", "sample_mix.schedule=step", "sample_mix.milestones=[5]", "sample_mix.values=[0.5]"], 5,
+     True),
+    (["sample_mix.lmbda=0", "sample_mix.schedule=step", "sample_mix.milestones=[5]", "sample_mix.values=[0.5]"], 6,
+     False),
+    (["sample_mix.lmbda=0", "sample_mix.schedule=step", "sample_mix.milestones=[2, 4]", "sample_mix.values=[0.5, 0]"],
+     10, False),  # back to 0 at the end, not in between
+    ([], 10, False),  # no mixture: every response is the mode's own
+])
+def test_never_student_is_lmbda_zero_at_every_step(overrides, num_steps, expected):
+    assert load_config(BASE, overrides).sample_mix.never_student(num_steps) is expected
+
+
+def test_a_teacher_cache_may_write_the_responses_of_sequence_level_kd_only():
+    """teacher.client=cache answers generate requests from a cache of teacher-written responses (its check_run
+    compares it at start-up): sequence-level KD passes the config's checks, a mixture with the student's own samples
+    is refused naming sample_mix.lmbda."""
+    cache = ["sample_mix.source=teacher", "teacher.client=cache", "teacher.cache_dir=/nowhere", "teacher.serve.model=null"]
+    config = load_config(BASE, ["sample_mix.lmbda=0", *cache])
+    assert generating_teacher(config) == "teacher" and not needs_responses(config)
+    with pytest.raises(ValueError, match=r"serves sample_mix\.lmbda=0 at every step only"):
+        load_config(BASE, ["sample_mix.lmbda=0", "sample_mix.schedule=step", "sample_mix.milestones=[3]",
+                           "sample_mix.values=[0.25]", *cache])
