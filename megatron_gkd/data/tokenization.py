@@ -97,6 +97,15 @@ def tokenize_texts(tokenizer, texts: list[str], *, add_special_tokens: bool) -> 
     return tokenizer(texts, add_special_tokens=add_special_tokens, return_attention_mask=False)["input_ids"]
 
 
+def stop_token_ids(configured, tokenizer) -> tuple[int, ...]:
+    """The ids that end a response: ``configured`` (``rollout.stop_token_ids``) plus the tokenizer's EOS (engines are
+    given token ids, not text)."""
+    ids = [int(i) for i in configured]
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(int(tokenizer.eos_token_id))
+    return tuple(ids)
+
+
 def eos_token_id(tokenizer) -> int:
     """The id reference responses end with.
 

@@ -104,14 +104,6 @@ def build_cross_tokenizer(teacher, state, student: Student, tokenizer):
     return cross, shard
 
 
-def stop_token_ids(config: GKDConfig, tokenizer) -> tuple[int, ...]:
-    """``rollout.stop_token_ids`` plus the tokenizer's EOS (the engine is given token ids, not text)."""
-    ids = list(config.rollout.stop_token_ids)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(int(tokenizer.eos_token_id))
-    return tuple(ids)
-
-
 def rollout_engine_kwargs(config: GKDConfig, tokenizer) -> dict:
     """The vLLM rollout engine's arguments (colocated here, or on the rollout server); plain data."""
     rollout = config.rollout

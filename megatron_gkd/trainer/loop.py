@@ -17,11 +17,12 @@ from megatron_gkd import parallel, platform
 from megatron_gkd.config import GKDConfig, check_layout, eval_enabled, needs_responses, needs_teacher, to_dict, to_yaml
 from megatron_gkd.config.schema import MODES
 from megatron_gkd.data import PromptSampler, load_prompts, load_tokenizer
+from megatron_gkd.data.tokenization import stop_token_ids
 from megatron_gkd.parallel.comm import all_gather_msgpack, broadcast_msgpack
 from megatron_gkd.trainer import metrics as run_metrics
 from megatron_gkd.trainer import run_dir
 from megatron_gkd.trainer.checkpointing import RunCheckpoints
-from megatron_gkd.trainer.components import build_rollout, build_student, stop_token_ids, teacher_check
+from megatron_gkd.trainer.components import build_rollout, build_student, teacher_check
 from megatron_gkd.trainer.eval import Evaluator, TeacherKL
 from megatron_gkd.trainer.flow import BatchFlow, InFlight
 from megatron_gkd.trainer.metrics import MetricsWriter, Progress, Timers, batch_metrics, loss_metrics
@@ -118,7 +119,7 @@ class Trainer:
     def _load_data(self) -> None:
         config, data = self.config, self.config.data
         self.tokenizer = load_tokenizer(config.student.tokenizer_path)
-        self.stop_ids = stop_token_ids(config, self.tokenizer)
+        self.stop_ids = stop_token_ids(config.rollout.stop_token_ids, self.tokenizer)
         show = self.rank == 0
         self.train_data = load_prompts(data.train_path, data, self.tokenizer, show_progress=show,
                                        require_responses=needs_responses(config))

@@ -26,6 +26,7 @@ import sys
 
 from megatron_gkd.config import load_config, needs_responses
 from megatron_gkd.data import load_prompts, load_tokenizer
+from megatron_gkd.data.tokenization import stop_token_ids
 from megatron_gkd.log_setup import setup_logging
 from megatron_gkd.teacher.cache.build import build_cache, make_plan
 from megatron_gkd.teacher.cache.generated import REBUILD_FLAG, generation_settings, prompt_records
@@ -33,7 +34,6 @@ from megatron_gkd.teacher.cache.store import CacheRecord, dataset_records
 from megatron_gkd.teacher.clients import client_traits
 from megatron_gkd.teacher.config import build_client_from_config
 from megatron_gkd.teacher.security import SECRET_ENV, load_secret
-from megatron_gkd.trainer.components import stop_token_ids
 from megatron_gkd.trainer.teacher_service import TeacherService
 from megatron_gkd.xtok.request import CrossTokenizer
 
@@ -144,7 +144,7 @@ def _generation(config, tokenizer, batch_size: int | None, responses_per_prompt:
         raise ValueError("a cache of teacher-written responses records the seed they were written with: set "
                          "rollout.seed=N (the run's batch r is then seeded as the build's request r)")
     prompts_per_step = config.trainer.global_batch_size // config.rollout.n
-    return generation_settings(config, stop_token_ids(config, tokenizer),
+    return generation_settings(config, stop_token_ids(config.rollout.stop_token_ids, tokenizer),
                                num_per_prompt=responses_per_prompt or config.rollout.n,
                                prompts_per_request=batch_size or prompts_per_step, seed=config.rollout.seed)
 

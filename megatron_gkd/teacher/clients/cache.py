@@ -23,6 +23,7 @@ import time
 
 from megatron_gkd.config import eval_enabled, needs_responses
 from megatron_gkd.data import load_prompts, load_tokenizer
+from megatron_gkd.data.tokenization import stop_token_ids
 from megatron_gkd.teacher.cache.generated import (
     REBUILD_FLAG,
     SAMPLING_KEYS,
@@ -44,7 +45,6 @@ from megatron_gkd.teacher.types import (
     check_generated,
 )
 from megatron_gkd.teacher.vocab import tokenizer_digest
-from megatron_gkd.trainer.components import stop_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class CacheTeacherClient(TeacherClient):
         records = dataset_records(dataset) if self.generation is None else prompt_records(dataset)
         pairs["data.train_path"] = (manifest.dataset["blake3"], dataset_digest(records))
         if self.generation is not None:
-            run = sampling_settings(config, stop_token_ids(config, tokenizer))
+            run = sampling_settings(config, stop_token_ids(config.rollout.stop_token_ids, tokenizer))
             pairs.update({name: (self.generation[key], run[key]) for key, name in SAMPLING_KEYS.items()})
         mismatches = [f"{field}: {cached!r} in the cache, {wanted!r} in this run"
                       for field, (cached, wanted) in pairs.items() if cached != wanted]

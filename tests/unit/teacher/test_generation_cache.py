@@ -12,6 +12,7 @@ import pytest
 
 from megatron_gkd.config import load_config
 from megatron_gkd.data import DataConfig, load_prompts, load_tokenizer
+from megatron_gkd.data.tokenization import stop_token_ids
 from megatron_gkd.teacher import build_client
 from megatron_gkd.teacher.backends import build_backend
 from megatron_gkd.teacher.cache.__main__ import build
@@ -29,7 +30,6 @@ from megatron_gkd.teacher.config import build_client_from_config
 from megatron_gkd.teacher.server import Proxy, Worker
 from megatron_gkd.teacher.types import ErrorCode, GenerateBatch, ScoreBatch, SequenceRequest, TeacherError
 from megatron_gkd.testing.runs import CONFIG
-from megatron_gkd.trainer.components import stop_token_ids
 
 SECRET = b"generation-cache-test-secret-32b"
 TOP_K, TEMPERATURE = 8, 1.5  # the scores' k and temperature (teacher.*)
@@ -81,7 +81,7 @@ def prompts(assets, tokenizer):
 
 def _generation(assets, tokenizer, num_per_prompt=NUM_PER_PROMPT):
     config = _config(assets)
-    return generation_settings(config, stop_token_ids(config, tokenizer), num_per_prompt=num_per_prompt,
+    return generation_settings(config, stop_token_ids(config.rollout.stop_token_ids, tokenizer), num_per_prompt=num_per_prompt,
                                prompts_per_request=PER_REQUEST, seed=SEED)
 
 
