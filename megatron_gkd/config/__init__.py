@@ -6,7 +6,14 @@
 Unknown keys fail naming the closest valid key; inconsistent combinations fail with the fix.
 """
 
-from megatron_gkd.config.checks import check_layout, eval_enabled, needs_responses, needs_rollout, needs_teacher
+from megatron_gkd.config.checks import (
+    check_layout,
+    eval_enabled,
+    needs_responses,
+    needs_rollout,
+    needs_teacher,
+    student_samples,
+)
 from megatron_gkd.config.loading import load_config, merge_layers, replace, to_dict, to_yaml
 from megatron_gkd.config.schema import (
     CheckpointConfig,
@@ -34,6 +41,7 @@ __all__ = [
     "merge_layers",
     "needs_responses",
     "needs_rollout",
+    "student_samples",
     "needs_teacher",
     "replace",
     "to_dict",

@@ -51,9 +51,15 @@ def teacher_response_limit(config) -> int:
     return config.sample_mix.teacher.max_tokens or config.rollout.max_tokens
 
 
+def student_samples(config) -> bool:
+    """The student samples training batches: on-policy, unless GKD's mixture never draws its samples (``sample_mix``
+    with ``lmbda`` 0 throughout: every response is the teacher's or the dataset's)."""
+    return config.trainer.run_mode.samples and not config.sample_mix.never_student(config.trainer.num_steps)
+
+
 def needs_rollout(config) -> bool:
-    """The rollout engine samples training batches (on-policy) or eval answers."""
-    return config.trainer.run_mode.samples or eval_enabled(config)
+    """The rollout engine samples training batches (:func:`student_samples`) or eval answers."""
+    return student_samples(config) or eval_enabled(config)
 
 
 def eval_enabled(config) -> bool:

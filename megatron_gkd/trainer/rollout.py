@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 import torch.distributed as dist
 
+from megatron_gkd.config import student_samples
 from megatron_gkd.parallel.comm import all_gather_msgpack, broadcast_msgpack
 from megatron_gkd.rollout.types import RolloutBatch, concat_batches, decode_batch, encode_batch
 from megatron_gkd.weight_sync import colocated_sync
@@ -79,9 +80,10 @@ class Rollout:
         return self.remote.submit(lambda: then(self.remote.client.generate(prompts, sampling)))
 
     def sync(self, chunks, version: int, *, force: bool = False) -> None:
-        """Puts weights ``version`` into the engine: on-policy every step; otherwise only when ``force``d (off-policy
-        and SFT sample nothing, eval refreshes the engine)."""
-        if self.version == version or not (force or self.config.trainer.run_mode.samples):
+        """Puts weights ``version`` into the engine: every step while the student samples; otherwise only when
+        ``force``d (off-policy, SFT and a mixture that never draws the student sample nothing, eval refreshes the
+        engine)."""
+        if self.version == version or not (force or student_samples(self.config)):
             return
         with self.timers("weight_sync"):
             if self.remote is not None:

@@ -109,6 +109,31 @@ def test_hidden_signal_from_the_cache_equals_the_live_teacher(assets, small, tmp
     assert [r["train/loss"] for r in cached] == [r["train/loss"] for r in live]
 
 
+# Sequence-level KD (#30): every response written by the teacher (lmbda 0), 2 a prompt, one epoch of 3 steps.
+SEQ_KD = ["trainer.mode=on_policy", "sample_mix.lmbda=0", "sample_mix.source=teacher", "sample_mix.teacher.max_tokens=8",
+          "rollout.n=2", "trainer.global_batch_size=8", "trainer.num_steps=3", "rollout.seed=7"]
+
+
+def test_teacher_written_responses_from_the_cache_equal_the_live_teacher(assets, small, tmp_path):
+    """A cache of teacher-written responses (the config's sample_mix.source=teacher decides the kind): the run from it
+    trains on the responses and rows the live teacher gives the same run, step by step, with no teacher and no
+    rollout engine started (the student never samples)."""
+    cache = tmp_path / "written_cache"
+    log = _build(_overrides(assets, small, "topk") + SEQ_KD, cache)
+    assert '"generation"' in (cache / MANIFEST).read_text(), log[-2000:]
+    live, cached = tmp_path / "live", tmp_path / "cached"
+    code, log = harness.run(live, _overrides(assets, small, "topk") + SEQ_KD, nproc=1)
+    assert code == 0, log[-4000:]
+    code, log = harness.run(cached, _cache_overrides(assets, small, "topk", cache) + SEQ_KD, nproc=1)
+    assert code == 0, log[-4000:]
+    assert "teacher service" not in log and "vLLM" not in log  # neither a teacher nor a rollout engine
+    live, cached = harness.steps(live), harness.steps(cached)
+    assert len(live) == len(cached) == 3
+    assert [r["mix/samples/teacher"] for r in cached] == [8.0] * 3 and [r["mix/student_fraction"] for r in cached] == [0.0] * 3
+    for key in ("mix/tokens/teacher", "train/loss", "train/grad_norm"):
+        assert [r[key] for r in cached] == [r[key] for r in live], key
+
+
 def test_killed_build_resumes_to_the_same_bytes(assets, small, cache, tmp_path):
     out = tmp_path / "killed"
     # A slow teacher (1 s a request) gives the kill time to land between the first shard and the last.

@@ -6,7 +6,7 @@ import pathlib
 
 import pytest
 
-from megatron_gkd.config import load_config, needs_responses
+from megatron_gkd.config import load_config, needs_responses, needs_rollout, student_samples
 from megatron_gkd.config.checks import generating_teacher
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -120,6 +120,17 @@ def test_the_dry_run_plan_says_what_the_mixture_draws():
 ])
 def test_never_student_is_lmbda_zero_at_every_step(overrides, num_steps, expected):
     assert load_config(BASE, overrides).sample_mix.never_student(num_steps) is expected
+
+
+@pytest.mark.parametrize("overrides, samples, rollout", [
+    (["sample_mix.lmbda=0", "sample_mix.source=teacher", "eval.at_start=false", "eval.at_end=false"], False, False),
+    (["sample_mix.lmbda=0", "sample_mix.source=teacher", "eval.at_start=true"], False, True),  # eval still samples
+    (["sample_mix.lmbda=0.5", "sample_mix.source=teacher", "eval.at_start=false", "eval.at_end=false"], True, True),
+    (["eval.at_start=false", "eval.at_end=false"], True, True),  # on-policy without a mixture
+])
+def test_no_rollout_engine_for_a_run_whose_student_never_samples(overrides, samples, rollout):
+    config = load_config(BASE, ["trainer.mode=on_policy", "trainer.num_steps=10", "data.eval_path=eval.jsonl", *overrides])
+    assert student_samples(config) is samples and needs_rollout(config) is rollout
 
 
 def test_a_teacher_cache_may_write_the_responses_of_sequence_level_kd_only():
