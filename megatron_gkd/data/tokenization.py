@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import pathlib
 
@@ -95,6 +97,13 @@ def tokenize_texts(tokenizer, texts: list[str], *, add_special_tokens: bool) -> 
     if not texts:
         return []
     return tokenizer(texts, add_special_tokens=add_special_tokens, return_attention_mask=False)["input_ids"]
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """SHA-256 of the tokenizer's ``token -> id`` map (sorted by id), independent of file layout."""
+    vocab = tokenizer.get_vocab()
+    items = sorted(vocab.items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
 
 
 def stop_token_ids(configured, tokenizer) -> tuple[int, ...]:

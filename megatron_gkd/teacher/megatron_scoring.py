@@ -30,12 +30,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_gkd.data.tokenization import tokenizer_digest
 from megatron_gkd.losses import vocab_parallel_topk
 from megatron_gkd.losses.shard_ops import LocalSupport, ShardLayout, combine_shards
 from megatron_gkd.models import load_hf, parallel_state_of, unwrap
 from megatron_gkd.parallel import run_schedule
 from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, SequenceRequest, TeacherError, TeacherOutput
-from megatron_gkd.teacher.vocab import tokenizer_digest
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class TeacherVocab:
     Attributes:
         vocab_size: rows of the output layer (all TP shards together; may be padded).
         tokenizer_size: ids the tokenizer defines; rows at or past it get no probability.
-        tokenizer_digest: :func:`megatron_gkd.teacher.vocab.tokenizer_digest` of the tokenizer.
+        tokenizer_digest: :func:`megatron_gkd.data.tokenization.tokenizer_digest` of the tokenizer.
     """
 
     vocab_size: int

@@ -11,23 +11,16 @@ are its own vocabulary's, and ids at or past the teacher's tokenizer size are dr
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 from typing import Any
 
 import numpy as np
 
+from megatron_gkd.data.tokenization import tokenizer_digest
 from megatron_gkd.teacher.types import TeacherOutput
+from megatron_gkd.xtok.config import CrossTokenizerConfig, check_tokenizers
 
 logger = logging.getLogger(__name__)
-
-
-def tokenizer_digest(tokenizer: Any) -> str:
-    """SHA-256 of the tokenizer's ``token -> id`` map (sorted by id), independent of file layout."""
-    vocab = tokenizer.get_vocab()
-    items = sorted(vocab.items(), key=lambda item: item[1])
-    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -64,8 +57,6 @@ def check_vocab(*, teacher_vocab_size: int, teacher_tokenizer_size: int, teacher
         ValueError: the tokenizers differ and the run did not ask for cross-tokenizer distillation (the message
             names the key that does), or a tokenizer defines ids past its embedding table.
     """
-    # deferred: import cycle, xtok/ imports this module's tokenizer_digest (through xtok/tokens.py)
-    from megatron_gkd.xtok.config import CrossTokenizerConfig, check_tokenizers
 
     student_size, student_digest = len(student_tokenizer), tokenizer_digest(student_tokenizer)
     same = (student_size, student_digest) == (teacher_tokenizer_size, teacher_digest)

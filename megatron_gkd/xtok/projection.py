@@ -28,7 +28,7 @@ spreads evenly. ``decay=0.5`` (the default) gives the first piece 8/15 of a 4-pi
 Contract with the loss (:func:`megatron_gkd.losses.cross_vocab.shard_projection`): COO ``student_ids`` int64,
 ``teacher_ids`` int64, ``weights`` float32, sorted by (student, teacher), no duplicate pair; each mapped row sums
 to 1 (float32); ``exact`` ``[student_vocab_size]`` bool with one-hot rows. The map is saved as ``.npz`` with a
-blake3 hash of its content and both tokenizers' digests (:func:`megatron_gkd.teacher.vocab.tokenizer_digest`,
+blake3 hash of its content and both tokenizers' digests (:func:`megatron_gkd.data.tokenization.tokenizer_digest`,
 the ones the teacher's INFO and the teacher cache carry), so a run refuses a map built for another pair.
 """
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_gkd.teacher.vocab import tokenizer_digest
+from megatron_gkd.data.tokenization import tokenizer_digest
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
@@ -80,7 +80,7 @@ class TokenTable:
         byte_tokens: ``[vocab]`` bool, ids that stand for one raw byte (byte fallback ``<0xNN>``); byte-level
             BPE tokens are not flagged (their pieces are exact bytes anyway).
         vocab_size: ids ``[0, vocab_size)``, added tokens included (the tokenizer's size, not the embedding's).
-        digest: the tokenizer's identity (:func:`megatron_gkd.teacher.vocab.tokenizer_digest`, the digest the
+        digest: the tokenizer's identity (:func:`megatron_gkd.data.tokenization.tokenizer_digest`, the digest the
             teacher's INFO and the teacher cache carry).
         from_decode: the pieces came from ``decode([id])`` (no fast backend): partial characters are lost.
         byte_level, space_mark: the tokenizer's alphabet (GPT-2 bytes; the character standing for a space), for

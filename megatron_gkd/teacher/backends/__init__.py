@@ -25,7 +25,7 @@ class BackendInfo:
         name: backend name.
         vocab_size: rows of the teacher's output embedding (may be padded past the tokenizer).
         tokenizer_size: number of ids the tokenizer defines (the real vocabulary).
-        tokenizer_digest: :func:`megatron_gkd.teacher.vocab.tokenizer_digest` of the tokenizer.
+        tokenizer_digest: :func:`megatron_gkd.data.tokenization.tokenizer_digest` of the tokenizer.
         max_top_k: the largest k the backend serves.
         supports_requested_ids: whether TCAD's per-row requested ids can be scored.
         supports_temperature: whether temperatures other than 1.0 can be applied.

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import tqdm
 
+from megatron_gkd.data.tokenization import tokenizer_digest
 from megatron_gkd.teacher.cache.generated import num_requests, write_responses
 from megatron_gkd.teacher.cache.store import (
     MANIFEST,
@@ -38,7 +39,6 @@ from megatron_gkd.teacher.cache.store import (
 )
 from megatron_gkd.teacher.security import SECRET_ENV
 from megatron_gkd.teacher.types import ScoreBatch, SequenceRequest, TeacherOutput
-from megatron_gkd.teacher.vocab import tokenizer_digest
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import time
 
 from megatron_gkd.config import eval_enabled, needs_responses
 from megatron_gkd.data import load_prompts, load_tokenizer
-from megatron_gkd.data.tokenization import stop_token_ids
+from megatron_gkd.data.tokenization import stop_token_ids, tokenizer_digest
 from megatron_gkd.teacher.cache.generated import (
     REBUILD_FLAG,
     SAMPLING_KEYS,
@@ -44,7 +44,6 @@ from megatron_gkd.teacher.types import (
     TeacherOutput,
     check_generated,
 )
-from megatron_gkd.teacher.vocab import tokenizer_digest
 
 logger = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from megatron_gkd.data.tokenization import tokenizer_digest
 from megatron_gkd.teacher import sampling
 from megatron_gkd.teacher.clients import RetryPolicy, TeacherClient, TeacherInfo
 from megatron_gkd.teacher.clients.http_call import DeadlineExceeded, HttpEndpoint, Response, ResponseTooLarge
@@ -41,7 +42,6 @@ from megatron_gkd.teacher.types import (
     TeacherOutputError,
     check_generated,
 )
-from megatron_gkd.teacher.vocab import tokenizer_digest
 
 logger = logging.getLogger(__name__)
 

@@ -61,8 +61,8 @@ def test_three_operand_problems_are_correct_worked_solutions_and_held_out():
 def test_multi_task_files_name_each_record_task_and_keep_the_demo_problems_and_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
+    from megatron_gkd.data.tokenization import tokenizer_digest
     from megatron_gkd.recipes import demo
-    from megatron_gkd.teacher.vocab import tokenizer_digest
 
     out = arithmetic.build_multi_task(tmp_path, num_train=300, num_eval=50)
     read = lambda path: [json.loads(line) for line in path.read_text().splitlines()]  # noqa: E731

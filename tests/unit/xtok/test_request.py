@@ -4,8 +4,9 @@ come back to the student's positions, and the start-up refusal of a mismatch nob
 import numpy as np
 import pytest
 
+from megatron_gkd.data.tokenization import tokenizer_digest
 from megatron_gkd.teacher.types import TeacherOutput
-from megatron_gkd.teacher.vocab import check_vocab, tokenizer_digest
+from megatron_gkd.teacher.vocab import check_vocab
 from megatron_gkd.xtok.align import Kind
 from megatron_gkd.xtok.config import CrossTokenizerConfig
 from megatron_gkd.xtok.request import CrossTokenizer
