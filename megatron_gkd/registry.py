@@ -14,11 +14,16 @@ scorers are all :class:`Registry` instances. An entry is either the object itsel
     engine = ENGINES.build("vllm", model=path)       # ValueError naming the closest name if unknown
 
 Registering a name twice is an error (a plugin must choose a new name): nothing is overwritten silently.
+
+A closed set of choices that code branches on (the teacher's signal, the rollout layout, the loss kind) is a
+:class:`Choice`: its members say what each choice needs, so code asks ``signal.needs_head`` instead of comparing
+a name (``tests/unit/test_code_habits.py`` keeps names from being compared outside their owners).
 """
 
 from __future__ import annotations
 
 import difflib
+import enum
 import importlib
 from typing import Any, Callable, Generic, Iterator, TypeVar
 
@@ -101,3 +106,26 @@ class Registry(Generic[T]):
         """Calls the entry registered as ``name`` (a class or factory) with ``kwargs``."""
         factory: Callable[..., Any] = self.get(name)  # type: ignore[assignment]
         return factory(**kwargs)
+
+
+class Choice(str, enum.Enum):
+    """A closed set of config strings whose members say what each choice does.
+
+    A member is its string (``Signal.HIDDEN == "hidden"``; ``str()``, ``repr()``, f-strings, YAML, JSON and
+    msgpack give the value's), so a config field keeps its ``str`` type for OmegaConf, its messages and its dumps, and is
+    converted once, where it is validated.
+    """
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:  # messages say ``teacher.signal='hidden'``, as they did for the plain string
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        """Every member's string, in definition order."""
+        return tuple(member.value for member in cls)

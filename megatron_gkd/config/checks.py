@@ -15,7 +15,8 @@ from megatron_gkd.losses.advantages import get_advantage_estimator
 from megatron_gkd.losses.cross_vocab import CROSS_VOCAB_DIVERGENCES
 from megatron_gkd.planning.model import model_shape, read_config
 from megatron_gkd.rewards.config import check_reward_settings
-from megatron_gkd.rollout.registry import ENGINES
+from megatron_gkd.rollout.registry import ENGINES, engine_traits
+from megatron_gkd.rollout.types import Layout
 from megatron_gkd.teacher.backends import backend_names, backend_traits
 from megatron_gkd.teacher.clients import client_names, client_traits
 
@@ -97,7 +98,7 @@ def check_config(config) -> None:
     if not trainer.run_mode.samples and rollout.n != 1:
         _fail(f"rollout.n={rollout.n} samples per prompt only applies to trainer.mode=on_policy ({trainer.mode} trains "
               "on one dataset response per prompt); set rollout.n=1")
-    topk_teachers = any(teacher.signal == "topk" for teacher in teachers.values())
+    topk_teachers = any(teacher.signal.sends_topk for teacher in teachers.values())
     if loss.type == "tcad" and trainer.run_mode.samples and rollout.logprobs_k < 1 and topk_teachers:
         _fail("loss.type=tcad interleaves the teacher's top-k with the student's: set rollout.logprobs_k=K (the "
               "student's top-k ids returned by the rollout engine), e.g. rollout.logprobs_k=8")
@@ -229,24 +230,25 @@ def _check_weight_sync(config) -> None:
     rollout, sync, parallel = config.rollout, config.weight_sync, config.parallel
     if not needs_rollout(config):
         return
-    if rollout.engine == "megatron" and rollout.layout != "colocated":
-        _fail("rollout.engine=megatron samples with the student itself: it needs rollout.layout=colocated")
-    if rollout.engine == "megatron" and parallel.pipeline_model_parallel_size > 1:
-        _fail("rollout.engine=megatron needs parallel.pipeline_model_parallel_size=1; use rollout.engine=vllm")
-    if rollout.layout == "colocated" and rollout.engine == "vllm" and sync.transport != "colocated":
+    own_weights = not engine_traits(rollout.engine).shares_student_weights
+    if not own_weights and not rollout.layout.in_trainer:
+        _fail(f"rollout.engine={rollout.engine} samples with the student itself: it needs rollout.layout=colocated")
+    if not own_weights and parallel.pipeline_model_parallel_size > 1:
+        _fail(f"rollout.engine={rollout.engine} needs parallel.pipeline_model_parallel_size=1; use rollout.engine=vllm")
+    if rollout.layout.in_trainer and own_weights and sync.transport != rollout.layout.transport:
         _fail(f"rollout.layout=colocated loads weights in-process: set weight_sync.transport=colocated (it is "
               f"{sync.transport!r}), or rollout.layout=disaggregated to send them to a rollout server")
-    if rollout.layout == "disaggregated" and sync.transport != "distributed":
+    if rollout.layout.sends_weights and sync.transport != rollout.layout.transport:
         _fail("rollout.layout=disaggregated sends weights to the rollout server: set weight_sync.transport=distributed")
     low_precision = {config.student.dtype, rollout.dtype or config.student.dtype} - {"float32"}
-    if (rollout.engine == "vllm" and sync.verify and low_precision
+    if (own_weights and sync.verify and low_precision
             and sync.verify_tolerance < LOW_PRECISION_VERIFY_TOLERANCE):
         _fail(f"weight_sync.verify compares vLLM's prompt log-probs with the student's, and in {min(low_precision)} "
               "the two implementations differ by up to 0.08 with the same weights (measured on the tiny assets), "
               f"above weight_sync.verify_tolerance={sync.verify_tolerance}: set "
               f"weight_sync.verify_tolerance={LOW_PRECISION_VERIFY_TOLERANCE} (it then catches missing or garbled "
               "weights, not a step of staleness) or weight_sync.verify=false")
-    if sync.transport == "colocated" and parallel.pipeline_model_parallel_size > 1:
+    if sync.transport == Layout.COLOCATED.transport and parallel.pipeline_model_parallel_size > 1:
         # Experts split over expert parallelism are gathered for the engine; pipeline stages are not.
         _fail("weight_sync.transport=colocated needs parallel.pipeline_model_parallel_size=1 (each rank's vLLM shard "
               "needs every layer, but a rank holds only its stage's weights); use rollout.layout=disaggregated with "
@@ -274,7 +276,7 @@ def _check_inert(config) -> None:
     elif mindspeed.ulysses_degree_in_cp is not None and mindspeed.context_parallel_algo != "hybrid_cp_algo":
         logger.warning("mindspeed.ulysses_degree_in_cp has no effect with mindspeed.context_parallel_algo=%s "
                        "(hybrid_cp_algo only)", mindspeed.context_parallel_algo)
-    if rollout.layout == "colocated" and trainer.scheduler != "sync":
+    if rollout.layout.in_trainer and trainer.scheduler != "sync":
         logger.info("trainer.scheduler=%s with a colocated rollout overlaps teacher scoring with training; "
                     "rollout itself runs on the training ranks between updates", trainer.scheduler)
 
@@ -305,7 +307,7 @@ def check_layout(config, world_size: int) -> dict:
               f"that is a multiple of dp x micro_batch_size = {dp * trainer.micro_batch_size}, or "
               "trainer.max_tokens_per_microbatch")
     replicas = 1
-    if needs_rollout(config) and rollout.layout == "colocated" and rollout.engine == "vllm":
+    if needs_rollout(config) and rollout.layout.in_trainer and not engine_traits(rollout.engine).shares_student_weights:
         if world_size % rollout.tensor_parallel_size:
             _fail(f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} must divide the world size {world_size} "
                   "in the colocated layout (every rank holds a vLLM shard)")
@@ -339,12 +341,12 @@ def _check_teacher(config, teacher, key: str) -> None:
               f"{key}.client=zmq with {key}.address=tcp://HOST:PORT or {key}.serve.model=DIR")
     backend = teacher.serve.backend if teacher.serve.model is not None else None  # a service the run starts
     served = backend_traits(backend) if backend is not None else None
-    if loss.type == "tcad" and teacher.signal == "topk" and served is not None and not served.requested_ids:
+    if loss.type == "tcad" and teacher.signal.sends_topk and served is not None and not served.requested_ids:
         able = " or ".join(name for name in backend_names() if backend_traits(name).requested_ids)
         _fail(f"loss.type=tcad scores the teacher at the student's top-k ids, which {key}.serve.backend="
               f"{backend} cannot do; use {key}.serve.backend={able}")
     traits = client_traits(teacher.client) if teacher.enabled else None
-    if loss.type == "tcad" and teacher.signal == "topk" and traits is not None and not traits.requested_ids:
+    if loss.type == "tcad" and teacher.signal.sends_topk and traits is not None and not traits.requested_ids:
         _fail(f"loss.type=tcad scores the teacher at the student's top-k ids, which {traits.description} "
               f"cannot do; use {key}.client=zmq with an hf or megatron backend, or {key}.client=local")
     if served is not None and teacher.signal not in served.signals:
@@ -359,7 +361,7 @@ def _check_teacher(config, teacher, key: str) -> None:
         logger.warning("%s.* has no effect in trainer.mode=sft without eval (it is only used for eval's KL)", key)
     if teacher.enabled and teacher.cross_tokenizer.enabled:
         _check_cross_tokenizer(config, teacher, key)
-    elif teacher.enabled and teacher.cross_tokenizer.hidden_support != "topk":
+    elif teacher.enabled and teacher.cross_tokenizer.hidden_support.whole_vocabulary:
         logger.warning("%s.cross_tokenizer.hidden_support=%s has no effect without %s.cross_tokenizer.method (a teacher "
                        "of the student's tokenizer with signal=hidden is always compared over its whole vocabulary)",
                        key, teacher.cross_tokenizer.hidden_support, key)
@@ -374,11 +376,11 @@ def _check_cross_tokenizer(config, teacher, key: str) -> None:
     if config.loss.type == "tcad":
         _fail(f"{where}: loss.type=tcad has no cross-tokenizer form (its support is the student's own top-k, which the "
               "teacher would have to score through the inverse map); use forward_kl, reverse_kl, jsd or kl_rkl")
-    if teacher.signal == "hidden" and teacher.cross_tokenizer.inside_groups == "chain":
+    if teacher.signal.sends_hidden and teacher.cross_tokenizer.inside_groups == "chain":
         _fail(f"{where} with {key}.signal=hidden: the chain rule reads the teacher's top-k where the teacher is asked, "
               f"which the hidden signal makes only in the step; set {key}.cross_tokenizer.inside_groups=skip, or "
               f"{key}.signal=topk")
-    if teacher.cross_tokenizer.hidden_support == "full":
+    if teacher.cross_tokenizer.hidden_support.whole_vocabulary:
         _check_full_support(config, teacher, key)
     if client_traits(teacher.client).collective:
         _fail(f"{where}: {key}.client={teacher.client} runs the teacher on the student's token ids; a teacher of "
@@ -393,7 +395,7 @@ def _check_full_support(config, teacher, key: str) -> None:
     """``cross_tokenizer.hidden_support=full``: the teacher's whole distribution from its hidden states against the
     student's logit shard through ``W`` (megatron_gkd.losses.cross_vocab_hidden)."""
     where = f"{key}.cross_tokenizer.hidden_support=full"
-    if teacher.signal != "hidden":
+    if not teacher.signal.sends_hidden:
         _fail(f"{where} compares with the teacher's whole distribution, made in the step from its hidden states: set "
               f"{key}.signal=hidden, or {key}.cross_tokenizer.hidden_support=topk")
     if config.loss.type not in CROSS_VOCAB_DIVERGENCES:

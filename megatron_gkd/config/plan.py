@@ -5,6 +5,7 @@ from __future__ import annotations
 from megatron_gkd import planning
 from megatron_gkd.config.checks import check_layout, eval_enabled, generating_teacher, needs_rollout, needs_teacher
 from megatron_gkd.config.schema import GKDConfig
+from megatron_gkd.rollout.registry import engine_traits
 from megatron_gkd.teacher.clients import client_traits
 
 
@@ -50,7 +51,8 @@ def layout_plan(config: GKDConfig, world_size: int | None = None) -> str:
     ]
     if needs_rollout(config):
         where = (f"colocated, vLLM TP {rollout.tensor_parallel_size} x {plan['rollout_replicas']} replica(s)"
-                 if rollout.engine == "vllm" and rollout.layout == "colocated" else f"{rollout.layout} {rollout.engine}")
+                 if rollout.layout.in_trainer and not engine_traits(rollout.engine).shares_student_weights
+                 else f"{rollout.layout} {rollout.engine}")
         lines.append(f"rollout: {where}, n {rollout.n}, max_tokens {rollout.max_tokens}, weight sync "
                      f"{config.weight_sync.transport}")
     mix = config.sample_mix
@@ -66,8 +68,8 @@ def layout_plan(config: GKDConfig, world_size: int | None = None) -> str:
         where = (f"service started on loopback ({teacher.serve.backend} backend, {teacher.serve.model})"
                  if teacher.serve.model else teacher.address or teacher.base_url or teacher.checkpoint)
         lines.append(f"teacher: {teacher.client} client, {where}, "
-                     + (f"top-k {teacher.top_k}" if teacher.signal == "topk" else f"{teacher.signal} signal"))
-        if teacher.signal == "hidden":
+                     + (f"top-k {teacher.top_k}" if teacher.signal.sends_topk else f"{teacher.signal} signal"))
+        if teacher.signal.needs_head:
             lines.append(f"teacher head (hidden signal): {_teacher_head_text(config)}")
     lines.append("ranks (tp, dp, pp):")
     for rank in range(world_size):

@@ -27,12 +27,32 @@ from megatron_gkd.losses.combinations import get_combination
 from megatron_gkd.losses.sampled_kl import KL_ESTIMATORS
 from megatron_gkd.parallel.state import ParallelConfig
 from megatron_gkd.platform.npu import MindSpeedConfig
+from megatron_gkd.registry import Choice
 from megatron_gkd.rewards.config import RewardConfig
-from megatron_gkd.rollout.types import SamplingConfig
+from megatron_gkd.rollout.types import Layout, SamplingConfig
 from megatron_gkd.teacher.config import TeacherConfig, TeacherMixConfig
 from megatron_gkd.weight_sync.config import WeightSyncConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
+class LossKind(Choice):
+    """What the step's loss compares the student with (``Mode.loss_kind``, ``LossSpec.kind``)."""
+
+    DISTILL = "distill"
+    """A divergence to a teacher's distribution (the teacher's rows ride in each micro-batch)."""
+    CROSS_ENTROPY = "cross_entropy"
+    """Megatron's own cross-entropy on the dataset's response tokens (the micro-batch carries labels)."""
+
+    @property
+    def needs_teacher(self) -> bool:
+        """A teacher scores every trained sample."""
+        return self is LossKind.DISTILL
+
+    @property
+    def needs_labels(self) -> bool:
+        """The micro-batches carry labels (the next tokens) for the model's own loss."""
+        return self is LossKind.CROSS_ENTROPY
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Mode:
     """What a ``trainer.mode`` does and needs: the one place the mode names mean something (code asks the
@@ -46,8 +66,8 @@ class Mode:
     """A teacher scores the responses and the loss is a divergence to it; otherwise cross-entropy."""
 
     @property
-    def loss_kind(self) -> str:
-        return "distill" if self.distills else "cross_entropy"
+    def loss_kind(self) -> LossKind:
+        return LossKind.DISTILL if self.distills else LossKind.CROSS_ENTROPY
 
 
 MODES = {mode.name: mode for mode in (Mode("on_policy", samples=True, distills=True),
@@ -100,7 +120,8 @@ class RolloutConfig(SamplingConfig):
     """Registered rollout engine: ``vllm`` or ``megatron`` (the student itself, slow, no vLLM)."""
     layout: str = "colocated"
     """``colocated`` (every trainer rank holds a vLLM shard) or ``disaggregated`` (a rollout server
-    process; rollout then overlaps training under the off-policy schedulers)."""
+    process; rollout then overlaps training under the off-policy schedulers); a
+    :class:`~megatron_gkd.rollout.types.Layout` once validated."""
     tensor_parallel_size: int = 1
     """vLLM's tensor parallelism; colocated: it divides the world size (the rest are vLLM replicas)."""
     max_model_len: int = 2048
@@ -116,8 +137,9 @@ class RolloutConfig(SamplingConfig):
 
     def __post_init__(self):
         SamplingConfig.__post_init__(self)
-        if self.layout not in ("colocated", "disaggregated"):
+        if self.layout not in Layout.values():
             raise ValueError(f"rollout.layout={self.layout!r}; choose 'colocated' or 'disaggregated'")
+        self.layout = Layout(self.layout)  # the field stays a str for OmegaConf: its messages and YAML are unchanged
         if self.tensor_parallel_size < 1 or self.max_model_len < 2:
             raise ValueError("rollout.tensor_parallel_size must be >= 1 and rollout.max_model_len >= 2")
         if self.dtype is not None:

@@ -43,7 +43,7 @@ def teacher_head(config) -> planning.TeacherHeadShape | None:
     Raises:
         ValueError: the head checkpoint's ``config.json`` cannot be read.
     """
-    if config.teacher.signal != "hidden" or not config.teacher.enabled:
+    if not config.teacher.signal.needs_head or not config.teacher.enabled:
         return None
     return planning.TeacherHeadShape.from_config(_read(config.teacher.head_source, "teacher head"))
 

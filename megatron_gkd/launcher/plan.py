@@ -127,7 +127,7 @@ def build_plan(options: JobOptions, config, allocation: Allocation) -> JobPlan:
         if options.role == "combined":
             student_overrides += ["teacher.serve.model=null", f"teacher.address={teacher.address}",
                                   f"teacher.secret_file={options.secret_file}"]
-            if config.teacher.signal == "hidden" and config.teacher.head_checkpoint is None:
+            if config.teacher.signal.needs_head and config.teacher.head_checkpoint is None:
                 # The student still reads the teacher's output layer from the served checkpoint.
                 student_overrides.append(f"teacher.head_checkpoint={config.teacher.serve.model}")
     else:

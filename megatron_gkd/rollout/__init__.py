@@ -12,8 +12,17 @@ the Megatron student itself), each ``colocated`` or ``disaggregated`` (a serving
 Engine modules are imported only when their engine is built, so vLLM loads only for ``vllm``.
 """
 
-from megatron_gkd.rollout.registry import ENGINES, RolloutEngine, StaleWeightsError, build_engine, register_engine, registered_engines
+from megatron_gkd.rollout.registry import (
+    ENGINES,
+    EngineTraits,
+    RolloutEngine,
+    StaleWeightsError,
+    build_engine,
+    engine_traits,
+    register_engine,
+    registered_engines,
+)
 from megatron_gkd.rollout.types import RolloutBatch, SamplingConfig, check_prompt_lengths
 
-__all__ = ["ENGINES", "RolloutBatch", "RolloutEngine", "SamplingConfig", "StaleWeightsError", "build_engine",
-           "check_prompt_lengths", "register_engine", "registered_engines"]
+__all__ = ["ENGINES", "EngineTraits", "RolloutBatch", "RolloutEngine", "SamplingConfig", "StaleWeightsError", "build_engine",
+           "check_prompt_lengths", "engine_traits", "register_engine", "registered_engines"]

@@ -9,15 +9,16 @@ Every engine implements :class:`RolloutEngine`. The layout is the registry's bus
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 from typing import Iterable, Sequence
 
 import torch
 
 from megatron_gkd.registry import Registry
-from megatron_gkd.rollout.types import RolloutBatch, SamplingConfig
+from megatron_gkd.rollout.types import Layout, RolloutBatch, SamplingConfig
 
-LAYOUTS = ("colocated", "disaggregated")
+LAYOUTS = Layout.values()
 
 
 class StaleWeightsError(RuntimeError):
@@ -127,14 +128,41 @@ class RolloutEngine(abc.ABC):
         """Releases the engine's resources."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineTraits:
+    """What a rollout engine needs, declared where it is registered, so the config's checks, the planner and the
+    builders ask ``engine_traits(name)`` without importing the engine (vLLM) or comparing its name."""
+
+    shares_student_weights: bool = False
+    """The engine samples with the student's own parameters (its class's ``shares_student_weights``): nothing is
+    sent, it needs the colocated layout and one pipeline stage, and it is built on the student's chunks. Otherwise
+    the engine has weights (and an implementation) of its own: weights are synced to it, its TP may differ from
+    training's, and its log-probs differ from the student's in low precision."""
+
+
 ENGINES: Registry = Registry("rollout engine", config_key="rollout.engine")
-ENGINES.register("vllm", "megatron_gkd.rollout.vllm_engine:VLLMEngine")
-ENGINES.register("megatron", "megatron_gkd.rollout.megatron_engine:MegatronEngine")
+ENGINE_TRAITS: dict[str, EngineTraits] = {}
 
 
-def register_engine(name: str, target=None):
-    """Registers an engine class or factory (or a lazy ``"module:attribute"``) under ``name``."""
+def register_engine(name: str, target=None, traits: EngineTraits = EngineTraits()):  # noqa: B008 - frozen
+    """Registers an engine class or factory (or a lazy ``"module:attribute"``) under ``name`` with its traits."""
+    ENGINE_TRAITS[name] = traits
     return ENGINES.register(name, target)
+
+
+def engine_traits(name: str) -> EngineTraits:
+    """The traits of the engine registered as ``name``.
+
+    Raises:
+        ValueError: ``name`` is not registered (naming the closest).
+    """
+    if name not in ENGINES:
+        raise ENGINES.unknown(name)
+    return ENGINE_TRAITS[name]
+
+
+register_engine("vllm", "megatron_gkd.rollout.vllm_engine:VLLMEngine")
+register_engine("megatron", "megatron_gkd.rollout.megatron_engine:MegatronEngine", EngineTraits(shares_student_weights=True))
 
 
 def build_engine(name: str, *, layout: str = "colocated", **kwargs) -> RolloutEngine:
@@ -146,14 +174,14 @@ def build_engine(name: str, *, layout: str = "colocated", **kwargs) -> RolloutEn
     Raises:
         ValueError: ``name`` is not registered or ``layout`` is unknown (the messages list the choices).
     """
-    if layout == "colocated":
+    if layout not in LAYOUTS:
+        raise ValueError(f"rollout.layout={layout!r} is unknown; choose one of {list(LAYOUTS)}")
+    if Layout(layout).in_trainer:
         return ENGINES.build(name, **kwargs)
-    if layout == "disaggregated":
-        # deferred: import cycle, rollout/disaggregated.py subclasses this module's RolloutEngine
-        from megatron_gkd.rollout.disaggregated import build_disaggregated
+    # deferred: import cycle, rollout/disaggregated.py subclasses this module's RolloutEngine
+    from megatron_gkd.rollout.disaggregated import build_disaggregated
 
-        return build_disaggregated(engine=name, **kwargs)
-    raise ValueError(f"rollout.layout={layout!r} is unknown; choose one of {list(LAYOUTS)}")
+    return build_disaggregated(engine=name, **kwargs)
 
 
 def registered_engines() -> list[str]:

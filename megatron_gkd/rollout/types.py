@@ -19,7 +19,33 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from megatron_gkd.registry import Choice
+
 logger = logging.getLogger(__name__)
+
+class Layout(Choice):
+    """Where the rollout engine runs (``rollout.layout``)."""
+
+    COLOCATED = "colocated"
+    DISAGGREGATED = "disaggregated"
+
+    @property
+    def in_trainer(self) -> bool:
+        """Every trainer rank holds (its shard of) the engine: rollout runs on the training ranks between updates
+        and weights are loaded in-process."""
+        return self is Layout.COLOCATED
+
+    @property
+    def sends_weights(self) -> bool:
+        """A rollout server outside the trainers' world: weights are sent to it, and rollout overlaps training."""
+        return self is Layout.DISAGGREGATED
+
+    @property
+    def transport(self) -> str:
+        """The weight-sync transport an engine with weights of its own needs in this layout
+        (``weight_sync.transport``)."""
+        return "colocated" if self.in_trainer else "distributed"
+
 
 @dataclasses.dataclass(kw_only=True)
 class SamplingConfig:

@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from megatron_gkd.teacher.clients import CLIENT_TRAITS, CLIENTS, RetryPolicy, TeacherClient, client_traits
-from megatron_gkd.teacher.types import HIDDEN_DTYPES, TEACHER_SIGNALS
+from megatron_gkd.teacher.types import HIDDEN_DTYPES, TEACHER_SIGNALS, Signal
 from megatron_gkd.xtok.config import CrossTokenizerConfig
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,8 @@ class TeacherConfig:
         serve: a teacher service this run starts itself (:class:`TeacherServeConfig`).
         signal: ``topk`` (the teacher's top-k log-probs per token) or ``hidden`` (its final hidden
             state per token, after the last norm; the trainer recomputes the teacher's logits over the
-            whole vocabulary with the teacher's output layer, sharded over the student's TP ranks).
+            whole vocabulary with the teacher's output layer, sharded over the student's TP ranks); a
+            :class:`~megatron_gkd.teacher.types.Signal` once validated.
         hidden_dtype: hidden: the dtype of the hidden states on the wire (``bfloat16``, ``float16``
             or ``float32``).
         head_checkpoint: hidden: HF checkpoint directory whose output layer (``lm_head.weight``, or the
@@ -147,6 +148,7 @@ class TeacherConfig:
     def __post_init__(self):
         if self.signal not in TEACHER_SIGNALS:
             raise ValueError(f"teacher.signal={self.signal!r} must be one of {', '.join(TEACHER_SIGNALS)}")
+        self.signal = Signal(self.signal)  # the field stays a str for OmegaConf: its messages and YAML are unchanged
         if self.hidden_dtype not in HIDDEN_DTYPES:
             raise ValueError(f"teacher.hidden_dtype={self.hidden_dtype!r} must be one of {', '.join(HIDDEN_DTYPES)}")
         if self.client != NO_TEACHER and self.client not in CLIENTS:
@@ -165,12 +167,12 @@ class TeacherConfig:
                              "nats > 0")
         if self.enabled:
             self._check_client_options(client_traits(self.client))
-        if self.signal == "hidden" and self.enabled and self.head_source is None:
+        if self.signal.needs_head and self.enabled and self.head_source is None:
             raise ValueError("teacher.signal=hidden recomputes the teacher's logits with its output layer: set "
                              "teacher.head_checkpoint=DIR (the teacher's HF checkpoint), or teacher.serve.model / "
                              "teacher.checkpoint, from which it is read")
         inert = [key for key, default in _HIDDEN_DEFAULTS.items() if getattr(self, key) != default]
-        if self.signal == "topk" and inert:
+        if not self.signal.needs_head and inert:
             logger.warning("teacher.%s: no effect with teacher.signal=topk", ", teacher.".join(inert))
 
     def _check_client_options(self, traits) -> None:

@@ -17,8 +17,36 @@ import math
 
 import numpy as np
 
-# What a teacher sends per response token, and the dtypes hidden states may travel in.
-TEACHER_SIGNALS = ("topk", "hidden")
+from megatron_gkd.registry import Choice
+
+
+class Signal(Choice):
+    """What a teacher sends per response token (``teacher.signal``, ``ScoreBatch.signal``)."""
+
+    TOPK = "topk"
+    """The teacher's top-k ids and log-probs (and, for TCAD, its log-probs at requested ids)."""
+    HIDDEN = "hidden"
+    """The teacher's final hidden states ``[T, h]``; the trainer makes the distribution with the teacher's head."""
+
+    @property
+    def sends_topk(self) -> bool:
+        """The teacher's rows are its top-k, and it scores requested ids itself (TCAD)."""
+        return self is Signal.TOPK
+
+    @property
+    def sends_hidden(self) -> bool:
+        """The teacher's rows are hidden states (``TeacherOutput.hidden``; the cache stores them)."""
+        return self is Signal.HIDDEN
+
+    @property
+    def needs_head(self) -> bool:
+        """The trainer holds the teacher's output layer (``teacher.head_checkpoint``) to turn hidden states into
+        log-probs, and checks it against the teacher's token log-probs."""
+        return self is Signal.HIDDEN
+
+
+# The dtypes hidden states may travel in.
+TEACHER_SIGNALS = Signal.values()
 HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -102,7 +130,8 @@ class ScoreBatch:
         top_k: number of top entries per row (k); not read with ``signal="hidden"``.
         temperature: the teacher distribution is ``softmax(logits / temperature)``. With
             ``signal="hidden"`` it applies to ``token_logprobs`` only: hidden states have none.
-        signal: ``"topk"`` or ``"hidden"`` (final hidden states; requested ids are refused).
+        signal: a :class:`Signal` (``"topk"`` or ``"hidden"``: final hidden states; requested ids are refused);
+            a string is converted.
         hidden_dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``: the dtype the hidden states
             travel in (clients always receive float32); not read with ``signal="topk"``.
     """
@@ -110,7 +139,7 @@ class ScoreBatch:
     sequences: list[SequenceRequest]
     top_k: int
     temperature: float = 1.0
-    signal: str = "topk"
+    signal: Signal = Signal.TOPK
     hidden_dtype: str = "bfloat16"
 
     def __post_init__(self):
@@ -124,10 +153,11 @@ class ScoreBatch:
         self.temperature = float(self.temperature)
         if self.signal not in TEACHER_SIGNALS:
             raise ValueError(f"ScoreBatch.signal={self.signal!r} must be one of {', '.join(TEACHER_SIGNALS)}")
+        self.signal = Signal(self.signal)
         if self.hidden_dtype not in HIDDEN_DTYPES:
             raise ValueError(f"ScoreBatch.hidden_dtype={self.hidden_dtype!r} must be one of "
                              f"{', '.join(HIDDEN_DTYPES)}")
-        if self.signal == "hidden" and any(s.requested_ids is not None for s in self.sequences):
+        if not self.signal.sends_topk and any(s.requested_ids is not None for s in self.sequences):
             raise ValueError("requested_ids are scored on the top-k signal only: with signal='hidden' the "
                              "trainer recomputes every id's logit itself; drop requested_ids")
         widths = {None if s.requested_ids is None else s.requested_ids.shape[1] for s in self.sequences}
@@ -140,7 +170,7 @@ class ScoreBatch:
     @property
     def is_hidden(self) -> bool:
         """Whether the batch asks for hidden states rather than the top-k."""
-        return self.signal == "hidden"
+        return self.signal.sends_hidden
 
     @property
     def num_requested(self) -> int | None:

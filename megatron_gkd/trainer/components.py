@@ -19,8 +19,9 @@ from megatron_gkd.models import load_hf, unwrap
 from megatron_gkd.models.teacher_head import load_teacher_head
 from megatron_gkd.parallel import ParallelState
 from megatron_gkd.rewards import RewardRunner
-from megatron_gkd.rollout import build_engine
+from megatron_gkd.rollout import build_engine, engine_traits
 from megatron_gkd.teacher.config import build_client_from_config
+from megatron_gkd.teacher.types import Signal
 from megatron_gkd.trainer.disaggregated import RemoteRollout
 from megatron_gkd.trainer.optim import build_lr_scheduler, build_optimizer, wrap_for_training
 from megatron_gkd.trainer.rollout import Rollout
@@ -77,7 +78,7 @@ def build_teacher_head(teacher, state, student: Student, tokenizer, cross=None) 
     pipeline stage), split over the TP group like the student's own output layer; None when not needed. A teacher of
     another tokenizer (``cross``, its :class:`~megatron_gkd.xtok.request.CrossTokenizer`) has its own vocabulary:
     its rows are split over the TP group (padded to a multiple of it)."""
-    if teacher.signal != "hidden" or not teacher.enabled or not state.is_pipeline_last_stage:
+    if not teacher.signal.needs_head or not teacher.enabled or not state.is_pipeline_last_stage:
         return None
 
     tp = state.config.tensor_model_parallel_size
@@ -120,9 +121,9 @@ def rollout_engine_kwargs(config: GKDConfig, tokenizer) -> dict:
 
 def build_rollout_engine(config: GKDConfig, student: Student, tokenizer):
     """The colocated rollout engine of this rank (a vLLM shard, or the student itself)."""
-    if config.rollout.engine == "megatron":
+    if engine_traits(config.rollout.engine).shares_student_weights:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        return build_engine("megatron", chunks=student.chunks, max_model_len=config.rollout.max_model_len,
+        return build_engine(config.rollout.engine, chunks=student.chunks, max_model_len=config.rollout.max_model_len,
                             eos_token_id=tokenizer.eos_token_id, vocab_size=len(tokenizer),
                             tp_group=student.state.tp_group, pad_token_id=pad)
     return build_engine(config.rollout.engine, **rollout_engine_kwargs(config, tokenizer))
@@ -134,7 +135,7 @@ def build_rollout(config: GKDConfig, student: Student, tokenizer, *, control, ou
     if not needs_rollout(config):
         return None
     parts = dict(config=config, control=control, stop_ids=stop_ids, timers=timers)
-    if config.rollout.layout == "disaggregated":
+    if config.rollout.layout.sends_weights:
         remote = RemoteRollout(config, student.chunks, rollout_engine_kwargs(config, tokenizer), out / "rollout_server.log",
                                control)
         return Rollout(remote=remote, **parts)
@@ -157,7 +158,7 @@ def build_teacher_client(teacher, address: str | None, secret: bytes | None, sta
     if address is not None:
         # The client talks to the service; the head (hidden signal) still comes from the served checkpoint.
         teacher = dataclasses.replace(teacher, address=address, serve=dataclasses.replace(teacher.serve, model=None),
-                                      head_checkpoint=teacher.head_source if teacher.signal == "hidden" else None)
+                                      head_checkpoint=teacher.head_source if teacher.signal.needs_head else None)
     return build_client_from_config(teacher, secret, state=state)
 
 
@@ -198,7 +199,7 @@ def check_teacher(client, config: GKDConfig, tokenizer, student_vocab_size: int,
     if tcad and not info.supports_requested_ids:
         raise ValueError("loss.type=tcad needs a teacher that scores requested ids; this teacher cannot (e.g. vLLM on "
                          "CPU): use an hf or megatron teacher backend")
-    if teacher.signal not in getattr(info, "signals", ("topk",)):
+    if teacher.signal not in getattr(info, "signals", (Signal.TOPK,)):
         raise ValueError(f"teacher.signal={teacher.signal}: this teacher serves {', '.join(info.signals)} only; use "
                          "an hf or megatron teacher backend (or teacher.client=local) for the hidden signal")
     if teacher_hidden_size is not None and info.hidden_size != teacher_hidden_size:

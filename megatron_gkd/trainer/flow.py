@@ -287,7 +287,7 @@ class BatchFlow:
         if not scoring:  # computed meanwhile; waited for after the teacher's rows (a no-op without rewards)
             batch.rewards = self.rewards.receive(batch.reward)
         with self.timers("batch"):
-            distills = scoring or self.loss_kind == "distill"
+            distills = scoring or self.loss_kind.needs_teacher
             rows = exchange.rows(samples, assignment, outputs, tcad=not scoring) if distills else {}
             exchange.check_heads(batch.index, samples, rows, scoring=scoring)
             coefficients, confidence = self.coefficients(batch, rows, confidence=not scoring)
@@ -380,7 +380,7 @@ class BatchFlow:
                                  max_tokens=trainer.max_tokens_per_microbatch)
         shares = self.shares(samples, coefficients, rows)
         multiple = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
-        labels = self.loss_kind == "cross_entropy" if labels is None else labels
+        labels = self.loss_kind.needs_labels if labels is None else labels
         shapes = [common_shape(samples, [indices], multiple) for indices in plan]
         if parallel.expert_model_parallel_size > 1 and self.state.data_parallel_size > 1:
             plan, shapes = self._expert_parallel_cuts(samples, plan, multiple)

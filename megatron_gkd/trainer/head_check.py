@@ -24,6 +24,7 @@ import dataclasses
 import torch
 
 from megatron_gkd.losses import hidden_token_logprobs
+from megatron_gkd.teacher.types import Signal
 from megatron_gkd.trainer.batch import Sample, TeacherRows
 
 HEAD_CHECK_TOKENS = 64
@@ -64,7 +65,7 @@ def check_due(config, step: int, *, first: bool, scoring: bool) -> bool:
     """Whether a batch checks the head of teacher section ``config``: the hidden signal, on the run's first batch
     (an evaluation's or a step's) and on steps that are multiples of ``head_check_interval``."""
     interval = config.head_check_interval
-    return config.signal == "hidden" and (first or (not scoring and interval > 0 and step % interval == 0))
+    return Signal(config.signal).needs_head and (first or (not scoring and interval > 0 and step % interval == 0))
 
 
 def where(step: int) -> str:

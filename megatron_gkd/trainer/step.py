@@ -18,6 +18,7 @@ from typing import Iterator, Mapping, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from megatron_gkd.config.schema import LossKind
 from megatron_gkd.losses import (
     cross_vocab_distill_loss,
     fused_cross_vocab_distill_loss,
@@ -35,8 +36,10 @@ from megatron_gkd.losses.policy_gradient import PolicyGradientOptions, policy_gr
 from megatron_gkd.losses.sampled_kl import mismatch_sums
 from megatron_gkd.models import unwrap
 from megatron_gkd.parallel import run_schedule
+from megatron_gkd.teacher.types import Signal
 from megatron_gkd.trainer.batch import MicroBatch
 from megatron_gkd.trainer.metrics import teacher_suffix
+from megatron_gkd.xtok.config import HiddenSupport
 
 
 def spec_for(specs: "LossSpecs", name: str | None = None) -> "LossSpec":
@@ -75,27 +78,29 @@ class LossSpec:
             unfused only: it reads the student's logit shard).
     """
 
-    kind: str = "distill"
+    kind: LossKind = LossKind.DISTILL
     loss_type: str = "forward_kl"
     options: dict = dataclasses.field(default_factory=dict)
     temperature: float = 1.0
     fused: bool = False
     chunk_size: int = 1024
     diagnostics: bool = False
-    signal: str = "topk"
+    signal: Signal = Signal.TOPK
     teacher_temperature: float = 1.0
     real_vocab_size: int | None = None
     projection: object = dataclasses.field(default=None, compare=False)
     teacher_top_k: int | None = None
     teacher_real_vocab_size: int | None = None
-    hidden_support: str = "topk"
+    hidden_support: HiddenSupport = HiddenSupport.TOPK
     coverage_coef: float | None = dataclasses.field(init=False, default=None)
 
     def __post_init__(self):
-        if self.kind == "distill" and self.loss_type == "tcad" and self.signal == "topk":
+        for key, choice in (("kind", LossKind), ("signal", Signal), ("hidden_support", HiddenSupport)):
+            object.__setattr__(self, key, choice(getattr(self, key)))  # a string is converted
+        if self.kind.needs_teacher and self.loss_type == "tcad" and self.signal.sends_topk:
             coverage = get_divergence("tcad").build_options(dict(self.options)).coverage_coef
             object.__setattr__(self, "coverage_coef", coverage)
-        assert not (self.hidden_support == "full" and self.fused), \
+        assert not (self.hidden_support.whole_vocabulary and self.fused), \
             "hidden_support=full reads the student's logits, which the fused path never builds (config checks refuse it)"
 
     @classmethod
@@ -105,20 +110,21 @@ class LossSpec:
         config) chooses the signal; ``projection``, ``teacher_real_vocab_size``: a cross-tokenizer teacher's map
         shard and its tokenizer's size."""
         if not mode.distills:
-            return cls(kind="cross_entropy")
-        signal = teacher.signal if teacher is not None else "topk"
+            return cls(kind=LossKind.CROSS_ENTROPY)
+        signal = teacher.signal if teacher is not None else Signal.TOPK
         return cls(loss_type=loss.type, options=dict(loss.options), temperature=loss.temperature, fused=loss.fused,
                    chunk_size=loss.chunk_size, diagnostics=loss.diagnostics, signal=signal,
                    teacher_temperature=teacher.temperature if teacher is not None else 1.0,
                    real_vocab_size=real_vocab_size, projection=projection,
                    teacher_top_k=teacher.top_k if projection is not None else None,
                    teacher_real_vocab_size=teacher_real_vocab_size,
-                   hidden_support=teacher.cross_tokenizer.hidden_support if projection is not None else "topk")
+                   hidden_support=teacher.cross_tokenizer.hidden_support if projection is not None
+                   else HiddenSupport.TOPK)
 
     def eval_kl(self) -> "LossSpec":
         """The evaluation's forward KL on this spec's teacher signal (top-k rows, or exact from hidden states)."""
         return LossSpec(loss_type="forward_kl", signal=self.signal, teacher_temperature=self.teacher_temperature,
-                        real_vocab_size=self.real_vocab_size, fused=self.fused and self.signal == "hidden",
+                        real_vocab_size=self.real_vocab_size, fused=self.fused and self.signal.sends_hidden,
                         chunk_size=self.chunk_size, projection=self.projection, teacher_top_k=self.teacher_top_k,
                         teacher_real_vocab_size=self.teacher_real_vocab_size, hidden_support=self.hidden_support)
 
@@ -276,7 +282,7 @@ class StepRunner:
         tokens, position_ids = microbatch.tokens.to(device), microbatch.position_ids.to(device)
         spec = spec_for(specs)  # what the forward captures is the same for every teacher
         routing = self._routing_padding_mask(model, microbatch, device)
-        if spec.kind == "cross_entropy":
+        if spec.kind.needs_labels:
             labels = microbatch.labels.to(device) if microbatch.labels is not None else None
             return (model(tokens, position_ids, attention_mask=None, labels=labels, **routing),
                     partial(self._loss, specs, microbatch, None))
@@ -309,7 +315,7 @@ class StepRunner:
         mask = microbatch.loss_mask.to(device)
         stats: dict[str, torch.Tensor] = {"tokens": mask.sum().double()}
         sampled = None  # the policy gradient's token log-probs, when they came from the first teacher's pass
-        if spec_for(specs).kind == "cross_entropy":
+        if spec_for(specs).kind.needs_labels:
             per_token = torch.where(mask, output.float(), torch.zeros_like(output, dtype=torch.float32))
             contribution = (per_token * microbatch.coefficients.to(device=device, dtype=per_token.dtype)).sum()
         else:
@@ -358,16 +364,16 @@ class StepRunner:
             return False
         first = microbatch.teachers[0].name
         spec = spec_for(specs, first)
-        return spec.signal == "topk" and spec.fused == self.policy.fused and spec.temperature == self.policy.temperature
+        return spec.signal.sends_topk and spec.fused == self.policy.fused and spec.temperature == self.policy.temperature
 
     def _teacher_loss(self, spec: LossSpec, share, captured, output: torch.Tensor, mask: torch.Tensor,
                       token_ids: torch.Tensor | None = None):
         """One teacher's ``sum(coefficient x divergence)`` over the micro-batch and its statistics (with
         ``token_ids`` ``[b, s]``, also ``stats["token_logprobs"]``: their differentiable log-probs, same pass)."""
         tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
-        if spec.signal == "hidden" and spec.projection is not None and spec.hidden_support == "topk":
+        if spec.signal.sends_hidden and spec.projection is not None and not spec.hidden_support.whole_vocabulary:
             share = self._hidden_rows(spec, share, tp_group)  # the cross-tokenizer teacher's exact top-k
-        elif spec.signal == "hidden":  # the teacher's whole distribution (its own vocabulary's when cross-tokenizer)
+        elif spec.signal.sends_hidden:  # the teacher's whole distribution (its own vocabulary's when cross-tokenizer)
             return self._hidden_loss(spec, share, captured, output, mask)
         if spec.projection is not None:  # a teacher of another tokenizer: its rows hold its own ids
             per_token, metrics = self._cross_vocab(spec, share, captured, output, tp_group)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from megatron_gkd import platform
 from megatron_gkd.parallel.comm import agree, all_gather_msgpack
 from megatron_gkd.teacher import ScoreBatch
+from megatron_gkd.teacher.types import Signal
 from megatron_gkd.trainer.batch import TCADSpec, TeacherRows, score_batch, teacher_rows
 from megatron_gkd.trainer.head_check import TeacherHeadMismatch, check_due, check_teacher_head, where
 from megatron_gkd.trainer.teachers import Request, Teachers
@@ -73,7 +74,7 @@ class TeacherExchange:
 
     def _tcad_spec(self, teacher) -> TCADSpec | None:
         loss = self.config.loss
-        if self.config.trainer.run_mode.loss_kind != "distill" or loss.type != "tcad" or teacher.signal == "hidden":
+        if not self.config.trainer.run_mode.loss_kind.needs_teacher or loss.type != "tcad" or not Signal(teacher.signal).sends_topk:
             return None  # the hidden signal's support is the whole vocabulary
         width = loss.support_k or teacher.top_k
         if loss.support_mode == "union":
@@ -172,7 +173,7 @@ class TeacherExchange:
 
     def _widths(self, teacher, tcad: TCADSpec | None) -> tuple[int, int | None]:
         """Ids per row and hidden size of ``teacher``'s rows."""
-        hidden_size = int(teacher.head.shape[1]) if teacher.config.signal == "hidden" else None
+        hidden_size = int(teacher.head.shape[1]) if Signal(teacher.config.signal).needs_head else None
         return (0 if hidden_size else tcad.width if tcad else teacher.config.top_k), hidden_size
 
     def _no_rows(self, teacher, tcad: TCADSpec | None) -> TeacherRows:

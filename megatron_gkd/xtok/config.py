@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from megatron_gkd.registry import closest
+from megatron_gkd.registry import Choice, closest
 from megatron_gkd.xtok.projection import ProjectionMap
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,21 @@ ENABLE_KEY = "teacher.cross_tokenizer.method"
 METHODS = ("projected", "hybrid")
 INSIDE_GROUPS = ("chain", "skip")
 BOUNDARIES = ("teacher", "text")
-HIDDEN_SUPPORTS = ("topk", "full")
+
+
+class HiddenSupport(Choice):
+    """``teacher.cross_tokenizer.hidden_support``: what a cross-tokenizer hidden signal is compared over."""
+
+    TOPK = "topk"
+    FULL = "full"
+
+    @property
+    def whole_vocabulary(self) -> bool:
+        """The teacher's exact distribution over its whole vocabulary, not its top-k made in the step."""
+        return self is HiddenSupport.FULL
+
+
+HIDDEN_SUPPORTS = HiddenSupport.values()
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -92,6 +106,7 @@ class CrossTokenizerConfig:
         if self.hidden_support not in HIDDEN_SUPPORTS:
             raise ValueError(f"teacher.cross_tokenizer.hidden_support={self.hidden_support!r} is not one of "
                              f"{', '.join(HIDDEN_SUPPORTS)}{closest(self.hidden_support, list(HIDDEN_SUPPORTS))}")
+        self.hidden_support = HiddenSupport(self.hidden_support)  # a str field for OmegaConf, converted once
         if self.boundary == "text" and self.inside_groups != "chain":
             raise ValueError("teacher.cross_tokenizer.boundary=text reads every position through the chain rule: set "
                              "teacher.cross_tokenizer.inside_groups=chain")

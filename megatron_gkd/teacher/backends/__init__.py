@@ -14,7 +14,15 @@ import time
 from typing import Any
 
 from megatron_gkd.registry import Registry
-from megatron_gkd.teacher.types import ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError, TeacherOutput
+from megatron_gkd.teacher.types import (
+    ErrorCode,
+    GenerateBatch,
+    GeneratedSample,
+    ScoreBatch,
+    Signal,
+    TeacherError,
+    TeacherOutput,
+)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -49,13 +57,13 @@ class BackendInfo:
     supports_temperature: bool
     max_sequence_length: int | None = None
     hidden_size: int | None = None
-    signals: list[str] = dataclasses.field(default_factory=lambda: ["topk"])
+    signals: list[str] = dataclasses.field(default_factory=lambda: [Signal.TOPK.value])
     model_digest: str | None = None
     dtype: str | None = None
     supports_generate: bool = False
 
     def __post_init__(self):
-        assert ("hidden" in self.signals) == (self.hidden_size is not None), (
+        assert (Signal.HIDDEN in self.signals) == (self.hidden_size is not None), (
             f"backend {self.name}: the hidden signal and hidden_size go together")
 
     def to_dict(self) -> dict[str, Any]:
@@ -137,7 +145,7 @@ class BackendTraits:
 
     any_temperature: bool = True
     requested_ids: bool = True
-    signals: tuple[str, ...] = ("topk", "hidden")
+    signals: tuple[str, ...] = Signal.values()
 
 
 BACKENDS: Registry[type[TeacherBackend]] = Registry("teacher backend", config_key="--backend")
@@ -152,7 +160,7 @@ def register_backend(name: str, target: str, traits: BackendTraits = BackendTrai
 
 register_backend("hf", "megatron_gkd.teacher.backends.hf:HFBackend")
 register_backend("vllm", "megatron_gkd.teacher.backends.vllm:VLLMBackend",
-                 BackendTraits(any_temperature=False, requested_ids=False, signals=("topk",)))
+                 BackendTraits(any_temperature=False, requested_ids=False, signals=(Signal.TOPK,)))
 register_backend("megatron", "megatron_gkd.teacher.backends.megatron:MegatronBackend")
 
 

@@ -112,7 +112,7 @@ def build(config, out: pathlib.Path, *, records_per_shard: int, batch_size: int 
             # The client talks to the service (the hidden signal's head checkpoint is the run's business).
             teacher = dataclasses.replace(teacher, address=address,
                                           serve=dataclasses.replace(teacher.serve, model=None),
-                                          head_checkpoint=teacher.head_source if teacher.signal == "hidden" else None)
+                                          head_checkpoint=teacher.head_source if teacher.signal.needs_head else None)
         return _score(teacher, config, tokenizer, records, out, records_per_shard=records_per_shard,
                       batch_size=batch_size or 16, teacher_checkpoint=teacher_checkpoint,
                       service_secret=service_secret, secret=secret, generation=generation)

@@ -38,7 +38,7 @@ from megatron_gkd.teacher.cache.store import (
     write_atomically,
 )
 from megatron_gkd.teacher.security import SECRET_ENV
-from megatron_gkd.teacher.types import ScoreBatch, SequenceRequest, TeacherOutput
+from megatron_gkd.teacher.types import ScoreBatch, SequenceRequest, Signal, TeacherOutput
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def make_plan(info, identity: dict, *, teacher_checkpoint: str | None, tokenizer
                          f"{str(info.tokenizer_digest)[:12]}) differs from student.tokenizer ({len(tokenizer)} tokens, "
                          f"digest {digest[:12]}); to distil across tokenizers set teacher.cross_tokenizer.method="
                          "projected (or hybrid), otherwise use a teacher with the student's tokenizer")
-    hidden = signal == "hidden"
+    hidden = Signal(signal).sends_hidden
     if signal not in info.signals:
         raise ValueError(f"teacher.signal={signal}: this teacher serves {', '.join(info.signals)} only")
     if not hidden and top_k > info.max_top_k:

@@ -27,7 +27,7 @@ import numpy as np
 
 from megatron_gkd.config.checks import teacher_response_limit
 from megatron_gkd.teacher.cache.store import CacheManifest, CacheRecord
-from megatron_gkd.teacher.types import GenerateBatch, ScoreBatch, SequenceRequest, TeacherOutput
+from megatron_gkd.teacher.types import GenerateBatch, ScoreBatch, SequenceRequest, Signal, TeacherOutput
 
 SEED_STRIDE = 1_000_003
 """Between the seeds of two consecutive requests (the trainer's stride between two batches, trainer/flow.py)."""
@@ -115,7 +115,7 @@ def write_responses(client, prompts: Sequence[CacheRecord], plan: CacheManifest,
                               top_k=generation["top_k"], max_tokens=generation["max_tokens"],
                               stop_ids=tuple(generation["stop_ids"]),
                               seed=generation["seed"] + (first_request + number) * SEED_STRIDE,
-                              score_top_k=plan.top_k if plan.signal == "topk" else None,
+                              score_top_k=plan.top_k if Signal(plan.signal).sends_topk else None,
                               score_temperature=plan.temperature)
         requests.append((chunk, batch, client.generate_async(batch)))
     records, outputs = [], []

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from megatron_gkd.teacher.security import MIN_SECRET_BYTES, SECRET_ENV
-from megatron_gkd.teacher.types import TeacherOutput
+from megatron_gkd.teacher.types import Signal, TeacherOutput
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +275,7 @@ def encode_shard(records: list[CacheRecord], outputs: list[TeacherOutput], *, si
         "offsets": torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)),
         "token_logprobs": torch.from_numpy(np.concatenate([o.token_logprobs for o in outputs])),
     }
-    if signal == "hidden":
+    if Signal(signal).sends_hidden:
         hidden = torch.from_numpy(np.concatenate([o.hidden for o in outputs]))
         stored = hidden.to(HIDDEN_TORCH_DTYPES[hidden_dtype])
         # The teacher sent these values in hidden_dtype and the client widened them: narrowing is exact.
@@ -409,7 +409,7 @@ class CacheReader:
         with self._lock:
             handle = self._handle(number)
             token_logprobs = handle.get_slice("token_logprobs")[start:end].numpy()
-            if self.manifest.signal == "hidden":
+            if Signal(self.manifest.signal).sends_hidden:
                 hidden = handle.get_slice("hidden")[start:end].float().numpy()
                 return TeacherOutput(topk_ids=np.zeros((end - start, 0), np.int64),
                                      topk_logprobs=np.zeros((end - start, 0), np.float32),

@@ -17,7 +17,15 @@ import threading
 from typing import Any
 
 from megatron_gkd.registry import Registry
-from megatron_gkd.teacher.types import ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError, TeacherOutput
+from megatron_gkd.teacher.types import (
+    ErrorCode,
+    GenerateBatch,
+    GeneratedSample,
+    ScoreBatch,
+    Signal,
+    TeacherError,
+    TeacherOutput,
+)
 from megatron_gkd.teacher.vocab import VocabAlignment, check_vocab, restrict_to_vocab
 
 logger = logging.getLogger(__name__)
@@ -42,7 +50,7 @@ class TeacherInfo:
     supports_requested_ids: bool
     supports_temperature: bool
     hidden_size: int | None = None
-    signals: list[str] = dataclasses.field(default_factory=lambda: ["topk"])
+    signals: list[str] = dataclasses.field(default_factory=lambda: [Signal.TOPK.value])
     supports_generate: bool = False  # False for a server that predates generate requests
 
     def __post_init__(self):
@@ -51,7 +59,7 @@ class TeacherInfo:
             raise ValueError(f"hidden_size={self.hidden_size!r} must be a positive int or None")
         if not (isinstance(self.signals, list) and all(isinstance(s, str) for s in self.signals)):
             raise ValueError(f"signals={self.signals!r} must be a list of signal names")
-        if ("hidden" in self.signals) != (self.hidden_size is not None):
+        if (Signal.HIDDEN in self.signals) != (self.hidden_size is not None):
             raise ValueError(f"signals={self.signals} and hidden_size={self.hidden_size} disagree: a teacher "
                              "serving the hidden signal must report its hidden_size")
 
@@ -224,7 +232,7 @@ class ClientTraits:
     required: tuple[tuple[str, str], ...] = ()
     options: tuple[str, ...] = ()
     served_option: str | None = None
-    signals: tuple[str, ...] = ("topk", "hidden")
+    signals: tuple[str, ...] = Signal.values()
     requested_ids: bool = True
     collective: bool = False
     fills_cache: bool = False
@@ -264,7 +272,7 @@ register_client("zmq", "megatron_gkd.teacher.clients.zmq_client:ZmqTeacherClient
     generates=True))
 register_client("openai", "megatron_gkd.teacher.clients.openai_client:OpenAITeacherClient", ClientTraits(
     "an OpenAI-compatible server", required=(("base_url", "the server's URL (e.g. http://host:8000)"),),
-    options=("base_url", "model", "teacher_tokenizer", "api_key"), signals=("topk",), requested_ids=False,
+    options=("base_url", "model", "teacher_tokenizer", "api_key"), signals=(Signal.TOPK,), requested_ids=False,
     fills_cache=True, generates=True, any_temperature=False))
 register_client("local", "megatron_gkd.teacher.clients.local:LocalTeacherClient", ClientTraits(
     "the colocated Megatron teacher", required=(("checkpoint", "a HF checkpoint directory"),),

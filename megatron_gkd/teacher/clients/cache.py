@@ -40,6 +40,7 @@ from megatron_gkd.teacher.types import (
     GenerateBatch,
     GeneratedSample,
     ScoreBatch,
+    Signal,
     TeacherError,
     TeacherOutput,
     check_generated,
@@ -96,7 +97,7 @@ class CacheTeacherClient(TeacherClient):
 
     def info(self) -> TeacherInfo:
         stored = dict(self.manifest.teacher["info"])
-        hidden = self.manifest.signal == "hidden"
+        hidden = Signal(self.manifest.signal).sends_hidden
         # The cache serves what it holds: its signal only, its k, no requested ids (they depend on the student).
         # It writes no responses: it answers generate requests only with those its build stored.
         stored.update(signals=[self.manifest.signal], hidden_size=stored.get("hidden_size") if hidden else None,
@@ -202,10 +203,11 @@ class CacheTeacherClient(TeacherClient):
                      tokenizer_digest(load_tokenizer(teacher.tokenizer_source)) if cross else None),
                  "teacher.signal": (manifest.signal, teacher.signal),
                  "teacher.temperature": (manifest.temperature, float(teacher.temperature))}
-        if teacher.signal == "hidden" and manifest.signal == "hidden":
-            pairs["teacher.hidden_dtype"] = (manifest.hidden_dtype, teacher.hidden_dtype)
-        if teacher.signal == "topk" and manifest.signal == "topk":
-            pairs["teacher.top_k"] = (manifest.top_k, teacher.top_k)
+        if teacher.signal == manifest.signal:  # the settings of the signal both have
+            if teacher.signal.sends_hidden:
+                pairs["teacher.hidden_dtype"] = (manifest.hidden_dtype, teacher.hidden_dtype)
+            else:
+                pairs["teacher.top_k"] = (manifest.top_k, teacher.top_k)
         cached_checkpoint = manifest.teacher.get("checkpoint_blake3")
         for key in ("checkpoint", "head_checkpoint"):
             directory = getattr(teacher, key)
