@@ -1,6 +1,7 @@
 """Lint-as-test: device-specific calls live only in the platform package; no print in the library."""
 
 import ast
+import importlib
 import pathlib
 import re
 import subprocess
@@ -283,6 +284,137 @@ def test_teacher_backends_are_asked_not_compared():
     assert not offenders, "\n".join(offenders)
     assert BACKEND_COMPARISON.search('if backend == "vllm":') and BACKEND_COMPARISON.search("backend in _TEMPERATURE_ONE")
     assert BACKEND_COMPARISON.search("serve.backend not in ('hf',") and not BACKEND_COMPARISON.search('backend == other')
+
+
+# Names the code chooses by (issue 31 item 3). A name of one of these closed sets is compared (``==``, ``!=``,
+# ``in``, ``not in``, or in a module-level table) only in the modules that own it; elsewhere code asks the
+# member or the traits what the choice needs (``teacher.signal.needs_head``, ``engine_traits(name)``).
+CHOICE_TYPES = ("megatron_gkd/teacher/types.py:Signal", "megatron_gkd/rollout/types.py:Layout",
+                "megatron_gkd/config/schema.py:LossKind", "megatron_gkd/xtok/config.py:HiddenSupport")
+# Registries whose names are checked: (module:REGISTRY, the owners, beyond which its names are not compared).
+CHECKED_REGISTRIES = {
+    "megatron_gkd/rollout/registry.py:ENGINES": ("megatron_gkd/rollout/registry.py",),
+    "megatron_gkd/teacher/clients/__init__.py:CLIENTS": ("megatron_gkd/teacher/clients/__init__.py",),
+    # The launcher's deployment recipes are per backend by nature (a torchrun per node, a Ray cluster, one process).
+    "megatron_gkd/teacher/backends/__init__.py:BACKENDS": ("megatron_gkd/teacher/backends/", "megatron_gkd/launcher/"),
+    "megatron_gkd/weight_sync/transports.py:TRANSPORTS": ("megatron_gkd/weight_sync/transports.py",),
+}
+# Registries not checked yet, with where their names are still compared (what is left of issue 31 item 3).
+UNCHECKED_REGISTRIES = {
+    "megatron_gkd/losses/registry.py:DIVERGENCES": "loss.type == 'tcad' in config/checks.py, trainer/step.py, "
+    "trainer/teacher_exchange.py; the float64 references and losses/dense.py dispatch on the name",
+    "megatron_gkd/losses/combinations.py:COMBINATIONS": "its names ('teacher', 'loss') are homonyms of other choices",
+    "megatron_gkd/rewards/kinds.py:REWARDS": "not compared today",
+    "megatron_gkd/losses/sampled_kl.py:KL_ESTIMATORS": "not compared today",
+    "megatron_gkd/losses/advantages.py:ADVANTAGE_ESTIMATORS": "not compared today",
+    "megatron_gkd/losses/advantages.py:AGGREGATIONS": "not compared today",
+    "megatron_gkd/trainer/schedulers.py:SCHEDULERS": "trainer.scheduler != 'sync' in config/checks.py",
+    "megatron_gkd/trainer/eval.py:SCORERS": "not compared today",
+    "models/registry.py:ARCHITECTURES": "HF architecture names, matched by models/",
+}
+# The same words name other choices in these fields: the launcher's job scheduler ('local'), the planner's kernels
+# ('local') and its own Batch.loss ('distill', 'cross_entropy'; planning/ imports nothing of the trainer), Megatron's
+# recompute granularity ('full').
+HOMONYM_FIELDS = {"scheduler", "kernels", "loss", "recompute_granularity"}
+COLLECTIONS = (ast.Tuple, ast.List, ast.Set, ast.Dict)
+
+
+def _choice_values(spec: str) -> dict[str, tuple[str, ...]]:
+    """``{value: (owner,)}`` of a ``Choice`` subclass ``path:Class``, read from its class body."""
+    path, name = spec.split(":")
+    for node in ast.walk(ast.parse((ROOT / path).read_text())):
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return {item.value.value: (path,) for item in node.body if isinstance(item, ast.Assign)
+                    and isinstance(item.value, ast.Constant) and isinstance(item.value.value, str)}
+    raise AssertionError(f"{spec} is not defined")
+
+
+def _registry_values(spec: str, owners: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    path, name = spec.split(":")
+    module = importlib.import_module(path.removesuffix(".py").removesuffix("/__init__").replace("/", "."))
+    return {value: owners for value in getattr(module, name).names()}
+
+
+def _chosen_names() -> dict[str, tuple[str, ...]]:
+    """Every checked name and the paths (files or folders) that may compare it."""
+    names: dict[str, tuple[str, ...]] = {}
+    parts = [_choice_values(spec) for spec in CHOICE_TYPES]
+    parts += [_registry_values(spec, owners) for spec, owners in CHECKED_REGISTRIES.items()]
+    for part in parts:
+        for value, owners in part.items():
+            names[value] = names.get(value, ()) + owners
+    return names
+
+
+def _literals(node) -> list[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [item.value for item in node.elts if isinstance(item, ast.Constant) and isinstance(item.value, str)]
+    return []
+
+
+def _field(node) -> str | None:
+    return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+
+
+def _name_comparisons(source: str, names) -> list[tuple[int, str]]:
+    """``(line, name)`` of each comparison with a name of ``names`` (a literal or a literal tuple, list or set on
+    either side), and each module-level table (a tuple, list, set or dict keys of string literals) of them."""
+    found = []
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and all(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                 for op in node.ops):
+            sides = [node.left, *node.comparators]
+            if any(_field(side) in HOMONYM_FIELDS for side in sides):
+                continue
+            found += [(node.lineno, value) for side in sides for value in _literals(side) if value in names]
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if len(targets) == 1 and isinstance(targets[0], ast.Name) and isinstance(node.value, COLLECTIONS):
+            table = list(node.value.keys) if isinstance(node.value, ast.Dict) else [node.value]
+            values = [value for item in table if item is not None for value in _literals(item)]
+            if values and all(value in names for value in values):
+                found += [(node.lineno, value) for value in values]
+    return found
+
+
+def test_chosen_names_are_asked_not_compared():
+    """A signal, a layout, a loss kind, a rollout engine, a teacher client or backend, a weight-sync transport: its
+    members or traits say what it needs, and only the module that defines the name compares it."""
+    names = _chosen_names()
+    offenders = [f"{path}:{line}: {value!r}" for path in _python_files() if path.startswith(LIBRARY)
+                 for line, value in _name_comparisons((ROOT / path).read_text(), names)
+                 if not path.startswith(names[value])]
+    assert not offenders, ("ask the choice's member or traits what it needs instead of comparing its name:\n"
+                           + "\n".join(offenders))
+
+
+def test_every_registry_is_placed_in_the_name_lint():
+    """A new registry is added on purpose to the checked ones, or to the unchecked ones with the reason."""
+    found = {f"{path}:{target.id}" for path in _python_files() if path.startswith(LIBRARY)
+             for node in ast.walk(ast.parse((ROOT / path).read_text()))
+             if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Call)
+             and _field(node.value.func) == "Registry"
+             for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+             if isinstance(target, ast.Name)}
+    assert found == set(CHECKED_REGISTRIES) | set(UNCHECKED_REGISTRIES)
+
+
+def test_name_lint_catches_violations():
+    names = {"hidden": ("a.py",), "vllm": ("b.py",), "colocated": ("a.py",)}
+    source = ('if teacher.signal == "hidden": pass\n'                                  # 1
+              'x = rollout.layout in ("colocated", "disaggregated")\n'                # 2
+              '_ONE = {"vllm", "hidden"}\n'                                           # 3: a table
+              'y = "hidden" in info.signals\n'                                        # 4
+              'if allocation.scheduler == "colocated": pass\n'                        # a homonym field
+              'z = {"hidden": 1, "other": 2}\n'                                       # not all names: not a table
+              'A, B = "vllm", "hidden"\n'                                             # constants, not a table
+              'SUBDIR = "hidden"\n'
+              'if mode == "other": pass\n')
+    assert _name_comparisons(source, names) == [(1, "hidden"), (2, "colocated"), (4, "hidden"), (3, "vllm"),
+                                                (3, "hidden")]
 
 
 LOOP = "megatron_gkd/trainer/loop.py"
