@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gkd.losses import divergences as _divergences  # noqa: F401 - registers the losses
+from megatron_gkd.losses.cross_vocab_heavy import BYTES_PER_HEAVY_STUDENT, HeavyColumns
 from megatron_gkd.losses.projection_map import ProjectionShard, shard_projection
 from megatron_gkd.losses.registry import SupportInputs, get_divergence
 from megatron_gkd.losses.shard_ops import (
@@ -114,17 +115,53 @@ def projected_logits(
 
 
 # What one map entry costs while a block is live (its slot, row, column and gather position in int64, its weight,
-# logit, share and gradient value): blocks hold at most one [c, V/tp] fp32 chunk's bytes of entries.
+# logit, share and gradient value): blocks hold at most one [c, V/tp] fp32 chunk's bytes of entries (and of the heavy
+# ids' dense product, cross_vocab_heavy.BYTES_PER_HEAVY_STUDENT per heavy student a row).
 _BYTES_PER_ENTRY = 64
 
 
-def entry_blocks(ids: torch.Tensor, valid: torch.Tensor, shard: ProjectionShard) -> list[tuple[int, int]]:
-    """Row ranges ``[a, b)`` whose map entries fit the scratch budget of one ``[c, V/tp]`` chunk (a row with more
-    entries than that is a block of its own). One host sync."""
-    flat_ids = torch.where(valid, ids, torch.zeros_like(ids))
-    counts = torch.where(valid, shard.indptr[flat_ids + 1] - shard.indptr[flat_ids], torch.zeros_like(flat_ids))
-    cumulative = counts.sum(1).cumsum(0).cpu()
-    budget = max(1, rows_per_chunk(shard.vocab_size_local, ids.device) * shard.vocab_size_local * 4 // _BYTES_PER_ENTRY)
+@dataclasses.dataclass(frozen=True, slots=True)
+class LocalPlan:
+    """How this rank goes through one batch's map entries: fixed by the forward, followed again by the backward.
+
+    Attributes:
+        blocks: row ranges ``[a, b)`` whose scratch fits one ``[c, V/tp]`` chunk (:func:`entry_blocks`).
+        heavy: the teacher ids projected densely (:mod:`.cross_vocab_heavy`), or ``None``.
+        dense: ``[N, K]`` bool, the slots the forward took from the dense product (filled by it); ``None`` without
+            heavy ids.
+        local_lse: ``[N]`` this rank's log-partition of each row (filled by the forward): the dense product's shift.
+    """
+
+    blocks: list[tuple[int, int]]
+    heavy: HeavyColumns | None
+    dense: torch.Tensor | None
+    local_lse: torch.Tensor
+
+    @classmethod
+    def of(cls, teacher: TeacherSupport, shard: ProjectionShard, dtype: torch.dtype) -> "LocalPlan":
+        heavy = HeavyColumns.select(teacher.ids, teacher.valid, shard, dtype)
+        dense = None if heavy is None else torch.zeros_like(teacher.valid)
+        local_lse = torch.empty(teacher.ids.shape[0], dtype=dtype, device=teacher.ids.device)
+        return cls(entry_blocks(teacher.ids, teacher.valid, shard, heavy), heavy, dense, local_lse)
+
+    def per_entry(self, mask: torch.Tensor, rows: slice) -> torch.Tensor:
+        """``mask`` (the rows' ``[rows, K]``) without the slots of the dense product."""
+        return mask if self.dense is None else mask & ~self.dense[rows]
+
+
+def entry_blocks(ids: torch.Tensor, valid: torch.Tensor, shard: ProjectionShard,
+                 heavy: HeavyColumns | None = None) -> list[tuple[int, int]]:
+    """Row ranges ``[a, b)`` whose map entries (those of the heavy ids excepted, their dense product counted instead)
+    fit the scratch budget of one ``[c, V/tp]`` chunk (a row with more than that is a block of its own). One host
+    sync."""
+    per_entry = valid if heavy is None else valid & ~heavy.is_heavy
+    flat_ids = torch.where(per_entry, ids, torch.zeros_like(ids))
+    counts = torch.where(per_entry, shard.indptr[flat_ids + 1] - shard.indptr[flat_ids], torch.zeros_like(flat_ids))
+    row_bytes = counts.sum(1) * _BYTES_PER_ENTRY
+    if heavy is not None:
+        row_bytes += heavy.num_students * BYTES_PER_HEAVY_STUDENT
+    cumulative = row_bytes.cumsum(0).cpu()
+    budget = max(1, rows_per_chunk(shard.vocab_size_local, ids.device) * shard.vocab_size_local * 4)
     blocks, start, num_rows = [], 0, ids.shape[0]
     while start < num_rows:
         before = int(cumulative[start - 1]) if start else 0
@@ -135,32 +172,45 @@ def entry_blocks(ids: torch.Tensor, valid: torch.Tensor, shard: ProjectionShard)
     return blocks
 
 
-def local_projection(logits: torch.Tensor, teacher: TeacherSupport, shard: ProjectionShard,
+def local_projection(logits: torch.Tensor, teacher: TeacherSupport, shard: ProjectionShard, plan: LocalPlan,
                      blocks: list[tuple[int, int]], temperature: float, dtype: torch.dtype,
                      out: torch.Tensor | None = None, row_offset: int = 0) -> torch.Tensor:
     """``[N, K]`` this shard's ``log sum_s W[s, t] exp(z_s)`` at the teacher ids (``-inf`` where it has none), block by
-    block so that the entries of one block at a time exist. ``logits`` may hold only rows ``[row_offset, ...)`` (the
-    fused path's token chunk) when ``blocks`` lie inside them."""
+    block so that the entries of one block at a time exist; the heavy ids from the dense product (``plan.local_lse``
+    of the blocks' rows must be filled), recording which slots it gave in ``plan.dense``. ``logits`` may hold only rows
+    ``[row_offset, ...)`` (the fused path's token chunk) when ``blocks`` lie inside them."""
     out = torch.empty(teacher.ids.shape, dtype=dtype, device=logits.device) if out is None else out
     width = teacher.ids.shape[1]
     for start, stop in blocks:
-        entries = ProjectedEntries.of(teacher.ids[start:stop], teacher.valid[start:stop], shard, dtype)
-        out[start:stop] = projected_logits(logits[start - row_offset:stop - row_offset], entries,
-                                           (stop - start) * width, temperature, dtype).view(stop - start, width)
+        rows, block_logits = slice(start, stop), logits[start - row_offset:stop - row_offset]
+        if plan.heavy is not None:
+            dense_value, dense = plan.heavy.project(block_logits, plan.local_lse[rows], rows, temperature, dtype)
+            plan.dense[rows] = dense
+        entries = ProjectedEntries.of(teacher.ids[rows], plan.per_entry(teacher.valid[rows], rows), shard, dtype)
+        value = projected_logits(block_logits, entries, (stop - start) * width, temperature, dtype).view(-1, width)
+        out[rows] = value if plan.heavy is None else torch.where(plan.dense[rows], dense_value, value)
     return out
 
 
 class ProjectionGrad:
     """The support part of the gradient, ``g_t W[s, t] exp(z_s - y_t) / T`` on each map entry under a compared id,
-    rebuilt block by block as :func:`logits_grad` asks for rows in order (it duck-types :class:`SparseGrad`)."""
+    rebuilt block by block as :func:`logits_grad` asks for rows in order (it duck-types :class:`SparseGrad`); the
+    dense slots' part is the heavy ids' transposed product. :meth:`attach` gives it the logits it reads."""
 
-    def __init__(self, logits, teacher_ids, compared, projected, slot_grad, shard, blocks, temperature, dtype):
-        self.logits, self.teacher_ids, self.compared = logits, teacher_ids, compared
-        self.projected = projected.reshape(-1)
-        self.slot_grad, self.shard, self.blocks = slot_grad, shard, blocks
+    def __init__(self, state: "ProjectedState", slot_grad: torch.Tensor, shard: ProjectionShard, temperature: float,
+                 dtype: torch.dtype):
+        self.state, self.slot_grad, self.shard = state, slot_grad, shard
+        self.projected = state.projected.contiguous()  # a column slice of the combined values
+        self.blocks, self.plan = state.plan.blocks, state.plan
         self.temperature, self.dtype = temperature, dtype
-        self._block: tuple[int, int, torch.Tensor, torch.Tensor, list[int]] | None = None
+        self.logits, self.row_offset = None, 0
+        self._block: tuple | None = None
         self._index = 0  # rows are asked for in order: the search for a row's block starts at the last one
+
+    def attach(self, logits: torch.Tensor, row_offset: int = 0) -> None:
+        """Reads rows ``[row_offset, row_offset + len(logits))`` from ``logits`` from now on (the fused path attaches
+        each token chunk's)."""
+        self.logits, self.row_offset, self._block = logits, row_offset, None
 
     def ensure(self, row: int) -> None:
         """Builds the block that holds ``row`` unless it is the one held (the fused backward calls it before it
@@ -174,28 +224,37 @@ class ProjectionGrad:
 
     def _build(self, index: int) -> None:
         start, stop = self.blocks[index]
-        width = self.teacher_ids.shape[1]
-        entries = ProjectedEntries.of(self.teacher_ids[start:stop], self.compared[start:stop], self.shard, self.dtype)
-        z = entries.logits(self.logits[start:stop], self.temperature, self.dtype)
+        rows, state, width = slice(start, stop), self.state, self.state.teacher_ids.shape[1]
+        logits = self.logits[start - self.row_offset:stop - self.row_offset]
+        entries = ProjectedEntries.of(state.teacher_ids[rows], self.plan.per_entry(state.compared[rows], rows),
+                                      self.shard, self.dtype)
+        z = entries.logits(logits, self.temperature, self.dtype)
         slot = entries.slot + start * width
         # d y_t / d z_s = W[s, t] exp(z_s - y_t): each entry's share of its slot's projected mass.
-        values = (z - self.projected[slot]).exp_().mul_(entries.weight).mul_(self.slot_grad[slot])
+        values = (z - self.projected.view(-1)[slot]).exp_().mul_(entries.weight).mul_(self.slot_grad.view(-1)[slot])
         if self.temperature != 1.0:
             values.div_(self.temperature)
         offsets = [0] + entries.row_counts.cumsum(0).tolist()
-        self._block = (start, stop, entries.flat, values, offsets)
+        heavy = None
+        if self.plan.heavy is not None:
+            heavy = self.plan.heavy.gradient(logits, self.plan.local_lse[rows], rows, self.plan.dense[rows],
+                                             self.projected[rows], self.slot_grad[rows], self.temperature, self.dtype)
+        self._block = (start, stop, entries.flat, values, offsets, heavy)
 
     def add_to_rows(self, out: torch.Tensor, start: int, stop: int) -> None:
         """Adds the entries of rows ``[start, stop)`` into ``out`` (those rows, contiguous)."""
         row = start
         while row < stop:
             self.ensure(row)
-            begin, end, flat_index, values, offsets = self._block
+            begin, end, flat_index, values, offsets, heavy = self._block
             last = min(stop, end)
             first_entry, last_entry = offsets[row - begin], offsets[last - begin]
             if first_entry < last_entry:
                 flat = flat_index[first_entry:last_entry] - (start - begin) * out.shape[1]
                 out.view(-1).index_add_(0, flat, values[first_entry:last_entry].to(out.dtype))
+            if heavy is not None:
+                out[row - start:last - start].index_add_(1, self.plan.heavy.students,
+                                                         heavy[row - begin:last - begin].to(out.dtype))
             row = last
 
 
@@ -220,11 +279,11 @@ class ProjectedState:
     student_lse: torch.Tensor
     grad_support: torch.Tensor
     lse_coef: torch.Tensor
-    blocks: list[tuple[int, int]]
+    plan: LocalPlan
 
 
 def evaluate_projection(
-    student_lse: torch.Tensor, projected: torch.Tensor, teacher: TeacherSupport, blocks: list[tuple[int, int]],
+    student_lse: torch.Tensor, projected: torch.Tensor, teacher: TeacherSupport, plan: LocalPlan,
     divergence_name: str, options: Any,
 ) -> tuple[ProjectedState, torch.Tensor, dict[str, torch.Tensor]]:
     """The divergence of the combined ``L`` and ``y``, shared by the unfused and fused paths.
@@ -248,22 +307,18 @@ def evaluate_projection(
         "teacher_mass": torch.where(compared, teacher_probs, zero).sum(-1),
         "unmapped_teacher_mass": torch.where(teacher.valid & ~compared, teacher_probs, zero).sum(-1),
     }
-    state = ProjectedState(teacher.ids, compared, projected, student_lse, terms.grad_support, terms.lse_coef, blocks)
+    state = ProjectedState(teacher.ids, compared, projected, student_lse, terms.grad_support, terms.lse_coef, plan)
     return state, terms.loss, metrics
 
 
-def projection_grad(state: ProjectedState, grad_loss: torch.Tensor, logits: torch.Tensor, projection: ProjectionShard,
-                    temperature: float, dtype: torch.dtype, rows: slice = slice(None)) -> tuple[torch.Tensor, "ProjectionGrad"]:
-    """The backward's dense per-row scale ``[N]`` and the sparse support part for ``rows`` (whose logits are
-    ``logits``; the fused path passes one token chunk at a time)."""
+def projection_grad(state: ProjectedState, grad_loss: torch.Tensor, projection: ProjectionShard, temperature: float,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, ProjectionGrad]:
+    """The backward's dense per-row scale ``[N]`` and the support part (to :meth:`~ProjectionGrad.attach` logits to),
+    as :func:`~megatron_gkd.losses.vocab_parallel.backward_scales` gives them for the same-tokenizer loss."""
     grad_loss = grad_loss.to(dtype)
     dense_scale = state.lse_coef * grad_loss / temperature
-    slot_grad = state.grad_support[rows] * grad_loss[rows].unsqueeze(1)  # d loss / d y_t, 0 off the support
-    start = rows.start or 0
-    blocks = [(a - start, b - start) for a, b in state.blocks if start <= a and (rows.stop is None or b <= rows.stop)]
-    sparse = ProjectionGrad(logits, state.teacher_ids[rows], state.compared[rows], state.projected[rows],
-                            slot_grad.reshape(-1), projection, blocks, temperature, dtype)
-    return dense_scale, sparse
+    slot_grad = state.grad_support * grad_loss.unsqueeze(1)  # d loss / d y_t, 0 off the support
+    return dense_scale, ProjectionGrad(state, slot_grad, projection, temperature, dtype)
 
 
 class _CrossVocabDistill(torch.autograd.Function):
@@ -272,11 +327,11 @@ class _CrossVocabDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, teacher, projection, layout, divergence_name, options, temperature):
         dtype = compute_dtype(logits.dtype)
-        blocks = entry_blocks(teacher.ids, teacher.valid, projection)
-        local_projected = local_projection(logits, teacher, projection, blocks, temperature, dtype)
-        local_lse = local_logsumexp(logits[:, : layout.tokens_local], temperature, dtype)
-        student_lse, projected = combine_projection(local_lse, local_projected, layout)
-        state, loss, metrics = evaluate_projection(student_lse, projected, teacher, blocks, divergence_name, options)
+        plan = LocalPlan.of(teacher, projection, dtype)
+        plan.local_lse.copy_(local_logsumexp(logits[:, : layout.tokens_local], temperature, dtype))
+        local_projected = local_projection(logits, teacher, projection, plan, plan.blocks, temperature, dtype)
+        student_lse, projected = combine_projection(plan.local_lse, local_projected, layout)
+        state, loss, metrics = evaluate_projection(student_lse, projected, teacher, plan, divergence_name, options)
         ctx.save_for_backward(logits)
         ctx.state, ctx.projection, ctx.temperature, ctx.dtype = state, projection, temperature, dtype
         ctx.tokens_local = layout.tokens_local
@@ -287,7 +342,8 @@ class _CrossVocabDistill(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_student_mass, grad_teacher_mass, grad_unmapped):
         del grad_student_mass, grad_teacher_mass, grad_unmapped
         (logits,) = ctx.saved_tensors
-        dense_scale, sparse = projection_grad(ctx.state, grad_loss, logits, ctx.projection, ctx.temperature, ctx.dtype)
+        dense_scale, sparse = projection_grad(ctx.state, grad_loss, ctx.projection, ctx.temperature, ctx.dtype)
+        sparse.attach(logits)
         grad = logits_grad(logits, ctx.state.student_lse, dense_scale, sparse, ctx.temperature, ctx.dtype,
                            ctx.tokens_local)
         return grad, None, None, None, None, None, None

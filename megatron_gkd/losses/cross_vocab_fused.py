@@ -1,15 +1,19 @@
 """Fused output layer + cross-tokenizer loss (:mod:`.cross_vocab`), chunked over tokens: the student's
-``[N, V_s/tp]`` logits never exist, as in :mod:`.fused`.
+``[N, V_s/tp]`` logits never exist, as in :mod:`.fused`, whose structure this module follows function for function.
 
-The forward computes each token chunk's logits ``hidden_c @ W^T``, keeps its local log-partition and the projected
-logits at the teacher ids (the map entries of one block of rows at a time), and drops the chunk; one all-gather then
-combines every rank's partial values. The backward recomputes each chunk's logits and turns them in place into the
-logit gradient, block by block: a block's map entries (and their share of the gradient) are read from the chunk
-before its rows are overwritten.
+:func:`fused_projection_partials` (``fused_partials``) computes each token chunk's logits ``hidden_c @ W^T``, keeps its
+local log-partition and the projected logits at the teacher ids (the heavy ids' dense product and the map entries of
+one block of rows at a time, blocks cut at chunk edges), and drops the chunk; one all-gather then combines every
+rank's partial values. :func:`fused_projection_grads` (``fused_grads``) takes the backward's scales once, recomputes
+each chunk's logits and turns them in place into the logit gradient in row pieces, adding the support part to each
+piece as ``fused_grads`` adds its sparse one. The one difference: the support part's values depend on the logits, so
+a piece never crosses a block's edge, and each block's values are read (:meth:`~.cross_vocab.ProjectionGrad.ensure`)
+before its first rows are overwritten.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -17,9 +21,10 @@ import torch.distributed as dist
 
 from megatron_gkd.losses.cross_vocab import (
     CROSS_VOCAB_DIVERGENCES,
+    LocalPlan,
+    ProjectedState,
     check_projection,
     combine_projection,
-    entry_blocks,
     evaluate_projection,
     local_projection,
     projection_grad,
@@ -35,7 +40,7 @@ from megatron_gkd.losses.shard_ops import (
     write_grad_rows,
     zero_padding_columns,
 )
-from megatron_gkd.losses.vocab_parallel import check_temperature, prepare_teacher, split_options
+from megatron_gkd.losses.vocab_parallel import TeacherSupport, check_temperature, prepare_teacher, split_options
 
 
 def _split_at_chunks(blocks: list[tuple[int, int]], chunk_size: int) -> list[tuple[int, int]]:
@@ -49,23 +54,77 @@ def _split_at_chunks(blocks: list[tuple[int, int]], chunk_size: int) -> list[tup
     return out
 
 
+def _pieces(blocks: list[tuple[int, int]], start: int, stop: int, rows: int) -> list[tuple[int, int]]:
+    """Rows ``[start, stop)`` in pieces of at most ``rows``, cut at the blocks' edges."""
+    out = []
+    for block_start, block_stop in blocks:
+        for row in range(max(start, block_start), min(stop, block_stop), rows):
+            out.append((row, min(row + rows, block_stop, stop)))
+    return out
+
+
+def fused_projection_partials(
+    hidden: torch.Tensor, weight: torch.Tensor, teacher: TeacherSupport, projection: ProjectionShard, plan: LocalPlan,
+    layout: ShardLayout, chunk_size: int, temperature: float, dtype: torch.dtype,
+) -> torch.Tensor:
+    """This rank's ``[N, K]`` projected logits of ``hidden @ weight^T``, filling ``plan.local_lse`` (and
+    ``plan.dense``), one token chunk of logits at a time."""
+    num_tokens = hidden.shape[0]
+    local_projected = torch.empty(teacher.ids.shape, dtype=dtype, device=hidden.device)
+    for start in range(0, num_tokens, chunk_size):
+        stop = min(start + chunk_size, num_tokens)
+        logits = hidden[start:stop] @ weight.t()  # [c, V/tp]
+        plan.local_lse[start:stop] = local_logsumexp(logits[:, : layout.tokens_local], temperature, dtype)
+        local_projection(logits, teacher, projection, plan, [b for b in plan.blocks if start <= b[0] < stop],
+                         temperature, dtype, out=local_projected, row_offset=start)
+        del logits
+    return local_projected
+
+
+def fused_projection_grads(
+    hidden: torch.Tensor, weight: torch.Tensor, state: ProjectedState, grad_loss: torch.Tensor,
+    projection: ProjectionShard, layout: ShardLayout, fused: FusedOptions, temperature: float, dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``sum(grad_loss x loss)`` with respect to ``hidden`` and ``weight``, recomputing each chunk's
+    logits (:func:`megatron_gkd.losses.fused.fused_grads` with the projection's support part)."""
+    dense_scale, sparse = projection_grad(state, grad_loss, projection, temperature, dtype)
+    grad_hidden = torch.empty_like(hidden)
+    grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+    rows = rows_per_chunk(weight.shape[0], weight.device)
+    shift = (state.student_lse * temperature).unsqueeze(1)
+    dense_scale = dense_scale.unsqueeze(1)
+    for start in range(0, hidden.shape[0], fused.chunk_size):
+        stop = min(start + fused.chunk_size, hidden.shape[0])
+        logits = hidden[start:stop] @ weight.t()
+        sparse.attach(logits, start)
+        # fp32/fp64 logits become their own gradient; narrow ones need a compute-dtype copy.
+        grad_logits = logits if logits.dtype == dtype else torch.empty_like(logits, dtype=dtype)
+        for row, row_stop in _pieces(state.plan.blocks, start, stop, rows):
+            sparse.ensure(row)  # read the block's logits before its rows become gradient
+            out = grad_logits[row - start:row_stop - start]
+            write_grad_rows(logits[row - start:row_stop - start], shift[row:row_stop], dense_scale[row:row_stop],
+                            temperature, out)
+            zero_padding_columns(out, layout.tokens_local)
+            sparse.add_to_rows(out, row, row_stop)
+        grad_logits = grad_logits.to(hidden.dtype)
+        torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
+        grad_weight.add_(torch.mm(grad_logits.t(), hidden[start:stop]).to(dtype))
+        del logits, grad_logits
+    if fused.all_reduce_hidden_grad and layout.tp_size > 1:
+        dist.all_reduce(grad_hidden, group=layout.tp_group)
+    return grad_hidden, grad_weight.to(weight.dtype)
+
+
 class _FusedCrossVocabDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, teacher, projection, layout, divergence_name, options, fused, temperature):
         dtype = compute_dtype(hidden.dtype)
-        num_tokens = hidden.shape[0]
-        blocks = _split_at_chunks(entry_blocks(teacher.ids, teacher.valid, projection), fused.chunk_size)
-        local_lse = torch.empty(num_tokens, dtype=dtype, device=hidden.device)
-        local_projected = torch.empty(teacher.ids.shape, dtype=dtype, device=hidden.device)
-        for start in range(0, num_tokens, fused.chunk_size):
-            stop = min(start + fused.chunk_size, num_tokens)
-            logits = hidden[start:stop] @ weight.t()  # [c, V/tp]
-            local_lse[start:stop] = local_logsumexp(logits[:, : layout.tokens_local], temperature, dtype)
-            local_projection(logits, teacher, projection, [b for b in blocks if start <= b[0] < stop], temperature,
-                             dtype, out=local_projected, row_offset=start)
-            del logits
-        student_lse, projected = combine_projection(local_lse, local_projected, layout)
-        state, loss, metrics = evaluate_projection(student_lse, projected, teacher, blocks, divergence_name, options)
+        plan = LocalPlan.of(teacher, projection, dtype)
+        plan = dataclasses.replace(plan, blocks=_split_at_chunks(plan.blocks, fused.chunk_size))
+        local_projected = fused_projection_partials(hidden, weight, teacher, projection, plan, layout,
+                                                    fused.chunk_size, temperature, dtype)
+        student_lse, projected = combine_projection(plan.local_lse, local_projected, layout)
+        state, loss, metrics = evaluate_projection(student_lse, projected, teacher, plan, divergence_name, options)
         ctx.save_for_backward(hidden, weight)
         ctx.state, ctx.projection, ctx.layout, ctx.fused = state, projection, layout, fused
         ctx.temperature, ctx.dtype = temperature, dtype
@@ -76,35 +135,9 @@ class _FusedCrossVocabDistill(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_student_mass, grad_teacher_mass, grad_unmapped):
         del grad_student_mass, grad_teacher_mass, grad_unmapped
         hidden, weight = ctx.saved_tensors
-        state, layout, fused, temperature, dtype = ctx.state, ctx.layout, ctx.fused, ctx.temperature, ctx.dtype
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
-        rows_per = rows_per_chunk(weight.shape[0], weight.device)
-        shift = (state.student_lse * temperature).unsqueeze(1)
-        for start in range(0, hidden.shape[0], fused.chunk_size):
-            stop = min(start + fused.chunk_size, hidden.shape[0])
-            logits = hidden[start:stop] @ weight.t()
-            dense_scale, sparse = projection_grad(state, grad_loss, logits, ctx.projection, temperature, dtype,
-                                                  slice(start, stop))
-            dense_scale = dense_scale[start:stop].unsqueeze(1)
-            # fp32/fp64 logits become their own gradient; narrow ones need a compute-dtype copy.
-            grad_logits = logits if logits.dtype == dtype else torch.empty_like(logits, dtype=dtype)
-            for block_start, block_stop in sparse.blocks:  # they partition the chunk's rows
-                sparse.ensure(block_start)  # read the block's logits before its rows become gradient
-                for row in range(block_start, block_stop, rows_per):
-                    row_stop = min(row + rows_per, block_stop)
-                    out = grad_logits[row:row_stop]
-                    write_grad_rows(logits[row:row_stop], shift[start + row:start + row_stop],
-                                    dense_scale[row:row_stop], temperature, out)
-                    zero_padding_columns(out, layout.tokens_local)
-                    sparse.add_to_rows(out, row, row_stop)
-            grad_logits = grad_logits.to(hidden.dtype)
-            torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
-            grad_weight.add_(torch.mm(grad_logits.t(), hidden[start:stop]).to(dtype))
-            del logits, grad_logits
-        if fused.all_reduce_hidden_grad and layout.tp_size > 1:
-            dist.all_reduce(grad_hidden, group=layout.tp_group)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None, None
+        grad_hidden, grad_weight = fused_projection_grads(hidden, weight, ctx.state, grad_loss, ctx.projection,
+                                                          ctx.layout, ctx.fused, ctx.temperature, ctx.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def fused_cross_vocab_distill_loss(

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_gkd.losses import cross_vocab_heavy
 from megatron_gkd.losses.cross_vocab import cross_vocab_distill_loss
 from megatron_gkd.losses.cross_vocab_fused import fused_cross_vocab_distill_loss
 from megatron_gkd.losses.cross_vocab_hidden import hidden_cross_vocab_distill_loss
@@ -367,4 +368,81 @@ def check_hidden_tp(dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.floa
                     "loss_vs_tp1": relative(total, single),
                     "grad_vs_tp1": relative(grad, shard(single_grad, rank, tp_size)),
                 })
+    return results
+
+
+def heavy_map(student_vocab_size: int, teacher_vocab_size: int, num_heavy: int, rng: np.random.Generator) -> VocabMap:
+    """Teacher ids ``[0, num_heavy)`` reached from most student tokens (each of those splits into a light piece and
+    one of them), the other ids from one or two: the shape megatron_gkd.losses.cross_vocab_heavy projects densely."""
+    students = np.arange(student_vocab_size)
+    light = num_heavy + rng.integers(0, teacher_vocab_size - num_heavy, student_vocab_size)
+    split = rng.random(student_vocab_size) < 0.75
+    rows, cols, weights = [students[~split]], [light[~split]], [np.ones((~split).sum(), dtype=np.float32)]
+    rows += [students[split], students[split]]
+    cols += [light[split], rng.integers(0, num_heavy, split.sum())]
+    weights += [np.full(split.sum(), 2 / 3, dtype=np.float32), np.full(split.sum(), 1 / 3, dtype=np.float32)]
+    exact = ~split & (rng.random(student_vocab_size) < 0.8)
+    return VocabMap(np.concatenate(rows), np.concatenate(cols), np.concatenate(weights), student_vocab_size,
+                    teacher_vocab_size, exact)
+
+
+def make_heavy_cases(seed: int = 0) -> list[CrossCase]:
+    """V_s = 48 (the last 5 rows padding in the second case), V_t = 40, K = 8: the heavy ids 0-2 in every row."""
+    rng, generator = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
+    num_rows, vocab, teacher_vocab, k = 16, 48, 40, 8
+    cases = []
+    for name, real, temperature in (("heavy_map", None, 0.7), ("heavy_map_padding_rows", vocab - 5, 1.0)):
+        vmap = heavy_map(real or vocab, teacher_vocab, 3, rng)
+        ids, lp = teacher_topk(num_rows, teacher_vocab, k, generator)
+        ids[:, :3] = torch.tensor([0, 1, 2])[torch.randperm(3, generator=generator)]
+        rest = torch.randperm(teacher_vocab - 3, generator=generator)[: k - 3] + 3
+        ids[:, 3:] = torch.stack([rest[torch.randperm(k - 3, generator=generator)] for _ in range(num_rows)])
+        lp[3::5, -2:] = float("-inf")  # teacher padding
+        logits = 2.0 * torch.randn(num_rows, vocab, generator=generator, dtype=torch.float64)
+        cases.append(CrossCase(name, vmap, logits, ids, lp, torch.randn(num_rows, generator=generator,
+                                                                           dtype=torch.float64), temperature, real))
+    return cases
+
+
+def check_heavy_tp(min_fan_in: float, min_row_share: float) -> list[dict]:
+    """Body for ``run_distributed``: :func:`check_tp`'s and :func:`check_fused_tp`'s comparisons on the heavy-id maps
+    with these thresholds of megatron_gkd.losses.cross_vocab_heavy (set in each rank)."""
+    cross_vocab_heavy.DENSE_MIN_FAN_IN, cross_vocab_heavy.DENSE_MIN_ROW_SHARE = min_fan_in, min_row_share
+    tp_size, rank, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
+    generator = torch.Generator().manual_seed(7)
+    results = []
+    for case in make_heavy_cases():
+        vocab = case.logits.shape[-1]
+        valid = torch.isfinite(case.logprobs)
+        heavy = cross_vocab_heavy.HeavyColumns.select(case.ids, valid, case.vocab_map.shard(rank, tp_size, vocab // tp_size),
+                                                      torch.float64)
+        heavy_ids = [] if heavy is None else torch.unique(case.ids[heavy.is_heavy]).tolist()
+        hidden = torch.randn(case.logits.shape[0], 12, generator=generator, dtype=torch.float64)
+        weight = torch.randn(vocab, 12, generator=generator, dtype=torch.float64)
+        for loss_type, options in LOSS_CONFIGS:
+            for method in ("projected", "hybrid"):
+                for dtype in (torch.float64, torch.float32):
+                    loss, grad, _ = run_case(case, loss_type, options, dtype, method, rank, tp_size, group)
+                    expected, expected_grad = reference_case(case, loss_type, options, dtype, method)
+                    h = hidden.to(dtype, copy=True).requires_grad_()
+                    w = shard(weight.t(), rank, tp_size).t().to(dtype, copy=True).requires_grad_()
+                    fused_loss, _ = fused_cross_vocab_distill_loss(
+                        h, w, case.ids, case.logprobs, case.vocab_map.shard(rank, tp_size, vocab // tp_size, method),
+                        loss_type=loss_type, tp_group=group, temperature=case.temperature,
+                        real_vocab_size=case.real_vocab_size, chunk_size=5, **options)
+                    (fused_loss.double() * case.grad_out).sum().backward()
+                    full_h, full_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+                    dense = case.vocab_map.dense_hybrid() if method == "hybrid" else case.vocab_map.dense()
+                    fused_expected = reference_cross_vocab_loss(full_h @ full_w.t(), dense, case.ids, case.logprobs,
+                                                                loss_type, case.temperature,
+                                                                real_vocab_size=case.real_vocab_size, **options)
+                    (fused_expected * case.grad_out).sum().backward()
+                    results.append({
+                        "case": case.name, "loss_type": loss_type, "method": method, "dtype": str(dtype),
+                        "heavy_ids": heavy_ids, "loss": relative(loss, expected),
+                        "grad": relative(grad, shard(expected_grad, rank, tp_size)),
+                        "fused_loss": relative(fused_loss.detach(), fused_expected.detach()),
+                        "fused_grad_hidden": relative(h.grad, full_h.grad),
+                        "fused_grad_weight": relative(w.grad, shard(full_w.grad.t(), rank, tp_size).t()),
+                    })
     return results

@@ -40,3 +40,18 @@ def test_fused_cross_vocab_loss_matches_reference(tp_size):
         failed = [row for row in results
                   if max(row["loss"], row["grad_hidden"], row["grad_weight"]) > TOLERANCE[row["dtype"]]]
         assert failed == [], f"rank {rank}: {failed[:3]}"
+
+
+@pytest.mark.parametrize("thresholds", [(4, 0.5), (0, 0.0)], ids=["some_heavy", "all_heavy"])
+def test_heavy_ids_match_reference(thresholds):
+    """The heavy teacher ids' dense product (megatron_gkd.losses.cross_vocab_heavy) at TP=2, unfused and fused, on
+    maps whose ids 0-2 are reached from most student tokens of both shards."""
+    per_rank = run_distributed(cases.check_heavy_tp, 2, args=thresholds)
+    for rank, results in enumerate(per_rank):
+        assert len(results) == len(cases.make_heavy_cases()) * len(cases.LOSS_CONFIGS) * 2 * 2
+        picked = {tuple(row["heavy_ids"]) for row in results}  # this rank's heavy ids: some of 0-2, or many
+        assert all(0 < len(ids) and (set(ids) <= {0, 1, 2} if thresholds == (4, 0.5) else len(ids) > 3)
+                   for ids in picked), picked
+        failed = [row for row in results
+                  if max(value for key, value in row.items() if isinstance(value, float)) > TOLERANCE[row["dtype"]]]
+        assert failed == [], f"rank {rank}: {failed[:3]}"
