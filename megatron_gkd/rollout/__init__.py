@@ -3,7 +3,7 @@
 Public API::
 
     from megatron_gkd.rollout import SamplingConfig, build_engine
-    engine = build_engine("vllm", model=hf_dir, layout="colocated", tensor_parallel_size=2)
+    engine = build_engine("vllm", model=hf_dir, tensor_parallel_size=2)
     batch = engine.generate(prompt_token_ids, SamplingConfig(n=4, max_tokens=128, logprobs_k=8))
     engine.load_weights(named_hf_tensors, version=step)       # vLLM engines: weight sync lands here
 

@@ -1,6 +1,6 @@
 """Rollout engines registered by name and chosen by a config string.
 
-``build_engine("vllm", model=..., layout="colocated")`` or ``build_engine("megatron", chunks=...)``.
+``build_engine("vllm", model=...)`` or ``build_engine("megatron", chunks=...)``.
 Every engine implements :class:`RolloutEngine`. The layout is the registry's business, not an engine's:
 ``layout="disaggregated"`` builds the named engine on the serving rank and a client elsewhere
 (:mod:`megatron_gkd.rollout.disaggregated`), so engine modules never import one another.
@@ -16,9 +16,7 @@ from typing import Iterable, Sequence
 import torch
 
 from megatron_gkd.registry import Registry
-from megatron_gkd.rollout.types import Layout, RolloutBatch, SamplingConfig
-
-LAYOUTS = Layout.values()
+from megatron_gkd.rollout.types import RolloutBatch, SamplingConfig
 
 
 class StaleWeightsError(RuntimeError):
@@ -165,23 +163,14 @@ register_engine("vllm", "megatron_gkd.rollout.vllm_engine:VLLMEngine")
 register_engine("megatron", "megatron_gkd.rollout.megatron_engine:MegatronEngine", EngineTraits(shares_student_weights=True))
 
 
-def build_engine(name: str, *, layout: str = "colocated", **kwargs) -> RolloutEngine:
-    """Builds the engine registered as ``name`` in ``layout``.
-
-    ``colocated``: this process holds (its shard of) the engine. ``disaggregated``: see
-    :func:`megatron_gkd.rollout.disaggregated.build_disaggregated` for the extra arguments.
+def build_engine(name: str, **kwargs) -> RolloutEngine:
+    """Builds the engine registered as ``name`` in this process (its shard of it: the colocated layout). An engine
+    on a rollout server is built by :func:`megatron_gkd.rollout.disaggregated.build_disaggregated`.
 
     Raises:
-        ValueError: ``name`` is not registered or ``layout`` is unknown (the messages list the choices).
+        ValueError: ``name`` is not registered (the message lists the choices).
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"rollout.layout={layout!r} is unknown; choose one of {list(LAYOUTS)}")
-    if Layout(layout).in_trainer:
-        return ENGINES.build(name, **kwargs)
-    # deferred: import cycle, rollout/disaggregated.py subclasses this module's RolloutEngine
-    from megatron_gkd.rollout.disaggregated import build_disaggregated
-
-    return build_disaggregated(engine=name, **kwargs)
+    return ENGINES.build(name, **kwargs)
 
 
 def registered_engines() -> list[str]:

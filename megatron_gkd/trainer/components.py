@@ -21,12 +21,12 @@ from megatron_gkd.parallel import ParallelState
 from megatron_gkd.rewards import RewardRunner
 from megatron_gkd.rollout import build_engine, engine_traits
 from megatron_gkd.teacher.config import build_client_from_config
+from megatron_gkd.teacher.cross_request import CrossTokenizer
 from megatron_gkd.teacher.types import Signal
 from megatron_gkd.trainer.disaggregated import RemoteRollout
 from megatron_gkd.trainer.optim import build_lr_scheduler, build_optimizer, wrap_for_training
 from megatron_gkd.trainer.rollout import Rollout
 from megatron_gkd.weight_sync import build_plan
-from megatron_gkd.xtok.request import CrossTokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def build_student(config: GKDConfig, state: ParallelState) -> Student:
 def build_teacher_head(teacher, state, student: Student, tokenizer, cross=None) -> torch.Tensor | None:
     """This rank's shard of ``teacher``'s output layer (a teacher config section with ``signal=hidden``, last
     pipeline stage), split over the TP group like the student's own output layer; None when not needed. A teacher of
-    another tokenizer (``cross``, its :class:`~megatron_gkd.xtok.request.CrossTokenizer`) has its own vocabulary:
+    another tokenizer (``cross``, its :class:`~megatron_gkd.teacher.cross_request.CrossTokenizer`) has its own vocabulary:
     its rows are split over the TP group (padded to a multiple of it)."""
     if not teacher.signal.needs_head or not teacher.enabled or not state.is_pipeline_last_stage:
         return None
@@ -178,7 +178,7 @@ def check_teacher(client, config: GKDConfig, tokenizer, student_vocab_size: int,
     """Start-up checks against a teacher (``teacher``: its config section, default ``config.teacher``): vocabulary
     alignment, k, requested ids, temperature, and whether it can write responses (``generates``: GKD's mixture asks
     it to, ``sample_mix.source=teacher``; checked now rather than at the first batch drawn for it, maybe far in;
-    ``cross``: the teacher's :class:`~megatron_gkd.xtok.request.CrossTokenizer`, whose tokenizer must be the teacher's).
+    ``cross``: the teacher's :class:`~megatron_gkd.teacher.cross_request.CrossTokenizer`, whose tokenizer must be the teacher's).
 
     Raises:
         ValueError: the teacher cannot serve this run (the message names the key and the fix).

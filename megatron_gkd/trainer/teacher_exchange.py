@@ -114,7 +114,7 @@ class TeacherExchange:
 
     @staticmethod
     def _cross_request(teacher, samples, indices: list[int]) -> Request:
-        """A teacher of another tokenizer is asked the samples' text in its own ids (:mod:`megatron_gkd.xtok.request`);
+        """A teacher of another tokenizer is asked the samples' text in its own ids (:mod:`megatron_gkd.teacher.cross_request`);
         its rows come back on the student's response positions."""
         config, cross = teacher.config, teacher.cross
         translated = [cross.translate(sample.tokens.numpy(), sample.prompt_len) for sample in samples]

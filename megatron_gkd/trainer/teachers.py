@@ -24,9 +24,9 @@ import torch
 from megatron_gkd.config.checks import teacher_configs, teacher_key
 from megatron_gkd.parallel.comm import agree, broadcast_msgpack
 from megatron_gkd.teacher.clients import client_traits
+from megatron_gkd.teacher.local_service import TeacherService
 from megatron_gkd.trainer.components import build_cross_tokenizer, build_teacher_client, build_teacher_head
 from megatron_gkd.trainer.metrics import teacher_suffix
-from megatron_gkd.trainer.teacher_service import TeacherService
 
 
 @dataclasses.dataclass
@@ -41,7 +41,7 @@ class Teacher:
         service: the service this run started for it (rank 0), else None.
         head: its output layer's shard on last-stage ranks (hidden signal), else None.
         cross: a teacher of another tokenizer (``cross_tokenizer.method``): the pair's
-            :class:`~megatron_gkd.xtok.request.CrossTokenizer` (its requests are translated, its rows moved back to the
+            :class:`~megatron_gkd.teacher.cross_request.CrossTokenizer` (its requests are translated, its rows moved back to the
             student's positions), else None.
         projection: ``cross``'s map ``W``, this rank's rows (last stage), for the loss.
     """
@@ -64,7 +64,7 @@ class Teacher:
 @dataclasses.dataclass
 class Request:
     """One teacher's part of a step: the samples it scores (indices into the rank's samples) and the future
-    (``translated``: a cross-tokenizer teacher's view of each sample, :class:`~megatron_gkd.xtok.request.Translated`).
+    (``translated``: a cross-tokenizer teacher's view of each sample, :class:`~megatron_gkd.teacher.cross_request.Translated`).
     """
 
     indices: list[int]

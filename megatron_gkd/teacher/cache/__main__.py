@@ -33,9 +33,9 @@ from megatron_gkd.teacher.cache.generated import REBUILD_FLAG, generation_settin
 from megatron_gkd.teacher.cache.store import CacheRecord, dataset_records
 from megatron_gkd.teacher.clients import client_traits
 from megatron_gkd.teacher.config import build_client_from_config
+from megatron_gkd.teacher.cross_request import CrossTokenizer
+from megatron_gkd.teacher.local_service import TeacherService
 from megatron_gkd.teacher.security import SECRET_ENV, load_secret
-from megatron_gkd.trainer.teacher_service import TeacherService
-from megatron_gkd.xtok.request import CrossTokenizer
 
 logger = logging.getLogger(__name__)
 

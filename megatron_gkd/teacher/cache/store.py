@@ -149,7 +149,7 @@ class CacheManifest:
             :mod:`.generated`); ``dataset`` then describes the prompts. None: the dataset's own responses, scored.
         teacher_tokenizer_digest: a cross-tokenizer teacher's own tokenizer (``teacher.cross_tokenizer``): the cache
             was built for this pair of tokenizers, its rows hold teacher ids of the records' text as the teacher
-            tokenizes it (:mod:`megatron_gkd.xtok.request`). None: the teacher shares the student's tokenizer.
+            tokenizes it (:mod:`megatron_gkd.teacher.cross_request`). None: the teacher shares the student's tokenizer.
         shards: per shard ``name``, ``num_records``, ``num_rows``, ``bytes`` and ``blake3``; in a build's plan
             (``build.json``), the shards written so far.
         mac: ``hmac-sha256:HEX`` of every other field (:func:`manifest_mac`) with the run's secret, or None when the

@@ -22,7 +22,7 @@ ENGINE = dict(max_model_len=64, skip_tokenizer_init=True, kv_cache_memory_bytes=
 def _colocated(model_dir, tensor_parallel_size):
     from megatron_gkd.rollout import build_engine
 
-    engine = build_engine("vllm", model=model_dir, layout="colocated", tensor_parallel_size=tensor_parallel_size,
+    engine = build_engine("vllm", model=model_dir, tensor_parallel_size=tensor_parallel_size,
                           **ENGINE)
     try:
         return engine.generate(PROMPTS, SAMPLING)
@@ -33,13 +33,12 @@ def _colocated(model_dir, tensor_parallel_size):
 def _disaggregated(model_dir):
     import multiprocessing
 
-    from megatron_gkd.rollout import build_engine
-    from megatron_gkd.rollout.disaggregated import new_rollout_group
+    from megatron_gkd.rollout.disaggregated import build_disaggregated, new_rollout_group
 
     # The harness spawns daemonic ranks, which may not start children; the serving rank's vLLM runs
     # its engine core in a child process (torchrun's workers are not daemons).
     multiprocessing.current_process().daemon = False
-    side = build_engine("vllm", model=model_dir, layout="disaggregated", group=new_rollout_group([0, 1, 2]),
+    side = build_disaggregated(engine="vllm", model=model_dir, group=new_rollout_group([0, 1, 2]),
                         server_rank=2, trainer_rank=0, **ENGINE)
     if torch.distributed.get_rank() == 2:
         try:

@@ -40,7 +40,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_padding_rows_are_never_sampled(model_dir):
-    engine = build_engine("vllm", model=str(model_dir), layout="colocated", max_model_len=64, skip_tokenizer_init=True,
+    engine = build_engine("vllm", model=str(model_dir), max_model_len=64, skip_tokenizer_init=True,
                           kv_cache_memory_bytes=32 << 20, vocab_size=TOKENS)
     try:
         batch = engine.generate(PROMPTS, SamplingConfig(temperature=1.0, max_tokens=16, n=8, seed=3, logprobs_k=4))

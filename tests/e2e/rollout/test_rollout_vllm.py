@@ -25,7 +25,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    engine = build_engine("vllm", model=model_dir, layout="colocated", max_model_len=MAX_MODEL_LEN,
+    engine = build_engine("vllm", model=model_dir, max_model_len=MAX_MODEL_LEN,
                           skip_tokenizer_init=True, kv_cache_memory_bytes=64 << 20)
     yield engine
     engine.close()

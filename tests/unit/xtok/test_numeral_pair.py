@@ -7,10 +7,10 @@ import pytest
 
 from megatron_gkd.recipes import arithmetic
 from megatron_gkd.recipes.numeral_teacher import build_numeral_tokenizer
+from megatron_gkd.teacher.cross_request import CrossTokenizer
 from megatron_gkd.teacher.types import TeacherOutput
 from megatron_gkd.xtok.align import Kind
 from megatron_gkd.xtok.config import CrossTokenizerConfig
-from megatron_gkd.xtok.request import CrossTokenizer
 
 
 @pytest.fixture(scope="module")
