@@ -203,7 +203,7 @@ def _check_sample_mix(config, teachers: dict) -> None:
               "sample_mix.source=dataset, or a teacher of the student's tokenizer")
     traits = client_traits(teacher.client)
     if traits.from_files and mix.never_student(config.trainer.num_steps):
-        return  # a cache of teacher-written responses (sequence-level KD); its check_run compares it at start-up
+        return  # a cache of teacher-written responses (sequence-level KD); trainer/cache_check.py compares it at start-up
     if not traits.generates:
         _fail(f"sample_mix.source=teacher asks the teacher for responses, which "
               f"{teacher_key(config, name)}.client={teacher.client!r} cannot do; use {teacher_key(config, name)}"

@@ -20,9 +20,11 @@ from megatron_gkd.models.teacher_head import load_teacher_head
 from megatron_gkd.parallel import ParallelState
 from megatron_gkd.rewards import RewardRunner
 from megatron_gkd.rollout import build_engine, engine_traits
+from megatron_gkd.teacher.clients import client_traits
 from megatron_gkd.teacher.config import build_client_from_config
 from megatron_gkd.teacher.cross_request import CrossTokenizer
 from megatron_gkd.teacher.types import Signal
+from megatron_gkd.trainer.cache_check import check_cache_run
 from megatron_gkd.trainer.disaggregated import RemoteRollout
 from megatron_gkd.trainer.optim import build_lr_scheduler, build_optimizer, wrap_for_training
 from megatron_gkd.trainer.rollout import Rollout
@@ -184,9 +186,8 @@ def check_teacher(client, config: GKDConfig, tokenizer, student_vocab_size: int,
         ValueError: the teacher cannot serve this run (the message names the key and the fix).
     """
     info = client.info()
-    check_run = getattr(client, "check_run", None)
-    if check_run is not None:  # a client answering from stored data (a teacher cache) refuses another run's
-        check_run(config, tokenizer, teacher=teacher)
+    if client_traits(teacher.client if teacher is not None else config.teacher.client).from_files:
+        check_cache_run(client, config, tokenizer, teacher=teacher)  # a teacher cache refuses another run's
     teacher = teacher if teacher is not None else config.teacher
     client.align_vocab(tokenizer, student_vocab_size, cross_tokenizer=teacher.cross_tokenizer)
     if cross is not None and info.tokenizer_digest not in (None, cross.teacher_digest):

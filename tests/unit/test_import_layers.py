@@ -21,10 +21,8 @@ LAYERS = (
     "trainer", "launcher",  # the run
     "recipes", "testing",  # assets and test helpers built on everything
 )
-KNOWN_UPWARD = {
+KNOWN_UPWARD: dict[tuple[str, str], str] = {
     # (importing module, imported package): the move that removes it
-    ("megatron_gkd.teacher.cache.generated", "config"): "the run-config checks of a generation cache: to config/",
-    ("megatron_gkd.teacher.clients.cache", "config"): "CacheTeacherClient.check_run reads the run's config: to config/",
 }
 KNOWN_CYCLES: dict[frozenset, str] = {}
 

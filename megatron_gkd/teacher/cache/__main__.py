@@ -25,6 +25,7 @@ import pathlib
 import sys
 
 from megatron_gkd.config import load_config, needs_responses
+from megatron_gkd.config.checks import teacher_response_limit
 from megatron_gkd.data import load_prompts, load_tokenizer
 from megatron_gkd.data.tokenization import stop_token_ids
 from megatron_gkd.log_setup import setup_logging
@@ -144,7 +145,8 @@ def _generation(config, tokenizer, batch_size: int | None, responses_per_prompt:
         raise ValueError("a cache of teacher-written responses records the seed they were written with: set "
                          "rollout.seed=N (the run's batch r is then seeded as the build's request r)")
     prompts_per_step = config.trainer.global_batch_size // config.rollout.n
-    return generation_settings(config, stop_token_ids(config.rollout.stop_token_ids, tokenizer),
+    return generation_settings(config.sample_mix.teacher, teacher_response_limit(config),
+                               stop_token_ids(config.rollout.stop_token_ids, tokenizer),
                                num_per_prompt=responses_per_prompt or config.rollout.n,
                                prompts_per_request=batch_size or prompts_per_step, seed=config.rollout.seed)
 

@@ -25,7 +25,6 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_gkd.config.checks import teacher_response_limit
 from megatron_gkd.teacher.cache.store import CacheManifest, CacheRecord
 from megatron_gkd.teacher.types import GenerateBatch, ScoreBatch, SequenceRequest, Signal, TeacherOutput
 
@@ -50,16 +49,16 @@ def prompt_records(dataset) -> list[CacheRecord]:
     return records
 
 
-def sampling_settings(config, stop_ids: Sequence[int]) -> dict:
-    """The run's settings for teacher-written responses (``sample_mix.teacher.*`` and its stop ids), keyed as
-    :data:`SAMPLING_KEYS`."""
-    settings = config.sample_mix.teacher
+def sampling_settings(settings, max_tokens: int, stop_ids: Sequence[int]) -> dict:
+    """A run's settings for teacher-written responses, keyed as :data:`SAMPLING_KEYS`: ``settings`` is its
+    ``sample_mix.teacher`` section, ``max_tokens`` the longest response (``config.checks.teacher_response_limit``),
+    ``stop_ids`` its stop ids with the tokenizer's EOS."""
     return {"temperature": float(settings.temperature), "top_p": float(settings.top_p), "top_k": int(settings.top_k),
-            "max_tokens": teacher_response_limit(config), "stop_ids": sorted(int(i) for i in stop_ids)}
+            "max_tokens": int(max_tokens), "stop_ids": sorted(int(i) for i in stop_ids)}
 
 
-def generation_settings(config, stop_ids: Sequence[int], *, num_per_prompt: int, prompts_per_request: int,
-                        seed: int) -> dict:
+def generation_settings(settings, max_tokens: int, stop_ids: Sequence[int], *, num_per_prompt: int,
+                        prompts_per_request: int, seed: int) -> dict:
     """What a generation cache's manifest records of how the teacher wrote its responses.
 
     Raises:
@@ -70,7 +69,7 @@ def generation_settings(config, stop_ids: Sequence[int], *, num_per_prompt: int,
                          "generate request) must be >= 1")
     if seed < 0:
         raise ValueError(f"the generation seed {seed} (rollout.seed) must be >= 0")
-    return dict(sampling_settings(config, stop_ids), num_per_prompt=num_per_prompt, seed=seed,
+    return dict(sampling_settings(settings, max_tokens, stop_ids), num_per_prompt=num_per_prompt, seed=seed,
                 prompts_per_request=prompts_per_request)
 
 

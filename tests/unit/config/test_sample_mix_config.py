@@ -134,7 +134,7 @@ def test_no_rollout_engine_for_a_run_whose_student_never_samples(overrides, samp
 
 
 def test_a_teacher_cache_may_write_the_responses_of_sequence_level_kd_only():
-    """teacher.client=cache answers generate requests from a cache of teacher-written responses (its check_run
+    """teacher.client=cache answers generate requests from a cache of teacher-written responses (check_cache_run
     compares it at start-up): sequence-level KD passes the config's checks, a mixture with the student's own samples
     is refused naming sample_mix.lmbda."""
     cache = ["sample_mix.source=teacher", "teacher.client=cache", "teacher.cache_dir=/nowhere", "teacher.serve.model=null"]

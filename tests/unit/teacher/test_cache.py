@@ -21,6 +21,7 @@ from megatron_gkd.teacher.clients import TeacherClient, TeacherInfo
 from megatron_gkd.teacher.clients.cache import CacheTeacherClient
 from megatron_gkd.teacher.security import SECRET_ENV
 from megatron_gkd.teacher.types import HIDDEN_DTYPES, ScoreBatch, SequenceRequest, TeacherError
+from megatron_gkd.trainer.cache_check import check_cache_run
 
 TOP_K = 8
 TEMPERATURE = 1.5
@@ -214,7 +215,7 @@ def _check(assets, cache, tokenizer, *overrides):
 
     config = _run_config(assets, cache, *overrides)
     client = build_client_from_config(config.teacher)
-    client.check_run(config, tokenizer)
+    check_cache_run(client, config, tokenizer)
     return client
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from megatron_gkd.config import load_config
+from megatron_gkd.config.checks import teacher_response_limit
 from megatron_gkd.data import DataConfig, load_prompts, load_tokenizer
 from megatron_gkd.data.tokenization import stop_token_ids
 from megatron_gkd.teacher import build_client
@@ -30,6 +31,7 @@ from megatron_gkd.teacher.config import build_client_from_config
 from megatron_gkd.teacher.server import Proxy, Worker
 from megatron_gkd.teacher.types import ErrorCode, GenerateBatch, ScoreBatch, SequenceRequest, TeacherError
 from megatron_gkd.testing.runs import CONFIG
+from megatron_gkd.trainer.cache_check import check_cache_run
 
 SECRET = b"generation-cache-test-secret-32b"
 TOP_K, TEMPERATURE = 8, 1.5  # the scores' k and temperature (teacher.*)
@@ -81,7 +83,8 @@ def prompts(assets, tokenizer):
 
 def _generation(assets, tokenizer, num_per_prompt=NUM_PER_PROMPT):
     config = _config(assets)
-    return generation_settings(config, stop_token_ids(config.rollout.stop_token_ids, tokenizer), num_per_prompt=num_per_prompt,
+    return generation_settings(config.sample_mix.teacher, teacher_response_limit(config),
+                               stop_token_ids(config.rollout.stop_token_ids, tokenizer), num_per_prompt=num_per_prompt,
                                prompts_per_request=PER_REQUEST, seed=SEED)
 
 
@@ -265,7 +268,7 @@ def test_responses_per_prompt_needs_teacher_written_responses(assets, tmp_path):
 def _check(assets, cache_dir, tokenizer, *overrides):
     config = _config(assets, *overrides, cache=cache_dir)
     client = build_client_from_config(config.teacher, SECRET)
-    client.check_run(config, tokenizer)
+    check_cache_run(client, config, tokenizer)
     return client
 
 
@@ -306,7 +309,7 @@ def test_a_run_mixing_in_student_samples_is_refused(cache, assets, tokenizer):
     with pytest.raises(ValueError, match=r"sample_mix\.lmbda=0 at every step only"):
         _config(assets, "sample_mix.lmbda=0.5", cache=cache.reader.directory)
     with pytest.raises(ValueError, match=r"sample_mix\.lmbda=0\.5 \(schedule constant\) draws the student's own"):
-        cache.check_run(_config(assets, "sample_mix.lmbda=0.5"), tokenizer)
+        check_cache_run(cache, _config(assets, "sample_mix.lmbda=0.5"), tokenizer)
 
 
 def test_a_cache_of_the_datasets_responses_cannot_write(teacher, assets, tokenizer, tmp_path):
@@ -324,4 +327,4 @@ def test_a_cache_of_the_datasets_responses_cannot_write(teacher, assets, tokeniz
         plain.generate(GenerateBatch(prompts=[records[0].token_ids[:records[0].response_start]], seed=1))
     assert caught.value.code == ErrorCode.UNSUPPORTED
     with pytest.raises(ValueError, match="holds the dataset's own responses scored, and sample_mix.source=teacher"):
-        plain.check_run(_config(assets, cache=tmp_path), tokenizer)
+        check_cache_run(plain, _config(assets, cache=tmp_path), tokenizer)
