@@ -10,7 +10,7 @@ import shlex
 
 from megatron_gkd import planning
 from megatron_gkd.config import load_config
-from megatron_gkd.config.plan import layout_plan
+from megatron_gkd.config.dry_run import layout_plan
 from megatron_gkd.launcher import commands, memory
 from megatron_gkd.launcher.commands import Step
 from megatron_gkd.launcher.nodes import Allocation

@@ -8,15 +8,14 @@ Public API::
     engine.load_weights(named_hf_tensors, version=step)       # vLLM engines: weight sync lands here
 
 Engines (registry, :func:`build_engine`): ``vllm`` and ``megatron`` (the reference engine sampling with
-the Megatron student itself), each ``colocated`` or ``disaggregated`` (a serving rank and clients).
+the Megatron student itself), each ``colocated`` or ``disaggregated`` (a serving rank and clients: :mod:`.remote`).
 Engine modules are imported only when their engine is built, so vLLM loads only for ``vllm``.
 """
 
+from megatron_gkd.rollout.engine import RolloutEngine, StaleWeightsError
 from megatron_gkd.rollout.registry import (
     ENGINES,
     EngineTraits,
-    RolloutEngine,
-    StaleWeightsError,
     build_engine,
     engine_traits,
     register_engine,

@@ -20,7 +20,7 @@ import torch
 from megatron_gkd import platform
 from megatron_gkd.models import parallel_state_of
 from megatron_gkd.parallel import gather_tp
-from megatron_gkd.rollout.registry import RolloutEngine
+from megatron_gkd.rollout.engine import RolloutEngine
 from megatron_gkd.rollout.types import RolloutBatch, SamplingConfig, check_prompt_lengths
 from megatron_gkd.weight_sync.verify import student_prompt_logprobs
 

@@ -3,7 +3,7 @@
 It builds its rollout engine outside the trainers' world, logs ``READY``, joins the weight-sync
 transport of the trainers (rank ``num_trainer_ranks``; the secret comes in ``MEGATRON_GKD_ROLLOUT_SECRET``),
 receives the weight-sync plan, and serves generate and weight-update requests over the transport's
-control group until the trainers close it (:class:`~megatron_gkd.rollout.disaggregated.RolloutServer`).
+control group until the trainers close it (:class:`~megatron_gkd.rollout.remote.RolloutServer`).
 A trainer run starts it itself (``rollout.layout=disaggregated``); it stops with its parent.
 """
 
@@ -19,8 +19,8 @@ import sys
 from megatron_gkd import platform
 from megatron_gkd.child_process import exit_with_parent
 from megatron_gkd.log_setup import setup_logging
-from megatron_gkd.rollout.disaggregated import RolloutServer
 from megatron_gkd.rollout.registry import ENGINES
+from megatron_gkd.rollout.remote import RolloutServer
 from megatron_gkd.weight_sync import TorchDistributedTransport, WeightReceiver, WeightSyncConfig, connect_rollout
 
 logger = logging.getLogger(__name__)

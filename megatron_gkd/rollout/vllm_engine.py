@@ -10,7 +10,7 @@ Layouts (docs/design.md, "Layouts"):
     distributed world (one process) the engine runs in-process with vLLM's single-worker executor.
 ``disaggregated``
     Dedicated ranks serve the engine (built here with ``join_world=False``); see
-    :mod:`megatron_gkd.rollout.disaggregated`.
+    :mod:`megatron_gkd.rollout.remote`.
 
 Weights change only through :meth:`VLLMEngine.load_weights`, which hands HF-named tensors to the
 weight-sync receiver (vLLM's in-place reload) and sets the weight version recorded in every batch.
@@ -25,7 +25,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from megatron_gkd.rollout.registry import RolloutEngine
+from megatron_gkd.rollout.engine import RolloutEngine
 from megatron_gkd.rollout.types import RolloutBatch, SamplingConfig, check_prompt_lengths
 from megatron_gkd.weight_sync.receiver import reload_vllm_weights
 from megatron_gkd.weight_sync.verify import vllm_prompt_logprobs

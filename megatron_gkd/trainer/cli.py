@@ -18,7 +18,7 @@ import sys
 
 from megatron_gkd import platform
 from megatron_gkd.config import load_config, to_yaml
-from megatron_gkd.config.plan import layout_plan
+from megatron_gkd.config.dry_run import layout_plan
 from megatron_gkd.log_setup import setup_logging
 from megatron_gkd.trainer import run_dir
 from megatron_gkd.trainer.checks import check_registered_names

@@ -25,9 +25,9 @@ from megatron_gkd.teacher.config import build_client_from_config
 from megatron_gkd.teacher.cross_request import CrossTokenizer
 from megatron_gkd.teacher.types import Signal
 from megatron_gkd.trainer.cache_check import check_cache_run
-from megatron_gkd.trainer.disaggregated import RemoteRollout
 from megatron_gkd.trainer.optim import build_lr_scheduler, build_optimizer, wrap_for_training
 from megatron_gkd.trainer.rollout import Rollout
+from megatron_gkd.trainer.rollout_server import RemoteRollout
 from megatron_gkd.weight_sync import build_plan
 
 logger = logging.getLogger(__name__)

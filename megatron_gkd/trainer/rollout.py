@@ -27,7 +27,7 @@ class Rollout:
         stop_ids: ids that end a response (added to every request's sampling).
         timers: the trainer's phase timers (``weight_sync``).
         engine: this rank's colocated engine (a vLLM shard, or the student itself), or None.
-        remote: the :class:`~megatron_gkd.trainer.disaggregated.RemoteRollout` (rollout server), or None.
+        remote: the :class:`~megatron_gkd.trainer.rollout_server.RemoteRollout` (rollout server), or None.
         sync_plan: the weight-sync plan of a colocated engine that holds its own copy of the weights.
         replicas: colocated vLLM replicas (each samples a block of the prompts).
     """

@@ -1,7 +1,7 @@
 """Rollout side: receive buckets, copy the tensors out, load them into vLLM in place.
 
 Fail closed: the engine is marked stale while it loads (see
-:class:`~megatron_gkd.rollout.registry.RolloutEngine`), so a sync that fails part-way (a corrupted
+:class:`~megatron_gkd.rollout.engine.RolloutEngine`), so a sync that fails part-way (a corrupted
 bucket, a sender that died or hangs past the transport's ``timeout_s``, a reload error) leaves it
 refusing to generate until a sync succeeds. After a failure that left the transport usable, the rest
 of the buckets are still received (and dropped), so the senders finish and the next sync starts in

@@ -227,7 +227,7 @@ def test_the_parallel_state_is_passed_not_looked_up():
               for line in _calls_without_state((ROOT / path).read_text())]
     assert not unsaid, "pass state= to " + " / ".join(STATE_TAKERS) + ":\n" + "\n".join(unsaid)
     groups = [f"{path}:{number}" for path in _python_files() if path.startswith(LIBRARY)
-              and not path.startswith(("parallel/", "megatron_gkd/weight_sync/", "megatron_gkd/rollout/disaggregated.py"))
+              and not path.startswith(("parallel/", "megatron_gkd/weight_sync/", "megatron_gkd/rollout/remote.py"))
               for number, line in _code_lines(path) if "new_group(" in line]
     assert not groups, "process groups are built in parallel/ (ParallelState), not here:\n" + "\n".join(groups)
 

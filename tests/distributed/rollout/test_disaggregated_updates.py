@@ -35,7 +35,7 @@ def _transport(port: int, rank: int):
 def _trainer(path: str, trainer_port: int, sync_port: int):
     from megatron_gkd import parallel
     from megatron_gkd.models import export_hf_weights
-    from megatron_gkd.rollout.disaggregated import RolloutClient
+    from megatron_gkd.rollout.remote import RolloutClient
     from megatron_gkd.testing.weight_sync import tp2_trainer, train
 
     chunks, optimizer, transport, sender = tp2_trainer(path, trainer_port, lambda rank: _transport(sync_port, rank), CONFIG)
@@ -55,7 +55,7 @@ def _trainer(path: str, trainer_port: int, sync_port: int):
 
 
 def _server(sync_port: int):
-    from megatron_gkd.rollout.disaggregated import RolloutServer
+    from megatron_gkd.rollout.remote import RolloutServer
     from megatron_gkd.testing.weight_sync import RecordingEngine
     from megatron_gkd.weight_sync import WeightReceiver, connect_rollout
 

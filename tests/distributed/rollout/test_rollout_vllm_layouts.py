@@ -33,7 +33,7 @@ def _colocated(model_dir, tensor_parallel_size):
 def _disaggregated(model_dir):
     import multiprocessing
 
-    from megatron_gkd.rollout.disaggregated import build_disaggregated, new_rollout_group
+    from megatron_gkd.rollout.remote import build_disaggregated, new_rollout_group
 
     # The harness spawns daemonic ranks, which may not start children; the serving rank's vLLM runs
     # its engine core in a child process (torchrun's workers are not daemons).

@@ -65,7 +65,7 @@ def _trainer(path: str, trainer_port: int, sync_port: int, config):
     from megatron_gkd import parallel
     from megatron_gkd.models import export_hf_weights
     from megatron_gkd.rollout import StaleWeightsError
-    from megatron_gkd.rollout.disaggregated import RolloutClient
+    from megatron_gkd.rollout.remote import RolloutClient
     from megatron_gkd.testing.weight_sync import tp2_trainer, train
     from megatron_gkd.weight_sync import WeightSyncError
 
@@ -94,7 +94,7 @@ def _trainer(path: str, trainer_port: int, sync_port: int, config):
 
 
 def _server(sync_port: int, config):
-    from megatron_gkd.rollout.disaggregated import RolloutServer
+    from megatron_gkd.rollout.remote import RolloutServer
     from megatron_gkd.testing.weight_sync import RecordingEngine
     from megatron_gkd.weight_sync import WeightReceiver, connect_rollout
 

@@ -95,7 +95,7 @@ def test_the_generates_trait_says_which_clients_can_ask_for_responses():
 
 
 def test_the_dry_run_plan_says_what_the_mixture_draws():
-    from megatron_gkd.config.plan import layout_plan
+    from megatron_gkd.config.dry_run import layout_plan
 
     assert "mixture" not in layout_plan(load_config(BASE))
     plan = layout_plan(load_config(BASE, MIX + ["sample_mix.per=prompt", "sample_mix.source=teacher"]))

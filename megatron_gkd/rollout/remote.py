@@ -15,7 +15,7 @@ weights: on ``update`` it receives them with its weight receiver (the trainer ra
 their :class:`~megatron_gkd.weight_sync.WeightSender` right after :meth:`RolloutClient.update_weights`).
 An update that fails (a corrupted bucket, a reload error, a sender past its timeout) leaves the engine
 stale: the server keeps serving, answers ``generate`` with a
-:class:`~megatron_gkd.rollout.registry.StaleWeightsError` that the trainers receive, and takes the next
+:class:`~megatron_gkd.rollout.engine.StaleWeightsError` that the trainers receive, and takes the next
 update (the trainers' ``sender.sync`` raised, and they may retry).
 """
 
@@ -28,7 +28,8 @@ from typing import Sequence
 import msgpack
 import torch
 
-from megatron_gkd.rollout.registry import ENGINES, RolloutEngine, StaleWeightsError
+from megatron_gkd.rollout.engine import RolloutEngine, StaleWeightsError
+from megatron_gkd.rollout.registry import ENGINES
 from megatron_gkd.rollout.types import RolloutBatch, SamplingConfig, decode_batch, encode_batch
 from megatron_gkd.weight_sync.errors import WeightSyncError
 

@@ -2,7 +2,7 @@
 
 Trainer rank 0 starts ``python -m megatron_gkd.rollout.server`` (vLLM outside the trainers' world) and
 hosts the weight-sync store; every trainer rank joins the transport, sends the plan, and talks to the
-server through a :class:`~megatron_gkd.rollout.disaggregated.RolloutClient` on the transport's control
+server through a :class:`~megatron_gkd.rollout.remote.RolloutClient` on the transport's control
 group. Everything that uses that group (generate requests, weight updates) runs on one thread, in the
 order it was asked for, so rollout overlaps training while updates and requests never interleave; a
 weight update blocks the caller until the parameters have been read.
@@ -19,7 +19,7 @@ import sys
 
 from megatron_gkd.child_process import ServiceProcess, free_port
 from megatron_gkd.parallel.comm import agree, broadcast_msgpack
-from megatron_gkd.rollout.disaggregated import RolloutClient
+from megatron_gkd.rollout.remote import RolloutClient
 from megatron_gkd.rollout.server import SECRET_ENV
 from megatron_gkd.weight_sync import TorchDistributedTransport, WeightSender, build_plan, connect_trainer
 
