@@ -29,8 +29,10 @@ CSR over teacher ids (:class:`~.projection_map.ProjectionShard`, built by
 (``y_t`` over its own students, a stable log-sum-exp per (row, id)), and ONE all-gather of ``[N, 1+K]`` combines
 the log-partitions and the partial ``y`` by ``logsumexp`` over ranks. The backward writes the gradient in one pass:
 ``lse_coef softmax(z)`` densely plus, for each map entry under a compared id, ``g_t W[s,t] exp(z_s - y_t)``.
-Besides the same-tokenizer loss it holds the map entries under the support (the ids' fan-in), one block of rows at a
-time, at most one ``[c, V/tp]`` chunk's bytes.
+Teacher ids with a large fan-in that many rows name are projected instead by one sparse product per block of rows
+over the students they reach (:mod:`.cross_vocab_heavy`; :class:`LocalPlan` records which slots took it). Besides
+the same-tokenizer loss it holds the map entries under the support (the ids' fan-in) and the dense product's
+``[rows, S]`` factors, one block of rows at a time, at most one ``[c, V/tp]`` chunk's bytes.
 
 The fused output layer (``hidden @ W^T`` recomputed in token chunks) is :mod:`.cross_vocab_fused`. The teacher's
 ``hidden`` signal is compared as its exact top-k (:func:`megatron_gkd.losses.hidden.hidden_topk`, made in the step from

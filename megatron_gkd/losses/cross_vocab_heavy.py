@@ -17,9 +17,9 @@ row once. The backward is the transposed product, added to the ``S`` columns of 
 
 Which ids (:meth:`HeavyColumns.select`, once per call of the loss): this shard's entries on the id (its fan-in) at
 least :data:`DENSE_MIN_FAN_IN`, and named by at least :data:`DENSE_MIN_ROW_SHARE` of the rows. The dense product
-pays for every row, the per-entry path only for the rows that name the id; per entry that path does about 16 times
-the work of a dense element (measured on the host, docs/performance.md), so an id named by fewer rows than that stays
-per entry.
+pays for every row, the per-entry path only for the rows that name the id; on the host an entry of that path
+(forward and backward) costs about 4 times a (row, student) of the product (145 and 34 ns, docs/performance.md), so
+an id named by fewer than about a quarter of the rows is cheaper per entry.
 
 Exactness: a (row, id) whose total is below the square root of the compute dtype's smallest normal (its students
 hold almost none of this rank's mass, some factors may have underflowed, and ``exp(a_r - y)`` would be huge) is
@@ -36,12 +36,13 @@ import torch
 from megatron_gkd.losses.projection_map import ProjectionShard
 
 # A teacher id is projected densely when this shard holds at least this many of its map entries ...
-DENSE_MIN_FAN_IN = 16
+DENSE_MIN_FAN_IN = 8
 # ... and at least this share of the rows names it (tests set both to 0 or to infinity).
-DENSE_MIN_ROW_SHARE = 1 / 16
-# What one heavy student costs in each row of a live block (its factor, in place of its gathered logit, and its
-# product with the gradient): blocks budget it beside the per-entry path's entries (cross_vocab._BYTES_PER_ENTRY).
-BYTES_PER_HEAVY_STUDENT = 8
+DENSE_MIN_ROW_SHARE = 1 / 4
+# What one heavy student costs in each row of a live block (its gathered logit turned factor, the product's contiguous
+# copy of it, the backward's product and gradient value): blocks budget it beside the per-entry path's entries
+# (cross_vocab._BYTES_PER_ENTRY). With 8 bytes the host measured 1-2 MiB over the same-tokenizer loss, over a chunk.
+BYTES_PER_HEAVY_STUDENT = 16
 
 
 def smallest_total(dtype: torch.dtype) -> float:
