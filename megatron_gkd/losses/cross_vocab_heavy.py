@@ -78,7 +78,7 @@ class HeavyColumns:
     def select(cls, ids: torch.Tensor, valid: torch.Tensor, shard: ProjectionShard,
                dtype: torch.dtype) -> "HeavyColumns | None":
         """The heavy ids of ``ids`` (``[N, K]``, ``valid`` marks real entries) on ``shard``; ``None`` when there are
-        none. One host sync."""
+        none. A few host syncs, once per call of the loss."""
         num_rows, width = ids.shape
         safe = torch.where(valid, ids, torch.zeros_like(ids))
         named = torch.bincount(safe[valid], minlength=shard.teacher_vocab_size)  # rows naming each id
