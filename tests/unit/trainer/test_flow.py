@@ -9,7 +9,6 @@ import types
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_gkd.config import load_config
 from megatron_gkd.rollout.types import RolloutBatch
@@ -23,12 +22,7 @@ EOS = 2
 RESPONSE = 3  # tokens of every sampled response
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world(tmp_path_factory):
-    store = tmp_path_factory.mktemp("gloo") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("gloo_world")  # conftest.py: a gloo world of one process
 
 
 class Record:

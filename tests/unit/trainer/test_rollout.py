@@ -17,12 +17,7 @@ from megatron_gkd.trainer.rollout import Rollout
 BASE = pathlib.Path(__file__).resolve().parents[3] / "configs" / "cpu_tiny.yaml"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world(tmp_path_factory):
-    store = tmp_path_factory.mktemp("gloo") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("gloo_world")  # conftest.py: a gloo world of one process
 
 
 def _batch(prompts, sampling, version: int) -> RolloutBatch:
