@@ -124,9 +124,12 @@ class RolloutBatch:
         response_mask: ``[N, R]`` bool, True on generated tokens.
         group_ids: ``[N]`` int64, index of the prompt each sample answers.
         rollout_logprobs: ``[N, R]`` float32 raw log-prob of each sampled token (0 on padding).
-        weight_version: version of the weights that sampled the batch.
+        weight_version: version of the weights that sampled the batch (with ``token_versions``: the oldest).
         finish_reasons: per sample, ``"stop"`` (EOS or a stop id) or ``"length"`` (max_tokens).
         topk_ids: ``[N, R, k]`` int64 top-k ids per response position, or None (padding: -1).
+        token_versions: ``[N, R]`` int64 the weight version that sampled each response token (partial rollouts:
+            a sample continued after a weight update holds tokens of several), or None: all ``weight_version``.
+            Padding: -1.
     """
 
     prompt_ids: torch.Tensor
@@ -139,6 +142,7 @@ class RolloutBatch:
     finish_reasons: list[str]
     topk_ids: torch.Tensor | None = None
     pad_token_id: int = 0
+    token_versions: torch.Tensor | None = None
 
     def __post_init__(self):
         num = self.prompt_ids.shape[0]
@@ -148,6 +152,7 @@ class RolloutBatch:
         assert self.response_ids.shape[0] == num and self.group_ids.shape == (num,), "sample counts differ"
         assert len(self.finish_reasons) == num, "one finish reason per sample"
         assert self.topk_ids is None or self.topk_ids.shape[:2] == self.response_ids.shape
+        assert self.token_versions is None or self.token_versions.shape == self.response_ids.shape
 
     @property
     def num_samples(self) -> int:
@@ -179,12 +184,20 @@ class RolloutBatch:
         """``[T_i, k]`` top-k ids of sample ``i``, or None."""
         return None if self.topk_ids is None else self.topk_ids[i, : int(self.response_lengths[i])]
 
+    def versions(self, i: int) -> torch.Tensor:
+        """``[T_i]`` int64 the weight version that sampled each response token of sample ``i``."""
+        length = int(self.response_lengths[i])
+        if self.token_versions is None:
+            return torch.full((length,), self.weight_version, dtype=torch.int64)
+        return self.token_versions[i, :length]
+
     @classmethod
     def from_samples(cls, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                      logprobs: Sequence[Sequence[float]], group_ids: Sequence[int], finish_reasons: list[str],
                      weight_version: int, topk: Sequence[Sequence[Sequence[int]]] | None = None,
-                     pad_token_id: int = 0) -> "RolloutBatch":
-        """Pads per-sample lists into a batch (``prompts[i]`` is the prompt of sample ``i``)."""
+                     pad_token_id: int = 0, versions: Sequence[Sequence[int]] | None = None) -> "RolloutBatch":
+        """Pads per-sample lists into a batch (``prompts[i]`` is the prompt of sample ``i``; ``versions``: each
+        response token's weight version, see ``token_versions``)."""
         prompt_ids, prompt_mask = _pad([list(p) for p in prompts], pad_token_id, torch.long)
         response_ids, response_mask = _pad([list(r) for r in responses], pad_token_id, torch.long)
         rollout_logprobs, _ = _pad([list(lp) for lp in logprobs], 0.0, torch.float32)
@@ -195,10 +208,12 @@ class RolloutBatch:
             for i, rows in enumerate(topk):
                 if len(rows):
                     topk_ids[i, : len(rows)] = torch.as_tensor(rows, dtype=torch.long).reshape(len(rows), k)
+        token_versions = None if versions is None else _pad([list(v) for v in versions], -1, torch.long)[0]
         return cls(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                    response_mask=response_mask, group_ids=torch.as_tensor(list(group_ids), dtype=torch.long),
                    rollout_logprobs=rollout_logprobs, weight_version=weight_version,
-                   finish_reasons=list(finish_reasons), topk_ids=topk_ids, pad_token_id=pad_token_id)
+                   finish_reasons=list(finish_reasons), topk_ids=topk_ids, pad_token_id=pad_token_id,
+                   token_versions=token_versions)
 
 
 def _pad(rows: list[list], value, dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,7 +249,7 @@ def check_prompt_lengths(prompts: Sequence[Sequence[int]], sampling: SamplingCon
 
 
 _TENSOR_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_ids", "rollout_logprobs",
-                  "topk_ids")
+                  "topk_ids", "token_versions")
 _DTYPES = {"int64": torch.int64, "bool": torch.bool, "float32": torch.float32}
 
 
@@ -263,7 +278,7 @@ def encode_batch(batch: RolloutBatch) -> dict:
 
 def decode_batch(value: dict) -> RolloutBatch:
     """Inverse of :func:`encode_batch` (the batch's own checks run on the result)."""
-    fields = {name: _decode_tensor(value[name]) for name in _TENSOR_FIELDS}
+    fields = {name: _decode_tensor(value.get(name)) for name in _TENSOR_FIELDS}
     return RolloutBatch(**fields, weight_version=int(value["weight_version"]),
                         finish_reasons=[str(r) for r in value["finish_reasons"]], pad_token_id=int(value["pad_token_id"]))
 

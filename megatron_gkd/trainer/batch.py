@@ -38,6 +38,7 @@ class Sample:
         logprobs: ``[R]`` float32 the rollout engine's (raw) log-probs of the response tokens, or None.
         source: where the response comes from: ``student`` (sampled by the rollout engine), ``dataset`` (the
             record's own) or ``teacher`` (written by the teacher; ``sample_mix``).
+        versions: ``[R]`` int64 the weight version that sampled each response token (partial rollouts), or None.
     """
 
     tokens: torch.Tensor
@@ -48,6 +49,7 @@ class Sample:
     data_group: str | None = None
     logprobs: torch.Tensor | None = None
     source: str = "student"
+    versions: torch.Tensor | None = None
 
     @property
     def response_len(self) -> int:
@@ -309,6 +311,11 @@ class MicroBatch:
     sources: dict[str, torch.Tensor] | None = None
     """GKD's mixture (``sample_mix``): per source, ``[b, s]`` True at the loss positions of its samples (every source
     of the run, empty or not, so every micro-batch reports the same statistics)."""
+    token_versions: torch.Tensor | None = None
+    """Partial rollouts: ``[b, s]`` int64 the weight version that sampled the response token each loss position
+    predicts (-1 elsewhere); the loss reads the staleness ``version - token_versions``."""
+    version: int | None = None
+    """The student's weight version at the update that trains this micro-batch (with ``token_versions``)."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -316,9 +323,10 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved = {f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-                 for f in dataclasses.fields(self) if f.name not in ("teachers", "sources")}
+                 for f in dataclasses.fields(self) if f.name not in ("teachers", "sources", "version")}
         sources = None if self.sources is None else {name: where.to(device) for name, where in self.sources.items()}
-        return MicroBatch(**moved, teachers=[teacher.to(device) for teacher in self.teachers], sources=sources)
+        return MicroBatch(**moved, teachers=[teacher.to(device) for teacher in self.teachers], sources=sources,
+                          version=self.version)
 
 
 def common_shape(samples: Sequence[Sample], plan: Sequence[Sequence[int]], pad_multiple: int = 1) -> tuple[int, int]:
@@ -374,7 +382,7 @@ def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Ten
                      rows: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, labels: bool = False,
                      pad_token_id: int = 0, shape: tuple[int, int] | None = None,
                      teachers: Sequence[TeacherShare] | None = None, policy: PolicyShare | None = None,
-                     sources: Sequence[str] | None = None) -> MicroBatch:
+                     sources: Sequence[str] | None = None, version: int | None = None) -> MicroBatch:
     """The ``[b, s]`` tensors of ``samples`` (right padding; positions past a sample carry no loss).
 
     Args:
@@ -390,6 +398,8 @@ def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Ten
             of one fixed shape per step.
         policy: the policy-gradient term's inputs of ``samples`` (``rl.combine``; ranks with a loss).
         sources: the run's sample sources (``sample_mix``): a loss mask per source (``MicroBatch.sources``).
+        version: the weight version of the update that trains ``samples`` (``MicroBatch.version``); their tokens'
+            own versions (``Sample.versions``) are placed where the samples carry them.
     """
     width = max(s.input_len for s in samples)
     width = -(-width // pad_multiple) * pad_multiple
@@ -401,11 +411,15 @@ def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Ten
     loss_mask = torch.zeros(b, width, dtype=torch.bool)
     weights = torch.zeros(b, width, dtype=torch.float64)
     label_ids = torch.full((b, width), pad_token_id, dtype=torch.int64) if labels else None
+    versioned = version is not None and any(sample.versions is not None for sample in samples)
+    token_versions = torch.full((b, width), -1, dtype=torch.int64) if versioned else None
     for i, (sample, coefficient) in enumerate(zip(samples, coefficients, strict=True)):  # rows past them: padding
         start, length = sample.prompt_len - 1, sample.response_len
         tokens[i, : sample.input_len] = sample.tokens[:-1]
         loss_mask[i, start : start + length] = True
         weights[i, start : start + length] = coefficient
+        if token_versions is not None:
+            token_versions[i, start : start + length] = sample.versions if sample.versions is not None else version
         if label_ids is not None:
             label_ids[i, : sample.input_len] = sample.tokens[1:]
     if rows:
@@ -420,7 +434,8 @@ def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Ten
         masks = {name: loss_mask & torch.tensor([row == name for row in rows])[:, None] for name in sources}
     return MicroBatch(tokens=tokens, position_ids=position_ids, loss_mask=loss_mask, coefficients=weights,
                       labels=label_ids, teachers=slices, padding_mask=padding_mask,
-                      policy=None if policy is None else _policy_slice(policy, samples, (b, width)), sources=masks)
+                      policy=None if policy is None else _policy_slice(policy, samples, (b, width)), sources=masks,
+                      token_versions=token_versions, version=version if versioned else None)
 
 
 def _teacher_slice(share: TeacherShare, samples: Sequence[Sample], shape: tuple[int, int]) -> TeacherSlice:
@@ -459,6 +474,7 @@ def samples_from_rollout(batch, indices: Sequence[int], prompt_indices: Sequence
                               group=group, prompt_index=int(prompt_indices[group]), student_topk=batch.topk(i),
                               data_group=prompt_groups[group] if prompt_groups is not None else None,
                               logprobs=batch.logprobs(i).float(),
-                              source=prompt_sources[group] if prompt_sources is not None else "student"))
+                              source=prompt_sources[group] if prompt_sources is not None else "student",
+                              versions=None if batch.token_versions is None else batch.versions(i)))
     return samples
 

@@ -252,6 +252,9 @@ def loss_metrics(stats: dict, teacher_names: list[str] | None = None) -> dict:
             metrics[f"train/loss_coverage{suffix}"] = stats[f"coverage{suffix}"]
             divergence = stats.get("kd/loss", stats["loss"]) if not suffix else stats[f"loss{suffix}"]
             metrics[f"train/loss_divergence{suffix}"] = divergence - stats[f"coverage{suffix}"]
+    if "token_staleness" in stats:  # partial rollouts: what the loss saw of each token's weight version
+        metrics["train/token_staleness_mean"] = stats["token_staleness"] / max(stats["tokens"], 1.0)
+        metrics["train/token_staleness_max"] = stats["token_staleness_max"]
     metrics.update(policy_metrics(stats))
     metrics.update(mixture_loss_metrics(stats))
     return metrics

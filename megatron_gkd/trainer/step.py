@@ -163,7 +163,7 @@ class PolicySpec:
 
 
 # Statistics reduced by their maximum over micro-batches and ranks (the others are sums).
-MAX_STATS = ("mismatch/max_ratio", "mismatch/max_inverse_ratio")
+MAX_STATS = ("mismatch/max_ratio", "mismatch/max_inverse_ratio", "token_staleness_max")
 
 
 LossSpecs = Union[LossSpec, Mapping[str, LossSpec]]
@@ -314,6 +314,8 @@ class StepRunner:
         device = output.device
         mask = microbatch.loss_mask.to(device)
         stats: dict[str, torch.Tensor] = {"tokens": mask.sum().double()}
+        if microbatch.token_versions is not None:
+            stats.update(self._staleness_stats(microbatch, mask))
         sampled = None  # the policy gradient's token log-probs, when they came from the first teacher's pass
         if spec_for(specs).kind.needs_labels:
             per_token = torch.where(mask, output.float(), torch.zeros_like(output, dtype=torch.float32))
@@ -345,6 +347,17 @@ class StepRunner:
         stats.setdefault("loss", contribution.detach().double())
         # Undo the schedule's division by the number of micro-batches and DDP's average over DP ranks.
         return contribution * self._scale, {key: value.detach().cpu() for key, value in stats.items()}
+
+    @staticmethod
+    def _staleness_stats(microbatch: MicroBatch, mask: torch.Tensor) -> dict:
+        """Partial rollouts: the staleness (``version - token_versions``) of the tokens the loss reads, summed over
+        the loss mask, and its largest value among the tokens that carry a coefficient (a staleness bound,
+        ``rollout.partial.max_staleness``, gives the others none)."""
+        staleness = (microbatch.version - microbatch.token_versions.to(mask.device)).double()
+        trained = mask & (microbatch.coefficients.to(mask.device) != 0)
+        zero = torch.zeros_like(staleness)
+        return {"token_staleness": torch.where(mask, staleness, zero).sum(),
+                "token_staleness_max": torch.where(trained, staleness, zero).max()}
 
     @staticmethod
     def _source_stats(stats: dict, microbatch: MicroBatch, weighted: torch.Tensor) -> None:
