@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from megatron_gkd import platform
+from megatron_gkd.config.partial import check_partial
 from megatron_gkd.config.sample_mix import SampleMixConfig
 from megatron_gkd.losses.advantages import get_advantage_estimator
 from megatron_gkd.losses.cross_vocab import CROSS_VOCAB_DIVERGENCES
@@ -128,6 +129,7 @@ def check_config(config) -> None:
     _check_rl(config, teachers)
     _check_sample_mix(config, teachers)
     _check_weight_sync(config)
+    check_partial(config)
     _check_inert(config)
 
 
@@ -276,7 +278,7 @@ def _check_inert(config) -> None:
     elif mindspeed.ulysses_degree_in_cp is not None and mindspeed.context_parallel_algo != "hybrid_cp_algo":
         logger.warning("mindspeed.ulysses_degree_in_cp has no effect with mindspeed.context_parallel_algo=%s "
                        "(hybrid_cp_algo only)", mindspeed.context_parallel_algo)
-    if rollout.layout.in_trainer and trainer.scheduler != "sync":
+    if rollout.layout.in_trainer and trainer.scheduler not in ("sync", "partial"):
         logger.info("trainer.scheduler=%s with a colocated rollout overlaps teacher scoring with training; "
                     "rollout itself runs on the training ranks between updates", trainer.scheduler)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from megatron_gkd.config.checks import check_config
 from megatron_gkd.config.optim import OptimizerConfig
+from megatron_gkd.config.partial import PartialRolloutConfig
 from megatron_gkd.config.sample_mix import SampleMixConfig
 from megatron_gkd.data.config import DataConfig
 from megatron_gkd.losses import PolicyGradientOptions, get_divergence
@@ -134,6 +135,8 @@ class RolloutConfig(SamplingConfig):
     """KV-cache size in MiB, overriding ``gpu_memory_utilization`` (what a CPU run should set)."""
     engine_args: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Further ``vllm.LLM`` keyword arguments."""
+    partial: PartialRolloutConfig = dataclasses.field(default_factory=PartialRolloutConfig)
+    """Partial rollouts' chunk and staleness bound (``trainer.scheduler=partial``)."""
 
     def __post_init__(self):
         SamplingConfig.__post_init__(self)

@@ -34,14 +34,17 @@ class PromptSampler:
         """The epoch of the batch returned last (of the next batch before the first)."""
         return self._epoch
 
-    def next_batch(self) -> list[int]:
-        """The next ``batch_size`` dataset positions; starts a new epoch when fewer than that remain."""
-        if self._position + self._batch_size > self._num_items:
+    def next_batch(self, count: int | None = None) -> list[int]:
+        """The next ``count`` (default ``batch_size``) dataset positions; starts a new epoch when fewer than that
+        remain (partial rollouts draw fewer than a batch to top theirs up)."""
+        count = self._batch_size if count is None else count
+        assert 0 < count <= self._num_items, f"cannot draw {count} of {self._num_items} prompts"
+        if self._position + count > self._num_items:
             self._epoch += 1
             self._position = 0
             self._order = None
-        batch = self._epoch_order()[self._position:self._position + self._batch_size]
-        self._position += self._batch_size
+        batch = self._epoch_order()[self._position:self._position + count]
+        self._position += count
         return batch.tolist()
 
     def state_dict(self) -> dict:

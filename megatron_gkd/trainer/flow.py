@@ -36,6 +36,7 @@ from megatron_gkd.trainer.batch import (
 )
 from megatron_gkd.trainer.components import build_reward_runner
 from megatron_gkd.trainer.eval import SCORERS, response_text
+from megatron_gkd.trainer.partial import PartialRollout, groups_batch, staleness_metrics, token_staleness
 from megatron_gkd.trainer.policy import policy_share, tp_rewards
 from megatron_gkd.trainer.reward_exchange import RewardExchange
 from megatron_gkd.trainer.sample_mix import (
@@ -70,6 +71,7 @@ class InFlight:
         rewards: this rank's rewards, one per sample, once :meth:`BatchFlow.prepare` has them, or None.
         sources: each prompt's source (``student``, ``dataset`` or ``teacher``) with ``sample_mix``, else None.
         answers: each prompt's answer (None where it has none) with ``sample_mix``, else None.
+        partial: partial rollouts' ``rollout/partial/*`` metrics of the step that sampled it, else None.
     """
 
     index: int
@@ -84,6 +86,7 @@ class InFlight:
     rewards: list[float] | None = None
     sources: list[str] | None = None
     answers: list[str | None] | None = None
+    partial: dict | None = None
 
     def resolve(self) -> None:
         """Waits for a rollout still running on the rollout server (a no-op otherwise)."""
@@ -145,6 +148,10 @@ class BatchFlow:
             asker = torch.tensor([self.rank if self.exchange.is_teacher_rank and state.dp_rank == 0 else -1])
             dist.all_reduce(asker, op=dist.ReduceOp.MAX, group=control)
             self._generator_rank = int(asker)
+        self.partial = None  # trainer.scheduler=partial: the buffer of unfinished samples and its driver
+        if config.trainer.scheduler == "partial":
+            self.partial = PartialRollout(config, rollout, prompts_per_step=config.trainer.global_batch_size // config.rollout.n,
+                                          pad_id=self.pad_id)
 
     @property
     def tcad(self) -> dict:
@@ -152,6 +159,26 @@ class BatchFlow:
         return self.exchange.tcad
 
     # -------------------------------------------------------------------------------------- sampling
+    def produce_batch(self, index: int, draw, data_state: dict, version: int) -> InFlight:
+        """Batch ``index`` from the prompts ``draw(count)`` returns (``count=None``: one step's): partial rollouts
+        draw as many as their buffer has room for, round by round; otherwise :meth:`produce` one step's."""
+        if self.partial is None:
+            return self.produce(index, draw(), data_state, version)
+        with self.timers("rollout"):
+            groups, metrics = self.partial.sample(index, draw, version, self._seed(index))
+        records = [group.record for group in groups]
+        return self._send(index, data_state, records, groups_batch(groups, self.pad_id), partial=metrics)
+
+    def data_state(self, sampler_state: dict) -> dict:
+        """The data position a checkpoint saves: the sampler's, with partial rollouts' buffer."""
+        return sampler_state if self.partial is None else {**sampler_state, "partial": self.partial.state_dict()}
+
+    def restore(self, data_state: dict) -> dict:
+        """Reads back what :meth:`data_state` added (the buffer) and returns the sampler's state."""
+        if self.partial is not None and "partial" in data_state:
+            self.partial.load_state_dict(data_state["partial"])
+        return {key: value for key, value in data_state.items() if key != "partial"}
+
     def produce(self, index: int, records, data_state: dict, version: int) -> InFlight:
         """Samples (or reads, or asks the teacher for) the responses of ``records`` and sends this rank's teacher
         request (and its rewards' request)."""
@@ -184,15 +211,23 @@ class BatchFlow:
                     rollout = merged(self.rollout.generate(prompts, sampling))
         else:
             rollout = dataset_batch(records, version, self.pad_id)
-        samples = self.my_samples(rollout, prompt_indices, prompt_groups, sources)
+        return self._send(index, data_state, records, rollout, sources, answers)
+
+    def _send(self, index: int, data_state: dict, records, rollout: RolloutBatch, sources=None, answers=None,
+              partial=None) -> InFlight:
+        """This rank's share of ``rollout``, its teachers' requests and its rewards' (sent now, answered meanwhile)."""
+        prompt_indices = [record.index for record in records]
+        fields = {record.index: {"index": record.index, "answer": record.answer, "group": record.group}
+                  for record in records}
+        samples = self.my_samples(rollout, prompt_indices, [record.group for record in records], sources)
         assignment = self.exchange.assign(samples)
         teacher = None
-        if needs_teacher(config):
+        if needs_teacher(self.config):
             with self.timers("teacher_send"):
                 teacher = self.exchange.request(samples, assignment)
         reward = self.rewards.send(samples, fields)  # decoded here, computed in the reward worker meanwhile
         return InFlight(index, data_state, prompt_indices, rollout, samples, assignment, teacher, reward=reward,
-                        sources=sources, answers=answers)
+                        sources=sources, answers=answers, partial=partial)
 
     def _background_share(self, rollout, prompt_indices, prompt_groups, fields, sources=None):
         """On the rollout thread: the server's batch and this rank's teacher and reward requests for its share (a
@@ -258,6 +293,9 @@ class BatchFlow:
     def annotation_metrics(self, batch: InFlight) -> dict:
         """The teachers', the rewards' and the mixture's metrics of a trained batch (collective over every rank)."""
         metrics = {**self.exchange.metrics(batch.teacher, batch.samples), **self.rewards.metrics(batch.rewards)}
+        if batch.partial is not None:  # from the global batch, the same on every rank
+            metrics.update({**batch.partial, **staleness_metrics(batch.rollout, batch.index,
+                                                                 self.config.rollout.partial.max_staleness)})
         if batch.sources is not None:  # from the global batch, the same on every rank
             metrics.update(source_metrics(batch.rollout, batch.sources, self.mix.source, self.mix.lmbda_at(batch.index),
                                           sample_scores(batch.rollout, batch.answers, self._score)))
@@ -298,7 +336,7 @@ class BatchFlow:
                 coefficients = [c * self.config.rl.kd_coef for c in coefficients]
             sources = (STUDENT, self.mix.source) if self.mix.enabled and not scoring else None
             microbatches = self.microbatches(samples, coefficients, rows, labels=False if scoring else None,
-                                             policy=policy, sources=sources)
+                                             policy=policy, sources=sources, version=None if scoring else batch.index)
         return Prepared(microbatches, confidence)
 
     def policy(self, batch: InFlight, rows: dict):
@@ -326,6 +364,16 @@ class BatchFlow:
         if not self.state.is_pipeline_last_stage:
             return [torch.zeros(s.response_len, dtype=torch.float64) for s in samples], {}
         total, groups = batch.rollout.num_generated_tokens, len(batch.prompt_indices)
+        bound = self.config.rollout.partial.max_staleness if batch.partial is not None else None
+        if bound is not None:  # partial rollouts: tokens staler than the bound train nothing; the mean is over the rest
+            total = max(int((token_staleness(batch.rollout, batch.index) <= bound).sum()), 1)
+        coefficients, metrics = self._coefficients(batch, rows, alpha, total, groups)
+        if bound is not None:
+            coefficients = [c * ((batch.index - s.versions) <= bound) for c, s in zip(coefficients, samples)]
+        return coefficients, metrics
+
+    def _coefficients(self, batch: InFlight, rows: dict, alpha, total: int, groups: int):
+        samples = batch.samples
         if alpha is None or not rows:
             return token_coefficients(samples, total_tokens=total, num_groups=groups), {}
         # Each sample's confidence comes from the one teacher that scores it (route; mixtures refuse alpha).
@@ -371,10 +419,11 @@ class BatchFlow:
         return shares
 
     def microbatches(self, samples, coefficients, rows: dict, *, labels: bool | None = None, policy=None,
-                     sources=None) -> list:
+                     sources=None, version: int | None = None) -> list:
         """The micro-batches of ``samples`` (every rank of a pipeline plans the same cuts; ``policy``: the
         policy-gradient inputs of ``samples``, a :class:`~megatron_gkd.trainer.batch.PolicyShare`; ``sources``: the
-        mixture's source names, whose losses are measured apart)."""
+        mixture's source names, whose losses are measured apart; ``version``: the update's weight version, against
+        which the loss measures the staleness of samples that record their tokens' versions)."""
         trainer, parallel = self.config.trainer, self.config.parallel
         plan = plan_microbatches([s.input_len for s in samples], micro_batch_size=trainer.micro_batch_size,
                                  max_tokens=trainer.max_tokens_per_microbatch)
@@ -391,7 +440,8 @@ class BatchFlow:
         return [build_microbatch([samples[i] for i in indices], [coefficients[i] for i in indices], pad_multiple=multiple,
                                  teachers=[share.take(indices) for share in shares], labels=labels,
                                  pad_token_id=self.pad_id, shape=shape,
-                                 policy=None if policy is None else policy.take(indices), sources=sources)
+                                 policy=None if policy is None else policy.take(indices), sources=sources,
+                                 version=version)
                 for indices, shape in zip(plan, shapes)]
 
     def _expert_parallel_cuts(self, samples, plan, multiple: int) -> tuple[list, list]:

@@ -161,7 +161,7 @@ class Trainer:
         if loaded is None:
             return
         self.step, sampler_state, self.tokens_trained = loaded
-        self.sampler.load_state_dict(sampler_state)
+        self.sampler.load_state_dict(self.flow.restore(sampler_state))  # partial rollouts: their buffer too
         logger.info("resumed at step %d (data epoch %d)", self.step, self.sampler.epoch)
         if self.step:
             self._sync_weights()
@@ -169,7 +169,6 @@ class Trainer:
     def _open_sinks(self) -> None:
         if self.rank != 0:
             return
-
         self.writer = MetricsWriter(self.out, self.config.logging, resume_step=self.step, run_config=to_dict(self.config))
         self.progress = Progress(self.config.trainer.num_steps, self.step, self.config.logging)
 
@@ -226,9 +225,9 @@ class Trainer:
 
     def _produce(self, index: int) -> InFlight:
         """Draws the prompts of batch ``index``, samples (or reads) responses, sends the teacher request."""
-        data_state = self.sampler.state_dict()
-        records = [self.train_data[position] for position in self.sampler.next_batch()]
-        return self.flow.produce(index, records, data_state, version=self.step)
+        def draw(count: int | None = None) -> list:  # the next prompts (a step's; partial rollouts ask for fewer)
+            return [self.train_data[position] for position in self.sampler.next_batch(count)]
+        return self.flow.produce_batch(index, draw, self.flow.data_state(self.sampler.state_dict()), version=self.step)
 
     def _update(self, batch: InFlight) -> dict:
         """Waits for the batch and its teacher rows, runs forward/backward over its micro-batches, steps the optimizer."""
@@ -278,7 +277,8 @@ class Trainer:
         """Where the data resumes (the sampler's state) and the tokens trained so far."""
         in_flight = self.pipeline.in_flight if hasattr(self, "pipeline") else []
         # Batches sampled but not trained are re-sampled after a resume: the position is the oldest one's.
-        return (in_flight[0][1].data_state if in_flight else self.sampler.state_dict()), self.tokens_trained
+        return (in_flight[0][1].data_state if in_flight else self.flow.data_state(self.sampler.state_dict())), \
+            self.tokens_trained
 
     def _save_checkpoint(self) -> None:
         self.checkpoints.save(self.step, *self._data_position())

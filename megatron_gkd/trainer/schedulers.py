@@ -10,7 +10,12 @@ teacher scoring (and, disaggregated, rollout) runs while update ``i`` does:
 ``sync``           rollout(i), teacher(i), update(i), sync                           staleness 0
 ``one_step_off``   batch i+1 sampled, sent to the teacher, before update(i)          staleness 1
 ``two_step_off``   two batches in flight                                             staleness 2
+``partial``        rollout(i) in token chunks; unfinished samples carried to i+1     per token
 =================  ================================================================  ===========
+
+``partial`` produces each batch just before its update, as ``sync`` does, but its rollout runs each sample at most
+``rollout.partial.chunk_tokens`` new tokens a round and keeps the unfinished ones for the next step, which continues
+them with the new weights (:mod:`.partial`): a batch holds tokens of several weight versions, each recorded.
 
 Warm-up trains what is in flight (staleness grows from 0); the end drains it: only batches that will be
 trained are produced, each exactly once.
@@ -36,7 +41,7 @@ class Schedule:
 
 
 SCHEDULERS: Registry[Schedule] = Registry("scheduler", config_key="trainer.scheduler")
-for _schedule in (Schedule("sync", 0), Schedule("one_step_off", 1), Schedule("two_step_off", 2)):
+for _schedule in (Schedule("sync", 0), Schedule("one_step_off", 1), Schedule("two_step_off", 2), Schedule("partial", 0)):
     SCHEDULERS.register(_schedule.name, _schedule)
 
 
