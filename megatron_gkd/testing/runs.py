@@ -28,6 +28,11 @@ OFF_POLICY_3_STEPS = ["trainer.mode=off_policy", "rollout.n=1", "trainer.global_
                       "checkpoint.save_at_end=false", "checkpoint.hf_at_end=false", "optim.lr_warmup_steps=0",
                       "optim.lr=2e-3"]
 
+# A task of skewed response lengths on the tiny student: at temperature 0.5 with 32 ids that stop a response, most
+# responses are short (median about 12 tokens) and a few run to rollout.max_tokens (partial rollouts' e2e test and
+# benchmarks/partial_rollouts.py).
+SKEWED_LENGTHS = ["rollout.temperature=0.5", f"rollout.stop_token_ids=[{','.join(str(i) for i in range(100, 132))}]"]
+
 
 def asset_overrides(assets: pathlib.Path) -> list[str]:
     """Point the tiny preset at assets built by ``megatron_gkd.recipes.tiny.build_assets``."""

@@ -1,0 +1,66 @@
+"""Partial rollouts end to end (``trainer.scheduler=partial``, the tiny preset under torchrun, colocated vLLM TP=2, the
+teacher service the run starts) on a task of skewed response lengths: unfinished samples are carried over weight
+updates, the loss sees each token's weight version, every admitted prompt group is trained once or is still in the
+buffer, and a run killed with unfinished samples in its buffer resumes with the same buffer (the same groups, prompts
+and losses as the uninterrupted run)."""
+
+import pytest
+
+from megatron_gkd.testing import runs as harness
+
+pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
+
+PARTIAL = harness.SKEWED_LENGTHS + [
+    "trainer.scheduler=partial", "rollout.partial.chunk_tokens=8", "rollout.max_tokens=48", "trainer.num_steps=6",
+    "trainer.deterministic=true", "eval.at_start=false", "eval.at_end=false", "checkpoint.save_interval=2",
+    "checkpoint.keep_last_n=10", "checkpoint.hf_at_end=false", "checkpoint.save_at_end=false"]
+
+
+@pytest.fixture(scope="module")
+def partial_run(assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("partial") / "run"
+    code, log = harness.run(out, harness.asset_overrides(assets) + PARTIAL)
+    assert code == 0, log[-4000:]
+    return out
+
+
+def test_carried_samples_reach_the_loss_with_their_versions_and_no_group_is_lost(partial_run):
+    steps = harness.steps(partial_run)
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    assert any(r["rollout/partial/carried_samples"] > 0 for r in steps[:-1]), "nothing was carried: the task is not skewed"
+    for r in steps:
+        # The loss's own staleness statistics (from the micro-batches' token versions) agree with the batch's.
+        assert r["train/token_staleness_max"] == r["rollout/partial/token_staleness_max"] == r["train/staleness"]
+        assert r["train/token_staleness_mean"] == pytest.approx(r["rollout/partial/token_staleness_mean"], abs=1e-9)
+        assert r["rollout/partial/masked_tokens"] == 0
+    assert max(r["train/token_staleness_max"] for r in steps) >= 1, "no token was trained after a weight update"
+    trained = [uid for r in steps for uid in r["rollout/partial/trained_uids"]]
+    admitted = [uid for r in steps for uid in r["rollout/partial/admitted_uids"]]
+    assert len(trained) == len(set(trained)) == 6 * 4  # four prompt groups a step, none twice
+    assert set(trained) <= set(admitted) == set(range(len(admitted)))
+    left = len(admitted) - len(trained)  # admitted, not trained: still in the buffer at the end
+    assert left == steps[-1]["rollout/partial/buffer_groups"]
+
+
+@pytest.mark.slow  # two more runs of the preset (about 70 s)
+def test_a_run_killed_with_unfinished_samples_resumes_with_the_same_buffer(partial_run, assets, tmp_path):
+    expected = harness.steps(partial_run)
+    out = tmp_path / "run"
+    overrides = harness.asset_overrides(assets) + PARTIAL
+    process = harness.start(out, overrides, log_name="killed.log")
+    harness.wait_for_steps(out, 3, process)
+    harness.stop(process)  # SIGKILL to torchrun and every rank
+    process.wait()
+    assert harness.wait_until(lambda: not harness.leftover_processes(str(assets / "teacher")), 60)
+    code, log = harness.run(out, overrides, log_name="resumed.log")
+    assert code == 0, log[-4000:]
+    resumed_at = int(log.split("resumed at step ")[1].split()[0])
+    assert resumed_at in (2, 4), resumed_at
+    assert expected[resumed_at - 1]["rollout/partial/carried_samples"] > 0, "the checkpoint's buffer held nothing unfinished"
+    got = harness.steps(out)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    for key in ("rollout/partial/trained_uids", "rollout/partial/admitted_uids", "prompts",
+                "rollout/partial/token_staleness_mean"):
+        assert [r[key] for r in got] == [r[key] for r in expected], key
+    for mine, theirs in zip(got[resumed_at:], expected[resumed_at:]):
+        assert mine["train/loss"] == pytest.approx(theirs["train/loss"], abs=1e-6), mine["step"]
