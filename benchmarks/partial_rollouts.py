@@ -2,7 +2,7 @@
 tokens per second of rollout, trained tokens per second of wall time, and the staleness partial rollouts pay.
 
     python benchmarks/partial_rollouts.py                                  # chunks of 32 and 64 tokens, 12 steps
-    python benchmarks/partial_rollouts.py --chunk-tokens 16 32 --steps 16 --max-tokens 256
+    python benchmarks/partial_rollouts.py --chunk-tokens 16 32 --steps 16 --max-tokens 256 --repeats 2
 
 Each run is the real entry point under torchrun on the tiny CPU assets (TP=2 student, colocated vLLM TP=2, the
 teacher service the run starts, on-policy forward KL) with ``harness.SKEWED_LENGTHS`` (temperature 0.5 and 32 ids
@@ -19,7 +19,8 @@ Figures, over the steps after ``--skip``:
   averaged over steps;
 - partial only: token staleness (mean of ``rollout/partial/token_staleness_mean``, max of ``..._max``), samples
   carried and rounds a step.
-Ratios are against ``one_step_off`` of the same invocation; the machine may be shared, so read the ratios.
+Ratios are against ``one_step_off`` of the same repeat, measured in the same invocation; the machine may be shared
+(the load of others moves a run's figures by up to 2x), so read the ratios, over several ``--repeats``.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps left out")
     parser.add_argument("--global-batch-size", type=int, default=32)
     parser.add_argument("--n", type=int, default=2, help="rollout.n")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of all runs (the machine may be shared)")
+    parser.add_argument("overrides", nargs="*", help="further dotted overrides of every run")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     from megatron_gkd.recipes.tiny import build_assets
@@ -75,30 +78,41 @@ def main() -> None:
         f"rollout.max_tokens={args.max_tokens}", f"rollout.max_model_len={args.max_tokens + 128}",
         f"rollout.n={args.n}", f"trainer.global_batch_size={args.global_batch_size}", "trainer.micro_batch_size=4",
         f"trainer.num_steps={args.steps}", "eval.at_start=false", "eval.at_end=false", "checkpoint.save_interval=null",
-        "checkpoint.save_at_end=false", "checkpoint.hf_at_end=false", "optim.lr_warmup_steps=0"]
+        "checkpoint.save_at_end=false", "checkpoint.hf_at_end=false", "optim.lr_warmup_steps=0", *args.overrides]
     runs = {"one_step_off": ["trainer.scheduler=one_step_off"]}
     for chunk in args.chunk_tokens:
         runs[f"partial chunk {chunk}"] = ["trainer.scheduler=partial", f"rollout.partial.chunk_tokens={chunk}"]
     results = {}
-    for name, overrides in runs.items():
-        out = root / name.replace(" ", "_")
-        code, log = harness.run(out, common + overrides)
-        if code:
-            raise SystemExit(f"{out} failed:\n{log[-3000:]}")
-        results[name] = summary(out, args.skip)
-        logger.info("%s: %s", name, results[name])
-    base = results["one_step_off"]
+    for repeat in range(args.repeats):  # each repeat runs one_step_off first: its ratios read runs minutes apart
+        for name, overrides in runs.items():
+            results[name, repeat] = summary(_run(root / f"{name.replace(' ', '_')}-{repeat}", common + overrides), args.skip)
+            logger.info("%s (repeat %d): %s", name, repeat, results[name, repeat])
     print(f"steps {args.skip + 1}..{args.steps}, max_tokens {args.max_tokens}, {args.global_batch_size} samples "
           f"(n={args.n}) a step; runs in {root}")
-    print(f"{'run':18s} {'gen tok/s':>9s} {'/ base':>6s} {'trained tok/s':>13s} {'/ base':>6s} {'rollout s':>9s} "
-          f"{'longest':>7s} {'mean len':>8s} {'stale mean':>10s} {'stale max':>9s} {'carried':>7s} {'rounds':>6s}")
-    for name, r in results.items():
-        extra = (f"{r['staleness_mean']:10.2f} {r['staleness_max']:9.0f} {r['carried']:7.1f} {r['rounds']:6.1f}"
-                 if "rounds" in r else f"{'-':>10s} {'-':>9s} {'-':>7s} {'-':>6s}")
-        print(f"{name:18s} {r['gen_tok_s']:9.1f} {r['gen_tok_s'] / base['gen_tok_s']:6.2f} {r['trained_tok_s']:13.1f} "
-              f"{r['trained_tok_s'] / base['trained_tok_s']:6.2f} {r['rollout_s']:9.3f} {r['longest']:7.1f} "
-              f"{r['length_mean']:8.1f} {extra}")
+    print(f"{'run':18s} {'rep':>3s} {'gen tok/s':>9s} {'/ base':>6s} {'trained tok/s':>13s} {'/ base':>6s} "
+          f"{'rollout s':>9s} {'longest':>7s} {'mean len':>8s} {'stale mean':>10s} {'stale max':>9s} {'carried':>7s} "
+          f"{'rounds':>6s}")
+    for repeat in range(args.repeats):
+        base = results["one_step_off", repeat]
+        for name in runs:
+            r = results[name, repeat]
+            extra = (f"{r['staleness_mean']:10.2f} {r['staleness_max']:9.0f} {r['carried']:7.1f} {r['rounds']:6.1f}"
+                     if "rounds" in r else f"{'-':>10s} {'-':>9s} {'-':>7s} {'-':>6s}")
+            print(f"{name:18s} {repeat:3d} {r['gen_tok_s']:9.1f} {r['gen_tok_s'] / base['gen_tok_s']:6.2f} "
+                  f"{r['trained_tok_s']:13.1f} {r['trained_tok_s'] / base['trained_tok_s']:6.2f} {r['rollout_s']:9.3f} "
+                  f"{r['longest']:7.1f} {r['length_mean']:8.1f} {extra}")
 
+
+def _run(out: pathlib.Path, overrides: list[str]) -> pathlib.Path:
+    """One run; started again once if it fails (on a shared machine vLLM's CPU shared memory can collide at start)."""
+    code, log = harness.run(out, overrides)
+    if code:
+        logger.warning("%s failed (%s); once more", out.name, log.strip().splitlines()[-1][:200] if log.strip() else code)
+        out = out.with_name(out.name + "-again")
+        code, log = harness.run(out, overrides)
+    if code:
+        raise SystemExit(f"{out} failed:\n{log[-3000:]}")
+    return out
 
 if __name__ == "__main__":
     main()
