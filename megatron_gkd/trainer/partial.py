@@ -6,9 +6,11 @@ complete; an unfinished one stays in the :class:`PartialBuffer` and the next rou
 tokens so far. The rounds of a step run until ``P`` prompt groups are complete (all ``rollout.n`` samples of a
 prompt: per-prompt statistics such as TCAD's confidence weights need the whole group); the step trains the ``P``
 oldest and keeps the rest. A round first admits new prompts, as many as the step still lacks complete groups (never
-past ``rollout.partial.max_prompts_in_flight``): a long sample then costs the rounds it takes at the next steps, not
-a wait of this one. Samples carried over a weight update continue with the new weights, and every response token
-records the version that sampled it (``RolloutBatch.token_versions``), which the micro-batches carry to the loss.
+past ``rollout.partial.max_prompts_in_flight``), and the first round as many more as there are unfinished groups (a
+margin: a second round for a few prompts costs a chunk of decoding; a complete group past the step's waits for the
+next): a long sample then costs the rounds it takes at the next steps, not a wait of this one. Samples carried over
+a weight update continue with the new weights, and every response token records the version that sampled it
+(``RolloutBatch.token_versions``), which the micro-batches carry to the loss.
 
 Why chunks at step boundaries (slime's partial rollout) and not an engine that runs while the trainer steps (verl's
 fully-async mode, AReaL): the colocated engine shares the training ranks, so it cannot run during an update; what
@@ -92,6 +94,10 @@ class PartialBuffer:
     @property
     def room(self) -> int:
         return max(self.capacity - len(self.groups), 0)
+
+    @property
+    def num_unfinished_groups(self) -> int:
+        return sum(not group.complete for group in self.groups)
 
     @property
     def num_unfinished_samples(self) -> int:
@@ -202,7 +208,10 @@ class PartialRollout:
         admitted: list[int] = []
         generated = rounds = 0
         while buffer.num_complete < self.prompts_per_step:
-            count = min(self.prompts_per_step - buffer.num_complete, buffer.room)
+            count = self.prompts_per_step - buffer.num_complete
+            if not rounds:  # a margin for the groups that will not finish this round: a second round is rarer
+                count += buffer.num_unfinished_groups
+            count = min(count, buffer.room)
             if count:
                 admitted += buffer.admit(draw(count), index)
             work = buffer.pending()
