@@ -275,7 +275,8 @@ class TrainerConfig:
     """``on_policy`` (the student samples, the teacher scores), ``off_policy`` (dataset responses scored
     by the teacher: supervised KD) or ``sft`` (cross-entropy on dataset responses)."""
     scheduler: str = "sync"
-    """``sync``, ``one_step_off`` or ``two_step_off``: batches sampled ahead of the update that trains them."""
+    """``sync``, ``one_step_off`` or ``two_step_off``: batches sampled ahead of the update that trains them; ``partial``:
+    partial rollouts (``rollout.partial``), unfinished samples carried over weight updates."""
     num_steps: int = 10
     """Optimizer steps of the run (at most: see ``token_budget``); the LR schedule runs over them."""
     token_budget: int | None = None
