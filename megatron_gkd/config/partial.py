@@ -12,10 +12,19 @@ from megatron_gkd.rollout.types import Layout
 
 logger = logging.getLogger(__name__)
 
+PARTIAL_SCHEDULERS = ("partial", "partial_one_step_off")
+"""The schedulers of partial rollouts: ``partial`` samples each batch just before its update; ``partial_one_step_off``
+one update ahead, so the teacher scores it while the previous update runs (token staleness >= 1)."""
+
+
+def partial_rollouts(config) -> bool:
+    """``trainer.scheduler`` is one of partial rollouts' (:data:`PARTIAL_SCHEDULERS`)."""
+    return config.trainer.scheduler in PARTIAL_SCHEDULERS
+
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class PartialRolloutConfig:
-    """``rollout.partial``: read only with ``trainer.scheduler=partial``."""
+    """``rollout.partial``: read only with ``trainer.scheduler=partial`` (or ``partial_one_step_off``)."""
 
     chunk_tokens: int = 64
     """New tokens a sample may generate per round; an unfinished sample continues at a later round (the next step's
@@ -40,33 +49,34 @@ class PartialRolloutConfig:
 
 
 def check_partial(config) -> None:
-    """What partial rollouts do not support, refused by key (``trainer.scheduler=partial``); a warning when
+    """What partial rollouts do not support, refused by key (:data:`PARTIAL_SCHEDULERS`); a warning when
     ``rollout.partial`` is set without them.
 
     Raises:
         ValueError: naming the key that does not fit and the fix.
     """
     partial, rollout, trainer = config.rollout.partial, config.rollout, config.trainer
-    if trainer.scheduler != "partial":
+    if not partial_rollouts(config):
         if partial != PartialRolloutConfig():
-            logger.warning("rollout.partial.* has no effect with trainer.scheduler=%s "
-                                                "(partial only)", trainer.scheduler)
+            logger.warning("rollout.partial.* has no effect with trainer.scheduler=%s (partial rollouts only: %s)",
+                           trainer.scheduler, ", ".join(PARTIAL_SCHEDULERS))
         return
+    name = f"trainer.scheduler={trainer.scheduler}"
     refused = {
         "trainer.mode": (not trainer.run_mode.samples, f"trainer.mode={trainer.mode} samples nothing; partial rollouts "
                                                        "continue the student's samples: use trainer.mode=on_policy"),
         "rollout.layout": (not Layout(rollout.layout).in_trainer, f"rollout.layout={rollout.layout} is not supported "
-                           "with trainer.scheduler=partial (a rollout server would generate through updates, not in "
-                           "rounds between them): use rollout.layout=colocated"),
+                           f"with {name} (a rollout server would generate through updates, not in rounds between "
+                           "them): use rollout.layout=colocated"),
         "rollout.engine": (engine_traits(rollout.engine).shares_student_weights, f"rollout.engine={rollout.engine} "
                            "samples with the student itself, which partial rollouts have not been tried on: use an "
                            "engine with weights of its own (rollout.engine=vllm)"),
-        "sample_mix": (config.sample_mix.enabled, "sample_mix (GKD's mixture) is not supported with "
-                                                  "trainer.scheduler=partial: turn sample_mix off or use one_step_off"),
-        "rl": (config.rl.enabled, "rl (the policy-gradient term) is not supported with trainer.scheduler=partial yet "
-                                  "(untested on samples of several weight versions): turn rl off"),
-        "trainer.token_budget": (trainer.token_budget is not None, "trainer.token_budget is not supported with "
-                                                                    "trainer.scheduler=partial: set trainer.num_steps"),
+        "sample_mix": (config.sample_mix.enabled, f"sample_mix (GKD's mixture) is not supported with {name}: turn "
+                                                  "sample_mix off or use one_step_off"),
+        "rl": (config.rl.enabled, f"rl (the policy-gradient term) is not supported with {name} yet (untested on "
+                                  "samples of several weight versions): turn rl off"),
+        "trainer.token_budget": (trainer.token_budget is not None, f"trainer.token_budget is not supported with {name}: "
+                                                                    "set trainer.num_steps"),
     }
     for key, (bad, message) in refused.items():
         if bad:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from megatron_gkd.config import needs_teacher
 from megatron_gkd.config.checks import generating_teacher
+from megatron_gkd.config.partial import partial_rollouts
 from megatron_gkd.parallel.comm import agree, broadcast_msgpack
 from megatron_gkd.rollout.types import RolloutBatch
 from megatron_gkd.teacher import GenerateBatch
@@ -149,7 +150,7 @@ class BatchFlow:
             dist.all_reduce(asker, op=dist.ReduceOp.MAX, group=control)
             self._generator_rank = int(asker)
         self.partial = None  # trainer.scheduler=partial: the buffer of unfinished samples and its driver
-        if config.trainer.scheduler == "partial":
+        if partial_rollouts(config):
             self.partial = PartialRollout(config, rollout, prompts_per_step=config.trainer.global_batch_size // config.rollout.n,
                                           pad_id=self.pad_id)
 

@@ -16,6 +16,8 @@ teacher scoring (and, disaggregated, rollout) runs while update ``i`` does:
 ``partial`` produces each batch just before its update, as ``sync`` does, but its rollout runs each sample at most
 ``rollout.partial.chunk_tokens`` new tokens a round and keeps the unfinished ones for the next step, which continues
 them with the new weights (:mod:`.partial`): a batch holds tokens of several weight versions, each recorded.
+``partial_one_step_off`` produces them one update ahead, as ``one_step_off`` does, so the teacher scores a batch while
+the previous update runs.
 
 Warm-up trains what is in flight (staleness grows from 0); the end drains it: only batches that will be
 trained are produced, each exactly once.
@@ -41,7 +43,8 @@ class Schedule:
 
 
 SCHEDULERS: Registry[Schedule] = Registry("scheduler", config_key="trainer.scheduler")
-for _schedule in (Schedule("sync", 0), Schedule("one_step_off", 1), Schedule("two_step_off", 2), Schedule("partial", 0)):
+for _schedule in (Schedule("sync", 0), Schedule("one_step_off", 1), Schedule("two_step_off", 2), Schedule("partial", 0),
+                  Schedule("partial_one_step_off", 1)):
     SCHEDULERS.register(_schedule.name, _schedule)
 
 

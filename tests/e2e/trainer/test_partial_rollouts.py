@@ -2,7 +2,8 @@
 teacher service the run starts) on a task of skewed response lengths: unfinished samples are carried over weight
 updates, the loss sees each token's weight version, every admitted prompt group is trained once or is still in the
 buffer, and a run killed with unfinished samples in its buffer resumes with the same buffer (the same groups, prompts
-and losses as the uninterrupted run)."""
+and losses as the uninterrupted run). ``partial_one_step_off`` samples one update ahead: every token is at least one
+version old, and every group is still trained once."""
 
 import pytest
 
@@ -64,3 +65,19 @@ def test_a_run_killed_with_unfinished_samples_resumes_with_the_same_buffer(parti
         assert [r[key] for r in got] == [r[key] for r in expected], key
     for mine, theirs in zip(got[resumed_at:], expected[resumed_at:]):
         assert mine["train/loss"] == pytest.approx(theirs["train/loss"], abs=1e-6), mine["step"]
+
+
+def test_partial_one_step_off_samples_a_batch_ahead_and_trains_every_group_once(assets, tmp_path):
+    out = tmp_path / "run"
+    overrides = [o for o in PARTIAL if not o.startswith(("trainer.scheduler=", "trainer.num_steps=", "checkpoint.save_"))]
+    code, log = harness.run(out, harness.asset_overrides(assets) + overrides + [
+        "trainer.scheduler=partial_one_step_off", "trainer.num_steps=5", "checkpoint.save_interval=null",
+        "checkpoint.save_at_end=false"])
+    assert code == 0, log[-4000:]
+    steps = harness.steps(out)
+    assert [r["step"] for r in steps] == list(range(1, 6))
+    for r in steps[1:]:  # batch i was sampled before update i-1: its newest tokens are one version old
+        assert r["train/token_staleness_mean"] >= 1 and r["train/token_staleness_max"] == r["train/staleness"] >= 1
+    trained = [uid for r in steps for uid in r["rollout/partial/trained_uids"]]
+    admitted = [uid for r in steps for uid in r["rollout/partial/admitted_uids"]]
+    assert len(trained) == len(set(trained)) == 5 * 4 and set(trained) <= set(admitted)
