@@ -1,7 +1,7 @@
 """Partial rollouts against ``one_step_off`` on a task of skewed response lengths, in one invocation: generated
 tokens per second of rollout, trained tokens per second of wall time, and the staleness partial rollouts pay.
 
-    python benchmarks/partial_rollouts.py                                  # chunks of 32 and 64 tokens, 12 steps
+    python benchmarks/partial_rollouts.py                 # partial and partial_one_step_off, chunks of 32 tokens
     python benchmarks/partial_rollouts.py --chunk-tokens 16 32 --steps 16 --max-tokens 256 --repeats 2
 
 Each run is the real entry point under torchrun on the tiny CPU assets (TP=2 student, colocated vLLM TP=2, the
@@ -9,7 +9,8 @@ teacher service the run starts, on-policy forward KL) with ``harness.SKEWED_LENG
 that stop a response: most responses are short, median about 12 tokens, and a few run to ``rollout.max_tokens``).
 ``one_step_off`` samples each step's batch to its end, so its rollout lasts as long as the longest response;
 ``partial`` gives every sample at most ``--chunk-tokens`` new tokens a round and carries the unfinished ones to the
-next step (:mod:`megatron_gkd.trainer.partial`).
+next step (:mod:`megatron_gkd.trainer.partial`); ``partial_one_step_off`` does so one update ahead (the teacher then
+scores a batch while the previous update runs, as with ``one_step_off``).
 
 Figures, over the steps after ``--skip``:
 - ``gen tok/s``: tokens generated / seconds of ``time/rollout`` (one_step_off: the sampled batches' tokens;
@@ -31,6 +32,7 @@ import pathlib
 import statistics
 import tempfile
 
+from megatron_gkd.config.partial import PARTIAL_SCHEDULERS
 from megatron_gkd.testing import runs as harness
 
 logger = logging.getLogger(__name__)
@@ -60,7 +62,9 @@ def summary(out: pathlib.Path, skip: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--chunk-tokens", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--chunk-tokens", type=int, nargs="+", default=[32])
+    parser.add_argument("--schedulers", nargs="+", default=list(PARTIAL_SCHEDULERS), choices=PARTIAL_SCHEDULERS,
+                        help="partial rollouts' schedulers, each at every --chunk-tokens")
     parser.add_argument("--max-tokens", type=int, default=256, help="rollout.max_tokens")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--skip", type=int, default=2, help="warm-up steps left out")
@@ -80,8 +84,9 @@ def main() -> None:
         f"trainer.num_steps={args.steps}", "eval.at_start=false", "eval.at_end=false", "checkpoint.save_interval=null",
         "checkpoint.save_at_end=false", "checkpoint.hf_at_end=false", "optim.lr_warmup_steps=0", *args.overrides]
     runs = {"one_step_off": ["trainer.scheduler=one_step_off"]}
-    for chunk in args.chunk_tokens:
-        runs[f"partial chunk {chunk}"] = ["trainer.scheduler=partial", f"rollout.partial.chunk_tokens={chunk}"]
+    for scheduler in args.schedulers:
+        for chunk in args.chunk_tokens:
+            runs[f"{scheduler} {chunk}"] = [f"trainer.scheduler={scheduler}", f"rollout.partial.chunk_tokens={chunk}"]
     results = {}
     for repeat in range(args.repeats):  # each repeat runs one_step_off first: its ratios read runs minutes apart
         for name, overrides in runs.items():
@@ -89,7 +94,7 @@ def main() -> None:
             logger.info("%s (repeat %d): %s", name, repeat, results[name, repeat])
     print(f"steps {args.skip + 1}..{args.steps}, max_tokens {args.max_tokens}, {args.global_batch_size} samples "
           f"(n={args.n}) a step; runs in {root}")
-    print(f"{'run':18s} {'rep':>3s} {'gen tok/s':>9s} {'/ base':>6s} {'trained tok/s':>13s} {'/ base':>6s} "
+    print(f"{'run':24s} {'rep':>3s} {'gen tok/s':>9s} {'/ base':>6s} {'trained tok/s':>13s} {'/ base':>6s} "
           f"{'rollout s':>9s} {'longest':>7s} {'mean len':>8s} {'stale mean':>10s} {'stale max':>9s} {'carried':>7s} "
           f"{'rounds':>6s}")
     for repeat in range(args.repeats):
@@ -98,7 +103,7 @@ def main() -> None:
             r = results[name, repeat]
             extra = (f"{r['staleness_mean']:10.2f} {r['staleness_max']:9.0f} {r['carried']:7.1f} {r['rounds']:6.1f}"
                      if "rounds" in r else f"{'-':>10s} {'-':>9s} {'-':>7s} {'-':>6s}")
-            print(f"{name:18s} {repeat:3d} {r['gen_tok_s']:9.1f} {r['gen_tok_s'] / base['gen_tok_s']:6.2f} "
+            print(f"{name:24s} {repeat:3d} {r['gen_tok_s']:9.1f} {r['gen_tok_s'] / base['gen_tok_s']:6.2f} "
                   f"{r['trained_tok_s']:13.1f} {r['trained_tok_s'] / base['trained_tok_s']:6.2f} {r['rollout_s']:9.3f} "
                   f"{r['longest']:7.1f} {r['length_mean']:8.1f} {extra}")
 
