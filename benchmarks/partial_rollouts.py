@@ -38,15 +38,16 @@ from megatron_gkd.testing import runs as harness
 logger = logging.getLogger(__name__)
 
 
-def summary(out: pathlib.Path, skip: int) -> dict:
-    """The figures of one run (see the module docstring)."""
+def summary(out: pathlib.Path, skip: int, ahead: bool) -> dict:
+    """The figures of one run (see the module docstring; ``ahead``: its scheduler samples one update ahead)."""
     steps = harness.steps(out)[skip:]
-    if "rollout/partial/rounds" in steps[0]:  # a step's record holds its own rounds and the tokens they generated
-        generated = sum(r["rollout/partial/generated_tokens"] for r in steps)
-        rollout_s = sum(r["time/rollout"] for r in steps)
-    else:  # one_step_off: a step's record times the rollout of the next batch (the last step samples none)
-        generated = sum(r["rollout/num_tokens"] for r in steps[1:])
+    key = "rollout/partial/generated_tokens" if "rollout/partial/rounds" in steps[0] else "rollout/num_tokens"
+    if ahead:  # a step's record times the rollout of the next batch (the last step samples none)
+        generated = sum(r[key] for r in steps[1:])
         rollout_s = sum(r["time/rollout"] for r in steps[:-1])
+    else:  # a step's record holds its own rollout and the tokens it generated
+        generated = sum(r[key] for r in steps)
+        rollout_s = sum(r["time/rollout"] for r in steps)
     figures = {"gen_tok_s": generated / rollout_s,
                "trained_tok_s": sum(r["rollout/num_tokens"] for r in steps) / sum(r["time/step"] for r in steps),
                "rollout_s": statistics.median(r["time/rollout"] for r in steps if "time/rollout" in r),
@@ -90,7 +91,8 @@ def main() -> None:
     results = {}
     for repeat in range(args.repeats):  # each repeat runs one_step_off first: its ratios read runs minutes apart
         for name, overrides in runs.items():
-            results[name, repeat] = summary(_run(root / f"{name.replace(' ', '_')}-{repeat}", common + overrides), args.skip)
+            out = _run(root / f"{name.replace(' ', '_')}-{repeat}", common + overrides)
+            results[name, repeat] = summary(out, args.skip, ahead=name.split()[0].endswith("one_step_off"))
             logger.info("%s (repeat %d): %s", name, repeat, results[name, repeat])
     print(f"steps {args.skip + 1}..{args.steps}, max_tokens {args.max_tokens}, {args.global_batch_size} samples "
           f"(n={args.n}) a step; runs in {root}")
