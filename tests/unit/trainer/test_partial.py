@@ -12,7 +12,6 @@ import types
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_gkd.config import load_config
 from megatron_gkd.data.dataset import PromptRecord
@@ -181,14 +180,6 @@ def test_what_partial_rollouts_do_not_support_is_refused_by_key(overrides, messa
 
 
 # ---------------------------------------------------------------------------------------- through the flow
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    store = tmp_path_factory.mktemp("gloo") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 class Client:
     """Scores every response token with top-k ids ``0..k-1``."""
 
@@ -224,7 +215,7 @@ def _flow(*overrides):
 
 
 @pytest.mark.parametrize("bound", [None, 1])
-def test_per_token_versions_reach_the_loss(world, bound):
+def test_per_token_versions_reach_the_loss(gloo_world, bound):  # conftest.py: a gloo world of one process
     flow = _flow(*([] if bound is None else [f"rollout.partial.max_staleness={bound}"]))
     data = Data()
     staleness_seen = 0.0
