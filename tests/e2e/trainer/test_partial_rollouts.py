@@ -67,6 +67,7 @@ def test_a_run_killed_with_unfinished_samples_resumes_with_the_same_buffer(parti
         assert mine["train/loss"] == pytest.approx(theirs["train/loss"], abs=1e-6), mine["step"]
 
 
+@pytest.mark.slow  # suite time: the partial rollout itself is checked by the default tier's first test (35 s)
 def test_partial_one_step_off_samples_a_batch_ahead_and_trains_every_group_once(assets, tmp_path):
     out = tmp_path / "run"
     overrides = [o for o in PARTIAL if not o.startswith(("trainer.scheduler=", "trainer.num_steps=", "checkpoint.save_"))]
