@@ -186,9 +186,9 @@ def check_teacher(client, config: GKDConfig, tokenizer, student_vocab_size: int,
         ValueError: the teacher cannot serve this run (the message names the key and the fix).
     """
     info = client.info()
-    if client_traits(teacher.client if teacher is not None else config.teacher.client).from_files:
-        check_cache_run(client, config, tokenizer, teacher=teacher)  # a teacher cache refuses another run's
     teacher = teacher if teacher is not None else config.teacher
+    if client_traits(teacher.client).from_files:
+        check_cache_run(client, config, tokenizer, teacher=teacher)  # a teacher cache refuses another run's
     client.align_vocab(tokenizer, student_vocab_size, cross_tokenizer=teacher.cross_tokenizer)
     if cross is not None and info.tokenizer_digest not in (None, cross.teacher_digest):
         raise ValueError(f"teacher.cross_tokenizer.tokenizer={teacher.tokenizer_source} (digest "

@@ -142,6 +142,8 @@ class BatchFlow:
                                       runner=build_reward_runner(config, asks=self.exchange.is_teacher_rank),
                                       tokenizer=tokenizer, stop_token_ids=stop_ids)
         self.mix = config.sample_mix
+        # mix/accuracy/<source> scores answers as the eval does; looked up once, for a run with a mixture only
+        self._scorer = SCORERS.get(config.eval.scorer) if self.mix.enabled else None
         self.generator = generating_teacher(config)  # the teacher that writes responses (sample_mix), or None
         if self.generator is not None:
             # One rank asks for every teacher-written response of a batch (the teacher rank of the first data-parallel
@@ -304,7 +306,7 @@ class BatchFlow:
 
     def _score(self, response: list[int], answer: str) -> float:
         """One response's score against its prompt's answer with ``eval.scorer``, as the eval reads an answer."""
-        return float(SCORERS.get(self.config.eval.scorer)(response_text(self.tokenizer, response, self.stop_ids), answer))
+        return float(self._scorer(response_text(self.tokenizer, response, self.stop_ids), answer))
 
     # -------------------------------------------------------------------------------- micro-batches
     def prepare(self, batch: InFlight, *, scoring: bool = False) -> Prepared:
