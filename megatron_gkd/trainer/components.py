@@ -26,7 +26,7 @@ from megatron_gkd.teacher.cross_request import CrossTokenizer
 from megatron_gkd.teacher.types import Signal
 from megatron_gkd.trainer.cache_check import check_cache_run
 from megatron_gkd.trainer.optim import build_lr_scheduler, build_optimizer, wrap_for_training
-from megatron_gkd.trainer.rollout import Rollout
+from megatron_gkd.trainer.rollout_handle import Rollout
 from megatron_gkd.trainer.rollout_server import RemoteRollout
 from megatron_gkd.weight_sync import build_plan
 
@@ -132,7 +132,7 @@ def build_rollout_engine(config: GKDConfig, student: Student, tokenizer):
 
 
 def build_rollout(config: GKDConfig, student: Student, tokenizer, *, control, out, layout: dict, stop_ids, timers):
-    """The run's :class:`~megatron_gkd.trainer.rollout.Rollout` (a colocated engine, or the rollout server this
+    """The run's :class:`~megatron_gkd.trainer.rollout_handle.Rollout` (a colocated engine, or the rollout server this
     builds), or None when nothing is sampled (collective over the trainer ranks)."""
     if not needs_rollout(config):
         return None

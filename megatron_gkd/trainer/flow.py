@@ -1,5 +1,5 @@
 """From a step's prompts to its micro-batches: sampling (through the run's
-:class:`~megatron_gkd.trainer.rollout.Rollout`), the hand-off to the teacher exchange
+:class:`~megatron_gkd.trainer.rollout_handle.Rollout`), the hand-off to the teacher exchange
 (:class:`~megatron_gkd.trainer.teacher_exchange.TeacherExchange`: requests, outputs, rows) and the micro-batcher (each
 token's loss coefficient, the cuts every rank agrees on, the teacher rows each micro-batch carries).
 
@@ -123,7 +123,7 @@ class BatchFlow:
         timers: the trainer's phase timers.
         teachers: the run's :class:`~megatron_gkd.trainer.teachers.Teachers` (the trainer connects their clients
             and loads their heads).
-        rollout: the run's :class:`~megatron_gkd.trainer.rollout.Rollout` (None when nothing is sampled).
+        rollout: the run's :class:`~megatron_gkd.trainer.rollout_handle.Rollout` (None when nothing is sampled).
         stop_ids: ids that end a response (stripped before its reward is computed).
     """
 

@@ -189,7 +189,7 @@ class PartialRollout:
 
     Args:
         config: the run's config.
-        rollout: the run's :class:`~megatron_gkd.trainer.rollout.Rollout` (every call is a collective).
+        rollout: the run's :class:`~megatron_gkd.trainer.rollout_handle.Rollout` (every call is a collective).
         prompts_per_step: ``P``, the prompt groups a step trains.
         pad_id: the tokenizer's padding id.
     """

@@ -1,6 +1,6 @@
-"""The run's rollout side (trainer/rollout.py) in one process (a gloo world of 1) with fake engines: every request
-gets the run's stop ids, the colocated engine's batch reaches every rank, weights are synced when the student samples
-(or when forced) and once per version, and a rollout server is asked through its thread."""
+"""The trainer's handle on its rollout engine (trainer/rollout_handle.py) in one process (a gloo world of 1) with fake
+engines: every request gets the run's stop ids, the colocated engine's batch reaches every rank, weights are synced
+when the student samples (or when forced) and once per version, and a rollout server is asked through its thread."""
 
 import concurrent.futures
 import contextlib
@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron_gkd.config import load_config
 from megatron_gkd.rollout import SamplingConfig
 from megatron_gkd.rollout.types import RolloutBatch
-from megatron_gkd.trainer.rollout import Rollout
+from megatron_gkd.trainer.rollout_handle import Rollout
 
 BASE = pathlib.Path(__file__).resolve().parents[3] / "configs" / "cpu_tiny.yaml"
 

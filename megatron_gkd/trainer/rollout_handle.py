@@ -1,4 +1,5 @@
-"""The run's rollout side, one owner: the colocated engine or the rollout server, sampling, and weight sync.
+"""The trainer's handle on its rollout engine, one owner: the colocated engine (of the :mod:`megatron_gkd.rollout`
+package) or the rollout server, sampling, and weight sync.
 
 Built by :func:`megatron_gkd.trainer.components.build_rollout` and passed to the parts that sample (the
 batch flow, the evaluator) and to the trainer, which tells it when new weights exist. Every call is a
