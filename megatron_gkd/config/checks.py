@@ -7,13 +7,14 @@ Options that have no effect on the chosen path are logged as warnings (``inert``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from megatron_gkd import platform
 from megatron_gkd.config.partial import check_partial
 from megatron_gkd.config.sample_mix import SampleMixConfig
 from megatron_gkd.losses.advantages import get_advantage_estimator
-from megatron_gkd.losses.cross_vocab import CROSS_VOCAB_DIVERGENCES
+from megatron_gkd.losses.registry import cross_tokenizer_divergences
 from megatron_gkd.planning.model import model_shape, read_config
 from megatron_gkd.rewards.config import check_reward_settings
 from megatron_gkd.rollout.registry import ENGINES, engine_traits
@@ -74,6 +75,11 @@ def _fail(message: str) -> None:
     raise ValueError(message)
 
 
+def _default(section, key: str):
+    """The schema's default of ``key`` in ``section`` (a config dataclass): an option left at it was not chosen."""
+    return next(field.default for field in dataclasses.fields(section) if field.name == key)
+
+
 def check_config(config) -> None:
     """Static cross-section checks (see the module docstring).
 
@@ -100,11 +106,11 @@ def check_config(config) -> None:
         _fail(f"rollout.n={rollout.n} samples per prompt only applies to trainer.mode=on_policy ({trainer.mode} trains "
               "on one dataset response per prompt); set rollout.n=1")
     topk_teachers = any(teacher.signal.sends_topk for teacher in teachers.values())
-    if loss.type == "tcad" and trainer.run_mode.samples and rollout.logprobs_k < 1 and topk_teachers:
-        _fail("loss.type=tcad interleaves the teacher's top-k with the student's: set rollout.logprobs_k=K (the "
-              "student's top-k ids returned by the rollout engine), e.g. rollout.logprobs_k=8")
-    if loss.type == "tcad" and not trainer.run_mode.samples:
-        _fail(f"loss.type=tcad needs the student's top-k ids of sampled responses, which only trainer.mode=on_policy "
+    if loss.divergence.student_support and trainer.run_mode.samples and rollout.logprobs_k < 1 and topk_teachers:
+        _fail(f"loss.type={loss.type} interleaves the teacher's top-k with the student's: set rollout.logprobs_k=K "
+              "(the student's top-k ids returned by the rollout engine), e.g. rollout.logprobs_k=8")
+    if loss.divergence.student_support and not trainer.run_mode.samples:
+        _fail(f"loss.type={loss.type} needs the student's top-k ids of sampled responses, which only trainer.mode=on_policy "
               f"has (it is {trainer.mode}); use another loss.type, e.g. forward_kl")
     for name, teacher in teachers.items():
         _check_teacher(config, teacher, teacher_key(config, name))
@@ -185,8 +191,8 @@ def _check_sample_mix(config, teachers: dict) -> None:
         _fail(f"sample_mix.lmbda with rl.combine={config.rl.combine!r}: the policy gradient is on-policy (the "
               f"student's samples and their rewards), and {mix.source} responses are not the student's; set "
               "sample_mix.lmbda=null or rl.combine=null")
-    if config.loss.type == "tcad":
-        _fail(f"loss.type=tcad needs the student's top-k ids of each response, which {mix.source} responses "
+    if config.loss.divergence.student_support:
+        _fail(f"loss.type={config.loss.type} needs the student's top-k ids of each response, which {mix.source} responses "
               "(sample_mix.source) do not have; use another loss.type (e.g. forward_kl) or sample_mix.lmbda=null")
     if mix.source != "teacher":
         return
@@ -259,9 +265,9 @@ def _check_weight_sync(config) -> None:
 
 def _check_inert(config) -> None:
     loss, trainer, rollout = config.loss, config.trainer, config.rollout
-    if not trainer.run_mode.distills and loss.type != "forward_kl":
+    if not trainer.run_mode.distills and loss.type != _default(loss, "type"):
         logger.warning("loss.type=%s has no effect in trainer.mode=sft (cross-entropy on dataset responses)", loss.type)
-    if loss.type != "tcad" and (loss.support_k is not None or loss.support_mode != "interleave"):
+    if not loss.divergence.student_support and (loss.support_k is not None or loss.support_mode != "interleave"):
         logger.warning("loss.support_k / loss.support_mode have no effect with loss.type=%s (tcad only)", loss.type)
     elif loss.support_mode == "union" and loss.support_k is not None:
         logger.warning("loss.support_k has no effect with loss.support_mode=union (the support is both top-k lists "
@@ -343,13 +349,13 @@ def _check_teacher(config, teacher, key: str) -> None:
               f"{key}.client=zmq with {key}.address=tcp://HOST:PORT or {key}.serve.model=DIR")
     backend = teacher.serve.backend if teacher.serve.model is not None else None  # a service the run starts
     served = backend_traits(backend) if backend is not None else None
-    if loss.type == "tcad" and teacher.signal.sends_topk and served is not None and not served.requested_ids:
+    if loss.divergence.student_support and teacher.signal.sends_topk and served is not None and not served.requested_ids:
         able = " or ".join(name for name in backend_names() if backend_traits(name).requested_ids)
-        _fail(f"loss.type=tcad scores the teacher at the student's top-k ids, which {key}.serve.backend="
+        _fail(f"loss.type={loss.type} scores the teacher at the student's top-k ids, which {key}.serve.backend="
               f"{backend} cannot do; use {key}.serve.backend={able}")
     traits = client_traits(teacher.client) if teacher.enabled else None
-    if loss.type == "tcad" and teacher.signal.sends_topk and traits is not None and not traits.requested_ids:
-        _fail(f"loss.type=tcad scores the teacher at the student's top-k ids, which {traits.description} "
+    if loss.divergence.student_support and teacher.signal.sends_topk and traits is not None and not traits.requested_ids:
+        _fail(f"loss.type={loss.type} scores the teacher at the student's top-k ids, which {traits.description} "
               f"cannot do; use {key}.client=zmq with an hf or megatron backend, or {key}.client=local")
     if served is not None and teacher.signal not in served.signals:
         able = " or ".join(name for name in backend_names() if teacher.signal in backend_traits(name).signals)
@@ -375,8 +381,8 @@ def _check_cross_tokenizer(config, teacher, key: str) -> None:
     if teacher.tokenizer_source is None:
         _fail(f"{where} needs the teacher's tokenizer: set {key}.cross_tokenizer.tokenizer=DIR (its HF tokenizer "
               "directory)")
-    if config.loss.type == "tcad":
-        _fail(f"{where}: loss.type=tcad has no cross-tokenizer form (its support is the student's own top-k, which the "
+    if config.loss.divergence.student_support:
+        _fail(f"{where}: loss.type={config.loss.type} has no cross-tokenizer form (its support is the student's own top-k, which the "
               "teacher would have to score through the inverse map); use forward_kl, reverse_kl, jsd or kl_rkl")
     if teacher.signal.sends_hidden and teacher.cross_tokenizer.inside_groups == "chain":
         _fail(f"{where} with {key}.signal=hidden: the chain rule reads the teacher's top-k where the teacher is asked, "
@@ -400,9 +406,9 @@ def _check_full_support(config, teacher, key: str) -> None:
     if not teacher.signal.sends_hidden:
         _fail(f"{where} compares with the teacher's whole distribution, made in the step from its hidden states: set "
               f"{key}.signal=hidden, or {key}.cross_tokenizer.hidden_support=topk")
-    if config.loss.type not in CROSS_VOCAB_DIVERGENCES:
+    if not config.loss.divergence.cross_tokenizer:
         _fail(f"{where}: loss.type={config.loss.type} has no cross-tokenizer form over the whole vocabulary; use "
-              f"{', '.join(CROSS_VOCAB_DIVERGENCES)}")
+              f"{', '.join(cross_tokenizer_divergences())}")
     if config.loss.fused:
         _fail(f"{where} reads the student's logit shard [s, b, V/tp], which loss.fused=true never builds; set "
               f"loss.fused=false, or {key}.cross_tokenizer.hidden_support=topk (its fused form)")

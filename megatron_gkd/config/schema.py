@@ -25,6 +25,7 @@ from megatron_gkd.data.config import DataConfig
 from megatron_gkd.losses import PolicyGradientOptions, get_divergence
 from megatron_gkd.losses.advantages import get_advantage_estimator, get_aggregation
 from megatron_gkd.losses.combinations import get_combination
+from megatron_gkd.losses.registry import Divergence
 from megatron_gkd.losses.sampled_kl import KL_ESTIMATORS
 from megatron_gkd.parallel.state import ParallelConfig
 from megatron_gkd.platform.npu import MindSpeedConfig
@@ -201,6 +202,11 @@ class LossConfig:
         if self.fused and self.diagnostics:
             raise ValueError("loss.diagnostics needs the full logits, which loss.fused=true never builds; "
                              "turn one of them off")
+
+    @property
+    def divergence(self) -> Divergence:
+        """The registered :class:`~megatron_gkd.losses.registry.Divergence` of ``type`` (what it needs and offers)."""
+        return get_divergence(self.type)
 
 
 

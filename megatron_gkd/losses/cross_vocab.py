@@ -51,7 +51,7 @@ import torch.distributed as dist
 from megatron_gkd.losses import divergences as _divergences  # noqa: F401 - registers the losses
 from megatron_gkd.losses.cross_vocab_heavy import BYTES_PER_HEAVY_STUDENT, HeavyColumns
 from megatron_gkd.losses.projection_map import ProjectionShard, shard_projection
-from megatron_gkd.losses.registry import SupportInputs, get_divergence
+from megatron_gkd.losses.registry import SupportInputs, cross_tokenizer_divergences, get_divergence
 from megatron_gkd.losses.shard_ops import (
     ShardLayout,
     all_gather_rows,
@@ -63,13 +63,10 @@ from megatron_gkd.losses.shard_ops import (
 from megatron_gkd.losses.vocab_parallel import TeacherSupport, check_temperature, prepare_teacher, split_options
 
 __all__ = [  # shard_projection and ProjectionShard live in projection_map; the map builder finds them here too
-    "CROSS_VOCAB_DIVERGENCES",
     "ProjectionShard",
     "cross_vocab_distill_loss",
     "shard_projection",
 ]
-
-CROSS_VOCAB_DIVERGENCES = ("forward_kl", "reverse_kl", "jsd", "kl_rkl")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -407,10 +404,9 @@ def cross_vocab_distill_loss(
         ValueError: a loss the method does not allow, unknown options, bad temperature, malformed teacher tensors,
             or a projection shard that does not belong to this rank's logits.
     """
-    if loss_type not in CROSS_VOCAB_DIVERGENCES:
-        get_divergence(loss_type)  # an unknown name fails here, naming the registered ones
+    if not get_divergence(loss_type).cross_tokenizer:  # an unknown name fails here, naming the registered ones
         raise ValueError(f"loss_type={loss_type!r} has no cross-tokenizer form (offered: "
-                         f"{', '.join(CROSS_VOCAB_DIVERGENCES)}); tcad's support is the student's own top-k, which "
+                         f"{', '.join(cross_tokenizer_divergences())}); tcad's support is the student's own top-k, which "
                          "the teacher would have to score through the inverse map")
     for key in ("diagnostics", "token_ids"):
         if key in options:

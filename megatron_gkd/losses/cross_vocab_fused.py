@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_gkd.losses.cross_vocab import (
-    CROSS_VOCAB_DIVERGENCES,
     LocalPlan,
     ProjectedState,
     check_projection,
@@ -31,7 +30,7 @@ from megatron_gkd.losses.cross_vocab import (
 )
 from megatron_gkd.losses.fused import FusedOptions, check_hidden_and_weight
 from megatron_gkd.losses.projection_map import ProjectionShard
-from megatron_gkd.losses.registry import get_divergence
+from megatron_gkd.losses.registry import cross_tokenizer_divergences, get_divergence
 from megatron_gkd.losses.shard_ops import (
     ShardLayout,
     compute_dtype,
@@ -167,10 +166,9 @@ def fused_cross_vocab_distill_loss(
     Returns:
         ``(per_token_loss, metrics)`` as the unfused loss; the gradient flows to ``hidden`` and the weight shard.
     """
-    if loss_type not in CROSS_VOCAB_DIVERGENCES:
-        get_divergence(loss_type)
+    if not get_divergence(loss_type).cross_tokenizer:  # an unknown name fails here, naming the registered ones
         raise ValueError(f"loss_type={loss_type!r} has no cross-tokenizer form (offered: "
-                         f"{', '.join(CROSS_VOCAB_DIVERGENCES)})")
+                         f"{', '.join(cross_tokenizer_divergences())})")
     divergence_options, own = split_options(loss_type, options, ("chunk_size", "all_reduce_hidden_grad"))
     fused = FusedOptions(**own)
     temperature = check_temperature(temperature)

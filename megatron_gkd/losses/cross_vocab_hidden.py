@@ -36,10 +36,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_gkd.losses.cross_vocab import CROSS_VOCAB_DIVERGENCES, check_projection
+from megatron_gkd.losses.cross_vocab import check_projection
 from megatron_gkd.losses.hidden import DEFAULT_CHUNK_SIZE, HiddenOptions
 from megatron_gkd.losses.projection_map import ProjectionShard
-from megatron_gkd.losses.registry import get_divergence
+from megatron_gkd.losses.registry import cross_tokenizer_divergences, get_divergence
 from megatron_gkd.losses.shard_ops import ShardLayout, all_gather_rows, compute_dtype
 
 METRIC_KEYS = ("student_mass", "teacher_mass", "unmapped_teacher_mass")
@@ -229,10 +229,9 @@ def hidden_cross_vocab_distill_loss(
         ValueError: a loss without a cross-tokenizer form, unknown options, bad temperature, shapes that do not fit
             together, or a projection shard that is not this rank's.
     """
-    if loss_type not in CROSS_VOCAB_DIVERGENCES:
-        get_divergence(loss_type)  # an unknown name fails here, naming the registered ones
+    if not get_divergence(loss_type).cross_tokenizer:  # an unknown name fails here, naming the registered ones
         raise ValueError(f"loss_type={loss_type!r} has no cross-tokenizer form (offered: "
-                         f"{', '.join(CROSS_VOCAB_DIVERGENCES)})")
+                         f"{', '.join(cross_tokenizer_divergences())})")
     divergence_options = get_divergence(loss_type).build_options(dict(options))
     hidden_options = HiddenOptions(temperature=temperature, teacher_temperature=teacher_temperature,
                                    real_vocab_size=real_vocab_size, chunk_size=chunk_size)

@@ -167,14 +167,14 @@ def _support_only(loss: torch.Tensor, grad: torch.Tensor, valid: torch.Tensor) -
     return SupportTerms(loss=loss, grad_support=grad, lse_coef=torch.zeros_like(loss))
 
 
-@register_divergence("forward_kl", options=NoOptions)
+@register_divergence("forward_kl", options=NoOptions, cross_tokenizer=True)
 def forward_kl(support: SupportInputs, options: NoOptions) -> SupportTerms:
     """``sum_{j in S} P_j (log P_j - log Q_j)``, teacher not renormalised."""
     del options
     return _forward_kl_terms(support)
 
 
-@register_divergence("reverse_kl", options=NoOptions)
+@register_divergence("reverse_kl", options=NoOptions, cross_tokenizer=True)
 def reverse_kl(support: SupportInputs, options: NoOptions) -> SupportTerms:
     """``sum_S Qh (log Qh - log Ph)`` with both distributions renormalised on ``S``."""
     del options
@@ -182,14 +182,14 @@ def reverse_kl(support: SupportInputs, options: NoOptions) -> SupportTerms:
     return _support_only(*_reverse_kl(log_p, log_q, support.valid), support.valid)
 
 
-@register_divergence("jsd", options=JSDOptions)
+@register_divergence("jsd", options=JSDOptions, cross_tokenizer=True)
 def jsd(support: SupportInputs, options: JSDOptions) -> SupportTerms:
     """Generalised JSD of the renormalised distributions on ``S``."""
     log_p, log_q, _ = _renormalised(support)
     return _support_only(*_jsd(log_p, log_q, support.valid, options.beta), support.valid)
 
 
-@register_divergence("kl_rkl", options=KLRKLOptions)
+@register_divergence("kl_rkl", options=KLRKLOptions, cross_tokenizer=True)
 def kl_rkl(support: SupportInputs, options: KLRKLOptions) -> SupportTerms:
     """``(1 - r) forward_kl + r reverse_kl``."""
     ratio = options.rkl_ratio
@@ -202,7 +202,7 @@ def kl_rkl(support: SupportInputs, options: KLRKLOptions) -> SupportTerms:
     )
 
 
-@register_divergence("tcad", options=TCADOptions)
+@register_divergence("tcad", options=TCADOptions, student_support=True)
 def tcad(support: SupportInputs, options: TCADOptions) -> SupportTerms:
     """Confidence-aligned distillation on the support ``U``: divergence plus coverage term."""
     valid = support.valid

@@ -71,15 +71,26 @@ DivergenceFn = Callable[[SupportInputs, Any], SupportTerms]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Divergence:
-    """A registered divergence: its name, its function and the dataclass of its options.
+    """A registered divergence: its name, its function, the dataclass of its options and what it needs (the config
+    checks and the trainer ask these, never the name).
 
     An options dataclass may define ``inert_keys(given: dict) -> list[str]``: options that were passed
     but have no effect; they are logged as a warning once per process.
+
+    Attributes:
+        student_support: its support holds the student's own top-k ids of each sampled response beside the teacher's
+            (TCAD, :mod:`.tcad`), which the teacher scores as requested ids: it needs on-policy samples with the
+            rollout's top-k ids (``rollout.logprobs_k``) and a teacher that scores requested ids, it has no
+            cross-tokenizer form, and its options carry ``coverage_coef`` (the student's mass outside the support).
+        cross_tokenizer: it has a cross-tokenizer form (:mod:`.cross_vocab`, fused and over the whole vocabulary):
+            a teacher of another tokenizer can be distilled with it.
     """
 
     name: str
     fn: DivergenceFn
     options_cls: type
+    student_support: bool = False
+    cross_tokenizer: bool = False
 
     def build_options(self, options: dict[str, Any]) -> Any:
         """Instantiates this divergence's options, naming any unknown key and the closest valid one.
@@ -107,16 +118,19 @@ class Divergence:
 DIVERGENCES: Registry[Divergence] = Registry("divergence", config_key="loss_type")
 
 
-def register_divergence(name: str, *, options: type) -> Callable[[DivergenceFn], DivergenceFn]:
+def register_divergence(name: str, *, options: type, student_support: bool = False,
+                        cross_tokenizer: bool = False) -> Callable[[DivergenceFn], DivergenceFn]:
     """Registers ``fn(support, options) -> SupportTerms`` under ``name``.
 
     Args:
         name: the ``loss_type`` string that selects it.
         options: a dataclass whose fields are the loss's keyword options (with defaults).
+        student_support, cross_tokenizer: what it needs and offers (:class:`Divergence`).
     """
 
     def decorate(fn: DivergenceFn) -> DivergenceFn:
-        DIVERGENCES.register(name, Divergence(name, fn, options))
+        DIVERGENCES.register(name, Divergence(name, fn, options, student_support=student_support,
+                                              cross_tokenizer=cross_tokenizer))
         return fn
 
     return decorate
@@ -134,3 +148,8 @@ def get_divergence(name: str) -> Divergence:
 def registered_divergences() -> list[str]:
     """Names of all registered divergences, sorted."""
     return DIVERGENCES.names()
+
+
+def cross_tokenizer_divergences() -> list[str]:
+    """Names of the divergences with a cross-tokenizer form (:attr:`Divergence.cross_tokenizer`), sorted."""
+    return [name for name in DIVERGENCES.names() if DIVERGENCES.get(name).cross_tokenizer]

@@ -97,8 +97,9 @@ class LossSpec:
     def __post_init__(self):
         for key, choice in (("kind", LossKind), ("signal", Signal), ("hidden_support", HiddenSupport)):
             object.__setattr__(self, key, choice(getattr(self, key)))  # a string is converted
-        if self.kind.needs_teacher and self.loss_type == "tcad" and self.signal.sends_topk:
-            coverage = get_divergence("tcad").build_options(dict(self.options)).coverage_coef
+        divergence = get_divergence(self.loss_type) if self.kind.needs_teacher and self.signal.sends_topk else None
+        if divergence is not None and divergence.student_support:
+            coverage = divergence.build_options(dict(self.options)).coverage_coef
             object.__setattr__(self, "coverage_coef", coverage)
         assert not (self.hidden_support.whole_vocabulary and self.fused), \
             "hidden_support=full reads the student's logits, which the fused path never builds (config checks refuse it)"

@@ -74,7 +74,8 @@ class TeacherExchange:
 
     def _tcad_spec(self, teacher) -> TCADSpec | None:
         loss = self.config.loss
-        if not self.config.trainer.run_mode.loss_kind.needs_teacher or loss.type != "tcad" or not Signal(teacher.signal).sends_topk:
+        if not (self.config.trainer.run_mode.loss_kind.needs_teacher and loss.divergence.student_support
+                and Signal(teacher.signal).sends_topk):
             return None  # the hidden signal's support is the whole vocabulary
         width = loss.support_k or teacher.top_k
         if loss.support_mode == "union":

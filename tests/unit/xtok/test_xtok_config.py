@@ -2,13 +2,15 @@
 map built for another pair is refused, and a method on one shared tokenizer warns that it is inert. The hidden
 signal's ``hidden_support=full`` is refused where it cannot run, naming the key and the fix."""
 
+import dataclasses
 import logging
 import pathlib
 
 import numpy as np
 import pytest
 
-from megatron_gkd.config import checks, load_config
+from megatron_gkd.config import load_config
+from megatron_gkd.losses.registry import DIVERGENCES, get_divergence
 from megatron_gkd.xtok import ProjectionMap
 from megatron_gkd.xtok.config import ENABLE_KEY, CrossTokenizerConfig, check_tokenizers
 
@@ -76,9 +78,10 @@ def test_full_support_is_refused_where_it_cannot_run(overrides, message):
 
 
 def test_full_support_refuses_a_divergence_without_a_cross_tokenizer_form(monkeypatch):
-    monkeypatch.setattr(checks, "CROSS_VOCAB_DIVERGENCES", ("forward_kl", "reverse_kl"))  # as if jsd had none
+    jsd = dataclasses.replace(get_divergence("jsd"), cross_tokenizer=False)  # as if jsd had none
+    monkeypatch.setitem(DIVERGENCES._entries, "jsd", jsd)
     with pytest.raises(ValueError, match=f"{FULL}: loss.type=jsd has no cross-tokenizer form over the whole "
-                                         "vocabulary; use forward_kl, reverse_kl"):
+                                         "vocabulary; use forward_kl, kl_rkl, reverse_kl"):
         load_config(BASE, CROSS_HIDDEN + [FULL, "loss.type=jsd"])
 
 
