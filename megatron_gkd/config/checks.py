@@ -284,7 +284,7 @@ def _check_inert(config) -> None:
     elif mindspeed.ulysses_degree_in_cp is not None and mindspeed.context_parallel_algo != "hybrid_cp_algo":
         logger.warning("mindspeed.ulysses_degree_in_cp has no effect with mindspeed.context_parallel_algo=%s "
                        "(hybrid_cp_algo only)", mindspeed.context_parallel_algo)
-    if rollout.layout.in_trainer and trainer.scheduler not in ("sync", "partial"):
+    if rollout.layout.in_trainer and trainer.schedule.max_staleness > 0:
         logger.info("trainer.scheduler=%s with a colocated rollout overlaps teacher scoring with training; "
                     "rollout itself runs on the training ranks between updates", trainer.scheduler)
 

@@ -7,19 +7,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from megatron_gkd.config.schedules import SCHEDULERS
 from megatron_gkd.rollout.registry import engine_traits
 from megatron_gkd.rollout.types import Layout
 
 logger = logging.getLogger(__name__)
 
-PARTIAL_SCHEDULERS = ("partial", "partial_one_step_off")
+PARTIAL_SCHEDULERS = tuple(name for name in SCHEDULERS.names() if SCHEDULERS.get(name).partial)
 """The schedulers of partial rollouts: ``partial`` samples each batch just before its update; ``partial_one_step_off``
 one update ahead, so the teacher scores it while the previous update runs (token staleness >= 1)."""
 
 
 def partial_rollouts(config) -> bool:
     """``trainer.scheduler`` is one of partial rollouts' (:data:`PARTIAL_SCHEDULERS`)."""
-    return config.trainer.scheduler in PARTIAL_SCHEDULERS
+    return config.trainer.schedule.partial
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -21,6 +21,7 @@ from megatron_gkd.config.checks import check_config
 from megatron_gkd.config.optim import OptimizerConfig
 from megatron_gkd.config.partial import PartialRolloutConfig
 from megatron_gkd.config.sample_mix import SampleMixConfig
+from megatron_gkd.config.schedules import SCHEDULERS, Schedule
 from megatron_gkd.data.config import DataConfig
 from megatron_gkd.losses import PolicyGradientOptions, get_divergence
 from megatron_gkd.losses.advantages import get_advantage_estimator, get_aggregation
@@ -308,9 +309,15 @@ class TrainerConfig:
         """What ``mode`` does and needs."""
         return MODES[self.mode]
 
+    @property
+    def schedule(self) -> Schedule:
+        """What ``scheduler`` does (:mod:`megatron_gkd.config.schedules`)."""
+        return SCHEDULERS.get(self.scheduler)
+
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"trainer.mode={self.mode!r}; choose one of {list(MODES)}")
+        SCHEDULERS.get(self.scheduler)  # an unknown name: the key, the closest registered name and all of them
         for name in ("num_steps", "global_batch_size", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name}={getattr(self, name)} must be >= 1")

@@ -52,6 +52,9 @@ from megatron_gkd.trainer.sample_mix import (
 from megatron_gkd.trainer.teacher_exchange import TeacherExchange, TeacherFailed
 from megatron_gkd.trainer.teachers import Teachers
 
+PARTIAL_STATE_KEY = "partial"
+"""Where a checkpoint's data position keeps partial rollouts' buffer (beside the sampler's state)."""
+
 
 @dataclasses.dataclass
 class InFlight:
@@ -174,13 +177,13 @@ class BatchFlow:
 
     def data_state(self, sampler_state: dict) -> dict:
         """The data position a checkpoint saves: the sampler's, with partial rollouts' buffer."""
-        return sampler_state if self.partial is None else {**sampler_state, "partial": self.partial.state_dict()}
+        return sampler_state if self.partial is None else {**sampler_state, PARTIAL_STATE_KEY: self.partial.state_dict()}
 
     def restore(self, data_state: dict) -> dict:
         """Reads back what :meth:`data_state` added (the buffer) and returns the sampler's state."""
-        if self.partial is not None and "partial" in data_state:
-            self.partial.load_state_dict(data_state["partial"])
-        return {key: value for key, value in data_state.items() if key != "partial"}
+        if self.partial is not None and PARTIAL_STATE_KEY in data_state:
+            self.partial.load_state_dict(data_state[PARTIAL_STATE_KEY])
+        return {key: value for key, value in data_state.items() if key != PARTIAL_STATE_KEY}
 
     def produce(self, index: int, records, data_state: dict, version: int) -> InFlight:
         """Samples (or reads, or asks the teacher for) the responses of ``records`` and sends this rank's teacher

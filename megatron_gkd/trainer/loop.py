@@ -28,7 +28,7 @@ from megatron_gkd.trainer.flow import BatchFlow, InFlight
 from megatron_gkd.trainer.metrics import MetricsWriter, Progress, Timers, batch_metrics, loss_metrics
 from megatron_gkd.trainer.preemption import Preemption
 from megatron_gkd.trainer.routing import RoutingStats
-from megatron_gkd.trainer.schedulers import SCHEDULERS, BatchPipeline
+from megatron_gkd.trainer.schedulers import BatchPipeline
 from megatron_gkd.trainer.step import PolicySpec, StepRunner, loss_specs
 from megatron_gkd.trainer.teachers import Teachers
 
@@ -180,8 +180,7 @@ class Trainer:
         if first_eval and self.rank == 0:
             self.writer.write(self.step, {**first_eval, **{f"time/{k}": v for k, v in self.timers.pop().items()}})
             self.progress.evaluated(first_eval)
-        schedule = SCHEDULERS.get(config.trainer.scheduler)
-        self.pipeline = BatchPipeline(self._produce, max_staleness=schedule.max_staleness, start=self.step,
+        self.pipeline = BatchPipeline(self._produce, max_staleness=config.trainer.schedule.max_staleness, start=self.step,
                                       num_batches=config.trainer.num_steps)
         metrics: dict = {}
         clock = time.perf_counter()

@@ -21,31 +21,17 @@ the previous update runs.
 
 Warm-up trains what is in flight (staleness grows from 0); the end drains it: only batches that will be
 trained are produced, each exactly once.
+
+The schedules themselves (name, ``max_staleness``, ``partial``) are registered in
+:data:`megatron_gkd.config.schedules.SCHEDULERS`, where the config's checks can ask them too.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 from typing import Callable, Generic, TypeVar
 
-from megatron_gkd.registry import Registry
-
 T = TypeVar("T")
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """A scheduler: batches produced ahead of the update that trains them."""
-
-    name: str
-    max_staleness: int
-
-
-SCHEDULERS: Registry[Schedule] = Registry("scheduler", config_key="trainer.scheduler")
-for _schedule in (Schedule("sync", 0), Schedule("one_step_off", 1), Schedule("two_step_off", 2), Schedule("partial", 0),
-                  Schedule("partial_one_step_off", 1)):
-    SCHEDULERS.register(_schedule.name, _schedule)
 
 
 class BatchPipeline(Generic[T]):

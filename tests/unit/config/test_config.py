@@ -125,7 +125,8 @@ def test_entry_point_exits_2_with_one_line_and_prints_plans():
     assert "world 4 = tp 2 x pp 1 x dp 2" in plan.stdout and "rank 3: tp 1 dp 1 pp 0" in plan.stdout
     printed = run("--print-config", "rollout.n=8")
     assert printed.returncode == 0 and "'n': 8" in printed.stdout
-    # Names in the trainer's registries are checked by the entry point (config/ does not import trainer/).
+    # Names in the trainer's registries are checked by the entry point (config/ does not import trainer/); the
+    # schedulers' registry is the config's own, checked as the config loads: the same refusal either way.
     for override, key in (("trainer.scheduler=one_stepoff", "trainer.scheduler='one_stepoff'"),
                           ("eval.scorer=exact", "eval.scorer='exact'")):
         bad = run("--print-config", override)

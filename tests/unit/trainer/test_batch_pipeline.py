@@ -4,7 +4,8 @@ once, drains at the end and resumes past the trained batches."""
 
 import pytest
 
-from megatron_gkd.trainer.schedulers import SCHEDULERS, BatchPipeline
+from megatron_gkd.config.schedules import SCHEDULERS
+from megatron_gkd.trainer.schedulers import BatchPipeline
 
 
 def run(schedule: str, *, start: int = 0, num_batches: int = 6):
