@@ -298,24 +298,34 @@ CHECKED_REGISTRIES = {
     # The launcher's deployment recipes are per backend by nature (a torchrun per node, a Ray cluster, one process).
     "megatron_gkd/teacher/backends/__init__.py:BACKENDS": ("megatron_gkd/teacher/backends/", "megatron_gkd/launcher/"),
     "megatron_gkd/weight_sync/transports.py:TRANSPORTS": ("megatron_gkd/weight_sync/transports.py",),
+    # losses/ writes each divergence in its several forms by name: on the teacher's support where it is registered
+    # (divergences.py, with TCAD's inner divergence), over the whole vocabulary (dense.py), over a cross-tokenizer
+    # teacher's whole vocabulary (cross_vocab_hidden.py), and as the float64 references, written apart from the code
+    # they check (reference.py). The config checks and the trainer ask the registered Divergence what it needs.
+    "megatron_gkd/losses/registry.py:DIVERGENCES": ("megatron_gkd/losses/registry.py", "megatron_gkd/losses/divergences.py",
+                                                    "megatron_gkd/losses/dense.py", "megatron_gkd/losses/cross_vocab_hidden.py",
+                                                    "megatron_gkd/losses/reference.py"),
+    "megatron_gkd/config/schedules.py:SCHEDULERS": ("megatron_gkd/config/schedules.py",),
+}
+# Registries whose names are everyday words ('loss', 'teacher', 'advantage' name much else in the code): only a
+# comparison with the field that holds the choice is checked (``rl.combine == "teacher"``), and no table.
+CHECKED_BY_FIELD = {
+    "megatron_gkd/losses/combinations.py:COMBINATIONS": ("combine", ("megatron_gkd/losses/combinations.py",)),
 }
 # Registries not checked yet, with where their names are still compared (what is left of issue 31 item 3).
 UNCHECKED_REGISTRIES = {
-    "megatron_gkd/losses/registry.py:DIVERGENCES": "loss.type == 'tcad' in config/checks.py, trainer/step.py, "
-    "trainer/teacher_exchange.py; the float64 references and losses/dense.py dispatch on the name",
-    "megatron_gkd/losses/combinations.py:COMBINATIONS": "its names ('teacher', 'loss') are homonyms of other choices",
     "megatron_gkd/rewards/kinds.py:REWARDS": "not compared today",
     "megatron_gkd/losses/sampled_kl.py:KL_ESTIMATORS": "not compared today",
     "megatron_gkd/losses/advantages.py:ADVANTAGE_ESTIMATORS": "not compared today",
     "megatron_gkd/losses/advantages.py:AGGREGATIONS": "not compared today",
-    "megatron_gkd/trainer/schedulers.py:SCHEDULERS": "trainer.scheduler != 'sync' in config/checks.py",
     "megatron_gkd/trainer/eval.py:SCORERS": "not compared today",
     "models/registry.py:ARCHITECTURES": "HF architecture names, matched by models/",
 }
 # The same words name other choices in these fields: the launcher's job scheduler ('local'), the planner's kernels
 # ('local') and its own Batch.loss ('distill', 'cross_entropy'; planning/ imports nothing of the trainer), Megatron's
-# recompute granularity ('full').
-HOMONYM_FIELDS = {"scheduler", "kernels", "loss", "recompute_granularity"}
+# recompute granularity ('full'). A comparison of such a field with such a word is not one of the checked choices.
+HOMONYM_FIELDS = {"scheduler": {"local"}, "kernels": {"local"}, "loss": {"distill", "cross_entropy"},
+                  "recompute_granularity": {"full"}}
 COLLECTIONS = (ast.Tuple, ast.List, ast.Set, ast.Dict)
 
 
@@ -346,6 +356,12 @@ def _chosen_names() -> dict[str, tuple[str, ...]]:
     return names
 
 
+def _names_by_field() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """``{name: (field, owners)}`` of the registries checked only against their own field."""
+    return {value: (field, owners) for spec, (field, owners) in CHECKED_BY_FIELD.items()
+            for value in _registry_values(spec, owners)}
+
+
 def _literals(node) -> list[str]:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return [node.value]
@@ -358,18 +374,20 @@ def _field(node) -> str | None:
     return node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
 
 
-def _name_comparisons(source: str, names) -> list[tuple[int, str]]:
+def _name_comparisons(source: str, names, by_field=None) -> list[tuple[int, str]]:
     """``(line, name)`` of each comparison with a name of ``names`` (a literal or a literal tuple, list or set on
-    either side), and each module-level table (a tuple, list, set or dict keys of string literals) of them."""
-    found = []
+    either side) or with a name of ``by_field`` (``{name: (field, owners)}``) where one side is that field, and each
+    module-level table (a tuple, list, set or dict keys of string literals) of ``names``."""
+    found, by_field = [], by_field or {}
     tree = ast.parse(source)
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare) and all(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
                                                  for op in node.ops):
             sides = [node.left, *node.comparators]
-            if any(_field(side) in HOMONYM_FIELDS for side in sides):
-                continue
-            found += [(node.lineno, value) for side in sides for value in _literals(side) if value in names]
+            fields = {_field(side) for side in sides}
+            homonyms = set().union(*(HOMONYM_FIELDS.get(field, ()) for field in fields))
+            found += [(node.lineno, value) for side in sides for value in _literals(side) if value not in homonyms
+                      and (value in names or (value in by_field and by_field[value][0] in fields))]
     for node in tree.body:
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
         if len(targets) == 1 and isinstance(targets[0], ast.Name) and isinstance(node.value, COLLECTIONS):
@@ -381,12 +399,14 @@ def _name_comparisons(source: str, names) -> list[tuple[int, str]]:
 
 
 def test_chosen_names_are_asked_not_compared():
-    """A signal, a layout, a loss kind, a rollout engine, a teacher client or backend, a weight-sync transport: its
-    members or traits say what it needs, and only the module that defines the name compares it."""
-    names = _chosen_names()
+    """A signal, a layout, a loss kind, a rollout engine, a teacher client or backend, a weight-sync transport, a
+    divergence, a scheduler, a combination of reward and teacher: its members or traits say what it needs, and only
+    the module that defines the name compares it."""
+    names, by_field = _chosen_names(), _names_by_field()
+    owners = {**{value: owner for value, (_, owner) in by_field.items()}, **names}
     offenders = [f"{path}:{line}: {value!r}" for path in _python_files() if path.startswith(LIBRARY)
-                 for line, value in _name_comparisons((ROOT / path).read_text(), names)
-                 if not path.startswith(names[value])]
+                 for line, value in _name_comparisons((ROOT / path).read_text(), names, by_field)
+                 if not path.startswith(owners[value])]
     assert not offenders, ("ask the choice's member or traits what it needs instead of comparing its name:\n"
                            + "\n".join(offenders))
 
@@ -399,22 +419,27 @@ def test_every_registry_is_placed_in_the_name_lint():
              and _field(node.value.func) == "Registry"
              for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
              if isinstance(target, ast.Name)}
-    assert found == set(CHECKED_REGISTRIES) | set(UNCHECKED_REGISTRIES)
+    assert found == set(CHECKED_REGISTRIES) | set(CHECKED_BY_FIELD) | set(UNCHECKED_REGISTRIES)
 
 
 def test_name_lint_catches_violations():
-    names = {"hidden": ("a.py",), "vllm": ("b.py",), "colocated": ("a.py",)}
+    names = {"hidden": ("a.py",), "vllm": ("b.py",), "colocated": ("a.py",), "local": ("c.py",), "sync": ("d.py",)}
+    by_field = {"teacher": ("combine", ("e.py",))}
     source = ('if teacher.signal == "hidden": pass\n'                                  # 1
               'x = rollout.layout in ("colocated", "disaggregated")\n'                # 2
               '_ONE = {"vllm", "hidden"}\n'                                           # 3: a table
               'y = "hidden" in info.signals\n'                                        # 4
-              'if allocation.scheduler == "colocated": pass\n'                        # a homonym field
+              'if allocation.scheduler == "local": pass\n'                            # a homonym of the field
               'z = {"hidden": 1, "other": 2}\n'                                       # not all names: not a table
               'A, B = "vllm", "hidden"\n'                                             # constants, not a table
               'SUBDIR = "hidden"\n'
-              'if mode == "other": pass\n')
-    assert _name_comparisons(source, names) == [(1, "hidden"), (2, "colocated"), (4, "hidden"), (3, "vllm"),
-                                                (3, "hidden")]
+              'if mode == "other": pass\n'
+              'if trainer.scheduler not in ("sync", "local"): pass\n'                # 10: not a homonym of the field
+              'if config.rl.combine == "teacher": pass\n'                            # 11: checked against its field
+              'if mix.source == "teacher": pass\n'                                   # another field: not checked
+              '_WORDS = ("teacher",)\n')                                              # no table of field-checked names
+    assert _name_comparisons(source, names, by_field) == [(1, "hidden"), (2, "colocated"), (4, "hidden"), (10, "sync"),
+                                                          (11, "teacher"), (3, "vllm"), (3, "hidden")]
 
 
 LOOP = "megatron_gkd/trainer/loop.py"
