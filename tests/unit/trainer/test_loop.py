@@ -1,0 +1,102 @@
+"""``Trainer(config).train()`` in this process (#31 item 2: the Trainer had no direct test): a gloo world of one, SFT on
+the dataset's responses of a tiny random student, so no torchrun, no teacher service and no rollout engine. A run trains
+its steps and leaves its summary, metrics (metrics.jsonl and TensorBoard) and checkpoint; a preemption signal makes it
+checkpoint after the step it is in and stop; the same config run again resumes at the saved step and goes on from there.
+``Trainer.close()`` destroys Megatron's model-parallel state, so one process builds one trainer after another."""
+
+import math
+import os
+import signal
+
+import pytest
+
+from megatron_gkd import parallel
+from megatron_gkd.config import load_config
+from megatron_gkd.recipes.tiny import build_checkpoint, build_tokenizer, write_prompts
+from megatron_gkd.testing import runs
+from megatron_gkd.trainer import run_dir
+from megatron_gkd.trainer.checkpoint_dirs import find_checkpoint
+from megatron_gkd.trainer.loop import Trainer
+from megatron_gkd.trainer.preemption import PREEMPTION_SIGNALS
+
+pytestmark = pytest.mark.usefixtures("gloo_world")  # conftest.py: a gloo world of one process
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """A one-layer random Qwen3 student (64 wide, a 64-word tokenizer) and 16 prompts with reference responses."""
+    out = tmp_path_factory.mktemp("assets")
+    build_checkpoint(out / "student", vocab_size=VOCAB, hidden_size=64, num_layers=1, num_heads=1, num_kv_heads=1,
+                     intermediate_size=64, seed=2)
+    build_tokenizer(out / "student", VOCAB)
+    write_prompts(out / "train.jsonl", 16, vocab_size=VOCAB, seed=3)
+    return out
+
+
+@pytest.fixture
+def signal_handlers():
+    """The Trainer installs its preemption handlers in this process; the test session gets its own back after."""
+    previous = {signum: signal.getsignal(signum) for signum in PREEMPTION_SIGNALS}
+    yield
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+def sft_config(assets, out, num_steps: int):
+    return load_config(None, [
+        f"student.checkpoint={assets / 'student'}", f"data.train_path={assets / 'train.jsonl'}", f"trainer.output_dir={out}",
+        "trainer.mode=sft", "rollout.n=1", f"trainer.num_steps={num_steps}", "trainer.global_batch_size=2",
+        "trainer.micro_batch_size=1", "data.max_prompt_length=32", "logging.progress_bar=false",
+        "checkpoint.hf_at_end=false", "optim.lr=1e-3"])
+
+
+def trained_steps(out) -> list[int]:
+    return [record["step"] for record in runs.steps(out)]
+
+
+def test_a_run_trains_its_steps_and_leaves_metrics_and_a_checkpoint(assets, tmp_path, signal_handlers):
+    out = tmp_path / "run"
+    trainer = Trainer(sft_config(assets, out, num_steps=2))
+    try:
+        assert trainer.step == 0  # nothing to resume
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    with pytest.raises(RuntimeError, match="not initialised"):  # close() destroyed the model-parallel state
+        parallel.get_state()
+    assert summary["steps"] == 2 and not summary["preempted"] and math.isfinite(summary["final_loss"])
+    records = runs.steps(out)
+    assert [record["step"] for record in records] == [1, 2]
+    assert all(math.isfinite(record["train/loss"]) for record in records)
+    assert summary["final_loss"] == records[-1]["train/loss"]
+    assert run_dir.config_file(out).is_file()
+    events = list(run_dir.tensorboard_dir(out).glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    assert find_checkpoint(run_dir.checkpoints(out)).step == 2  # checkpoint.save_at_end
+
+
+def test_a_preempted_run_checkpoints_and_the_same_config_resumes_at_its_step(assets, tmp_path, signal_handlers):
+    out = tmp_path / "run"
+    config = sft_config(assets, out, num_steps=3)
+    trainer = Trainer(config)
+    try:
+        # Slurm's warning before the job's time is up, as if it came during the first step: the run finishes that
+        # step, checkpoints and stops.
+        os.kill(os.getpid(), signal.SIGUSR1)
+        preempted = trainer.train()
+    finally:
+        trainer.close()
+    assert preempted["preempted"] and preempted["steps"] == 1 and math.isfinite(preempted["final_loss"])
+    assert find_checkpoint(run_dir.checkpoints(out)).step == 1
+    assert trained_steps(out) == [1]
+
+    trainer = Trainer(config)  # the same command again
+    try:
+        assert trainer.step == 1
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    assert summary["steps"] == 3 and not summary["preempted"]
+    assert trained_steps(out) == [1, 2, 3]  # it went on from the saved step: none trained twice, none skipped
+    assert find_checkpoint(run_dir.checkpoints(out)).step == 3
