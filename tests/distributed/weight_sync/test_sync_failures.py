@@ -140,12 +140,14 @@ def _stuck_sender_rank(path: str, trainer_port: int, sync_port: int):
 
     rank = int(os.environ["RANK"])
     config = WeightSyncConfig(bucket_size_mb=48 / 1024, transfer="packed")
+    gave_up = os.path.join(os.path.dirname(path), "receiver_gave_up")  # written by the receiver after its timeout
     if rank == 2:
         transport = _transport(sync_port, rank)
         receiver = WeightReceiver(connect_rollout(transport), transport, config)
         engine = RecordingEngine()
         with pytest.raises(WeightSyncError, match="timed out|Timed out|closed|reset") as failed:
             receiver.sync(engine)
+        open(gave_up, "w").close()  # the stuck sender may stop hanging now
         with pytest.raises(StaleWeightsError, match="version 1"):
             engine.generate(PROMPTS, SAMPLING)
         return dict(error=str(failed.value), loaded=len(engine.weights), stale=engine.stale)
@@ -155,8 +157,10 @@ def _stuck_sender_rank(path: str, trainer_port: int, sync_port: int):
 
         def send(part, buffer):
             calls.append(part)
-            if len(calls) == 3:
-                time.sleep(4 * TIMEOUT_S)
+            if len(calls) == 3:  # hangs until the receiver has timed out (at most 4 timeouts)
+                hung_until = time.monotonic() + 4 * TIMEOUT_S
+                while not os.path.exists(gave_up) and time.monotonic() < hung_until:
+                    time.sleep(0.05)
                 raise RuntimeError("the stuck sender gives up")
             return real_send(part, buffer)
 

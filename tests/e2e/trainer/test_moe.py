@@ -81,6 +81,7 @@ def _check_equal(reference, got, layout):
             assert [r[key] for r in got] == [r[key] for r in reference], (layout, key)
 
 
+@pytest.mark.slow  # suite time (an EP=1 run, 15 s): tests/distributed/trainer/test_policy_step.py checks EP=2 = one rank
 def test_ep2_equals_ep1(layout_steps):
     _check_equal(layout_steps("ep1"), layout_steps("ep2"), "ep2")
 

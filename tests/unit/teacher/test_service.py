@@ -77,7 +77,9 @@ def test_typed_errors_reach_the_client(client):
 def test_wrong_secret_is_refused_with_a_clear_error(service):
     proxy, _ = service
     with build_client("zmq", address=proxy.frontend_address, secret=b"wrong",
-                      retry=RetryPolicy(attempt_timeout_s=10, deadline_s=20)) as client:
+                      # Every unsigned refusal is retried (it may be forged) until the attempts run out: short pauses
+                      # between them, not the default 0.5 s doubling (15 s of this test's time).
+                      retry=RetryPolicy(attempt_timeout_s=10, deadline_s=20, backoff_s=0.05, backoff_max_s=0.1)) as client:
         with pytest.raises(TeacherError) as info:
             client.info()
     assert info.value.code == ErrorCode.BAD_SIGNATURE
