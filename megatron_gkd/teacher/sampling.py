@@ -1,9 +1,9 @@
 """The teacher's sampling policy for backends that sample themselves (``hf``, ``megatron``).
 
 One function picks the next token of every row from its scores, so both backends sample the same
-distribution for the same :class:`~megatron_gkd.teacher.types.GenerateBatch`: scores divided by the
-temperature, cut to the ``top_k`` most likely ids, then to the smallest set whose probability reaches
-``top_p``, renormalised. Temperature 0 is the arg-max (ties to the lowest column).
+distribution for the same :class:`~megatron_gkd.teacher.types.GenerateBatch`: the rollout engines' policy
+(:func:`megatron_gkd.rollout.sampling.sample_next`: temperature, then ``top_k``, then ``top_p``; temperature 0 is
+the arg-max, ties to the lowest column).
 
 Every response draws from its own ``torch.Generator``, seeded from ``(seed, prompt, sample)``, so a
 seeded request repeats whatever rows a backend runs together (up to float ties of padded batches).
@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megatron_gkd.rollout import sampling as rollout_sampling
 from megatron_gkd.teacher.types import GenerateBatch
 
 
@@ -52,17 +53,5 @@ def sample_next(scores: torch.Tensor, batch: GenerateBatch, generators: list[tor
     Returns:
         ``[b]`` int64 column indices into ``scores``.
     """
-    assert len(generators) == scores.shape[0], (len(generators), scores.shape)
-    scores = scores.float()
-    if batch.temperature == 0:
-        return scores.argmax(dim=-1)  # the first maximum: the lowest column among ties
-    ordered, order = torch.sort(scores / batch.temperature, dim=-1, descending=True, stable=True)
-    if 0 < batch.top_k < ordered.shape[-1]:
-        ordered[:, batch.top_k:] = -torch.inf
-    probs = torch.softmax(ordered, dim=-1)
-    if batch.top_p < 1.0:
-        # Keep an entry while the mass before it is below top_p: the first one always stays.
-        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= batch.top_p, 0.0)
-    picks = torch.stack([torch.multinomial(row, 1, generator=generator)[0]
-                         for row, generator in zip(probs, generators)])
-    return order.gather(1, picks[:, None])[:, 0]
+    return rollout_sampling.sample_next(scores, generators, temperature=batch.temperature, top_k=batch.top_k,
+                                        top_p=batch.top_p)

@@ -1,0 +1,62 @@
+"""The sampling policy of engines that pick tokens themselves (the ``hf`` rollout engine; the ``hf`` and ``megatron``
+teacher backends through :mod:`megatron_gkd.teacher.sampling`).
+
+One function picks the next token of every row from its scores: scores divided by the temperature, cut to the
+``top_k`` most likely ids, then to the smallest set whose probability reaches ``top_p``, renormalised (vLLM's order:
+temperature, top-k, top-p). Temperature 0 is the arg-max (ties to the lowest column). Every row draws from its own
+``torch.Generator``, so a seeded sample repeats whatever other rows run beside it (up to float ties of padded batches).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_gkd.rollout.types import SamplingConfig
+
+
+def sample_generators(sampling: SamplingConfig, num_prompts: int) -> list[torch.Generator]:
+    """One generator per sample in batch order (prompt ``i``'s ``n`` samples are rows ``i*n .. i*n+n-1``), seeded
+    ``seed + i*n + j`` as :class:`SamplingConfig` says (vLLM's per-request seeds), or with fresh entropy when
+    ``sampling.seed`` is None."""
+    generators = []
+    for prompt in range(num_prompts):
+        seed = sampling.prompt_seed(prompt)
+        for sample in range(sampling.n):
+            generator = torch.Generator()
+            if seed is None:
+                generator.seed()  # a non-deterministic seed of its own
+            else:
+                generator.manual_seed(seed + sample)
+            generators.append(generator)
+    return generators
+
+
+def sample_next(scores: torch.Tensor, generators: list[torch.Generator], *, temperature: float, top_k: int,
+                top_p: float) -> torch.Tensor:
+    """The column picked in each row of ``scores``.
+
+    Args:
+        scores: ``[b, V']`` logits or log-probs of the next token (any shift per row gives the same samples), on the
+            host; ``-inf`` marks columns that cannot be picked.
+        generators: one per row.
+        temperature: 0 is greedy.
+        top_k: keep the ``top_k`` most likely columns; 0 keeps all.
+        top_p: keep the smallest prefix of the sorted columns whose mass reaches ``top_p``; 1 keeps all.
+
+    Returns:
+        ``[b]`` int64 column indices into ``scores``.
+    """
+    assert len(generators) == scores.shape[0], (len(generators), scores.shape)
+    scores = scores.float()
+    if temperature == 0:
+        return scores.argmax(dim=-1)  # the first maximum: the lowest column among ties
+    ordered, order = torch.sort(scores / temperature, dim=-1, descending=True, stable=True)
+    if 0 < top_k < ordered.shape[-1]:
+        ordered[:, top_k:] = -torch.inf
+    probs = torch.softmax(ordered, dim=-1)
+    if top_p < 1.0:
+        # Keep an entry while the mass before it is below top_p: the first one always stays.
+        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, 0.0)
+    picks = torch.stack([torch.multinomial(row, 1, generator=generator)[0]
+                         for row, generator in zip(probs, generators)])
+    return order.gather(1, picks[:, None])[:, 0]
