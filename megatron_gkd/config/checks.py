@@ -134,6 +134,7 @@ def check_config(config) -> None:
                   f"possible sample ({longest} tokens: data.max_prompt_length + the response limit); raise it")
     _check_rl(config, teachers)
     _check_sample_mix(config, teachers)
+    _check_rollout_engine(config)
     _check_weight_sync(config)
     check_partial(config)
     _check_inert(config)
@@ -234,6 +235,21 @@ def generating_teacher(config) -> str | None:
 LOW_PRECISION_VERIFY_TOLERANCE = 0.25
 
 
+def _check_rollout_engine(config) -> None:
+    """What the chosen engine can do (its :class:`~megatron_gkd.rollout.registry.EngineTraits`)."""
+    rollout = config.rollout
+    if not needs_rollout(config):
+        return
+    traits = engine_traits(rollout.engine)
+    if not traits.tensor_parallel and rollout.tensor_parallel_size != 1:
+        _fail(f"rollout.tensor_parallel_size={rollout.tensor_parallel_size}: rollout.engine={rollout.engine} holds the "
+              "whole model on every rank (each rank is a replica that samples its share of the prompts); set "
+              "rollout.tensor_parallel_size=1, or use rollout.engine=vllm to split the model")
+    if not traits.serves_remote and rollout.layout.sends_weights:
+        _fail(f"rollout.layout=disaggregated: rollout.engine={rollout.engine} runs colocated only (one replica on every "
+              "trainer rank); set rollout.layout=colocated, or use rollout.engine=vllm on a rollout server")
+
+
 def _check_weight_sync(config) -> None:
     rollout, sync, parallel = config.rollout, config.weight_sync, config.parallel
     if not needs_rollout(config):
@@ -284,6 +300,11 @@ def _check_inert(config) -> None:
     elif mindspeed.ulysses_degree_in_cp is not None and mindspeed.context_parallel_algo != "hybrid_cp_algo":
         logger.warning("mindspeed.ulysses_degree_in_cp has no effect with mindspeed.context_parallel_algo=%s "
                        "(hybrid_cp_algo only)", mindspeed.context_parallel_algo)
+    if needs_rollout(config) and not engine_traits(rollout.engine).vllm_options and (
+            rollout.gpu_memory_utilization != _default(rollout, "gpu_memory_utilization")
+            or rollout.kv_cache_memory_mb is not None):
+        logger.warning("rollout.gpu_memory_utilization / rollout.kv_cache_memory_mb have no effect with rollout.engine=%s "
+                       "(vLLM's memory reservation; this engine's KV cache grows with the batch)", rollout.engine)
     if rollout.layout.in_trainer and trainer.schedule.max_staleness > 0:
         logger.info("trainer.scheduler=%s with a colocated rollout overlaps teacher scoring with training; "
                     "rollout itself runs on the training ranks between updates", trainer.scheduler)
@@ -321,7 +342,7 @@ def check_layout(config, world_size: int) -> dict:
                   "in the colocated layout (every rank holds a vLLM shard)")
         replicas = world_size // rollout.tensor_parallel_size
         if prompts % replicas:
-            _fail(f"{prompts} prompts per step do not split over {replicas} colocated vLLM replicas (world "
+            _fail(f"{prompts} prompts per step do not split over {replicas} colocated {rollout.engine} replicas (world "
                   f"{world_size} / rollout.tensor_parallel_size {rollout.tensor_parallel_size}); use a multiple of "
                   f"{replicas * n} samples in trainer.global_batch_size or a larger rollout.tensor_parallel_size")
         if replicas > 1 and platform.detect() == "cpu" and _student_is_moe(config):

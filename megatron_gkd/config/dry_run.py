@@ -50,7 +50,7 @@ def layout_plan(config: GKDConfig, world_size: int | None = None) -> str:
         + (f", confidence_alpha {config.loss.confidence_alpha}" if config.loss.confidence_alpha is not None else ""),
     ]
     if needs_rollout(config):
-        where = (f"colocated, vLLM TP {rollout.tensor_parallel_size} x {plan['rollout_replicas']} replica(s)"
+        where = (f"colocated, {rollout.engine} TP {rollout.tensor_parallel_size} x {plan['rollout_replicas']} replica(s)"
                  if rollout.layout.in_trainer and not engine_traits(rollout.engine).shares_student_weights
                  else f"{rollout.layout} {rollout.engine}")
         lines.append(f"rollout: {where}, n {rollout.n}, max_tokens {rollout.max_tokens}, weight sync "

@@ -120,13 +120,16 @@ class RolloutConfig(SamplingConfig):
     and the engine that does it. The tokenizer's EOS id always stops a response."""
 
     engine: str = "vllm"
-    """Registered rollout engine: ``vllm`` or ``megatron`` (the student itself, slow, no vLLM)."""
+    """Registered rollout engine: ``vllm``, ``hf`` (the student's HF checkpoint in ``transformers`` over a KV cache, a
+    whole model on every rank, colocated only, ``tensor_parallel_size=1``: the fastest on the CPU for small models) or
+    ``megatron`` (the student itself, no KV cache, slow, no vLLM)."""
     layout: str = "colocated"
     """``colocated`` (every trainer rank holds a vLLM shard) or ``disaggregated`` (a rollout server
     process; rollout then overlaps training under the off-policy schedulers); a
     :class:`~megatron_gkd.rollout.types.Layout` once validated."""
     tensor_parallel_size: int = 1
-    """vLLM's tensor parallelism; colocated: it divides the world size (the rest are vLLM replicas)."""
+    """vLLM's tensor parallelism; colocated: it divides the world size (the rest are vLLM replicas). ``hf``: 1 (every
+    rank is a replica)."""
     max_model_len: int = 2048
     """Longest prompt + response vLLM accepts."""
     dtype: str | None = None
@@ -136,7 +139,7 @@ class RolloutConfig(SamplingConfig):
     kv_cache_memory_mb: int | None = None
     """KV-cache size in MiB, overriding ``gpu_memory_utilization`` (what a CPU run should set)."""
     engine_args: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Further ``vllm.LLM`` keyword arguments."""
+    """Further ``vllm.LLM`` keyword arguments (``hf``: ``from_pretrained``'s, e.g. ``attn_implementation``)."""
     partial: PartialRolloutConfig = dataclasses.field(default_factory=PartialRolloutConfig)
     """Partial rollouts' chunk and staleness bound (``trainer.scheduler=partial``)."""
 

@@ -7,8 +7,9 @@ Public API::
     batch = engine.generate(prompt_token_ids, SamplingConfig(n=4, max_tokens=128, logprobs_k=8))
     engine.load_weights(named_hf_tensors, version=step)       # vLLM engines: weight sync lands here
 
-Engines (registry, :func:`build_engine`): ``vllm`` and ``megatron`` (the reference engine sampling with
-the Megatron student itself), each ``colocated`` or ``disaggregated`` (a serving rank and clients: :mod:`.remote`).
+Engines (registry, :func:`build_engine`): ``vllm``, ``hf`` (``transformers`` over its KV cache, one whole model per
+rank, colocated only: small models on the CPU) and ``megatron`` (the reference engine sampling with the Megatron
+student itself); ``vllm`` runs ``colocated`` or ``disaggregated`` (a serving rank and clients: :mod:`.remote`).
 Engine modules are imported only when their engine is built, so vLLM loads only for ``vllm``.
 """
 

@@ -1,6 +1,6 @@
 """Rollout engines registered by name and chosen by a config string.
 
-``build_engine("vllm", model=...)`` or ``build_engine("megatron", chunks=...)``.
+``build_engine("vllm", model=...)``, ``build_engine("hf", model=...)`` or ``build_engine("megatron", chunks=...)``.
 Every engine implements :class:`~megatron_gkd.rollout.engine.RolloutEngine`. An engine on a rollout server (the
 disaggregated layout) is built there by :func:`megatron_gkd.rollout.remote.build_disaggregated`, around the engine
 this registry builds, so engine modules never import one another.
@@ -25,6 +25,17 @@ class EngineTraits:
     the engine has weights (and an implementation) of its own: weights are synced to it, its TP may differ from
     training's, and its log-probs differ from the student's in low precision."""
 
+    tensor_parallel: bool = True
+    """The engine can split its model over ``rollout.tensor_parallel_size`` ranks. Otherwise every rank holds the whole
+    model (``rollout.tensor_parallel_size`` must be 1) and is one replica of the colocated layout."""
+
+    serves_remote: bool = True
+    """The engine can run on a rollout server (``rollout.layout=disaggregated``)."""
+
+    vllm_options: bool = False
+    """The engine is built with vLLM's serving options (``max_logprobs``, an engine seed, a tokenizer-free start, and
+    the memory it reserves: ``rollout.gpu_memory_utilization`` / ``rollout.kv_cache_memory_mb``, inert otherwise)."""
+
 
 ENGINES: Registry = Registry("rollout engine", config_key="rollout.engine")
 ENGINE_TRAITS: dict[str, EngineTraits] = {}
@@ -47,7 +58,8 @@ def engine_traits(name: str) -> EngineTraits:
     return ENGINE_TRAITS[name]
 
 
-register_engine("vllm", "megatron_gkd.rollout.vllm_engine:VLLMEngine")
+register_engine("vllm", "megatron_gkd.rollout.vllm_engine:VLLMEngine", EngineTraits(vllm_options=True))
+register_engine("hf", "megatron_gkd.rollout.hf_engine:HFEngine", EngineTraits(tensor_parallel=False, serves_remote=False))
 register_engine("megatron", "megatron_gkd.rollout.megatron_engine:MegatronEngine", EngineTraits(shares_student_weights=True))
 
 

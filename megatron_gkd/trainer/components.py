@@ -108,21 +108,23 @@ def build_cross_tokenizer(teacher, state, student: Student, tokenizer):
 
 
 def rollout_engine_kwargs(config: GKDConfig, tokenizer) -> dict:
-    """The vLLM rollout engine's arguments (colocated here, or on the rollout server); plain data."""
+    """The arguments of a rollout engine with weights of its own (colocated here, or on the rollout server); plain
+    data. vLLM's serving options only for an engine that takes them (``EngineTraits.vllm_options``)."""
     rollout = config.rollout
-    kwargs = dict(rollout.engine_args)
-    if rollout.kv_cache_memory_mb is not None:
-        kwargs["kv_cache_memory_bytes"] = rollout.kv_cache_memory_mb << 20
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    options = {}
+    if engine_traits(rollout.engine).vllm_options:
+        options = dict(max_logprobs=max(20, rollout.logprobs_k), gpu_memory_utilization=rollout.gpu_memory_utilization,
+                       seed=config.trainer.seed, skip_tokenizer_init=True)
+        if rollout.kv_cache_memory_mb is not None:
+            options["kv_cache_memory_bytes"] = rollout.kv_cache_memory_mb << 20
     return dict(model=config.student.checkpoint, tensor_parallel_size=rollout.tensor_parallel_size,
-                max_model_len=rollout.max_model_len, max_logprobs=max(20, rollout.logprobs_k),
-                dtype=rollout.dtype or config.student.dtype, gpu_memory_utilization=rollout.gpu_memory_utilization,
-                seed=config.trainer.seed, skip_tokenizer_init=True, pad_token_id=pad, vocab_size=len(tokenizer),
-                **kwargs)
+                max_model_len=rollout.max_model_len, dtype=rollout.dtype or config.student.dtype, pad_token_id=pad,
+                vocab_size=len(tokenizer), **options, **rollout.engine_args)
 
 
 def build_rollout_engine(config: GKDConfig, student: Student, tokenizer):
-    """The colocated rollout engine of this rank (a vLLM shard, or the student itself)."""
+    """The colocated rollout engine of this rank (a vLLM shard, a whole ``hf`` replica, or the student itself)."""
     if engine_traits(config.rollout.engine).shares_student_weights:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         return build_engine(config.rollout.engine, chunks=student.chunks, max_model_len=config.rollout.max_model_len,

@@ -30,7 +30,7 @@ class Rollout:
         engine: this rank's colocated engine (a vLLM shard, or the student itself), or None.
         remote: the :class:`~megatron_gkd.trainer.rollout_server.RemoteRollout` (rollout server), or None.
         sync_plan: the weight-sync plan of a colocated engine that holds its own copy of the weights.
-        replicas: colocated vLLM replicas (each samples a block of the prompts).
+        replicas: colocated engine replicas (each samples a block of the prompts): vLLM's of rollout TP, or ``hf``'s, one a rank.
     """
 
     def __init__(self, config, *, control, stop_ids, timers, engine=None, remote=None, sync_plan=None, replicas: int = 1):
@@ -59,7 +59,7 @@ class Rollout:
         if self.replicas == 1:
             batch = self.engine.generate(prompts, sampling)
             return decode_batch(broadcast_msgpack(encode_batch(batch) if self.rank == 0 else None, 0, self.control))
-        # Each vLLM replica samples a block of prompts, seeded as one engine would seed them all.
+        # Each replica samples a block of prompts, seeded as one engine would seed them all.
         blocks = np.array_split(np.arange(len(prompts)), self.replicas)
         tp = self.config.rollout.tensor_parallel_size
         mine = blocks[self.rank // tp]

@@ -37,6 +37,9 @@ BAD = [
     (["trainer.mode=distill"], None, "trainer.mode='distill'; choose one of"),
     (["student.checkpoint=null"], None, "student.checkpoint is required"),
     (["rollout.tensor_parallel_size=3"], 2, "rollout.tensor_parallel_size=3 must divide the world size 2"),
+    (["rollout.engine=hf"], None, "rollout.tensor_parallel_size=2: rollout.engine=hf holds the whole model on every rank"),
+    (["rollout.engine=hf", "rollout.tensor_parallel_size=1", "rollout.layout=disaggregated",
+      "weight_sync.transport=distributed"], None, "rollout.engine=hf runs colocated only"),
     (["trainer.micro_batch_size=3"], 2, "multiple of dp x micro_batch_size"),
     (["parallel.tensor_model_parallel_size=1", "trainer.global_batch_size=4", "rollout.n=4"], 2,
      "does not split over data-parallel size 2"),
@@ -169,6 +172,34 @@ def test_an_moe_student_with_several_colocated_vllm_replicas_is_refused_on_the_c
     assert check_layout(load_config(BASE, [f"student.checkpoint={moe}"]), 2)["rollout_replicas"] == 1
     dense = make_tiny_checkpoint("Qwen3ForCausalLM", tmp_path / "dense")
     assert check_layout(load_config(BASE, [f"student.checkpoint={dense}", *replicas]), 2)["rollout_replicas"] == 2
+
+
+def test_the_hf_engine_gets_no_vllm_options_and_says_the_memory_ones_are_inert(caplog):
+    from transformers import PreTrainedTokenizerFast
+
+    from megatron_gkd.trainer.components import rollout_engine_kwargs
+
+    hf = ["rollout.engine=hf", "rollout.tensor_parallel_size=1", "rollout.engine_args={attn_implementation: eager}"]
+    with caplog.at_level("WARNING"):
+        config = load_config(BASE, hf)  # the preset sizes vLLM's KV cache: rollout.kv_cache_memory_mb=64
+    assert "rollout.kv_cache_memory_mb have no effect with rollout.engine=hf" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        load_config(BASE, [*hf, "rollout.kv_cache_memory_mb=null"])
+    assert "no effect" not in caplog.text
+    assert check_layout(config, 2)["rollout_replicas"] == 2  # one replica a rank
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=None, tokenizer_object=_tokenizer(), pad_token="b")
+    assert rollout_engine_kwargs(config, tokenizer) == dict(
+        model=config.student.checkpoint, tensor_parallel_size=1, max_model_len=128, dtype="float32", pad_token_id=1,
+        vocab_size=3, attn_implementation="eager")
+    vllm = rollout_engine_kwargs(load_config(BASE), tokenizer)
+    assert vllm["kv_cache_memory_bytes"] == 64 << 20 and vllm["skip_tokenizer_init"]
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models
+
+    return Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2}, unk_token="a"))
 
 
 def test_the_advantage_forms_refuse_a_teacher_client_without_token_log_probs():

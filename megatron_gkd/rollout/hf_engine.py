@@ -1,0 +1,172 @@
+"""``hf`` rollout engine: the student's HF checkpoint in ``transformers``, sampled over its KV cache.
+
+For small models on the CPU. vLLM's CPU build spends about 7 ms of bookkeeping a decode step whatever the model's
+size, which dominates a one-layer 128-wide student; a ``transformers`` forward of such a model over its KV cache
+costs far less (TRL samples this way on the CPU). On large models, or on GPUs, vLLM's kernels and batching win:
+use ``vllm``.
+
+Colocated only, one whole model per rank (``rollout.tensor_parallel_size=1``): every rank is a replica and samples
+its block of the prompts, seeded as one engine would seed them all (:class:`~megatron_gkd.trainer.rollout_handle.
+Rollout`), as vLLM's replicas at TP=1 do. Weights arrive as the vLLM engine's do: weight sync streams HF-named
+tensors into :meth:`HFEngine.load_weights`, which copies each into the model's parameter of that name in place.
+
+Sampling is a loop over ``past_key_values``, not ``model.generate``: the sampling parameters are exactly the
+:class:`~megatron_gkd.rollout.types.SamplingConfig` (``generate`` merges the checkpoint's ``generation_config``), each
+sample draws from its own generator seeded as vLLM seeds its requests (``seed + i*n + j``,
+:mod:`megatron_gkd.rollout.sampling`), and the raw log-probs come from the logits that sampled. Rows are
+left-padded with an attention mask and explicit positions; a row that stopped rides along until every row has
+(its later tokens are dropped).
+
+Log-probs are raw (temperature 1, before top-k/top-p), as vLLM's ``logprobs_mode="raw_logprobs"``, over the
+tokenizer's ids: rows of a padded embedding table past ``vocab_size`` are never sampled and carry no probability,
+as in the trainer's own log-probs (vLLM's include them in the normaliser, with a -100 bias that keeps them from
+being sampled).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Sequence
+
+import torch
+
+from megatron_gkd import platform
+from megatron_gkd.rollout.engine import RolloutEngine
+from megatron_gkd.rollout.sampling import sample_generators, sample_next
+from megatron_gkd.rollout.types import RolloutBatch, SamplingConfig, check_prompt_lengths
+
+logger = logging.getLogger(__name__)
+
+
+class HFEngine(RolloutEngine):
+    """Samples with ``AutoModelForCausalLM`` in this process, one whole model per rank.
+
+    Args:
+        model: HF checkpoint directory of the student (its initial weights and its EOS id, which always stops a
+            response, as in vLLM).
+        tensor_parallel_size: must be 1 (``rollout.tensor_parallel_size``): the engine is not split over ranks.
+        max_model_len: longest prompt + response.
+        dtype: weight dtype (``float32`` for exact comparisons on CPU).
+        weight_version: version of the weights in ``model``.
+        pad_token_id: padding id in the returned batches (and of the left padding, which is masked).
+        vocab_size: the tokenizer's size, when the model's tables are longer: only ids below it are sampled.
+        model_kwargs: further ``from_pretrained`` keyword arguments (``rollout.engine_args``, e.g.
+            ``attn_implementation``).
+
+    Raises:
+        ValueError: ``tensor_parallel_size`` is not 1, ``vocab_size`` does not fit, or the model stores expert
+            weights fused (weight sync sends them one expert at a time).
+    """
+
+    def __init__(self, model: str, *, tensor_parallel_size: int = 1, max_model_len: int = 1024,
+                 dtype: str = "float32", weight_version: int = 0, pad_token_id: int = 0,
+                 vocab_size: int | None = None, **model_kwargs):
+        if tensor_parallel_size != 1:
+            raise ValueError(f"rollout.tensor_parallel_size={tensor_parallel_size}: rollout engine 'hf' holds the "
+                             "whole model on every rank (each rank is a replica that samples its share of the prompts); "
+                             "set rollout.tensor_parallel_size=1, or use rollout.engine=vllm to split the model")
+        from transformers import AutoModelForCausalLM
+
+        super().__init__(max_model_len, weight_version)
+        self._device = platform.device()
+        self._model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype), **model_kwargs)
+        self._model.to(self._device).eval()
+        self._model.requires_grad_(False)
+        fused = [name for name, param in self._model.named_parameters() if param.dim() > 2 and ".experts." in name]
+        if fused:
+            raise ValueError(f"rollout engine 'hf' cannot take the weights of {model}: transformers stores its experts "
+                             f"fused ({fused[0]}, ...), and weight sync sends them one expert at a time; use "
+                             "rollout.engine=vllm for a mixture-of-experts student")
+        # Every name a weight-sync stream may carry, tied aliases included (lm_head.weight is embed_tokens.weight).
+        self._tensors = self._model.state_dict(keep_vars=True)
+        rows = self._model.get_output_embeddings().weight.shape[0]
+        if vocab_size is not None and not 0 < vocab_size <= rows:
+            raise ValueError(f"the tokenizer's {vocab_size} ids do not fit the model's {rows}-row vocabulary")
+        self._vocab_size = vocab_size or rows
+        eos = self._model.generation_config.eos_token_id
+        self._eos_ids = tuple(int(i) for i in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+        self._pad_token_id = pad_token_id
+
+    @torch.no_grad()  # not inference_mode: the batch's tensors go on into the trainer's autograd code
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutBatch:
+        check_prompt_lengths(prompts, sampling, self._max_model_len)
+        rows = [[int(t) for t in prompt] for prompt in prompts for _ in range(sampling.n)]
+        generators = sample_generators(sampling, len(prompts))
+        stops = torch.tensor(sorted(set(sampling.stop_token_ids) | set(self._eos_ids)), dtype=torch.long)
+        num_rows, width, k = len(rows), max(len(row) for row in rows), sampling.logprobs_k
+        input_ids = torch.full((num_rows, width), self._pad_token_id, dtype=torch.long)
+        mask = torch.zeros(num_rows, width, dtype=torch.long)
+        for i, row in enumerate(rows):  # left padding: every row's next token is the last column
+            input_ids[i, width - len(row):] = torch.tensor(row)
+            mask[i, width - len(row):] = 1
+        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
+        mask, position = mask.to(self._device), positions[:, -1:].to(self._device)
+        out = self._model(input_ids=input_ids.to(self._device), attention_mask=mask,
+                          position_ids=positions.to(self._device), use_cache=True, logits_to_keep=1)
+        tokens = torch.zeros(num_rows, sampling.max_tokens, dtype=torch.long)
+        logprobs = torch.zeros(num_rows, sampling.max_tokens, dtype=torch.float32)
+        topk = torch.zeros(num_rows, sampling.max_tokens, k, dtype=torch.long)
+        lengths = torch.full((num_rows,), sampling.max_tokens)
+        done = torch.zeros(num_rows, dtype=torch.bool)
+        for step in range(sampling.max_tokens):
+            logits = out.logits[:, -1, : self._vocab_size].float().cpu()  # [b, v]: sampled on the host
+            raw = torch.log_softmax(logits, dim=-1)  # the rollout log-probs: temperature 1, unfiltered
+            picked = sample_next(logits, generators, temperature=sampling.temperature, top_k=sampling.top_k,
+                                 top_p=sampling.top_p)
+            tokens[:, step] = picked
+            logprobs[:, step] = raw.gather(1, picked[:, None])[:, 0]
+            if k:
+                topk[:, step] = torch.topk(raw, k, dim=-1).indices
+            stopped = ~done & torch.isin(picked, stops)
+            lengths[stopped], done = step + 1, done | stopped
+            if done.all() or step + 1 == sampling.max_tokens:
+                break
+            mask = torch.cat([mask, mask.new_ones(num_rows, 1)], dim=1)
+            position = position + 1
+            out = self._model(input_ids=picked[:, None].to(self._device), attention_mask=mask, position_ids=position,
+                              past_key_values=out.past_key_values, use_cache=True)
+        return RolloutBatch.from_samples(
+            prompts=rows, responses=[tokens[i, : lengths[i]].tolist() for i in range(num_rows)],
+            logprobs=[logprobs[i, : lengths[i]].tolist() for i in range(num_rows)],
+            group_ids=[i // sampling.n for i in range(num_rows)],
+            finish_reasons=["stop" if stopped else "length" for stopped in done.tolist()],
+            weight_version=self._weight_version,
+            topk=[topk[i, : lengths[i]].tolist() for i in range(num_rows)] if k else None,
+            pad_token_id=self._pad_token_id)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copies HF-named tensors into the model's parameters in place and sets the weight version.
+
+        Args:
+            named_tensors: ``(hf_name, full tensor)`` pairs, any subset of the model's weights (consumed once).
+            version: the version of the weights after this load (recorded in later batches).
+
+        Raises:
+            ValueError: a name the model does not have, or a shape that differs (the engine is then stale).
+        """
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = self._tensors.get(name)
+                if target is None:
+                    raise ValueError(f"rollout engine 'hf' got weight {name!r}, which its model does not have")
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(f"rollout engine 'hf' got weight {name!r} of shape {tuple(tensor.shape)}, its "
+                                     f"model's is {tuple(target.shape)}")
+                target.copy_(tensor)
+        self._weight_version = int(version)
+        logger.debug("hf rollout engine now holds weight version %d", version)  # every step: DEBUG
+
+    @torch.no_grad()
+    def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Over every row of the output layer, as vLLM's and the student's (what ``weight_sync.verify`` compares)."""
+        values = []
+        for prompt in prompts:
+            tokens = torch.tensor([list(prompt)], device=self._device)
+            logits = self._model(input_ids=tokens).logits[0, :-1]  # [s-1, v]
+            logprobs = torch.log_softmax(logits.double(), dim=-1)
+            values.append(logprobs.gather(-1, tokens[0, 1:, None])[:, 0].cpu())
+        return torch.cat(values)
+
+    def close(self) -> None:
+        self._model = None
+        self._tensors = {}

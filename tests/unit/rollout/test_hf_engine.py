@@ -1,0 +1,145 @@
+"""The ``hf`` rollout engine against a plain ``transformers`` forward (issue #32 item 2).
+
+Its rollout log-probs are the raw log-softmax a forward of the unpadded prompt + response gives (float32, no KV cache),
+for prompts of different lengths in one left-padded batch; stop ids, the checkpoint's EOS and ``max_tokens`` end a
+response where they should; a seed repeats a batch, and a replica's block of prompts repeats those rows of the whole
+batch; new weights change the samples and the version, and a load that breaks part-way leaves the engine stale.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_gkd.rollout import SamplingConfig, StaleWeightsError, build_engine
+from megatron_gkd.testing.rollout import EOS_TOKEN_ID, make_rollout_checkpoint
+
+PROMPTS = [[5, 17, 33, 9, 41], [7, 3, 60, 61, 62, 63, 64, 65, 66, 67, 68, 12], [90, 91, 92]]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_rollout_checkpoint(tmp_path_factory.mktemp("hf_engine") / "student")
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    return build_engine("hf", model=checkpoint, max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def _raw_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """``[T, v]`` log-softmax rows of a plain forward (row t predicts response token t)."""
+    logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1: -1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_rollout_logprobs_are_a_plain_forwards_raw_log_softmax(engine, reference):
+    sampling = SamplingConfig(n=2, temperature=0.8, top_k=50, top_p=0.9, max_tokens=6, seed=11, logprobs_k=4)
+    batch = engine.generate(PROMPTS, sampling)
+    assert batch.num_samples == 6 and batch.group_ids.tolist() == [0, 0, 1, 1, 2, 2]
+    assert [batch.prompt(i) for i in range(6)] == [p for p in PROMPTS for _ in range(2)]
+    assert batch.weight_version == 0 and batch.topk_ids.shape[2] == 4
+    for i in range(batch.num_samples):
+        response = batch.response(i)
+        assert len(response) == 6 or batch.finish_reasons[i] == "stop"
+        rows = _raw_logprobs(reference, batch.prompt(i), response)
+        # Raw: temperature 1, unfiltered, whatever top-k/top-p/temperature sampled.
+        torch.testing.assert_close(batch.logprobs(i), rows[torch.arange(len(response)), torch.tensor(response)],
+                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(batch.topk(i), torch.topk(rows, 4, dim=-1).indices)
+
+
+def test_stop_ids_the_checkpoints_eos_and_max_tokens_end_a_response(engine, checkpoint, tmp_path):
+    greedy = SamplingConfig(n=1, temperature=0.0, max_tokens=8)
+    full = engine.generate(PROMPTS, greedy)
+    assert full.finish_reasons == ["length"] * 3 and full.response_lengths.tolist() == [8, 8, 8]
+    stop = full.response(1)[3]
+    cut = engine.generate(PROMPTS, SamplingConfig(n=1, temperature=0.0, max_tokens=8, stop_token_ids=(stop,)))
+    for i in range(3):
+        response = full.response(i)
+        expected = response[: response.index(stop) + 1] if stop in response else response
+        assert cut.response(i) == expected  # the stop id is kept, nothing after it
+        assert cut.finish_reasons[i] == ("stop" if stop in response else "length")
+        assert not cut.response_mask[i, len(expected):].any() and (cut.rollout_logprobs[i, len(expected):] == 0).all()
+    assert engine.generate(PROMPTS, SamplingConfig(n=1, temperature=0.0, max_tokens=3)).response(0) == full.response(0)[:3]
+    # The same weights with that token as the checkpoint's EOS: it stops without being asked, as in vLLM.
+    assert stop != EOS_TOKEN_ID
+    eos_engine = build_engine("hf", model=make_rollout_checkpoint(tmp_path / "eos", eos_token_id=stop), max_model_len=64)
+    assert eos_engine.generate(PROMPTS, greedy).response(1) == cut.response(1)
+
+
+def test_a_seed_repeats_the_batch_and_a_replicas_block_repeats_its_rows(engine):
+    sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=6, seed=5)
+    first = engine.generate(PROMPTS, sampling)
+    assert first.response_ids.equal(engine.generate(PROMPTS, sampling).response_ids)
+    other = engine.generate(PROMPTS, SamplingConfig(n=2, temperature=1.0, max_tokens=6, seed=6))
+    assert not first.response_ids.equal(other.response_ids)
+    assert first.response(0) != first.response(1)  # a prompt's samples differ
+    # Replica 1 of 2 samples prompts 1.. with the seed shifted by one prompt (trainer/rollout_handle.py).
+    block = engine.generate(PROMPTS[1:], SamplingConfig(n=2, temperature=1.0, max_tokens=6, seed=5 + 2))
+    assert [block.response(i) for i in range(4)] == [first.response(i) for i in range(2, 6)]
+
+
+def test_new_weights_change_the_samples_and_a_broken_load_leaves_it_stale(checkpoint, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    engine = build_engine("hf", model=checkpoint, max_model_len=64)
+    sampling = SamplingConfig(n=1, temperature=0.0, max_tokens=6)
+    before = engine.generate(PROMPTS, sampling)
+    other = AutoModelForCausalLM.from_pretrained(make_rollout_checkpoint(tmp_path / "other", seed=1), dtype=torch.float32)
+    weights = list(other.state_dict().items())
+
+    def broken():
+        yield from weights[:3]
+        raise RuntimeError("bucket 2: checksum 17 != sent 18")
+
+    with pytest.raises(RuntimeError, match="checksum"):
+        engine.load_weights(broken(), version=1)
+    assert engine.stale and engine.weight_version == 0
+    with pytest.raises(StaleWeightsError, match=r"version 1.*checksum 17"):
+        engine.generate(PROMPTS, sampling)
+    with pytest.raises(ValueError, match="'model.layers.9.mlp.up_proj.weight', which its model does not have"):
+        engine.load_weights(iter([("model.layers.9.mlp.up_proj.weight", torch.zeros(2))]), version=1)
+    assert engine.stale
+
+    engine.load_weights(iter(weights), version=1)
+    after = engine.generate(PROMPTS, sampling)
+    assert not engine.stale and after.weight_version == 1
+    assert not after.response_ids.equal(before.response_ids)
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path / "other", dtype=torch.float32).eval()
+    response = after.response(0)
+    rows = _raw_logprobs(expected, PROMPTS[0], response)
+    torch.testing.assert_close(after.logprobs(0), rows[torch.arange(len(response)), torch.tensor(response)],
+                               atol=1e-5, rtol=0)
+    # What weight sync's verify compares with the student's forward.
+    got = engine.prompt_logprobs([PROMPTS[1]])
+    with torch.no_grad():
+        rows = torch.log_softmax(expected(input_ids=torch.tensor([PROMPTS[1]])).logits[0, :-1].double(), dim=-1)
+    torch.testing.assert_close(got, rows.gather(1, torch.tensor(PROMPTS[1][1:])[:, None])[:, 0], atol=1e-6, rtol=0)
+
+
+def test_refusals_name_the_setting(checkpoint, engine):
+    with pytest.raises(ValueError, match="rollout.tensor_parallel_size=2: rollout engine 'hf' holds the whole model"):
+        build_engine("hf", model=checkpoint, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="prompts are too long"):
+        engine.generate([list(range(60))], SamplingConfig(max_tokens=8))
+    with pytest.raises(ValueError, match="do not fit the model's 256-row vocabulary"):
+        build_engine("hf", model=checkpoint, vocab_size=300)
+
+
+def test_padding_rows_past_the_tokenizer_are_never_sampled(checkpoint, reference):
+    engine = build_engine("hf", model=checkpoint, max_model_len=64, vocab_size=200)
+    batch = engine.generate(PROMPTS, SamplingConfig(n=4, temperature=1.0, max_tokens=8, seed=0, logprobs_k=8))
+    assert int(batch.response_ids.max()) < 200 and int(batch.topk_ids.max()) < 200
+    response = batch.response(0)
+    rows = _raw_logprobs(reference, PROMPTS[0], response)[:, :200].log_softmax(dim=-1)
+    torch.testing.assert_close(batch.logprobs(0), rows[torch.arange(len(response)), torch.tensor(response)],
+                               atol=1e-5, rtol=0)
