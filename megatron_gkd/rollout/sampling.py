@@ -57,6 +57,11 @@ def sample_next(scores: torch.Tensor, generators: list[torch.Generator], *, temp
     if top_p < 1.0:
         # Keep an entry while the mass before it is below top_p: the first one always stays.
         probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, 0.0)
-    picks = torch.stack([torch.multinomial(row, 1, generator=generator)[0]
-                         for row, generator in zip(probs, generators)])
+    # One draw of torch.multinomial(row, 1, generator=g) is argmax(row / q) with q ~ Exp(1) drawn from g (ATen's
+    # algorithm; tests/unit/rollout/test_sampling.py checks that the two agree): the same tokens, and a row costs one
+    # exponential_ instead of multinomial's checks (10 against 25 us, a quarter of a tiny model's decode step).
+    noise = torch.empty_like(probs)
+    for row, generator in zip(noise, generators):
+        row.exponential_(1.0, generator=generator)
+    picks = (probs / noise).argmax(dim=-1)
     return order.gather(1, picks[:, None])[:, 0]
