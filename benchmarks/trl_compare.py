@@ -18,7 +18,8 @@ whole vocabulary, a constant learning rate, ``--steps`` steps. Shapes:
 
 Each system in its best configuration for 2 cores: TRL in one process with 2 threads and HF ``generate`` (its
 CPU path; its vLLM path needs a GPU); ours with the layout chosen per shape (``OURS``: TP=1 with two colocated
-vLLM replicas at the tiny shape, where TP=2 only adds communication; TP=2 where the model's compute dominates),
+``hf`` rollout replicas at the tiny shape, where TP=2 only adds communication and vLLM's per-step bookkeeping
+dominates the decode; TP=2 and vLLM where the model's compute dominates),
 the teacher served on loopback, the teacher's whole distribution (``teacher.top_k`` = the vocabulary at 256,
 the hidden-state signal above: top-k over 32k+ ids would be gigabytes a step on the wire).
 
@@ -59,8 +60,8 @@ SHAPES = {
                  teacher=dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, intermediate_size=3072)),
 }
 # Our layout per shape (the best found for 2 cores; see docs/performance.md).
-OURS = {  # (tensor-parallel size of the student and of each vLLM replica, the teacher's signal) on 2 ranks
-    "tiny": (1, ["teacher.top_k=256"]),
+OURS = {  # (tensor-parallel size of the student and of each rollout replica, the teacher's signal, the engine) on 2 ranks
+    "tiny": (1, ["teacher.top_k=256", "rollout.engine=hf", "rollout.kv_cache_memory_mb=null"]),
     "0.1b": (2, ["teacher.signal=hidden"]),
     "0.6b": (2, ["teacher.signal=hidden"]),
 }
@@ -110,7 +111,7 @@ def run_trl(python: pathlib.Path, assets: pathlib.Path, out: pathlib.Path, args,
 
 
 def run_ours(assets: pathlib.Path, out: pathlib.Path, args, shape: str, length: int) -> dict:
-    tp, signal = OURS[shape]  # one micro-batch a step: the batch split over the 2 // tp data-parallel ranks
+    tp, options = OURS[shape]  # one micro-batch a step: the batch split over the 2 // tp data-parallel ranks
     overrides = [f"student.checkpoint={assets / 'student'}", f"teacher.serve.model={assets / 'teacher'}",
                  f"data.train_path={assets / 'train.jsonl'}", f"data.eval_path={assets / 'eval.jsonl'}",
                  f"trainer.num_steps={args.steps}", f"trainer.global_batch_size={args.batch}",
@@ -118,7 +119,7 @@ def run_ours(assets: pathlib.Path, out: pathlib.Path, args, shape: str, length: 
                  f"trainer.micro_batch_size={args.batch * tp // 2}", "rollout.n=1", f"rollout.max_tokens={length}",
                  f"rollout.max_model_len={length + 64}", f"optim.lr={args.lr}", "optim.lr_warmup_steps=0",
                  "eval.at_start=false", "eval.at_end=false", "eval.interval=null", "checkpoint.save_interval=null",
-                 "checkpoint.save_at_end=false", "checkpoint.hf_at_end=false", *signal]
+                 "checkpoint.save_at_end=false", "checkpoint.hf_at_end=false", *options]
     began = time.perf_counter()
     code, log = harness.run(out, overrides, timeout_s=args.timeout_s)
     command_s = time.perf_counter() - began
