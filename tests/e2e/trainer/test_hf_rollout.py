@@ -1,7 +1,8 @@
 """The ``hf`` rollout engine in the real trainer (issue #32 item 2): the tiny preset under torchrun with a TP=1 student
 on 2 ranks (DP=2), each rank an ``hf`` replica sampling its half of the prompts, 3 sync steps. Every step's weight
 sync is verified (``weight_sync.verify``: the engine's prompt log-probs equal the student's forward within 1e-4, or
-the run fails), so the engine samples with the weights just trained; the rollout metrics are logged."""
+the run fails), so the engine samples with the weights just trained; the rollout metrics are logged. With a TP=2
+student (slow tier) each rank's whole model is assembled from both ranks' shards."""
 
 import math
 
@@ -11,15 +12,17 @@ from megatron_gkd.testing import runs as harness
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
-HF_ROLLOUT = ["rollout.engine=hf", "rollout.tensor_parallel_size=1", "parallel.tensor_model_parallel_size=1",
-              "rollout.kv_cache_memory_mb=null", "trainer.scheduler=sync", "trainer.num_steps=3", "weight_sync.verify=true",
-              "eval.at_start=false", "eval.at_end=false", "checkpoint.save_interval=null", "checkpoint.save_at_end=false",
+HF_ROLLOUT = ["rollout.engine=hf", "rollout.tensor_parallel_size=1", "rollout.kv_cache_memory_mb=null",
+              "trainer.scheduler=sync", "trainer.num_steps=3", "weight_sync.verify=true", "eval.at_start=false",
+              "eval.at_end=false", "checkpoint.save_interval=null", "checkpoint.save_at_end=false",
               "checkpoint.hf_at_end=false"]
 
 
-def test_three_steps_sample_with_the_hf_engine_and_its_weights_stay_current(assets, tmp_path):
+@pytest.mark.parametrize("student_tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_three_steps_sample_with_the_hf_engine_and_its_weights_stay_current(assets, tmp_path, student_tp):
     out = tmp_path / "run"
-    code, log = harness.run(out, harness.asset_overrides(assets) + HF_ROLLOUT)
+    code, log = harness.run(out, harness.asset_overrides(assets) + HF_ROLLOUT
+                            + [f"parallel.tensor_model_parallel_size={student_tp}"])
     assert code == 0, log[-4000:]
     assert "vllm" not in log.lower()  # no vLLM engine was started
     steps = harness.steps(out)
