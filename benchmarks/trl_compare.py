@@ -119,7 +119,7 @@ def run_ours(assets: pathlib.Path, out: pathlib.Path, args, shape: str, length: 
                  f"trainer.micro_batch_size={args.batch * tp // 2}", "rollout.n=1", f"rollout.max_tokens={length}",
                  f"rollout.max_model_len={length + 64}", f"optim.lr={args.lr}", "optim.lr_warmup_steps=0",
                  "eval.at_start=false", "eval.at_end=false", "eval.interval=null", "checkpoint.save_interval=null",
-                 "checkpoint.save_at_end=false", "checkpoint.hf_at_end=false", *options]
+                 "checkpoint.save_at_end=false", "checkpoint.hf_at_end=false", *options, *args.ours_override]
     began = time.perf_counter()
     code, log = harness.run(out, overrides, timeout_s=args.timeout_s)
     command_s = time.perf_counter() - began
@@ -175,6 +175,8 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/trl_compare")
     parser.add_argument("--trl-venv", default="outputs/trl_venv")
     parser.add_argument("--timeout-s", type=float, default=7200)
+    parser.add_argument("--ours-override", nargs="*", default=[],
+                        help="more config overrides for our runs (e.g. memory settings at the 0.6b shape)")
     parser.add_argument("--report", action="store_true", help="only tabulate what has finished")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
