@@ -18,6 +18,11 @@ logger = logging.getLogger(__name__)
 _PROBE = [{"role": "user", "content": "hello"}]
 
 
+def pad_id(tokenizer) -> int:
+    """The tokenizer's padding id, 0 when it has none (padding is masked everywhere, so any id serves)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
 def load_tokenizer(path: str):
     """The Hugging Face tokenizer in ``path`` (a model directory or a Hub id).
 

@@ -14,21 +14,22 @@ import torch
 from megatron_gkd.rollout.types import SamplingConfig
 
 
+def seeded_generator(seed: int | None) -> torch.Generator:
+    """A host generator seeded with ``seed``, or with fresh entropy of its own when it is None."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
 def sample_generators(sampling: SamplingConfig, num_prompts: int) -> list[torch.Generator]:
     """One generator per sample in batch order (prompt ``i``'s ``n`` samples are rows ``i*n .. i*n+n-1``), seeded
     ``seed + i*n + j`` as :class:`SamplingConfig` says (vLLM's per-request seeds), or with fresh entropy when
     ``sampling.seed`` is None."""
-    generators = []
-    for prompt in range(num_prompts):
-        seed = sampling.prompt_seed(prompt)
-        for sample in range(sampling.n):
-            generator = torch.Generator()
-            if seed is None:
-                generator.seed()  # a non-deterministic seed of its own
-            else:
-                generator.manual_seed(seed + sample)
-            generators.append(generator)
-    return generators
+    seeds = [sampling.prompt_seed(prompt) for prompt in range(num_prompts)]
+    return [seeded_generator(None if seed is None else seed + sample) for seed in seeds for sample in range(sampling.n)]
 
 
 def sample_next(scores: torch.Tensor, generators: list[torch.Generator], *, temperature: float, top_k: int,

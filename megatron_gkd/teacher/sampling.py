@@ -30,15 +30,7 @@ def row_seeds(batch: GenerateBatch) -> list[int | None]:
 def row_generators(batch: GenerateBatch) -> list[torch.Generator]:
     """One generator per response, in response order, seeded with :func:`row_seeds` (fresh entropy when
     the batch has no seed)."""
-    generators = []
-    for seed in row_seeds(batch):
-        generator = torch.Generator()
-        if seed is None:
-            generator.seed()  # a non-deterministic seed of its own
-        else:
-            generator.manual_seed(seed)
-        generators.append(generator)
-    return generators
+    return [rollout_sampling.seeded_generator(seed) for seed in row_seeds(batch)]
 
 
 def sample_next(scores: torch.Tensor, batch: GenerateBatch, generators: list[torch.Generator]) -> torch.Tensor:

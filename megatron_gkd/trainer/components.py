@@ -15,6 +15,7 @@ import torch
 from megatron_gkd import platform
 from megatron_gkd.config import GKDConfig, needs_rollout
 from megatron_gkd.config.checks import generating_teacher
+from megatron_gkd.data.tokenization import pad_id
 from megatron_gkd.models import load_hf, unwrap
 from megatron_gkd.models.teacher_head import load_teacher_head
 from megatron_gkd.parallel import ParallelState
@@ -111,7 +112,7 @@ def rollout_engine_kwargs(config: GKDConfig, tokenizer) -> dict:
     """The arguments of a rollout engine with weights of its own (colocated here, or on the rollout server); plain
     data. vLLM's serving options only for an engine that takes them (``EngineTraits.vllm_options``)."""
     rollout = config.rollout
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad = pad_id(tokenizer)
     options = {}
     if engine_traits(rollout.engine).vllm_options:
         options = dict(max_logprobs=max(20, rollout.logprobs_k), gpu_memory_utilization=rollout.gpu_memory_utilization,
@@ -126,7 +127,7 @@ def rollout_engine_kwargs(config: GKDConfig, tokenizer) -> dict:
 def build_rollout_engine(config: GKDConfig, student: Student, tokenizer):
     """The colocated rollout engine of this rank (a vLLM shard, a whole ``hf`` replica, or the student itself)."""
     if engine_traits(config.rollout.engine).shares_student_weights:
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        pad = pad_id(tokenizer)
         return build_engine(config.rollout.engine, chunks=student.chunks, max_model_len=config.rollout.max_model_len,
                             eos_token_id=tokenizer.eos_token_id, vocab_size=len(tokenizer),
                             tp_group=student.state.tp_group, pad_token_id=pad)

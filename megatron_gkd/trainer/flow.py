@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron_gkd.config import needs_teacher
 from megatron_gkd.config.checks import generating_teacher
 from megatron_gkd.config.partial import partial_rollouts
+from megatron_gkd.data.tokenization import pad_id
 from megatron_gkd.parallel.comm import agree, broadcast_msgpack
 from megatron_gkd.rollout.types import RolloutBatch
 from megatron_gkd.teacher import GenerateBatch
@@ -135,7 +136,7 @@ class BatchFlow:
         self.config, self.state, self.control, self.dp_group = config, state, control, dp_group
         self.tokenizer, self.timers, self.rollout, self.stop_ids = tokenizer, timers, rollout, tuple(stop_ids)
         self.loss_kind = config.trainer.run_mode.loss_kind
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.pad_id = pad_id(tokenizer)
         self.rank = dist.get_rank()
         self.teachers = teachers
         self.exchange = TeacherExchange(config, state, control=control, tokenizer=tokenizer, timers=timers,
