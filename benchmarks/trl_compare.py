@@ -60,10 +60,10 @@ SHAPES = {
                  teacher=dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, intermediate_size=3072)),
 }
 # Our layout per shape (the best found for 2 cores; see docs/performance.md).
-OURS = {  # (tensor-parallel size of the student and of each rollout replica, the teacher's signal, the engine) on 2 ranks
-    "tiny": (1, ["teacher.top_k=256", "rollout.engine=hf", "rollout.kv_cache_memory_mb=null"]),
-    "0.1b": (2, ["teacher.signal=hidden"]),
-    "0.6b": (2, ["teacher.signal=hidden"]),
+OURS = {  # (ranks, tensor-parallel size of the student and of each rollout replica, the teacher's signal, the engine)
+    "tiny": (2, 1, ["teacher.top_k=256", "rollout.engine=hf", "rollout.kv_cache_memory_mb=null"]),
+    "0.1b": (2, 2, ["teacher.signal=hidden"]),
+    "0.6b": (2, 2, ["teacher.signal=hidden"]),
 }
 PHASES = ("rollout", "teacher_wait", "train", "weight_sync")
 
@@ -111,17 +111,19 @@ def run_trl(python: pathlib.Path, assets: pathlib.Path, out: pathlib.Path, args,
 
 
 def run_ours(assets: pathlib.Path, out: pathlib.Path, args, shape: str, length: int) -> dict:
-    tp, options = OURS[shape]  # one micro-batch a step: the batch split over the 2 // tp data-parallel ranks
+    nproc, tp, options = OURS[shape]
+    nproc, tp = args.ours_nproc or nproc, args.ours_tp or tp  # one micro-batch a step per data-parallel rank
     overrides = [f"student.checkpoint={assets / 'student'}", f"teacher.serve.model={assets / 'teacher'}",
                  f"data.train_path={assets / 'train.jsonl'}", f"data.eval_path={assets / 'eval.jsonl'}",
                  f"trainer.num_steps={args.steps}", f"trainer.global_batch_size={args.batch}",
                  f"parallel.tensor_model_parallel_size={tp}", f"rollout.tensor_parallel_size={tp}",
-                 f"trainer.micro_batch_size={args.batch * tp // 2}", "rollout.n=1", f"rollout.max_tokens={length}",
+                 f"trainer.micro_batch_size={args.batch * tp // nproc}", "rollout.n=1", f"rollout.max_tokens={length}",
                  f"rollout.max_model_len={length + 64}", f"optim.lr={args.lr}", "optim.lr_warmup_steps=0",
                  "eval.at_start=false", "eval.at_end=false", "eval.interval=null", "checkpoint.save_interval=null",
                  "checkpoint.save_at_end=false", "checkpoint.hf_at_end=false", *options, *args.ours_override]
     began = time.perf_counter()
-    code, log = harness.run(out, overrides, timeout_s=args.timeout_s)
+    code, log = harness.run(out, overrides, nproc=nproc, timeout_s=args.timeout_s,
+                            env={"OMP_NUM_THREADS": str(2 // nproc)})  # the 2 cores split over the ranks
     command_s = time.perf_counter() - began
     if code:
         raise RuntimeError(f"our run in {out} failed ({code}):\n{log[-3000:]}")
@@ -177,6 +179,8 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=7200)
     parser.add_argument("--ours-override", nargs="*", default=[],
                         help="more config overrides for our runs (e.g. memory settings at the 0.6b shape)")
+    parser.add_argument("--ours-nproc", type=int, choices=[1, 2], help="our ranks (default: the shape's in OURS)")
+    parser.add_argument("--ours-tp", type=int, choices=[1, 2], help="our tensor-parallel size (default: OURS)")
     parser.add_argument("--report", action="store_true", help="only tabulate what has finished")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

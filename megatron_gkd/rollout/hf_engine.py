@@ -14,8 +14,8 @@ Sampling is a loop over ``past_key_values``, not ``model.generate``: the samplin
 :class:`~megatron_gkd.rollout.types.SamplingConfig` (``generate`` merges the checkpoint's ``generation_config``), each
 sample draws from its own generator seeded as vLLM seeds its requests (``seed + i*n + j``,
 :mod:`megatron_gkd.rollout.sampling`), and the raw log-probs come from the logits that sampled. Rows are
-left-padded with an attention mask and explicit positions; a row that stopped rides along until every row has
-(its later tokens are dropped).
+left-padded with an attention mask and explicit positions; a row that stops leaves the batch (its KV cache rows
+with it), so the later decode steps cost only the rows still running.
 
 Log-probs are raw (temperature 1, before top-k/top-p), as vLLM's ``logprobs_mode="raw_logprobs"``, over the
 tokenizer's ids: rows of a padded embedding table past ``vocab_size`` are never sampled and carry no probability,
@@ -108,28 +108,36 @@ class HFEngine(RolloutEngine):
         topk = torch.zeros(num_rows, sampling.max_tokens, k, dtype=torch.long)
         lengths = torch.full((num_rows,), sampling.max_tokens)
         done = torch.zeros(num_rows, dtype=torch.bool)
+        live = torch.arange(num_rows)  # the rows still decoding, in the order of the model's batch
         for step in range(sampling.max_tokens):
-            logits = out.logits[:, -1, : self._vocab_size].float().cpu()  # [b, v]: sampled on the host
+            logits = out.logits[:, -1, : self._vocab_size].float().cpu()  # [live, v]: sampled on the host
             raw = torch.log_softmax(logits, dim=-1)  # the rollout log-probs: temperature 1, unfiltered
-            picked = sample_next(logits, generators, temperature=sampling.temperature, top_k=sampling.top_k,
-                                 top_p=sampling.top_p)
-            tokens[:, step] = picked
-            logprobs[:, step] = raw.gather(1, picked[:, None])[:, 0]
+            picked = sample_next(logits, [generators[i] for i in live.tolist()], temperature=sampling.temperature,
+                                 top_k=sampling.top_k, top_p=sampling.top_p)
+            tokens[live, step] = picked
+            logprobs[live, step] = raw.gather(1, picked[:, None])[:, 0]
             if k:
-                topk[:, step] = torch.topk(raw, k, dim=-1).indices
-            stopped = ~done & torch.isin(picked, stops)
-            lengths[stopped], done = step + 1, done | stopped
-            if done.all() or step + 1 == sampling.max_tokens:
+                topk[live, step] = torch.topk(raw, k, dim=-1).indices
+            stopped = torch.isin(picked, stops)
+            lengths[live[stopped]], done[live[stopped]] = step + 1, True
+            if stopped.all() or step + 1 == sampling.max_tokens:
                 break
-            mask = torch.cat([mask, mask.new_ones(num_rows, 1)], dim=1)
+            cache = out.past_key_values
+            if stopped.any():  # a stopped row leaves the batch: its cache rows, mask row and position go
+                keep = (~stopped).nonzero()[:, 0]
+                live, picked = live[keep], picked[keep]
+                keep = keep.to(self._device)
+                cache.batch_select_indices(keep)
+                mask, position = mask[keep], position[keep]
+            mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
             position = position + 1
             out = self._model(input_ids=picked[:, None].to(self._device), attention_mask=mask, position_ids=position,
-                              past_key_values=out.past_key_values, use_cache=True)
+                              past_key_values=cache, use_cache=True)
         return RolloutBatch.from_samples(
             prompts=rows, responses=[tokens[i, : lengths[i]].tolist() for i in range(num_rows)],
             logprobs=[logprobs[i, : lengths[i]].tolist() for i in range(num_rows)],
             group_ids=[i // sampling.n for i in range(num_rows)],
-            finish_reasons=["stop" if stopped else "length" for stopped in done.tolist()],
+            finish_reasons=["stop" if ended else "length" for ended in done.tolist()],
             weight_version=self._weight_version,
             topk=[topk[i, : lengths[i]].tolist() for i in range(num_rows)] if k else None,
             pad_token_id=self._pad_token_id)

@@ -51,7 +51,7 @@ def start(out: pathlib.Path, overrides: list[str], nproc: int = 2, log_name: str
     """Starts a run of ``config``; its output goes to ``out/../<out name>-<log_name>``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     log_path = out.parent / f"{out.name}-{log_name}"
-    environment = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     environment.pop("PYTEST_CURRENT_TEST", None)
     with open(log_path, "w") as log:
         process = subprocess.Popen(command(out, overrides, nproc, config), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
@@ -69,9 +69,9 @@ def wait(process, timeout_s: float = 900) -> int:
 
 
 def run(out: pathlib.Path, overrides: list[str], nproc: int = 2, timeout_s: float = 900, log_name: str = "run.log",
-        config: pathlib.Path = CONFIG):
+        config: pathlib.Path = CONFIG, env: dict | None = None):
     """Runs to the end; returns ``(exit code, log text)``."""
-    process = start(out, overrides, nproc, log_name, config=config)
+    process = start(out, overrides, nproc, log_name, env=env, config=config)
     code = wait(process, timeout_s)
     return code, process.log_path.read_text(errors="replace")
 

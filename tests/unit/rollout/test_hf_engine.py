@@ -1,7 +1,7 @@
 """The ``hf`` rollout engine against a plain ``transformers`` forward (issue #32 item 2).
 
 Its rollout log-probs are the raw log-softmax a forward of the unpadded prompt + response gives (float32, no KV cache),
-for prompts of different lengths in one left-padded batch; stop ids, the checkpoint's EOS and ``max_tokens`` end a
+for prompts of different lengths in one left-padded batch, and stay so as stopped rows leave the batch; stop ids, the checkpoint's EOS and ``max_tokens`` end a
 response where they should; a seed repeats a batch, and a replica's block of prompts repeats those rows of the whole
 batch; new weights change the samples and the version, and a load that breaks part-way leaves the engine stale.
 """
@@ -74,6 +74,28 @@ def test_stop_ids_the_checkpoints_eos_and_max_tokens_end_a_response(engine, chec
     assert stop != EOS_TOKEN_ID
     eos_engine = build_engine("hf", model=make_rollout_checkpoint(tmp_path / "eos", eos_token_id=stop), max_model_len=64)
     assert eos_engine.generate(PROMPTS, greedy).response(1) == cut.response(1)
+
+
+def test_a_stopped_row_leaves_the_batch_and_the_others_decode_on_exactly(engine, reference):
+    # A quarter of the ids stop a response: rows end at different steps, most before max_tokens.
+    sampling = SamplingConfig(n=3, temperature=1.0, max_tokens=12, seed=3, stop_token_ids=tuple(range(0, 128, 4)))
+    rows_per_forward = []
+    hook = engine._model.register_forward_pre_hook(
+        lambda module, args, kwargs: rows_per_forward.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        batch = engine.generate(PROMPTS, sampling)
+    finally:
+        hook.remove()
+    lengths = batch.response_lengths.tolist()
+    assert len(set(lengths)) > 2 and min(lengths) < 12, lengths  # the batch exercises rows ending apart
+    # Forward t (t >= 1) decodes the rows whose response is longer than t tokens, and only those.
+    assert rows_per_forward == [9] + [sum(length > t for length in lengths) for t in range(1, max(lengths))]
+    for i in range(batch.num_samples):  # the survivors' KV cache rows stayed theirs
+        response = batch.response(i)
+        rows = _raw_logprobs(reference, batch.prompt(i), response)
+        torch.testing.assert_close(batch.logprobs(i), rows[torch.arange(len(response)), torch.tensor(response)],
+                                   atol=1e-5, rtol=0)
+        assert (batch.finish_reasons[i] == "stop") == (response[-1] % 4 == 0 and response[-1] < 128)
 
 
 def test_a_seed_repeats_the_batch_and_a_replicas_block_repeats_its_rows(engine):

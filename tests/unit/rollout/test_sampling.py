@@ -8,8 +8,11 @@ from megatron_gkd.rollout.sampling import sample_generators, sample_next
 
 
 def _multinomial_reference(scores, generators, temperature, top_k, top_p):
-    """The policy written with one ``torch.multinomial`` a row (what the teacher backends drew before)."""
+    """The policy written with one ``torch.multinomial`` a row (what the teacher backends drew before), over the
+    columns in order of probability when top-k or top-p cuts them, in column order when nothing is cut."""
     ordered, order = torch.sort(scores.float() / temperature, dim=-1, descending=True, stable=True)
+    if top_k == 0 and top_p == 1.0:
+        ordered, order = scores.float() / temperature, torch.arange(scores.shape[-1]).expand_as(scores)
     if 0 < top_k < ordered.shape[-1]:
         ordered[:, top_k:] = -torch.inf
     probs = torch.softmax(ordered, dim=-1)
