@@ -1,7 +1,8 @@
 """Partial rollouts without an engine: the buffer's bookkeeping (chunks, completion, oldest complete groups first),
 the driver over several steps with a fake engine whose response lengths are skewed (every group is trained once, in
 full, or is still in the buffer; carried samples continue with the new weights and record them), a resume from the
-buffer's state, and the per-token versions through the flow into the micro-batches, the staleness bound and the
+buffer's state, and the per-token versions through the flow into the micro-batches, the staleness bound (staler
+tokens carry no coefficient, the mean is over the rest, and ``rollout/partial/masked_tokens`` counts them) and the
 loss's staleness statistics."""
 
 import concurrent.futures
@@ -249,3 +250,32 @@ def test_per_token_versions_reach_the_loss(gloo_world, bound):  # conftest.py: a
         assert bound is None or shown["train/token_staleness_max"] <= bound
         staleness_seen = max(staleness_seen, metrics["rollout/partial/token_staleness_max"])
     assert staleness_seen >= 2, "no sample was carried over two updates: the test shows nothing"
+
+
+@pytest.mark.parametrize("bound", [0, 2])
+def test_a_staleness_bound_masks_staler_tokens_out_of_the_loss_and_counts_them(gloo_world, bound):
+    flow, data = _flow(f"rollout.partial.max_staleness={bound}"), Data()
+    masked_steps = 0
+    for step in range(8):
+        batch = flow.produce_batch(step, data.draw, flow.data_state({"position": step}), version=step)
+        prepared = flow.prepare(batch)
+        metrics = flow.annotation_metrics(batch)
+        # Counted from the versions the buffer recorded for each sample, not from the flow's own staleness.
+        staleness = [step - v for i in range(batch.rollout.num_samples) for v in batch.rollout.versions(i).tolist()]
+        stale = sum(s > bound for s in staleness)
+        masked, kept, largest = 0, [], 0.0
+        for mb in prepared.microbatches:
+            trained = mb.loss_mask & (mb.coefficients != 0)
+            masked += int((mb.loss_mask & (mb.coefficients == 0)).sum())
+            assert ((step - mb.token_versions[trained]) <= bound).all()
+            kept.append(mb.coefficients[trained])
+            largest = max(largest, float(StepRunner._staleness_stats(mb, mb.loss_mask)["token_staleness_max"]))
+        assert masked == stale == metrics["rollout/partial/masked_tokens"]
+        # The loss is the token mean over the tokens within the bound: each carries 1 / their number.
+        kept = torch.cat(kept)
+        assert kept.numel() == len(staleness) - stale
+        torch.testing.assert_close(kept, torch.full_like(kept, 1.0 / kept.numel()), atol=0, rtol=1e-12)
+        assert largest == max(s for s in staleness if s <= bound) <= bound  # the loss's train/token_staleness_max
+        assert metrics["rollout/partial/token_staleness_max"] == max(staleness)
+        masked_steps += stale > 0
+    assert masked_steps >= 2, "the bound masked nothing: the test shows nothing"
