@@ -1,7 +1,8 @@
-"""Partial rollouts without an engine: the buffer's bookkeeping (chunks, completion, oldest complete groups first),
+"""Partial rollouts without a trainer: the buffer's bookkeeping (chunks, completion, oldest complete groups first),
 the driver over several steps with a fake engine whose response lengths are skewed (every group is trained once, in
 full, or is still in the buffer; carried samples continue with the new weights and record them), a resume from the
-buffer's state, and the per-token versions through the flow into the micro-batches, the staleness bound (staler
+buffer's state, the driver with the real ``hf`` engine (each chunk continues prompt + tokens so far, with the weights
+of its version), and the per-token versions through the flow into the micro-batches, the staleness bound (staler
 tokens carry no coefficient, the mean is over the rest, and ``rollout/partial/masked_tokens`` counts them) and the
 loss's staleness statistics."""
 
@@ -16,8 +17,10 @@ import torch
 
 from megatron_gkd.config import load_config
 from megatron_gkd.data.dataset import PromptRecord
+from megatron_gkd.rollout import build_engine
 from megatron_gkd.rollout.types import RolloutBatch, decode_batch, encode_batch
 from megatron_gkd.teacher import TeacherOutput
+from megatron_gkd.testing.rollout import make_rollout_checkpoint
 from megatron_gkd.trainer.flow import BatchFlow
 from megatron_gkd.trainer.metrics import Timers, loss_metrics
 from megatron_gkd.trainer.partial import PartialBuffer, PartialRollout, groups_batch
@@ -178,6 +181,65 @@ def test_the_batch_of_trained_groups_records_each_tokens_version():
 def test_what_partial_rollouts_do_not_support_is_refused_by_key(overrides, message):
     with pytest.raises(ValueError, match=message):
         _config(*overrides)
+
+
+# ------------------------------------------------------------------------------------- the real hf engine
+STOP_IDS = tuple(range(100, 132))  # greedy responses of the tiny checkpoints stop at one of these, or run on
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoints(tmp_path_factory):
+    """Two tiny Llama checkpoints: the weights of versions 0 and 1."""
+    root = tmp_path_factory.mktemp("partial_hf")
+    return make_rollout_checkpoint(root / "v0"), make_rollout_checkpoint(root / "v1", seed=1)
+
+
+class VariedPrompts:
+    """Prompts in order, of 2 to 5 distinct ids (rows of different lengths share an engine call)."""
+
+    def __init__(self):
+        self.next = 0
+
+    def draw(self, count):
+        drawn = [PromptRecord(index=i, prompt_ids=tuple(5 + 7 * i + t for t in range(2 + i % 4)), response_ids=None,
+                              answer=None) for i in range(self.next, self.next + count)]
+        self.next += count
+        return drawn
+
+
+def test_the_hf_engine_continues_unfinished_samples_from_prompt_and_tokens_so_far(hf_checkpoints):
+    from transformers import AutoModelForCausalLM
+
+    config = _config("rollout.engine=hf", "rollout.tensor_parallel_size=1", "rollout.kv_cache_memory_mb=null",
+                     "rollout.temperature=0", "rollout.n=2", "rollout.max_tokens=10",
+                     f"rollout.stop_token_ids=[{','.join(map(str, STOP_IDS))}]")  # accepted: hf has weights of its own
+    engine = build_engine("hf", model=hf_checkpoints[0], max_model_len=64)
+    models = [AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval() for path in hf_checkpoints]
+    driver, data = PartialRollout(config, engine, prompts_per_step=2, pad_id=0), VariedPrompts()
+    checked = set()
+    for step in range(6):
+        if step == 2:  # an update: carried samples continue with the new weights
+            engine.load_weights(iter(models[1].state_dict().items()), version=1)
+        groups, _ = driver.sample(step, data.draw, version=engine.weight_version, seed=0)
+        for group in groups:
+            for sample in group.samples:
+                prompt, tokens = list(group.record.prompt_ids), sample.tokens
+                assert sample.versions == sorted(sample.versions) and len(sample.versions) == len(tokens)
+                stops = [t in STOP_IDS for t in tokens]
+                assert not any(stops[:-1]) and sample.finish == ("stop" if stops[-1] else "length")
+                assert sample.finish == "stop" or len(tokens) == 10
+                for version in set(sample.versions):
+                    # Greedy under the weights of its version, given the prompt and every token before it; the
+                    # log-prob is that forward's raw log-softmax.
+                    with torch.no_grad():
+                        logits = models[version](input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+                    rows = torch.log_softmax(logits.float(), dim=-1)  # [T, v]
+                    at = [t for t, v in enumerate(sample.versions) if v == version]
+                    picked = rows[at, torch.tensor(tokens)[at]]
+                    torch.testing.assert_close(torch.tensor(sample.logprobs)[at], picked, atol=1e-5, rtol=0)
+                    assert (picked >= rows[at].max(dim=-1).values - 1e-5).all()
+                checked.add((sample.finish, len(set(sample.versions))))
+    assert {("stop", 1), ("length", 1), ("length", 2)} <= checked, f"not every case was seen: {checked}"
 
 
 # ---------------------------------------------------------------------------------------- through the flow
