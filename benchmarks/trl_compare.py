@@ -17,9 +17,11 @@ whole vocabulary, a constant learning rate, ``--steps`` steps. Shapes:
 =========  ===========================================================  ==========================
 
 Each system in its best configuration for 2 cores: TRL in one process with 2 threads and HF ``generate`` (its
-CPU path; its vLLM path needs a GPU); ours with the layout chosen per shape (``OURS``: TP=1 with two colocated
-``hf`` rollout replicas at the tiny shape, where TP=2 only adds communication and vLLM's per-step bookkeeping
-dominates the decode; TP=2 and vLLM where the model's compute dominates),
+CPU path; its vLLM path needs a GPU); ours with the layout chosen per shape (``OURS``: one rank on one thread with the
+``hf`` rollout engine at the tiny shape, the teacher service on the other core, where TP=2 only adds communication
+and vLLM's per-step bookkeeping dominates the decode; TP=2 and vLLM at 0.1b, where the model's compute dominates;
+one rank with 2 threads, the ``hf`` engine and the ``sync`` scheduler at 0.6b, the only layout of ours that fits in
+24 GiB),
 the teacher served on loopback, the teacher's whole distribution (``teacher.top_k`` = the vocabulary at 256,
 the hidden-state signal above: top-k over 32k+ ids would be gigabytes a step on the wire).
 
@@ -33,6 +35,7 @@ Results: ``<out>/results.json`` and a Markdown table (``<out>/results.md``) for 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
@@ -59,11 +62,19 @@ SHAPES = {
                  student=dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, intermediate_size=3072),
                  teacher=dict(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, intermediate_size=3072)),
 }
-# Our layout per shape (the best found for 2 cores; see docs/performance.md).
-OURS = {  # (ranks, tensor-parallel size of the student and of each rollout replica, the teacher's signal, the engine)
-    "tiny": (2, 1, ["teacher.top_k=256", "rollout.engine=hf", "rollout.kv_cache_memory_mb=null"]),
-    "0.1b": (2, 2, ["teacher.signal=hidden"]),
-    "0.6b": (2, 2, ["teacher.signal=hidden"]),
+# Our layout per shape (the best found for 2 cores; see docs/performance.md): ranks, threads per rank, the tensor-parallel
+# size of the student and of each rollout replica, and the options (the teacher's signal, the engine, the scheduler).
+Layout = collections.namedtuple("Layout", "nproc threads tp options")
+OURS = {
+    # One rank on one thread: the teacher service scores the next batch on the other core (one_step_off), and no
+    # gradient all-reduce or second engine; two ranks measured 1.5-1.75x TRL's step, one rank on 2 threads 1.5x (sync)
+    # and 13x (one_step_off: the rank's and the teacher's threads oversubscribe the 2 cores).
+    "tiny": Layout(1, 1, 1, ["teacher.top_k=256", "rollout.engine=hf", "rollout.kv_cache_memory_mb=null"]),
+    "0.1b": Layout(2, 1, 2, ["teacher.signal=hidden"]),
+    # One rank with both cores: two ranks at TP=2 each hold the fp32 student, its Adam state and an engine shard, over
+    # this machine's 24 GiB; sync, as the teacher scoring beside the update would take cores from it.
+    "0.6b": Layout(1, 2, 1, ["teacher.signal=hidden", "rollout.engine=hf", "rollout.kv_cache_memory_mb=null",
+                             "trainer.scheduler=sync"]),
 }
 PHASES = ("rollout", "teacher_wait", "train", "weight_sync")
 
@@ -111,8 +122,9 @@ def run_trl(python: pathlib.Path, assets: pathlib.Path, out: pathlib.Path, args,
 
 
 def run_ours(assets: pathlib.Path, out: pathlib.Path, args, shape: str, length: int) -> dict:
-    nproc, tp, options = OURS[shape]
-    nproc, tp = args.ours_nproc or nproc, args.ours_tp or tp  # one micro-batch a step per data-parallel rank
+    layout = OURS[shape]
+    nproc, tp = args.ours_nproc or layout.nproc, args.ours_tp or layout.tp  # a micro-batch a step per data-parallel rank
+    threads = args.ours_threads or (layout.threads if nproc == layout.nproc else 2 // nproc)
     overrides = [f"student.checkpoint={assets / 'student'}", f"teacher.serve.model={assets / 'teacher'}",
                  f"data.train_path={assets / 'train.jsonl'}", f"data.eval_path={assets / 'eval.jsonl'}",
                  f"trainer.num_steps={args.steps}", f"trainer.global_batch_size={args.batch}",
@@ -120,10 +132,10 @@ def run_ours(assets: pathlib.Path, out: pathlib.Path, args, shape: str, length: 
                  f"trainer.micro_batch_size={args.batch * tp // nproc}", "rollout.n=1", f"rollout.max_tokens={length}",
                  f"rollout.max_model_len={length + 64}", f"optim.lr={args.lr}", "optim.lr_warmup_steps=0",
                  "eval.at_start=false", "eval.at_end=false", "eval.interval=null", "checkpoint.save_interval=null",
-                 "checkpoint.save_at_end=false", "checkpoint.hf_at_end=false", *options, *args.ours_override]
+                 "checkpoint.save_at_end=false", "checkpoint.hf_at_end=false", *layout.options, *args.ours_override]
     began = time.perf_counter()
     code, log = harness.run(out, overrides, nproc=nproc, timeout_s=args.timeout_s,
-                            env={"OMP_NUM_THREADS": str(2 // nproc)})  # the 2 cores split over the ranks
+                            env={"OMP_NUM_THREADS": str(threads)})
     command_s = time.perf_counter() - began
     if code:
         raise RuntimeError(f"our run in {out} failed ({code}):\n{log[-3000:]}")
@@ -181,6 +193,7 @@ def main() -> None:
                         help="more config overrides for our runs (e.g. memory settings at the 0.6b shape)")
     parser.add_argument("--ours-nproc", type=int, choices=[1, 2], help="our ranks (default: the shape's in OURS)")
     parser.add_argument("--ours-tp", type=int, choices=[1, 2], help="our tensor-parallel size (default: OURS)")
+    parser.add_argument("--ours-threads", type=int, help="threads of each of our ranks (default: OURS, or 2 / ranks)")
     parser.add_argument("--report", action="store_true", help="only tabulate what has finished")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

@@ -78,6 +78,10 @@ def check_partial(config) -> None:
                                   "samples of several weight versions): turn rl off"),
         "trainer.token_budget": (trainer.token_budget is not None, f"trainer.token_budget is not supported with {name}: "
                                                                     "set trainer.num_steps"),
+        "loss.confidence_alpha": (config.loss.confidence_alpha is not None and partial.max_staleness is not None,
+                                  "TCAD's confidence weights are not supported with rollout.partial.max_staleness: the "
+                                  "weights share the step's loss between whole samples, and the bound drops part of a "
+                                  "sample, so the rest would no longer sum to the step's loss; unset one of the two"),
     }
     for key, (bad, message) in refused.items():
         if bad:

@@ -177,6 +177,7 @@ def test_the_batch_of_trained_groups_records_each_tokens_version():
     (["rollout.engine=megatron"], "rollout.engine"), (["sample_mix.lmbda=0.5"], "sample_mix"),
     (["trainer.mode=off_policy", "rollout.n=1"], "trainer.mode"), (["trainer.token_budget=100"], "trainer.token_budget"),
     (["trainer.scheduler=partial_one_step_off", "sample_mix.lmbda=0.5"], "sample_mix"),
+    (["loss.confidence_alpha=0.5", "rollout.partial.max_staleness=1"], "loss.confidence_alpha"),
 ])
 def test_what_partial_rollouts_do_not_support_is_refused_by_key(overrides, message):
     with pytest.raises(ValueError, match=message):
