@@ -112,34 +112,43 @@ def test_bf16_trains_with_fp32_main_params():
     assert all(r["moved"] > 0 for r in results)
 
 
-def _adam_run(distributed_optimizer: bool, fused: bool):
+
+def _adam_runs():
+    """Each optimizer (plain, distributed) trained twice from the same weights: as built, and with the per-tensor loop
+    Megatron leaves a torch AdamW with on the host. One process per rank for all four (spawns dominate the time)."""
     from megatron_gkd import parallel
     from megatron_gkd.testing import mcore
 
     state = parallel.initialize()
+    results = {}
     try:
-        spec = mcore.TinyGPTSpec(use_distributed_optimizer=distributed_optimizer)
-        chunks = mcore.build_model_chunks(spec, state)
-        optimizer = mcore.build_optimizer(spec, chunks)
-        adams = [sub.optimizer for sub in getattr(optimizer, "chained_optimizers", [optimizer])]
-        flags = [group["fused"] for adam in adams for group in adam.param_groups]
-        if not fused:  # the per-tensor loop Megatron leaves a torch AdamW with on the host
-            for group in (group for adam in adams for group in adam.param_groups):
-                group["fused"] = False
-        initial = mcore.full_state_dict(chunks)
-        for microbatches in mcore.synthetic_batches(spec, NUM_STEPS):
-            mcore.train_step(spec, chunks, optimizer, microbatches)
-        final = mcore.full_state_dict(chunks)
-        return {"flags": flags, "final": final, "moved": sum(float((final[n] - initial[n]).abs().sum()) for n in final)}
+        for distributed_optimizer in (False, True):
+            for fused in (True, False):
+                spec = mcore.TinyGPTSpec(use_distributed_optimizer=distributed_optimizer)
+                chunks = mcore.build_model_chunks(spec, state)
+                optimizer = mcore.build_optimizer(spec, chunks)
+                adams = [sub.optimizer for sub in getattr(optimizer, "chained_optimizers", [optimizer])]
+                groups = [group for adam in adams for group in adam.param_groups]
+                flags = [group["fused"] for group in groups]
+                for group in groups:
+                    group["fused"] = group["fused"] and fused
+                initial = mcore.full_state_dict(chunks)
+                for microbatches in mcore.synthetic_batches(spec, NUM_STEPS):
+                    mcore.train_step(spec, chunks, optimizer, microbatches)
+                final = mcore.full_state_dict(chunks)
+                results[distributed_optimizer, fused] = {
+                    "flags": flags, "final": final,
+                    "moved": sum(float((final[n] - initial[n]).abs().sum()) for n in final)}
+        return results
     finally:
         parallel.destroy()
 
 
-@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["plain", "distributed-optimizer"])
-def test_the_host_adam_is_torchs_fused_kernel_and_steps_as_the_loop_does(distributed_optimizer):
-    fused = run_distributed(_adam_run, 2, args=(distributed_optimizer, True))
-    looped = run_distributed(_adam_run, 2, args=(distributed_optimizer, False))
-    assert all(flag is True for rank in fused for flag in rank["flags"]) and fused[0]["flags"]
-    assert fused[0]["moved"] > 0
-    for name, tensor in looped[0]["final"].items():
-        torch.testing.assert_close(fused[0]["final"][name], tensor, rtol=0, atol=1e-6, msg=name)
+def test_the_host_adam_is_torchs_fused_kernel_and_steps_as_the_loop_does():
+    ranks = run_distributed(_adam_runs, 2)  # two data-parallel ranks: the distributed optimizer shards its state
+    for distributed_optimizer in (False, True):
+        built, looped = ranks[0][distributed_optimizer, True], ranks[0][distributed_optimizer, False]
+        assert built["flags"] and all(flag is True for rank in ranks for flag in rank[distributed_optimizer, True]["flags"])
+        assert built["moved"] > 0
+        for name, tensor in looped["final"].items():
+            torch.testing.assert_close(built["final"][name], tensor, rtol=0, atol=1e-6, msg=name)
