@@ -1,9 +1,10 @@
 """The ``hf`` rollout engine against a plain ``transformers`` forward (issue #32 item 2).
 
 Its rollout log-probs are the raw log-softmax a forward of the unpadded prompt + response gives (float32, no KV cache),
-for prompts of different lengths in one left-padded batch, and stay so as stopped rows leave the batch; stop ids, the checkpoint's EOS and ``max_tokens`` end a
-response where they should; a seed repeats a batch, and a replica's block of prompts repeats those rows of the whole
-batch; new weights change the samples and the version, and a load that breaks part-way leaves the engine stale.
+for prompts of different lengths in one left-padded batch, and stay so as stopped rows leave the batch; stop ids,
+the checkpoint's EOS and ``max_tokens`` end a response where they should; a seed repeats a batch, and a replica's
+block of prompts repeats those rows of the whole batch; new weights change the samples and the version, and a load
+that breaks part-way leaves the engine stale.
 """
 
 from __future__ import annotations
