@@ -3,8 +3,7 @@ teacher backends through :mod:`megatron_gkd.teacher.sampling`).
 
 One function picks the next token of every row from its scores: scores divided by the temperature, cut to the
 ``top_k`` most likely ids, then to the smallest set whose probability reaches ``top_p``, renormalised (vLLM's order:
-temperature, top-k, top-p), and drawn from that distribution in order of probability (in column order when nothing
-is cut). Temperature 0 is the arg-max (ties to the lowest column). Every row draws from its own
+temperature, top-k, top-p). Temperature 0 is the arg-max (ties to the lowest column). Every row draws from its own
 ``torch.Generator``, so a seeded sample repeats whatever other rows run beside it (up to float ties of padded batches).
 """
 
@@ -52,11 +51,7 @@ def sample_next(scores: torch.Tensor, generators: list[torch.Generator], *, temp
     scores = scores.float()
     if temperature == 0:
         return scores.argmax(dim=-1)  # the first maximum: the lowest column among ties
-    filtered = 0 < top_k < scores.shape[-1] or top_p < 1.0
-    if filtered:  # the cuts need the columns in order of probability
-        ordered, order = torch.sort(scores / temperature, dim=-1, descending=True, stable=True)
-    else:  # a sort of every row at every decode step is a fifth of a tiny model's sampling: skipped when nothing is cut
-        ordered, order = scores / temperature, None
+    ordered, order = torch.sort(scores / temperature, dim=-1, descending=True, stable=True)
     if 0 < top_k < ordered.shape[-1]:
         ordered[:, top_k:] = -torch.inf
     probs = torch.softmax(ordered, dim=-1)
@@ -70,4 +65,4 @@ def sample_next(scores: torch.Tensor, generators: list[torch.Generator], *, temp
     for row, generator in zip(noise, generators):
         row.exponential_(1.0, generator=generator)
     picks = (probs / noise).argmax(dim=-1)
-    return picks if order is None else order.gather(1, picks[:, None])[:, 0]
+    return order.gather(1, picks[:, None])[:, 0]

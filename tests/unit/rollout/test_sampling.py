@@ -8,11 +8,8 @@ from megatron_gkd.rollout.sampling import sample_generators, sample_next
 
 
 def _multinomial_reference(scores, generators, temperature, top_k, top_p):
-    """The policy written with one ``torch.multinomial`` a row (what the teacher backends drew before), over the
-    columns in order of probability when top-k or top-p cuts them, in column order when nothing is cut."""
+    """The policy written with one ``torch.multinomial`` a row (what the teacher backends drew before)."""
     ordered, order = torch.sort(scores.float() / temperature, dim=-1, descending=True, stable=True)
-    if top_k == 0 and top_p == 1.0:
-        ordered, order = scores.float() / temperature, torch.arange(scores.shape[-1]).expand_as(scores)
     if 0 < top_k < ordered.shape[-1]:
         ordered[:, top_k:] = -torch.inf
     probs = torch.softmax(ordered, dim=-1)
@@ -32,6 +29,19 @@ def test_the_draw_is_torchs_multinomial_for_the_same_generators(temperature, top
     expected = _multinomial_reference(scores, [torch.Generator().manual_seed(s) for s in seeds], temperature, top_k, top_p)
     assert got.equal(expected)
     assert (got[:8] < 100).all()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (20, 1.0), (0, 0.8)])
+def test_the_draw_does_not_depend_on_the_order_of_the_columns(top_k, top_p):
+    # The megatron teacher backend samples from its top-k rows (in order of probability), the hf backend from the
+    # logits in id order: one seed must pick the same id from both.
+    scores = torch.randn(32, 300, generator=torch.Generator().manual_seed(2)) * 3
+    order = torch.stack([torch.randperm(300, generator=torch.Generator().manual_seed(row)) for row in range(32)])
+    by_id = sample_next(scores, [torch.Generator().manual_seed(s) for s in range(32)], temperature=1.0, top_k=top_k,
+                        top_p=top_p)
+    permuted = sample_next(scores.gather(1, order), [torch.Generator().manual_seed(s) for s in range(32)],
+                           temperature=1.0, top_k=top_k, top_p=top_p)
+    assert order.gather(1, permuted[:, None])[:, 0].equal(by_id)
 
 
 def test_greedy_takes_the_lowest_of_tied_columns():
