@@ -67,8 +67,9 @@ SHAPES = {
 Layout = collections.namedtuple("Layout", "nproc threads tp options")
 OURS = {
     # One rank on one thread: the teacher service scores the next batch on the other core (one_step_off), and no
-    # gradient all-reduce or second engine; two ranks measured 1.5-1.75x TRL's step, one rank on 2 threads 1.5x (sync)
-    # and 13x (one_step_off: the rank's and the teacher's threads oversubscribe the 2 cores).
+    # gradient all-reduce or second engine. At 24 tokens two ranks measured 1.54-1.59x TRL's step against 1.31-1.32x,
+    # one rank on 2 threads 1.5x (sync) and 13x (one_step_off: the rank's and the teacher's threads oversubscribe the
+    # 2 cores); at 256 tokens two ranks are ahead (1.06-1.12x against 1.13-1.15x): --ours-nproc 2.
     "tiny": Layout(1, 1, 1, ["teacher.top_k=256", "rollout.engine=hf", "rollout.kv_cache_memory_mb=null"]),
     "0.1b": Layout(2, 1, 2, ["teacher.signal=hidden"]),
     # One rank with both cores: two ranks at TP=2 each hold the fp32 student, its Adam state and an engine shard, over
