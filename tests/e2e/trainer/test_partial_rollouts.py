@@ -37,9 +37,10 @@ def one_step_off_run(assets, tmp_path_factory):
     return out
 
 
-def _killed_and_resumed(out, overrides, assets) -> int:
+def _killed_and_resumed(out, overrides, assets, expected: list[dict]) -> tuple[int, list[dict]]:
     """Runs ``overrides`` into ``out``, SIGKILLs torchrun and every rank once 3 steps are logged, runs the same
-    command again to the end; returns the step it resumed at (a checkpoint every 2 steps: 2 or 4)."""
+    command again to the end; returns the step it resumed at (a checkpoint every 2 steps: 2 or 4) and the step
+    records. ``expected``, the uninterrupted run's records, must show unfinished samples in the checkpoint's buffer."""
     process = harness.start(out, overrides, log_name="killed.log")
     harness.wait_for_steps(out, 3, process)
     harness.stop(process)
@@ -49,7 +50,10 @@ def _killed_and_resumed(out, overrides, assets) -> int:
     assert code == 0, log[-4000:]
     resumed_at = int(log.split("resumed at step ")[1].split()[0])
     assert resumed_at in (2, 4), resumed_at
-    return resumed_at
+    assert expected[resumed_at - 1]["rollout/partial/carried_samples"] > 0, "the checkpoint's buffer held nothing unfinished"
+    got = harness.steps(out)
+    assert [r["step"] for r in got] == list(range(1, 7))
+    return resumed_at, got
 
 
 def _trained_once_or_buffered(steps) -> None:
@@ -78,11 +82,7 @@ def test_carried_samples_reach_the_loss_with_their_versions_and_no_group_is_lost
 @pytest.mark.slow  # two more runs of the preset (about 70 s)
 def test_a_run_killed_with_unfinished_samples_resumes_with_the_same_buffer(partial_run, assets, tmp_path):
     expected = harness.steps(partial_run)
-    out = tmp_path / "run"
-    resumed_at = _killed_and_resumed(out, harness.asset_overrides(assets) + PARTIAL, assets)
-    assert expected[resumed_at - 1]["rollout/partial/carried_samples"] > 0, "the checkpoint's buffer held nothing unfinished"
-    got = harness.steps(out)
-    assert [r["step"] for r in got] == list(range(1, 7))
+    resumed_at, got = _killed_and_resumed(tmp_path / "run", harness.asset_overrides(assets) + PARTIAL, assets, expected)
     for key in ("rollout/partial/trained_uids", "rollout/partial/admitted_uids", "prompts",
                 "rollout/partial/token_staleness_mean"):
         assert [r[key] for r in got] == [r[key] for r in expected], key
@@ -103,13 +103,10 @@ def test_partial_one_step_off_samples_a_batch_ahead_and_trains_every_group_once(
 def test_partial_one_step_off_killed_with_unfinished_samples_resamples_the_batch_in_flight(one_step_off_run, assets,
                                                                                            tmp_path):
     expected = harness.steps(one_step_off_run)
-    out = tmp_path / "run"
-    resumed_at = _killed_and_resumed(out, harness.asset_overrides(assets) + ONE_STEP_OFF, assets)
     # The checkpoint after step s keeps batch s's data position (sampled before update s-1, not trained): the buffer
     # after batch s-1's rounds, which the record of step s describes.
-    assert expected[resumed_at - 1]["rollout/partial/carried_samples"] > 0, "the checkpoint's buffer held nothing unfinished"
-    got = harness.steps(out)
-    assert [r["step"] for r in got] == list(range(1, 7))
+    resumed_at, got = _killed_and_resumed(tmp_path / "run", harness.asset_overrides(assets) + ONE_STEP_OFF, assets,
+                                          expected)
     # After the resume batch s is sampled again from that buffer, now with weights s (its new tokens are not a version
     # old; its groups and losses may differ from the uninterrupted run's); later batches are a step ahead again.
     for r in got[resumed_at + 1:]:
