@@ -33,7 +33,8 @@ def row_generators(batch: GenerateBatch) -> list[torch.Generator]:
     return [rollout_sampling.seeded_generator(seed) for seed in row_seeds(batch)]
 
 
-def sample_next(scores: torch.Tensor, batch: GenerateBatch, generators: list[torch.Generator]) -> torch.Tensor:
+def sample_next(scores: torch.Tensor, batch: GenerateBatch, generators: list[torch.Generator], *,
+                ids: torch.Tensor | None = None, vocab: int | None = None) -> torch.Tensor:
     """The column picked in each row of ``scores``.
 
     Args:
@@ -41,9 +42,11 @@ def sample_next(scores: torch.Tensor, batch: GenerateBatch, generators: list[tor
             samples); ``-inf`` marks columns that cannot be picked.
         batch: the sampling parameters.
         generators: one per row.
+        ids, vocab: the token id of each column and the number of ids, when the columns are not the ids
+            (the megatron backend's top-k rows); the rollout policy's arguments of the same names.
 
     Returns:
         ``[b]`` int64 column indices into ``scores``.
     """
     return rollout_sampling.sample_next(scores, generators, temperature=batch.temperature, top_k=batch.top_k,
-                                        top_p=batch.top_p)
+                                        top_p=batch.top_p, ids=ids, vocab=vocab)

@@ -127,7 +127,8 @@ class MegatronBackend(TeacherBackend):
                 sequences.append(SequenceRequest(token_ids=ids, response_start=len(prompt) + len(responses[r])))
             outputs = self.score(ScoreBatch(sequences=sequences, top_k=width))
             scores = torch.from_numpy(np.stack([output.topk_logprobs[0] for output in outputs]))  # [live, width]
-            columns = sampling.sample_next(scores, batch, [generators[r] for r in live])
+            ids = torch.from_numpy(np.stack([output.topk_ids[0] for output in outputs]).astype(np.int64))
+            columns = sampling.sample_next(scores, batch, [generators[r] for r in live], ids=ids, vocab=vocab)
             for r, output, column in zip(live, outputs, columns.tolist()):
                 responses[r].append(int(output.topk_ids[0, column]))
             live = [r for r in live if responses[r][-1] not in batch.stop_ids]

@@ -7,31 +7,44 @@ from megatron_gkd.rollout import SamplingConfig
 from megatron_gkd.rollout.sampling import sample_generators, sample_next
 
 
-def _multinomial_reference(scores, generators, temperature, top_k, top_p):
-    """The policy written with one ``torch.multinomial`` a row (what the teacher backends drew before)."""
-    ordered, order = torch.sort(scores.float() / temperature, dim=-1, descending=True, stable=True)
+def _policy(scores, temperature, top_k, top_p):
+    """The policy's distribution, written as HF's warpers: the cuts mask ids in place, in float64."""
+    scores = scores.double() / temperature
+    ordered, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    dropped = torch.zeros_like(ordered, dtype=torch.bool)
     if 0 < top_k < ordered.shape[-1]:
-        ordered[:, top_k:] = -torch.inf
-    probs = torch.softmax(ordered, dim=-1)
+        dropped[:, top_k:] = True
+    probs = torch.softmax(ordered.masked_fill(dropped, -torch.inf), dim=-1)
     if top_p < 1.0:
-        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, 0.0)
-    picks = torch.stack([torch.multinomial(row, 1, generator=g)[0] for row, g in zip(probs, generators)])
-    return order.gather(1, picks[:, None])[:, 0]
+        dropped |= probs.cumsum(dim=-1) - probs >= top_p
+    return torch.softmax(scores.masked_fill(dropped.scatter(1, order, dropped), -torch.inf), dim=-1)
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 20, 1.0), (1.3, 0, 0.8), (1.0, 5, 0.5)])
-def test_the_draw_is_torchs_multinomial_for_the_same_generators(temperature, top_k, top_p):
-    scores = torch.randn(64, 300, generator=torch.Generator().manual_seed(1)) * 3
-    scores[:8, 100:] = -torch.inf  # rows with columns that cannot be picked
-    seeds = range(64)
-    got = sample_next(scores, [torch.Generator().manual_seed(s) for s in seeds], temperature=temperature, top_k=top_k,
-                      top_p=top_p)
-    expected = _multinomial_reference(scores, [torch.Generator().manual_seed(s) for s in seeds], temperature, top_k, top_p)
-    assert got.equal(expected)
-    assert (got[:8] < 100).all()
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 4, 1.0), (1.3, 0, 0.8), (1.0, 5, 0.5)])
+def test_the_draws_follow_the_cut_and_renormalised_distribution(temperature, top_k, top_p):
+    # 40,000 rows of one 10-id distribution, each with its own seed: the frequencies are the policy's probabilities
+    # within 0.01 (four standard errors at most), and a cut or impossible id is never drawn.
+    scores = torch.randn(1, 10, generator=torch.Generator().manual_seed(1)) * 1.5
+    scores[0, 9] = -torch.inf
+    rows = 40_000
+    got = sample_next(scores.expand(rows, -1), [torch.Generator().manual_seed(s) for s in range(rows)],
+                      temperature=temperature, top_k=top_k, top_p=top_p)
+    frequencies = torch.bincount(got, minlength=10).double() / rows
+    expected = _policy(scores, temperature, top_k, top_p)[0]
+    assert (frequencies - expected).abs().max() < 0.01, (frequencies, expected)
+    assert (frequencies[expected == 0] == 0).all()
 
 
-@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (20, 1.0), (0, 0.8)])
+def test_each_row_draws_from_its_own_generator_alone():
+    scores = torch.randn(6, 300, generator=torch.Generator().manual_seed(4))
+    together = sample_next(scores, [torch.Generator().manual_seed(s) for s in range(6)], temperature=1.0, top_k=0,
+                           top_p=1.0)
+    alone = [sample_next(scores[r:r + 1], [torch.Generator().manual_seed(r)], temperature=1.0, top_k=0, top_p=1.0)
+             for r in range(6)]
+    assert together.equal(torch.cat(alone))
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (20, 1.0), (0, 0.8), (20, 0.8)])
 def test_the_draw_does_not_depend_on_the_order_of_the_columns(top_k, top_p):
     # The megatron teacher backend samples from its top-k rows (in order of probability), the hf backend from the
     # logits in id order: one seed must pick the same id from both.
@@ -40,8 +53,22 @@ def test_the_draw_does_not_depend_on_the_order_of_the_columns(top_k, top_p):
     by_id = sample_next(scores, [torch.Generator().manual_seed(s) for s in range(32)], temperature=1.0, top_k=top_k,
                         top_p=top_p)
     permuted = sample_next(scores.gather(1, order), [torch.Generator().manual_seed(s) for s in range(32)],
-                           temperature=1.0, top_k=top_k, top_p=top_p)
+                           temperature=1.0, top_k=top_k, top_p=top_p, ids=order)
     assert order.gather(1, permuted[:, None])[:, 0].equal(by_id)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_the_top_k_columns_alone_pick_what_the_whole_row_picks(top_p):
+    # What the megatron teacher backend holds: only the top_k columns, in order of probability, and their ids.
+    scores = torch.randn(32, 300, generator=torch.Generator().manual_seed(3)) * 3
+    whole = sample_next(scores, [torch.Generator().manual_seed(s) for s in range(32)], temperature=0.9, top_k=20,
+                        top_p=top_p)
+    top, ids = torch.topk(scores, 20, dim=-1)
+    columns = sample_next(top, [torch.Generator().manual_seed(s) for s in range(32)], temperature=0.9, top_k=20,
+                          top_p=top_p, ids=ids, vocab=300)
+    assert ids.gather(1, columns[:, None])[:, 0].equal(whole)
+    assert not whole.equal(sample_next(scores, [torch.Generator().manual_seed(s + 1) for s in range(32)],
+                                       temperature=0.9, top_k=20, top_p=top_p))  # the draw is the generators'
 
 
 def test_greedy_takes_the_lowest_of_tied_columns():
