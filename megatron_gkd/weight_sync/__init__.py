@@ -19,7 +19,8 @@ Every TP rank of the first data-parallel replica sends its own slices (no all-ga
 ``WeightSyncConfig.transfer`` chooses ``packed`` bucket buffers or ``direct`` broadcasts into a
 receive arena (see :class:`~megatron_gkd.weight_sync.config.WeightSyncConfig`).
 
-Colocated (the trainer rank holds the engine): :func:`colocated_sync`, no broadcast.
+Colocated (the trainer rank holds the engine): :func:`colocated_sync` streams the gathered tensors into the
+engine, without buckets (:mod:`megatron_gkd.weight_sync.colocated`).
 
 Failures fail closed: a sync that does not complete leaves the rollout engines refusing to generate
 (``engine.stale``) until one does, and raises :class:`WeightSyncError` on every rank (trainers may
@@ -28,8 +29,8 @@ retry). Once begun, each operation of a sync must finish within the transport's 
 
 from __future__ import annotations
 
-from megatron_gkd.models import parallel_state_of
 from megatron_gkd.weight_sync.buckets import BucketSpec, ChecksumMismatch, PartSpec, layout_buckets
+from megatron_gkd.weight_sync.colocated import ColocatedReceiver, colocated_sync
 from megatron_gkd.weight_sync.config import WeightSyncConfig
 from megatron_gkd.weight_sync.errors import WeightSyncError, WeightSyncTransportError
 from megatron_gkd.weight_sync.plan import TensorSpec, WeightSyncPlan, build_plan
@@ -59,54 +60,11 @@ def connect_rollout(transport) -> WeightSyncPlan:
     return plan
 
 
-def colocated_sync(chunks, engine, plan: WeightSyncPlan, config: WeightSyncConfig, version: int, *, receiver=None):
-    """One sync where the trainer rank holds the rollout engine (or ``engine=None`` on ranks without one).
-
-    Every trainer rank calls it (the exporter's gathers are collectives). Needs every tensor on the
-    engine's rank after the TP and expert-parallel gathers: pipeline parallel size 1.
-
-    Returns:
-        the receiver (pass it back next time) on ranks with an engine, else ``None``.
-    """
-    if parallel_state_of(chunks[0]).pp_size > 1:
-        raise ValueError(
-            "weight_sync.transport='colocated' needs pipeline parallel size 1 (a rank holds only its stage's "
-            "weights); use transport='distributed'"
-        )
-    sender = WeightSender(plan, None, config, owns_all=True)
-    stream = sender.packed(chunks, version)
-    if engine is not None:
-        transport = ColocatedTransport()
-        transport.bind(stream, version)
-        receiver = receiver or WeightReceiver(plan, transport, config)
-        receiver.transport = transport
-        try:
-            receiver.sync(engine, verify=False, expect_version=version)
-        except WeightSyncError:
-            # The engine is stale; the stream was drained (the exporter's gathers are collectives),
-            # and the verify forward below is one too, so the other ranks are not left waiting.
-            if config.verify:
-                sender.share_student_logprobs(chunks)
-            raise
-        # After the stream: the student's forward is a TP collective like the exporter's gathers.
-        if config.verify:
-            try:
-                receiver.verify(engine, sender.share_student_logprobs(chunks))
-            except WeightSyncError as error:
-                engine.mark_stale(str(error))
-                raise
-        return receiver
-    for _ in stream:
-        pass
-    if config.verify:
-        sender.share_student_logprobs(chunks)
-    return None
-
-
 __all__ = [
     "BucketSpec",
     "PartSpec",
     "ChecksumMismatch",
+    "ColocatedReceiver",
     "ColocatedTransport",
     "TRANSPORTS",
     "TensorSpec",
