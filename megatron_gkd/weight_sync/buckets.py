@@ -2,12 +2,11 @@
 
 :func:`layout_buckets` cuts the plan, in plan order, into buckets of at most ``bucket_bytes`` of
 payload (a larger tensor travels alone). It is a pure function of the plan, so senders and receivers
-agree on it without talking. In the *sharded* layout (the distributed transport) each tensor-parallel
-slice of a tensor comes from the rank that holds it, so a bucket has one **part** per sending rank:
-every sender packs and sends only its own slices, nobody all-gathers, and the receiver lays the parts
-side by side in one bucket buffer and concatenates the slices of each tensor as it copies them out.
-The unsharded layout (colocated: the gathering exporter yields whole tensors on one rank) has whole
-tensors, grouped into parts by their owner.
+agree on it without talking. Each tensor-parallel slice of a tensor comes from the rank that holds it,
+so a bucket has one **part** per sending rank: every sender packs and sends only its own slices,
+nobody all-gathers, and the receiver lays the parts side by side in one bucket buffer and concatenates
+the slices of each tensor as it copies them out. (A colocated sync has no buckets:
+:mod:`megatron_gkd.weight_sync.colocated`.)
 
 A part is ``[payload | checksum int64 | version int64]``; parts start at 16-byte aligned offsets of
 the bucket buffer and slices at 16-byte aligned offsets of their part, so every dtype can be viewed
@@ -64,7 +63,6 @@ class BucketSpec:
     index: int
     entries: tuple[TensorSpec, ...]
     parts: tuple[PartSpec, ...]
-    sharded: bool = True
     tensor_offsets: tuple[int, ...] = ()
     """Direct transfer: where each whole tensor lies in the bucket's arena."""
     scratch_offsets: tuple[int | None, ...] = ()
@@ -102,7 +100,7 @@ class BucketSpec:
         ``scratch`` (see :func:`unpack_arena`).
         """
         entry = self.entries[entry_index]
-        num_bytes = _slice_bytes(entry, self.sharded)
+        num_bytes = _slice_bytes(entry)
         if self.scratch_offsets[entry_index] is None:
             buffer, start = arena, self.tensor_offsets[entry_index]
         else:
@@ -122,28 +120,27 @@ class BucketSpec:
         return next((part for part in self.parts if part.owner == owner), None)
 
     def slice_shape(self, entry: TensorSpec) -> tuple[int, ...]:
-        return entry.shard_shape if self.sharded else entry.shape
+        return entry.shard_shape
 
     def slice_key(self, entry_index: int, shard: int) -> tuple[str, int]:
         return self.entries[entry_index].name, shard
 
 
-def _slice_bytes(entry: TensorSpec, sharded: bool) -> int:
-    return entry.num_bytes // entry.num_shards if sharded else entry.num_bytes
+def _slice_bytes(entry: TensorSpec) -> int:
+    return entry.num_bytes // entry.num_shards
 
 
-def _make_bucket(index: int, entries: list[TensorSpec], sharded: bool) -> BucketSpec:
+def _make_bucket(index: int, entries: list[TensorSpec]) -> BucketSpec:
     by_owner: dict[int, list[tuple[int, int]]] = {}
     for i, entry in enumerate(entries):
-        holders = entry.shards if sharded else (entry.owner,)
-        for shard, owner in enumerate(holders):
+        for shard, owner in enumerate(entry.shards):
             by_owner.setdefault(owner, []).append((i, shard))
     parts, start = [], 0
     for owner in sorted(by_owner):
         offsets, offset = [], 0
         for i, _ in by_owner[owner]:
             offsets.append(offset)
-            offset += _aligned(_slice_bytes(entries[i], sharded))
+            offset += _aligned(_slice_bytes(entries[i]))
         part = PartSpec(owner, tuple(by_owner[owner]), tuple(offsets), offset, start)
         parts.append(part)
         start += _aligned(part.buffer_bytes)
@@ -151,24 +148,19 @@ def _make_bucket(index: int, entries: list[TensorSpec], sharded: bool) -> Bucket
     for entry in entries:
         tensor_offsets.append(offset)
         offset += _aligned(entry.num_bytes)
-        if sharded and entry.num_shards > 1 and entry.tp_dim != 0:
+        if entry.num_shards > 1 and entry.tp_dim != 0:
             scratch_offsets.append(scratch)
             scratch += _aligned(entry.num_bytes)
         else:
             scratch_offsets.append(None)
-    return BucketSpec(index, tuple(entries), tuple(parts), sharded, tuple(tensor_offsets), tuple(scratch_offsets))
+    return BucketSpec(index, tuple(entries), tuple(parts), tuple(tensor_offsets), tuple(scratch_offsets))
 
 
-def layout_buckets(plan: WeightSyncPlan, bucket_bytes: int, *, sharded: bool = True) -> list[BucketSpec]:
-    """The plan's buckets in exchange order (plan order).
-
-    Args:
-        sharded: slices come from the ranks in each entry's ``shards`` (distributed transport); else
-            whole tensors from each entry's ``owner`` (colocated, after the exporter's gathers).
-    """
+def layout_buckets(plan: WeightSyncPlan, bucket_bytes: int) -> list[BucketSpec]:
+    """The plan's buckets in exchange order (plan order); each slice comes from the rank in its entry's ``shards``."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    if sharded and any(not entry.shards for entry in plan.entries):
+    if any(not entry.shards for entry in plan.entries):
         raise ValueError("this plan records no slice holders (built before sharded sync?); rebuild it with build_plan")
     buckets: list[BucketSpec] = []
     current: list[TensorSpec] = []
@@ -176,12 +168,12 @@ def layout_buckets(plan: WeightSyncPlan, bucket_bytes: int, *, sharded: bool = T
     for entry in plan.entries:
         size = _aligned(entry.num_bytes)
         if current and current_bytes + size > bucket_bytes:
-            buckets.append(_make_bucket(len(buckets), current, sharded))
+            buckets.append(_make_bucket(len(buckets), current))
             current, current_bytes = [], 0
         current.append(entry)
         current_bytes += size
     if current:
-        buckets.append(_make_bucket(len(buckets), current, sharded))
+        buckets.append(_make_bucket(len(buckets), current))
     return buckets
 
 
@@ -202,7 +194,7 @@ def pack(bucket: BucketSpec, part: PartSpec, tensors: dict[tuple[str, int], torc
         entry = bucket.entries[i]
         shape = bucket.slice_shape(entry)
         tensor = tensors[entry.name, shard]
-        num_bytes = _slice_bytes(entry, bucket.sharded)
+        num_bytes = _slice_bytes(entry)
         region[offset : offset + num_bytes].view(entry.torch_dtype).view(shape).copy_(tensor)
     trailer = region[part.payload_bytes : part.buffer_bytes].view(torch.int64)
     trailer[0] = fold_checksum(checksum, [region[: part.payload_bytes]], key=key, context=part_context(bucket, part, version))
@@ -242,10 +234,10 @@ def unpack(bucket: BucketSpec, buffer: torch.Tensor, checksum: str, version: int
         _check_part(bucket, part, got, sent_sum, sent, version)
         for (i, shard), offset in zip(part.slices, part.offsets):
             entry = bucket.entries[i]
-            num_bytes = _slice_bytes(entry, bucket.sharded)
+            num_bytes = _slice_bytes(entry)
             views[i, shard] = region[offset : offset + num_bytes].view(entry.torch_dtype).view(bucket.slice_shape(entry))
     for i, entry in enumerate(bucket.entries):
-        count = entry.num_shards if bucket.sharded else 1
+        count = entry.num_shards
         if count == 1:
             yield entry.name, views[i, 0].clone()
         else:
@@ -305,32 +297,28 @@ def unpack_arena(bucket: BucketSpec, views: ArenaViews, checksum: str, version: 
 def complete_parts(
     slices: Iterable[tuple[str, int, torch.Tensor]],
     work: list[tuple[BucketSpec, PartSpec]],
-    *,
-    whole_buckets: bool = False,
-) -> Iterator[tuple[BucketSpec, list[PartSpec], dict[tuple[str, int], torch.Tensor]]]:
+) -> Iterator[tuple[BucketSpec, PartSpec, dict[tuple[str, int], torch.Tensor]]]:
     """Follows the exporter's ``(name, shard, tensor)`` stream through this rank's parts (exchange
-    order): yields ``(bucket, parts, slices)`` as soon as every slice of ``parts`` has arrived, then
-    forgets those slices. With ``whole_buckets``, the parts of a bucket are yielded together.
+    order): yields ``(bucket, part, slices)`` as soon as every slice of ``part`` has arrived, then
+    forgets those slices.
 
     Raises:
         RuntimeError: the stream ended before every part was complete, or carried unplanned slices.
     """
     pending: dict[tuple[str, int], torch.Tensor] = {}
-    groups = _group_by_bucket(work) if whole_buckets else [(bucket, [part]) for bucket, part in work]
-    # Each group with the slice keys it waits for, listed once (not on every arriving slice).
-    remaining = iter([(bucket, parts, [bucket.slice_key(i, shard) for part in parts for i, shard in part.slices])
-                      for bucket, parts in groups])
+    # Each part with the slice keys it waits for, listed once (not on every arriving slice).
+    remaining = iter([(bucket, part, [bucket.slice_key(i, shard) for i, shard in part.slices]) for bucket, part in work])
     current = next(remaining, None)
 
     for name, shard, tensor in slices:
         pending[name, shard] = tensor
         while current is not None and all(key in pending for key in current[2]):
-            bucket, parts, keys = current
+            bucket, part, keys = current
             ready = {key: pending.pop(key) for key in keys}
-            for (i, shard_index), key in zip((s for part in parts for s in part.slices), keys):
+            for (i, shard_index), key in zip(part.slices, keys):
                 got, shape = tuple(ready[key].shape), bucket.slice_shape(bucket.entries[i])
                 assert got == shape, (bucket.entries[i].name, shard_index, got, shape)
-            yield bucket, parts, ready
+            yield bucket, part, ready
             current = next(remaining, None)
     if current is not None or pending:
         missing = [] if current is None else [key for key in current[2] if key not in pending]
@@ -348,31 +336,15 @@ def pack_stream(
     checksum: str,
     before_reuse: Callable[[int], None],
     *,
-    whole_buckets: bool = False,
     key: bytes | None = None,
-) -> Iterator[tuple[BucketSpec, PartSpec | None, int]]:
+) -> Iterator[tuple[BucketSpec, PartSpec, int]]:
     """Packs this rank's parts (exchange order) from the exporter's ``(name, shard, tensor)`` stream.
 
     Yields ``(bucket, part, slot)`` once ``buffers[slot]`` holds the part (at offset 0); slots rotate,
     and ``before_reuse(slot)`` is called before a slot is written again (wait for its send there).
-    With ``whole_buckets`` (colocated: this rank holds every slice), ``work`` lists every part of every
-    bucket and each bucket is yielded once, as ``(bucket, None, slot)``, with its parts at their
-    ``start``.
     """
-    for count, (bucket, parts, ready) in enumerate(complete_parts(slices, work, whole_buckets=whole_buckets)):
+    for count, (bucket, part, ready) in enumerate(complete_parts(slices, work)):
         slot = count % len(buffers)
         before_reuse(slot)
-        for part in parts:
-            region = part.region(buffers[slot]) if whole_buckets else buffers[slot][: part.buffer_bytes]
-            pack(bucket, part, ready, region, version, checksum, key=key)
-        yield bucket, (None if whole_buckets else parts[0]), slot
-
-
-def _group_by_bucket(work: list[tuple[BucketSpec, PartSpec]]) -> list[tuple[BucketSpec, list[PartSpec]]]:
-    groups: list[tuple[BucketSpec, list[PartSpec]]] = []
-    for bucket, part in work:
-        if groups and groups[-1][0] is bucket:
-            groups[-1][1].append(part)
-        else:
-            groups.append((bucket, [part]))
-    return groups
+        pack(bucket, part, ready, buffers[slot][: part.buffer_bytes], version, checksum, key=key)
+        yield bucket, part, slot

@@ -55,9 +55,7 @@ class WeightSyncConfig:
             raise ValueError("weight_sync.verify=True needs verify_prompts (token id lists)")
 
     def resolved_transfer(self, transport) -> str:
-        """``packed`` or ``direct`` for ``transport`` (a colocated transport always packs)."""
-        if not getattr(transport, "needs_buffers", True):
-            return "packed"
+        """``packed`` or ``direct`` for ``transport``."""
         if self.transfer != "auto":
             return self.transfer
         return "direct" if getattr(transport, "backend", None) == "gloo" else "packed"

@@ -87,9 +87,7 @@ class WeightReceiver:
         self.plan = plan
         self.transport = transport
         self.config = config
-        # A colocated transport hands over the sender's own buffers, packed from whole tensors.
-        needs_buffers = getattr(transport, "needs_buffers", True)
-        self.buckets: list[BucketSpec] = layout_buckets(plan, config.bucket_bytes, sharded=needs_buffers)
+        self.buckets: list[BucketSpec] = layout_buckets(plan, config.bucket_bytes)
         self.transfer = config.resolved_transfer(transport)
         device = getattr(transport, "device", None)
         if self.transfer == "direct":
@@ -109,8 +107,8 @@ class WeightReceiver:
             self.buffer_bytes = arena.numel() + sum(buffer.numel() for buffer in scratch if buffer is not None)
         else:
             largest = max(b.buffer_bytes for b in self.buckets)
-            self.buffers = [allocate(largest, device) for _ in range(config.num_buffers)] if needs_buffers else [None]
-            self.buffer_bytes = sum(buffer.numel() for buffer in self.buffers if buffer is not None)
+            self.buffers = [allocate(largest, device) for _ in range(config.num_buffers)]
+            self.buffer_bytes = sum(buffer.numel() for buffer in self.buffers)
         # self.buffer_bytes: the host or device memory this receiver keeps between syncs.
         logger.info("weight receiver: %d buckets, %s transfer, %.1f MiB of buffers", len(self.buckets), self.transfer,
                     self.buffer_bytes / 2**20)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from megatron_gkd import platform
-from megatron_gkd.models import export_hf_shards, export_hf_weights, shard_sources
+from megatron_gkd.models import export_hf_shards, shard_sources
 from megatron_gkd.weight_sync.buckets import (
     BucketSpec,
     PartSpec,
@@ -35,31 +34,27 @@ class WeightSender:
 
     Distributed layout: every rank of the first data-parallel replica sends the tensor-parallel slices
     it holds (its parts of the buckets); there are no gathers, so ranks proceed independently and a
-    rank that holds nothing returns at once. Colocated layout (``owns_all``): the gathering exporter
-    leaves every tensor on every rank (collectives: every trainer rank must iterate it), and this rank
-    packs whole buckets for the in-process receiver.
+    rank that holds nothing returns at once. (A colocated sync sends nothing:
+    :func:`~megatron_gkd.weight_sync.colocated.colocated_sync`.)
 
     Args:
         plan: the plan of the whole trainer (:func:`~megatron_gkd.weight_sync.plan.build_plan`).
-        transport: a transport instance (``send(part, buffer)`` returns a waitable), or ``None``
-            for a colocated sender whose buckets are read by :meth:`packed`.
+        transport: a transport instance (``send(part, buffer)`` returns a waitable).
         config: bucket size, buffers, checksum.
         rank: this trainer rank (default: the default group's rank).
-        owns_all: colocated layout (pipeline parallel size 1; experts are gathered over expert parallelism).
     """
 
-    def __init__(self, plan: WeightSyncPlan, transport, config: WeightSyncConfig, *, rank: int | None = None, owns_all: bool = False):
+    def __init__(self, plan: WeightSyncPlan, transport, config: WeightSyncConfig, *, rank: int | None = None):
         self.plan = plan
         self.transport = transport
         self.config = config
         self.rank = (dist.get_rank() if dist.is_initialized() else 0) if rank is None else rank
-        self.owns_all = owns_all
-        buckets = layout_buckets(plan, config.bucket_bytes, sharded=not owns_all)
+        buckets = layout_buckets(plan, config.bucket_bytes)
         self.work: list[tuple[BucketSpec, PartSpec]] = [
-            (bucket, part) for bucket in buckets for part in bucket.parts if owns_all or part.owner == self.rank
+            (bucket, part) for bucket in buckets for part in bucket.parts if part.owner == self.rank
         ]
-        self.transfer = "packed" if owns_all else config.resolved_transfer(transport)
-        sizes = [bucket.buffer_bytes if owns_all else part.buffer_bytes for bucket, part in self.work]
+        self.transfer = config.resolved_transfer(transport)
+        sizes = [part.buffer_bytes for _, part in self.work]
         packs = sizes and self.transfer == "packed"
         device = getattr(transport, "device", None) or platform.device()
         self.buffers = [allocate(max(sizes), device) for _ in range(config.num_buffers)] if packs else []
@@ -73,24 +68,6 @@ class WeightSender:
         if self._sources is None or self._sources[0] != key:
             self._sources = (key, shard_sources(chunks))
         return export_hf_shards(sources=self._sources[1])
-
-    def _slices(self, chunks) -> Iterator[tuple[str, int, torch.Tensor]]:
-        if self.owns_all:
-            return ((name, 0, tensor) for name, tensor in export_hf_weights(chunks, owner_only=False, all_experts=True))
-        return self._shards(chunks)
-
-    def packed(self, chunks, version: int, before_reuse=lambda slot: None) -> Iterator[tuple[BucketSpec, PartSpec | None, torch.Tensor]]:
-        """``(bucket, part, buffer)`` for each of this rank's parts (colocated: each bucket, with
-        ``part=None``); a buffer is rewritten after ``num_buffers`` more (``before_reuse`` waits)."""
-        if not self.work:
-            if self.owns_all:
-                for _ in self._slices(chunks):
-                    pass
-            return
-        stream = pack_stream(self._slices(chunks), self.work, self.buffers, version, self.config.checksum, before_reuse,
-                             whole_buckets=self.owns_all, key=self.key)
-        for bucket, part, slot in stream:
-            yield bucket, part, self.buffers[slot]
 
     def sync(self, chunks, version: int) -> None:
         """Sends every part this rank holds over the transport (collective: every trainer rank and
@@ -123,7 +100,7 @@ class WeightSender:
         trailer, summed while the slices are on the wire; at most ``num_buffers`` buckets in flight,
         and all done before returning, so the parameters may change afterwards."""
         in_flight: collections.deque = collections.deque()
-        for bucket, (part,), ready in complete_parts(self._shards(chunks), self.work):
+        for bucket, part, ready in complete_parts(self._shards(chunks), self.work):
             tensors = [ready[bucket.slice_key(i, shard)].contiguous() for i, shard in part.slices]
             if len(in_flight) >= self.config.num_buffers:
                 for work in in_flight.popleft():
@@ -137,15 +114,19 @@ class WeightSender:
                 work.wait()
 
     def _send_packed(self, chunks, version: int) -> None:
+        """Each part packed into the next buffer and sent; a buffer is rewritten only once its send is done."""
+        if not self.work:
+            return
         in_flight: dict[int, object] = {}
 
         def before_reuse(slot: int) -> None:
             if slot in in_flight:
                 in_flight.pop(slot).wait()
 
-        slot_of = {id(buffer): slot for slot, buffer in enumerate(self.buffers)}
-        for _, part, buffer in self.packed(chunks, version, before_reuse):
-            in_flight[slot_of[id(buffer)]] = self.transport.send(part, buffer)
+        stream = pack_stream(self._shards(chunks), self.work, self.buffers, version, self.config.checksum, before_reuse,
+                             key=self.key)
+        for _, part, slot in stream:
+            in_flight[slot] = self.transport.send(part, self.buffers[slot])
         for work in in_flight.values():
             work.wait()
 

@@ -8,8 +8,8 @@
     no part. Operations are asynchronous: a sender packs its part of bucket i+1 while bucket i is on
     the wire, a receiver posts bucket i+1 before unpacking i.
 ``colocated``
-    The sender and the receiver are in one process: the receiver unpacks straight from the sender's
-    bucket buffer; nothing is broadcast.
+    The sender and the receiver are in one process: nothing is broadcast, and no buckets are packed
+    (:mod:`megatron_gkd.weight_sync.colocated`).
 
 A sync is framed on the control group (gloo, every rank): :meth:`begin` carries the version from
 trainer rank 0 (the rollout ranks wait for it between syncs, up to ``idle_timeout_s``), the buckets
@@ -30,7 +30,6 @@ import hmac
 import ipaddress
 import logging
 import socket
-from typing import Iterator
 
 import blake3
 import torch
@@ -164,16 +163,6 @@ def _local_address_towards(address: str, port: int) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect(sockaddr)  # a datagram socket sends nothing on connect: the kernel picks the route
         return probe.getsockname()[0]
-
-
-class _Done:
-    """A finished operation (the Work interface: ``wait``), holding the bytes' buffer."""
-
-    def __init__(self, buffer: torch.Tensor):
-        self.buffer = buffer
-
-    def wait(self) -> bool:
-        return True
 
 
 class _Pending:
@@ -329,33 +318,5 @@ class TorchDistributedTransport:
 
 @register_transport("colocated")
 class ColocatedTransport:
-    """Sender and receiver share a process: :meth:`recv` takes the sender's next packed bucket."""
-
-    needs_buffers = False
-    bucket_key = None
-
-    def __init__(self):
-        self._stream: Iterator[tuple[BucketSpec, torch.Tensor]] | None = None
-        self._version: int | None = None
-
-    def bind(self, stream: Iterator[tuple[BucketSpec, PartSpec | None, torch.Tensor]], version: int | None = None) -> None:
-        """``stream``: the colocated sender's :meth:`~megatron_gkd.weight_sync.WeightSender.packed` of ``version``."""
-        self._stream, self._version = stream, version
-
-    def begin(self, version: int | None = None) -> int | None:
-        """The bound version (``None``: the receiver reads it from the first bucket)."""
-        return self._version if version is None else version
-
-    def agree(self, ok: bool) -> bool:
-        return ok
-
-    def recv(self, bucket: BucketSpec, buffer: torch.Tensor | None = None):
-        assert self._stream is not None, "bind the sender's stream first"
-        sent = next(self._stream, None)
-        if sent is None:  # the sender failed part-way (its error is the one being handled)
-            raise WeightSyncTransportError(f"the colocated sender's stream ended before bucket {bucket.index}")
-        assert sent[0].index == bucket.index, (sent[0].index, bucket.index)
-        return _Done(sent[2])
-
-    def close(self) -> None:
-        self._stream = None
+    """``weight_sync.transport=colocated``: the trainer rank holds the engine and nothing travels;
+    :func:`~megatron_gkd.weight_sync.colocated.colocated_sync` streams the gathered tensors into it."""

@@ -9,9 +9,7 @@ import torch
 
 from megatron_gkd.weight_sync import (
     ChecksumMismatch,
-    ColocatedTransport,
     TensorSpec,
-    WeightReceiver,
     WeightSyncConfig,
     WeightSyncPlan,
     layout_buckets,
@@ -86,8 +84,6 @@ def test_layout_covers_plan_once_with_one_part_per_slice_holder():
         for part in bucket.parts:
             shares = [bucket.entries[i].num_bytes // bucket.entries[i].num_shards for i, _ in part.slices]
             assert part.payload_bytes == sum((n + 15) // 16 * 16 for n in shares)
-    unsharded = layout_buckets(plan, bucket_bytes, sharded=False)
-    assert all(len(p.slices) == len({i for i, _ in p.slices}) for b in unsharded for p in b.parts)
 
 
 def test_pack_unpack_round_trip_assembles_slices_into_new_tensors():
@@ -136,24 +132,6 @@ def test_pack_stream_packs_one_ranks_parts_waits_before_reuse_and_detects_missin
     assert reused == [i % 2 for i in range(len(mine))]
     with pytest.raises(RuntimeError, match="ended before"):
         list(pack_stream(stream[:-1], mine, buffers, 1, "sum", lambda slot: None))
-
-
-def test_receiver_streams_every_tensor_through_the_colocated_transport():
-    plan = _plan()
-    tensors = _tensors(plan, seed=1)
-    config = WeightSyncConfig(transport="colocated", bucket_size_mb=8 * 1024 / MB)
-    buckets = layout_buckets(plan, config.bucket_bytes, sharded=False)
-    work = [(b, p) for b in buckets for p in b.parts]
-    buffers = [allocate(max(b.buffer_bytes for b in buckets)) for _ in range(2)]
-    whole = [(e.name, 0, tensors[e.name]) for e in plan.entries]
-    stream = ((b, p, buffers[slot]) for b, p, slot in pack_stream(whole, work, buffers, 1, "sum", lambda s: None, whole_buckets=True))
-    transport = ColocatedTransport()
-    transport.bind(stream)
-    receiver = WeightReceiver(plan, transport, config)
-    received = list(receiver.receive())
-    assert [n for n, _ in received] == [e.name for e in plan.entries]
-    for name, tensor in received:  # copies survive the sender's buffer reuse
-        assert torch.equal(tensor, tensors[name]), name
 
 
 def _fill_arena(bucket, plan, tensors, version, checksum):
@@ -234,7 +212,6 @@ def test_auto_transfer_is_direct_over_host_memory_and_packed_elsewhere():
     assert len(accelerator_backends) == 2
     for backend in accelerator_backends:
         assert config.resolved_transfer(types.SimpleNamespace(backend=backend)) == "packed"
-    assert config.resolved_transfer(ColocatedTransport()) == "packed"  # the engine's rank packs whole tensors
     assert WeightSyncConfig(transfer="packed").resolved_transfer(types.SimpleNamespace(backend="gloo")) == "packed"
 
 
