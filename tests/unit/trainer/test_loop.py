@@ -9,6 +9,7 @@ import os
 import signal
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_gkd import parallel
 from megatron_gkd.config import load_config
@@ -71,8 +72,9 @@ def test_a_run_trains_its_steps_and_leaves_metrics_and_a_checkpoint(assets, tmp_
     assert all(math.isfinite(record["train/loss"]) for record in records)
     assert summary["final_loss"] == records[-1]["train/loss"]
     assert run_dir.config_file(out).is_file()
-    events = list(run_dir.tensorboard_dir(out).glob("events.out.tfevents.*"))
-    assert events and events[0].stat().st_size > 0
+    events = EventAccumulator(str(run_dir.tensorboard_dir(out))).Reload()  # what TensorBoard shows
+    shown = [(event.step, event.value) for event in events.Scalars("train/loss")]
+    assert shown == [(record["step"], pytest.approx(record["train/loss"])) for record in records]
     assert find_checkpoint(run_dir.checkpoints(out)).step == 2  # checkpoint.save_at_end
 
 
