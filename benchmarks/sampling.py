@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from megatron_gkd.rollout.sampling import sample_next
+from megatron_gkd.rollout.sampling import draw_uniforms, sample_next
 
 POLICIES = {"no cut": (0, 1.0), "top_k=50": (50, 1.0), "top_p=0.9": (0, 0.9)}
 
@@ -79,8 +79,9 @@ def main() -> None:
     print(f"floor (one softmax): {floor * 1e3:.2f} ms")
     print(f"{'policy':<10} {'sample_next':>16} {'multinomial':>16} {'sorted':>16}")
     for name, (top_k, top_p) in POLICIES.items():
-        ours = seconds(lambda: sample_next(scores, generators, temperature=1.0, top_k=top_k, top_p=top_p),
-                       args.calls, args.repeats)
+        # A uniform a row drawn per token, as a teacher backend would (the hf engine draws a response's at once).
+        ours = seconds(lambda: sample_next(scores, draw_uniforms(generators, 1)[:, 0], temperature=1.0, top_k=top_k,
+                                           top_p=top_p), args.calls, args.repeats)
         hf = seconds(lambda: multinomial_draw(scores, generators, top_k, top_p), args.calls, args.repeats)
         old = seconds(lambda: sorted_draw(scores, generators, top_k, top_p), args.calls, args.repeats)
         print(f"{name:<10} " + " ".join(f"{t * 1e3:8.2f} ({t / floor:4.1f}x)" for t in (ours, hf, old)))

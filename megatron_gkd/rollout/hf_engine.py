@@ -32,7 +32,7 @@ import torch
 
 from megatron_gkd import platform
 from megatron_gkd.rollout.engine import RolloutEngine
-from megatron_gkd.rollout.sampling import sample_generators, sample_next
+from megatron_gkd.rollout.sampling import draw_uniforms, sample_generators, sample_next
 from megatron_gkd.rollout.types import RolloutBatch, SamplingConfig, check_prompt_lengths
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class HFEngine(RolloutEngine):
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutBatch:
         check_prompt_lengths(prompts, sampling, self._max_model_len)
         rows = [[int(t) for t in prompt] for prompt in prompts for _ in range(sampling.n)]
-        generators = sample_generators(sampling, len(prompts))
+        uniforms = draw_uniforms(sample_generators(sampling, len(prompts)), sampling.max_tokens)  # [row, step]
         stops = torch.tensor(sorted(set(sampling.stop_token_ids) | set(self._eos_ids)), dtype=torch.long)
         num_rows, width, k = len(rows), max(len(row) for row in rows), sampling.logprobs_k
         input_ids = torch.full((num_rows, width), self._pad_token_id, dtype=torch.long)
@@ -112,8 +112,8 @@ class HFEngine(RolloutEngine):
         for step in range(sampling.max_tokens):
             logits = out.logits[:, -1, : self._vocab_size].float().cpu()  # [live, v]: sampled on the host
             raw = torch.log_softmax(logits, dim=-1)  # the rollout log-probs: temperature 1, unfiltered
-            picked = sample_next(logits, [generators[i] for i in live.tolist()], temperature=sampling.temperature,
-                                 top_k=sampling.top_k, top_p=sampling.top_p)
+            picked = sample_next(logits, uniforms[live, step], temperature=sampling.temperature, top_k=sampling.top_k,
+                                 top_p=sampling.top_p)
             tokens[live, step] = picked
             logprobs[live, step] = raw.gather(1, picked[:, None])[:, 0]
             if k:

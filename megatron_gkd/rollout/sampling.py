@@ -4,7 +4,9 @@ teacher backends through :mod:`megatron_gkd.teacher.sampling`).
 One function picks the next token of every row from its scores: scores divided by the temperature, cut to the
 ``top_k`` most likely ids, then to the smallest set whose probability reaches ``top_p``, renormalised (vLLM's order:
 temperature, top-k, top-p). Temperature 0 is the arg-max (ties to the lowest column). Every row draws from its own
-``torch.Generator``, so a seeded sample repeats whatever other rows run beside it (up to float ties of padded batches).
+``torch.Generator``, so a seeded sample repeats whatever other rows run beside it (up to float ties of padded batches):
+a row's ``t``-th token takes the ``t``-th float64 uniform of its stream (:func:`draw_uniforms` draws a response's worth
+at once).
 """
 
 from __future__ import annotations
@@ -32,22 +34,30 @@ def sample_generators(sampling: SamplingConfig, num_prompts: int) -> list[torch.
     return [seeded_generator(None if seed is None else seed + sample) for seed in seeds for sample in range(sampling.n)]
 
 
-def sample_next(scores: torch.Tensor, generators: list[torch.Generator], *, temperature: float, top_k: int,
-                top_p: float, ids: torch.Tensor | None = None, vocab: int | None = None) -> torch.Tensor:
+def draw_uniforms(generators: list[torch.Generator], count: int) -> torch.Tensor:
+    """``[len(generators), count]`` float64 uniforms in ``[0, 1)``: row ``r`` holds the next ``count`` of generator
+    ``r``'s stream (the same values as ``count`` draws of one, so a response's worth is one call a row)."""
+    if not generators:
+        return torch.empty(0, count, dtype=torch.float64)
+    return torch.stack([torch.rand(count, dtype=torch.float64, generator=generator) for generator in generators])
+
+
+def sample_next(scores: torch.Tensor, uniforms: torch.Tensor, *, temperature: float, top_k: int, top_p: float,
+                ids: torch.Tensor | None = None, vocab: int | None = None) -> torch.Tensor:
     """The column picked in each row of ``scores``.
 
-    The draw inverts the cumulative distribution of the renormalised row laid out in id order at one float64 uniform
-    from the row's generator. As the layout is the ids', not the columns', a backend that holds only its top-k
-    columns in order of probability (the megatron teacher) picks the same id as one that holds the whole row in id
-    order (the hf backend and engine). One uniform a row, and no sort unless ``top_p`` cuts: at 151,936 ids and 16
-    rows, 4 ms a token, against 58 ms for ``torch.multinomial`` (an exponential per id) and 170-180 ms for the
-    sorted draw this one replaced (``benchmarks/sampling.py``).
+    The draw inverts the cumulative distribution of the renormalised row laid out in id order at the row's uniform.
+    As the layout is the ids', not the columns', a backend that holds only its top-k columns in order of probability
+    (the megatron teacher) picks the same id as one that holds the whole row in id order (the hf backend and engine).
+    One uniform a row, and no sort unless ``top_p`` cuts: at 151,936 ids and 16 rows, 4 ms a token, against 58 ms for
+    ``torch.multinomial`` (an exponential per id) and 170-180 ms for the sorted draw this one replaced
+    (``benchmarks/sampling.py``).
 
     Args:
         scores: ``[b, V']`` logits or log-probs of the next token (any shift per row gives the same samples), on the
             host; ``-inf`` marks columns that cannot be picked.
-        generators: one per row.
-        temperature: 0 is greedy.
+        uniforms: ``[b]`` float64 in ``[0, 1)``, one per row (the row's stream's next: :func:`draw_uniforms`).
+        temperature: 0 is greedy (the uniforms are not used).
         top_k: keep the ``top_k`` most likely columns; 0 keeps all.
         top_p: keep the smallest set of the most likely columns whose mass reaches ``top_p``; 1 keeps all.
         ids: ``[b, V']`` the token id of each column; None when column ``c`` is id ``c``.
@@ -56,7 +66,7 @@ def sample_next(scores: torch.Tensor, generators: list[torch.Generator], *, temp
     Returns:
         ``[b]`` int64 column indices into ``scores``.
     """
-    assert len(generators) == scores.shape[0], (len(generators), scores.shape)
+    assert uniforms.shape == scores.shape[:1], (uniforms.shape, scores.shape)
     scores = scores.float()
     if temperature == 0:
         return scores.argmax(dim=-1)  # the first maximum: the lowest column among ties
@@ -84,10 +94,9 @@ def sample_next(scores: torch.Tensor, generators: list[torch.Generator], *, temp
             probs = probs.new_zeros(probs.shape[0], width if vocab is None else vocab).scatter_(1, ids, probs)
     # Either layout cumulates the same masses in the same order (a massless id adds an exact zero).
     cdf = probs.cumsum(dim=-1)
-    uniform = torch.stack([torch.rand(1, dtype=torch.float64, generator=generator) for generator in generators])
     # The first entry whose cumulative mass passes the uniform: a massless one never does (its mass equals the one's
     # before it), and the uniform is below 1, so the clamp only guards rounding.
-    picked = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(max=cdf.shape[-1] - 1)  # [b, 1]
+    picked = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True).clamp_(max=cdf.shape[-1] - 1)  # [b, 1]
     if layout is not None:
         columns = layout.gather(1, picked)[:, 0]
     elif ids is not None:

@@ -33,7 +33,13 @@ def row_generators(batch: GenerateBatch) -> list[torch.Generator]:
     return [rollout_sampling.seeded_generator(seed) for seed in row_seeds(batch)]
 
 
-def sample_next(scores: torch.Tensor, batch: GenerateBatch, generators: list[torch.Generator], *,
+def row_uniforms(batch: GenerateBatch) -> torch.Tensor:
+    """``[num_responses, max_tokens]``: response ``r``'s uniform for each of its tokens, from its
+    :func:`row_generators` stream."""
+    return rollout_sampling.draw_uniforms(row_generators(batch), batch.max_tokens)
+
+
+def sample_next(scores: torch.Tensor, batch: GenerateBatch, uniforms: torch.Tensor, *,
                 ids: torch.Tensor | None = None, vocab: int | None = None) -> torch.Tensor:
     """The column picked in each row of ``scores``.
 
@@ -41,12 +47,12 @@ def sample_next(scores: torch.Tensor, batch: GenerateBatch, generators: list[tor
         scores: ``[b, V']`` logits or log-probs of the next token (any shift per row gives the same
             samples); ``-inf`` marks columns that cannot be picked.
         batch: the sampling parameters.
-        generators: one per row.
+        uniforms: ``[b]``, each row's uniform for this token (a column of :func:`row_uniforms`).
         ids, vocab: the token id of each column and the number of ids, when the columns are not the ids
             (the megatron backend's top-k rows); the rollout policy's arguments of the same names.
 
     Returns:
         ``[b]`` int64 column indices into ``scores``.
     """
-    return rollout_sampling.sample_next(scores, generators, temperature=batch.temperature, top_k=batch.top_k,
+    return rollout_sampling.sample_next(scores, uniforms, temperature=batch.temperature, top_k=batch.top_k,
                                         top_p=batch.top_p, ids=ids, vocab=vocab)

@@ -152,15 +152,15 @@ class HFBackend(TeacherBackend):
         for prompt in batch.prompts:
             self._check_ids(prompt, "prompt id")
         rows = [(prompt, sample) for prompt in range(len(batch.prompts)) for sample in range(batch.num_samples)]
-        generators = sampling.row_generators(batch)
+        uniforms = sampling.row_uniforms(batch)  # [response, token]
         samples = []
         for group in self._groups([len(batch.prompts[prompt]) + batch.max_tokens for prompt, _ in rows]):
             responses = self._generate_group([batch.prompts[rows[r][0]] for r in group], batch,
-                                             [generators[r] for r in group])
+                                             uniforms[group])
             samples += [GeneratedSample(prompt_index=rows[r][0], response_ids=ids) for r, ids in zip(group, responses)]
         return samples
 
-    def _generate_group(self, prompts, batch: GenerateBatch, generators) -> list[np.ndarray]:
+    def _generate_group(self, prompts, batch: GenerateBatch, uniforms: torch.Tensor) -> list[np.ndarray]:
         """Response ids of each prompt (one row each), sampled over the KV cache."""
         rows, longest = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.zeros(rows, longest, dtype=torch.long)
@@ -178,7 +178,7 @@ class HFBackend(TeacherBackend):
         position = positions[:, -1:]
         for step in range(batch.max_tokens):
             # Rows past the tokenizer (a padded embedding table) are not tokens: never sampled.
-            picked = sampling.sample_next(out.logits[:, -1, :self._tokenizer_size], batch, generators)
+            picked = sampling.sample_next(out.logits[:, -1, :self._tokenizer_size], batch, uniforms[:, step])
             tokens[:, step] = picked
             stopped = ~done & torch.isin(picked, stops)
             lengths[stopped], done = step + 1, done | stopped

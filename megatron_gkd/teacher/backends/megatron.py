@@ -115,10 +115,10 @@ class MegatronBackend(TeacherBackend):
                                f"ids of each row, fewer than the vocabulary of {vocab}: ask for top_k <= {width} or "
                                f"temperature 0, or restart it with --backend-arg max_top_k={vocab}")
         rows = [prompt for prompt in range(len(batch.prompts)) for _ in range(batch.num_samples)]
-        generators = sampling.row_generators(batch)
+        uniforms = sampling.row_uniforms(batch)  # [response, token]
         responses: list[list[int]] = [[] for _ in rows]
         live = list(range(len(rows)))
-        for _ in range(batch.max_tokens):
+        for step in range(batch.max_tokens):
             # Row 0 of prompt + response + [placeholder] is the distribution of the next token.
             sequences = []
             for r in live:
@@ -128,7 +128,7 @@ class MegatronBackend(TeacherBackend):
             outputs = self.score(ScoreBatch(sequences=sequences, top_k=width))
             scores = torch.from_numpy(np.stack([output.topk_logprobs[0] for output in outputs]))  # [live, width]
             ids = torch.from_numpy(np.stack([output.topk_ids[0] for output in outputs]).astype(np.int64))
-            columns = sampling.sample_next(scores, batch, [generators[r] for r in live], ids=ids, vocab=vocab)
+            columns = sampling.sample_next(scores, batch, uniforms[live, step], ids=ids, vocab=vocab)
             for r, output, column in zip(live, outputs, columns.tolist()):
                 responses[r].append(int(output.topk_ids[0, column]))
             live = [r for r in live if responses[r][-1] not in batch.stop_ids]

@@ -4,7 +4,12 @@ import pytest
 import torch
 
 from megatron_gkd.rollout import SamplingConfig
-from megatron_gkd.rollout.sampling import sample_generators, sample_next
+from megatron_gkd.rollout.sampling import draw_uniforms, sample_generators, sample_next
+
+
+def _uniforms(seeds):
+    """One uniform a row, row ``i`` from a generator seeded ``seeds[i]``."""
+    return draw_uniforms([torch.Generator().manual_seed(seed) for seed in seeds], 1)[:, 0]
 
 
 def _policy(scores, temperature, top_k, top_p):
@@ -27,7 +32,7 @@ def test_the_draws_follow_the_cut_and_renormalised_distribution(temperature, top
     scores = torch.randn(1, 10, generator=torch.Generator().manual_seed(1)) * 1.5
     scores[0, 9] = -torch.inf
     rows = 40_000
-    got = sample_next(scores.expand(rows, -1), [torch.Generator().manual_seed(s) for s in range(rows)],
+    got = sample_next(scores.expand(rows, -1), _uniforms(range(rows)),
                       temperature=temperature, top_k=top_k, top_p=top_p)
     frequencies = torch.bincount(got, minlength=10).double() / rows
     expected = _policy(scores, temperature, top_k, top_p)[0]
@@ -35,13 +40,15 @@ def test_the_draws_follow_the_cut_and_renormalised_distribution(temperature, top
     assert (frequencies[expected == 0] == 0).all()
 
 
-def test_each_row_draws_from_its_own_generator_alone():
-    scores = torch.randn(6, 300, generator=torch.Generator().manual_seed(4))
-    together = sample_next(scores, [torch.Generator().manual_seed(s) for s in range(6)], temperature=1.0, top_k=0,
-                           top_p=1.0)
-    alone = [sample_next(scores[r:r + 1], [torch.Generator().manual_seed(r)], temperature=1.0, top_k=0, top_p=1.0)
-             for r in range(6)]
-    assert together.equal(torch.cat(alone))
+def test_a_rows_uniforms_are_its_generators_stream_whatever_the_count():
+    # The hf engine draws a response's worth at once, a partial rollout or a teacher backend may draw fewer: the t-th
+    # token of a seeded row takes the same uniform either way.
+    whole = draw_uniforms([torch.Generator().manual_seed(s) for s in range(3)], 24)
+    for seed in range(3):
+        generator = torch.Generator().manual_seed(seed)
+        one_at_a_time = torch.cat([draw_uniforms([generator], 1)[0] for _ in range(24)])
+        assert torch.equal(whole[seed], one_at_a_time)
+    assert ((whole >= 0) & (whole < 1)).all() and whole.dtype == torch.float64
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (20, 1.0), (0, 0.8), (20, 0.8)])
@@ -50,9 +57,9 @@ def test_the_draw_does_not_depend_on_the_order_of_the_columns(top_k, top_p):
     # logits in id order: one seed must pick the same id from both.
     scores = torch.randn(32, 300, generator=torch.Generator().manual_seed(2)) * 3
     order = torch.stack([torch.randperm(300, generator=torch.Generator().manual_seed(row)) for row in range(32)])
-    by_id = sample_next(scores, [torch.Generator().manual_seed(s) for s in range(32)], temperature=1.0, top_k=top_k,
+    by_id = sample_next(scores, _uniforms(range(32)), temperature=1.0, top_k=top_k,
                         top_p=top_p)
-    permuted = sample_next(scores.gather(1, order), [torch.Generator().manual_seed(s) for s in range(32)],
+    permuted = sample_next(scores.gather(1, order), _uniforms(range(32)),
                            temperature=1.0, top_k=top_k, top_p=top_p, ids=order)
     assert order.gather(1, permuted[:, None])[:, 0].equal(by_id)
 
@@ -61,19 +68,19 @@ def test_the_draw_does_not_depend_on_the_order_of_the_columns(top_k, top_p):
 def test_the_top_k_columns_alone_pick_what_the_whole_row_picks(top_p):
     # What the megatron teacher backend holds: only the top_k columns, in order of probability, and their ids.
     scores = torch.randn(32, 300, generator=torch.Generator().manual_seed(3)) * 3
-    whole = sample_next(scores, [torch.Generator().manual_seed(s) for s in range(32)], temperature=0.9, top_k=20,
+    whole = sample_next(scores, _uniforms(range(32)), temperature=0.9, top_k=20,
                         top_p=top_p)
     top, ids = torch.topk(scores, 20, dim=-1)
-    columns = sample_next(top, [torch.Generator().manual_seed(s) for s in range(32)], temperature=0.9, top_k=20,
+    columns = sample_next(top, _uniforms(range(32)), temperature=0.9, top_k=20,
                           top_p=top_p, ids=ids, vocab=300)
     assert ids.gather(1, columns[:, None])[:, 0].equal(whole)
-    assert not whole.equal(sample_next(scores, [torch.Generator().manual_seed(s + 1) for s in range(32)],
+    assert not whole.equal(sample_next(scores, _uniforms(range(1, 33)),
                                        temperature=0.9, top_k=20, top_p=top_p))  # the draw is the generators'
 
 
 def test_greedy_takes_the_lowest_of_tied_columns():
     scores = torch.tensor([[0.0, 2.0, 2.0], [3.0, 1.0, 3.0]])
-    assert sample_next(scores, [torch.Generator()] * 2, temperature=0.0, top_k=0, top_p=1.0).tolist() == [1, 0]
+    assert sample_next(scores, torch.zeros(2, dtype=torch.float64), temperature=0.0, top_k=0, top_p=1.0).tolist() == [1, 0]
 
 
 def test_generators_are_seeded_per_sample_as_sampling_config_says():

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_gkd.rollout import sampling as rollout_sampling
 from megatron_gkd.teacher import (
     GenerateBatch,
     GeneratedSample,
@@ -102,11 +103,11 @@ def test_samples_do_not_depend_on_how_the_backend_groups_rows(hf_backend, teache
 
 def test_sampling_policy_top_k_top_p_and_temperature():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -torch.inf]] * 4000)
-    generators = [torch.Generator().manual_seed(i) for i in range(len(logits))]
+    uniforms = rollout_sampling.draw_uniforms([torch.Generator().manual_seed(i) for i in range(len(logits))], 1)[:, 0]
 
     def picks(**params):
         batch = GenerateBatch(prompts=[np.array([1])], **params)
-        return torch.bincount(sampling.sample_next(logits, batch, generators), minlength=5).numpy() / len(logits)
+        return torch.bincount(sampling.sample_next(logits, batch, uniforms), minlength=5).numpy() / len(logits)
 
     np.testing.assert_array_equal(picks(temperature=0), [1, 0, 0, 0, 0])
     np.testing.assert_array_equal(picks(top_k=1), [1, 0, 0, 0, 0])
