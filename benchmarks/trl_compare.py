@@ -19,11 +19,11 @@ whole vocabulary, a constant learning rate, ``--steps`` steps. Shapes:
 Each system in its best configuration for 2 cores: TRL in one process with 2 threads and HF ``generate`` (its
 CPU path; its vLLM path needs a GPU); ours with the layout chosen per shape (``OURS``: one rank on one thread with the
 ``hf`` rollout engine at the tiny shape, the teacher service on the other core, where TP=2 only adds communication
-and vLLM's per-step bookkeeping dominates the decode; TP=2 and vLLM at 0.1b, where the model's compute dominates;
-one rank with 2 threads, the ``hf`` engine and the ``sync`` scheduler at 0.6b, the only layout of ours that fits in
-24 GiB),
-the teacher served on loopback, the teacher's whole distribution (``teacher.top_k`` = the vocabulary at 256,
-the hidden-state signal above: top-k over 32k+ ids would be gigabytes a step on the wire).
+and vLLM's per-step bookkeeping dominates the decode; one rank with 2 threads, the ``hf`` engine and the ``sync``
+scheduler at 0.1b and 0.6b, where the phases take both cores in turn, and at 0.6b the only layout of ours that fits in
+24 GiB), the teacher served on loopback, the teacher's whole distribution (its final hidden states, from which the
+rank computes its logits over the whole vocabulary: top-k over the whole vocabulary would be gigabytes a step on the
+wire at 32k+ ids, and its sparse bookkeeping costs more than the dense row at 256).
 
 TRL runs in its own virtualenv (``--trl-venv``, created on first use: ``pip install torch==2.13.0
 trl==1.16.0``, about a minute), never a dependency of the project. Figures per run: median step time over the
@@ -75,7 +75,10 @@ OURS = {
     # support machinery costs more than the dense 256-wide row it describes.
     "tiny": Layout(1, 1, 1, ["teacher.signal=hidden", "teacher.hidden_dtype=float32", "rollout.engine=hf",
                              "rollout.kv_cache_memory_mb=null"]),
-    "0.1b": Layout(2, 1, 2, ["teacher.signal=hidden"]),
+    # One rank with both cores, as at 0.6b: 1.14x TRL's step at 24 tokens against 1.28x at TP=2 with vLLM (whose weight
+    # sync alone took 1.8 s a step); at 256 tokens vLLM's decode wins (--ours-nproc 2 --ours-tp 2 and the engine).
+    "0.1b": Layout(1, 2, 1, ["teacher.signal=hidden", "rollout.engine=hf", "rollout.kv_cache_memory_mb=null",
+                             "trainer.scheduler=sync"]),
     # One rank with both cores: two ranks at TP=2 each hold the fp32 student, its Adam state and an engine shard, over
     # this machine's 24 GiB; sync, as the teacher scoring beside the update would take cores from it.
     "0.6b": Layout(1, 2, 1, ["teacher.signal=hidden", "rollout.engine=hf", "rollout.kv_cache_memory_mb=null",
