@@ -205,11 +205,15 @@ def colocated_rank(path: str, steps: int, config, prompts, out_root: str, num_to
     logits = [megatron_logits(chunks, torch.tensor([p]))[0] for p in prompts]
     out = os.path.join(out_root, "colocated-saved")
     save_hf(chunks, out)
+    # The trainer moves on without a sync: the engine must keep what it loaded (no tensor shared with the trainer).
+    train(chunks, optimizer, 1, chunks[0].module.hf_model_info.hf_config["vocab_size"], seed=1)
+    unsynced = _greedy_and_logprobs(engine, prompts, num_tokens)
     engine.close()  # before the job's groups go; the job's world must outlive it
     world = torch.tensor([1])
     torch.distributed.all_reduce(world)
     parallel.destroy()
-    return dict(before=before, after=after, logits=logits, saved=out, version=receiver.version, world_after_close=int(world))
+    return dict(before=before, after=after, unsynced=unsynced, logits=logits, saved=out, version=receiver.version,
+                world_after_close=int(world))
 
 
 def trainer_experts(chunks) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

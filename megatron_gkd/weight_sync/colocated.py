@@ -4,7 +4,7 @@ Buckets, trailers and checksums exist for the wire; in one process they would co
 bucket, out of it) and check bytes that never left memory. Here the exporter's tensors stream into
 ``engine.load_weights`` one at a time, each checked against the plan (a name it lists, once; its shape) and cast to
 the plan's dtype: one copy, into the engine's weights, and no buffers kept between syncs. At Qwen3-0.6B's shape on
-the CPU that is 0.4 s a sync against 1.3 s through packed buckets (docs/performance.md).
+the CPU that is 0.33 s a sync against 1.33 s through packed buckets (docs/performance.md).
 """
 
 from __future__ import annotations

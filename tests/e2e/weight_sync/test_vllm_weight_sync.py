@@ -114,5 +114,6 @@ def test_colocated_tp2_into_a_tp2_engine_without_broadcast(tmp_path, capfd):
     assert rank0["version"] == rank1["version"] == 1
     assert rank0["after"][0] == rank1["after"][0]
     _check(rank0["before"], rank0["after"], rank0["logits"], rank0["saved"])
+    assert rank0["unsynced"][0] == rank0["after"][0] and torch.equal(rank0["unsynced"][1], rank0["after"][1])
     assert rank0["world_after_close"] == rank1["world_after_close"] == 2  # vLLM's teardown left the job's world
     _assert_clean_exit(capfd)
