@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -152,9 +153,12 @@ def run_ours(assets: pathlib.Path, out: pathlib.Path, args, shape: str, length: 
     startup = next(r["time/startup/total"] for r in records if "time/startup/total" in r)
     marker = "megatron-gkd summary: "  # the entry point's one-line summary, for scripts
     summary = json.loads(next(line for line in log.splitlines() if line.startswith(marker))[len(marker):])
+    # The teacher service's own line as it stops (TRL's one process holds its teacher; ours is beside the ranks).
+    stopped = re.findall(r"teacher serve stopped: peak RSS ([0-9.]+) GiB", (out / "teacher_service.log").read_text())
     return {"system": "ours", "steps": len(steps), "step_times": [r["time/step"] for r in steps],
             "phases": {p: [r.get(f"time/{p}", 0.0) for r in steps] for p in PHASES}, "startup_s": startup,
             "command_s": command_s, "peak_rss_gib": summary.get("peak_rss_gib_per_rank"),
+            "teacher_rss_gib": float(stopped[-1]) if stopped else None,
             "losses": [r["train/loss"] for r in steps if "train/loss" in r]}
 
 
@@ -178,8 +182,9 @@ def markdown(results: dict, skip: int) -> str:
             ratio = f"{step / trl_step:.2f}" if system == "ours" and trl_step else ""
             phases = (" / ".join(f"{median_after(run['phases'][p], skip):.3f}" for p in PHASES)
                       if system == "ours" else "")
-            rss = run.get("peak_rss_gib")
+            rss, teacher = run.get("peak_rss_gib"), run.get("teacher_rss_gib")
             rss_text = (f"{max(rss):.2f} (max of ranks)" if isinstance(rss, list) else f"{rss:.2f}") if rss else "n/a"
+            rss_text += f" + teacher {teacher:.2f}" if teacher else ""
             lines.append(f"| {shape} | {length} | {system} | {step:.3f} | {ratio} | {run['startup_s']:.1f} | "
                          f"{run['command_s']:.1f} | {rss_text} | {phases} |")
     return "\n".join(lines)

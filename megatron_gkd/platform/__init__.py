@@ -272,6 +272,13 @@ def max_memory_allocated(reset: bool = False) -> int:
     return accelerator.max_memory_allocated()
 
 
+def peak_rss_gib() -> float:
+    """This process's peak resident set on the host, GiB (libraries, engines and allocator caches included)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 def describe() -> dict[str, str]:
     """Versions and device of this process, for benchmark reports: torch, the device runtime, the device
     name and the collectives library (each ``"-"`` where there is none)."""

@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 
+from megatron_gkd import platform
 from megatron_gkd.child_process import exit_with_parent
 from megatron_gkd.log_setup import setup_logging
 from megatron_gkd.teacher import wire
@@ -153,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
         for part in (worker, replicas, backend, proxy):  # stop taking requests before releasing the model
             if part is not None:
                 part.close()
+        # Scripts read this line (benchmarks/trl_compare.py: the teacher process's memory beside the ranks').
+        logger.info("teacher %s stopped: peak RSS %.2f GiB", args.role, platform.peak_rss_gib())
 
 
 if __name__ == "__main__":

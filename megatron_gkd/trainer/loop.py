@@ -295,7 +295,7 @@ class Trainer:
             steps=self.step, preempted=preempted, wall_time_s=time.perf_counter() - start,
             final_loss=getattr(self, "last_metrics", {}).get("train/loss"), out=self.out,
             hf_export=self.config.checkpoint.hf_at_end, first_eval=first_eval, last_eval=last_eval,
-            peak_rss_per_rank=all_gather_msgpack(run_metrics.peak_rss_gib(), self.control))
+            peak_rss_per_rank=all_gather_msgpack(platform.peak_rss_gib(), self.control))
         if self.rank == 0:
             logger.info("summary:\n%s", run_metrics.summary_table(summary))
         return summary

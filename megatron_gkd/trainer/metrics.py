@@ -304,13 +304,6 @@ def rss_gib() -> float:
     return psutil.Process().memory_info().rss / 2**30
 
 
-def peak_rss_gib() -> float:
-    """This process's peak resident set (libraries, a colocated engine and allocator caches included)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
 def run_summary(*, steps: int, preempted: bool, wall_time_s: float, final_loss, out: pathlib.Path, hf_export: bool,
                 peak_rss_per_rank: list[float], first_eval: dict, last_eval: dict) -> dict:
     """What :meth:`Trainer.train` returns: steps, wall time, the final loss, the evals before and after, where the

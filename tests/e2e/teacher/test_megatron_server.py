@@ -65,3 +65,5 @@ def test_torchrun_megatron_server_matches_transformers(tmp_path):
         procs.stop(server)
     # SIGTERM reached both ranks: rank 0 closed the backend (releasing rank 1), and nothing is left.
     assert server.returncode is not None
+    # The service says what it held as it stops (benchmarks read it: the teacher's memory beside the trainer's).
+    assert "teacher serve stopped: peak RSS" in (tmp_path / "server.log").read_text()
