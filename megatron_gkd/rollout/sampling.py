@@ -49,8 +49,9 @@ def sample_next(scores: torch.Tensor, uniforms: torch.Tensor, *, temperature: fl
     The draw inverts the cumulative distribution of the renormalised row laid out in id order at the row's uniform.
     As the layout is the ids', not the columns', a backend that holds only its top-k columns in order of probability
     (the megatron teacher) picks the same id as one that holds the whole row in id order (the hf backend and engine).
-    One uniform a row, and no sort unless ``top_p`` cuts: at 151,936 ids and 16 rows, 4 ms a token, against 58 ms for
-    ``torch.multinomial`` (an exponential per id) and 170-180 ms for the sorted draw this one replaced
+    One uniform a row, and no sort of the row unless a ``top_p`` nucleus spans more than its top 16,384 columns: at
+    151,936 ids and 16 rows, 4 ms a token, against 58 ms for ``torch.multinomial`` (an exponential per id) and
+    170-180 ms for the sorted draw this one replaced; with ``top_p=0.9`` 47 ms against 170 ms
     (``benchmarks/sampling.py``).
 
     Args:
@@ -72,14 +73,13 @@ def sample_next(scores: torch.Tensor, uniforms: torch.Tensor, *, temperature: fl
         return scores.argmax(dim=-1)  # the first maximum: the lowest column among ties
     scores, width = scores / temperature, scores.shape[-1]
     kept = None  # [b, k]: the columns still in the running, when a cut dropped some
-    if top_p < 1.0:
-        if 0 < top_k < width:
-            scores, kept = torch.topk(scores, top_k, dim=-1)
-        else:
-            scores, kept = torch.sort(scores, dim=-1, descending=True, stable=True)
-    elif 0 < top_k < width:
-        scores, kept = torch.topk(scores, top_k, dim=-1, sorted=False)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float64)
+    if 0 < top_k < width:
+        scores, kept = torch.topk(scores, top_k, dim=-1, sorted=top_p < 1.0)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float64)
+    elif top_p < 1.0:
+        scores, kept, probs = _nucleus_candidates(scores, top_p)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float64)
     if top_p < 1.0:
         # Keep an entry while the mass before it is below top_p: the first one always stays.
         probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, 0.0)
@@ -104,3 +104,27 @@ def sample_next(scores: torch.Tensor, uniforms: torch.Tensor, *, temperature: fl
     else:
         columns = picked[:, 0]
     return columns if kept is None else kept.gather(1, columns[:, None])[:, 0]
+
+
+NUCLEUS_WIDTHS = (1024, 16384)  # the most likely columns tried, in turn, before a sort of the whole row
+
+
+def _nucleus_candidates(scores: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The most likely columns of each row, most likely first, enough to hold every row's nucleus: ``(scores,
+    columns, probabilities over the whole row)``, all ``[b, w]``.
+
+    A trained model's nucleus is a few hundred of its 150k ids: the top 1,024 (``topk``, 1.5 ms for 16 rows of 152k)
+    usually hold it, where a sort of the row costs 120 ms. When some row's top ``w`` hold less than ``top_p`` of its
+    mass, the next width is tried, and the whole row is sorted last (a flat row: a random model's).
+    """
+    width = scores.shape[-1]
+    lse = torch.logsumexp(scores.double(), dim=-1, keepdim=True)
+    for candidates in NUCLEUS_WIDTHS:
+        if candidates >= width:
+            break
+        top, columns = torch.topk(scores, candidates, dim=-1)
+        probs = torch.exp(top.double() - lse)
+        if bool((probs.sum(dim=-1) >= top_p).all()):  # every row's nucleus closes inside these columns
+            return top, columns, probs
+    top, columns = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return top, columns, torch.exp(top.double() - lse)

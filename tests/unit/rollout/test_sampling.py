@@ -89,3 +89,20 @@ def test_generators_are_seeded_per_sample_as_sampling_config_says():
     assert draws == [10, 11, 12, 13, 14, 15]
     unseeded = sample_generators(SamplingConfig(n=2, seed=None), 1)
     assert unseeded[0].initial_seed() != unseeded[1].initial_seed()
+
+
+def test_the_nucleus_found_among_the_top_columns_is_the_sorted_rows():
+    # Peaked rows (a trained model's: the nucleus is a few columns, found among the top 1,024) beside flat ones
+    # (a random model's: it takes most of the row, which is then sorted whole): the picks of a full sort.
+    scores = torch.randn(24, 5000, generator=torch.Generator().manual_seed(5))
+    scores[::2] *= 8
+    uniforms = _uniforms(range(24))
+    got = sample_next(scores, uniforms, temperature=1.0, top_k=0, top_p=0.9)
+    ordered, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(ordered, dim=-1, dtype=torch.float64)
+    probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= 0.9, 0.0)
+    cdf = torch.zeros_like(probs).scatter_(1, order, probs).cumsum(dim=-1)
+    expected = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:], right=True)[:, 0]
+    assert got.equal(expected)
+    nucleus = (probs > 0).sum(dim=-1)
+    assert nucleus[::2].max() < 1024 < nucleus[1::2].min()  # both ways of finding it were taken
