@@ -151,11 +151,12 @@ def main(argv: list[str] | None = None) -> None:
             if not stop.is_set():
                 raise SystemExit("every teacher worker has exited")
     finally:
+        # Scripts read this line (benchmarks/trl_compare.py: the teacher process's memory beside the ranks'); before
+        # the parts close, as closing may fail (a megatron leader's last broadcast to followers torchrun stopped first).
+        logger.info("teacher %s stopped: peak RSS %.2f GiB", args.role, platform.peak_rss_gib())
         for part in (worker, replicas, backend, proxy):  # stop taking requests before releasing the model
             if part is not None:
                 part.close()
-        # Scripts read this line (benchmarks/trl_compare.py: the teacher process's memory beside the ranks').
-        logger.info("teacher %s stopped: peak RSS %.2f GiB", args.role, platform.peak_rss_gib())
 
 
 if __name__ == "__main__":
