@@ -71,15 +71,14 @@ class ColocatedReceiver:
                 raise WeightSyncError(f"weight version {version} is not newer than the engine's {self.version}")
             engine.load_weights(planned_tensors(self.plan, tensors), version=version)
         except Exception as error:
-            for _ in tensors:  # the other ranks' gathers wait for this one
-                pass
             logger.error("weight version %s was not loaded (%s: %s); the engine refuses to generate until a sync "
                          "succeeds", version, type(error).__name__, error)
             if isinstance(error, WeightSyncError):
                 raise
             raise WeightSyncError(f"weight version {version} was not loaded: {type(error).__name__}: {error}") from error
-        for _ in tensors:  # what an engine left unread (none of ours)
-            pass
+        finally:
+            for _ in tensors:  # what is left after a failure (or an engine that stopped reading): other ranks' gathers
+                pass
         self.version = version
         self.last_sync_s = time.perf_counter() - start
         return version

@@ -133,7 +133,7 @@ class WeightSender:
     def share_student_logprobs(self, chunks) -> torch.Tensor | None:
         """``verify``: the student's log-probs on the verify prompts, broadcast to the receivers."""
         reference = student_prompt_logprobs(chunks, self.config.verify_prompts)
-        if self.transport is not None and hasattr(self.transport, "share_tensor"):
+        if hasattr(self.transport, "share_tensor"):
             size = sum(len(p) - 1 for p in self.config.verify_prompts)
             buffer = reference if self.rank == self.plan.logits_rank else torch.empty(size, dtype=torch.float64)
             reference = self.transport.share_tensor(buffer.contiguous(), self.plan.logits_rank)

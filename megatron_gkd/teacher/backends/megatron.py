@@ -129,8 +129,8 @@ class MegatronBackend(TeacherBackend):
             scores = torch.from_numpy(np.stack([output.topk_logprobs[0] for output in outputs]))  # [live, width]
             ids = torch.from_numpy(np.stack([output.topk_ids[0] for output in outputs]).astype(np.int64))
             columns = sampling.sample_next(scores, batch, uniforms[live, step], ids=ids, vocab=vocab)
-            for r, output, column in zip(live, outputs, columns.tolist()):
-                responses[r].append(int(output.topk_ids[0, column]))
+            for r, picked in zip(live, ids.gather(1, columns[:, None])[:, 0].tolist()):
+                responses[r].append(picked)
             live = [r for r in live if responses[r][-1] not in batch.stop_ids]
             if not live:
                 break
