@@ -3,7 +3,8 @@
     python benchmarks/xtok_loss.py                       # V_s=151,936 (151,669 tokens), V_t=128,256, N=4096, K=64
     python benchmarks/xtok_loss.py --num-tokens 2048 --topk 64 256
     python benchmarks/xtok_loss.py --device --repeats 5       # TP=1 on one accelerator
-    python benchmarks/xtok_loss.py --per-entry                # also each method with the heavy ids' dense product off
+    python benchmarks/xtok_loss.py --torch-ops                # also each method with torch operations, not the kernels
+    python benchmarks/xtok_loss.py --per-entry                # ... and with torch operations, every id per entry
 
 Both losses see the same student logit shard and a teacher top-k of the same width: the same-tokenizer loss with
 ids in the student's vocabulary (vocab_parallel_distill_loss), the cross-tokenizer loss with ids in the teacher's
@@ -12,8 +13,10 @@ cross_vocab.random_map): most student tokens one teacher token, a quarter 2-3 pi
 (the first pieces of split words are common teacher tokens, with a large fan-in), 5% unmapped; the teacher's top-k
 ids are drawn from a Zipf-like law too, so common ids (the large fan-ins) are in most rows, as in real text.
 
-Teacher ids with a large fan-in named by many rows are projected densely (megatron_gkd.losses.cross_vocab_heavy);
---per-entry adds rows with that product off (every id per map entry, as before it existed), measured in the same run.
+On the host the map entries are read by numba kernels (megatron_gkd.losses.cross_vocab_kernels); --torch-ops adds
+rows with the torch operations instead (the path accelerators take: teacher ids with a large fan-in named by many rows
+projected densely, megatron_gkd.losses.cross_vocab_heavy), --per-entry rows with torch operations and that product
+off (every id per map entry), measured in the same run.
 
 Reported per loss: forward+backward seconds (minimum of --repeats, wall and CPU), the ratio to the same-tokenizer
 loss, and the peak extra resident memory per rank, also in [c, V/tp] chunks (the one scratch chunk of the losses:
@@ -34,7 +37,7 @@ import torch
 import torch.distributed as dist
 from losses import _limit_heap_reuse, _merge, _timed
 
-from megatron_gkd.losses import cross_vocab_heavy
+from megatron_gkd.losses import cross_vocab_heavy, cross_vocab_kernels
 from megatron_gkd.losses.shard_ops import ACCELERATOR_CHUNK_ELEMENTS, HOST_CHUNK_ELEMENTS
 from megatron_gkd.testing.distributed import run_distributed
 
@@ -60,14 +63,18 @@ def _entries_per_row(teacher_ids: torch.Tensor, projection) -> float:
     return counts.sum().item() / teacher_ids.shape[0]
 
 
-def _variants(per_entry: bool) -> list[tuple[str, float]]:
-    """(row label suffix, DENSE_MIN_FAN_IN) of each cross-tokenizer variant timed."""
-    default = [("", cross_vocab_heavy.DENSE_MIN_FAN_IN)]
-    return default + [(", per entry", float("inf"))] if per_entry else default
+def _variants(torch_ops: bool, per_entry: bool) -> list[tuple[str, bool, float]]:
+    """(row label suffix, host kernels on, DENSE_MIN_FAN_IN) of each cross-tokenizer variant timed."""
+    variants = [("", True, cross_vocab_heavy.DENSE_MIN_FAN_IN)]
+    if torch_ops:
+        variants.append((", torch ops", False, cross_vocab_heavy.DENSE_MIN_FAN_IN))
+    if per_entry:
+        variants.append((", torch ops per entry", False, float("inf")))
+    return variants
 
 
 def _body(num_tokens: int, topks: list[int], repeats: int, skew: float, losses: list[str],
-          per_entry: bool = False) -> list[dict]:
+          torch_ops: bool = False, per_entry: bool = False) -> list[dict]:
     from megatron_gkd.losses import vocab_parallel_distill_loss
     from megatron_gkd.losses.cross_vocab import cross_vocab_distill_loss
     from megatron_gkd.testing.cross_vocab import random_map
@@ -96,8 +103,8 @@ def _body(num_tokens: int, topks: list[int], repeats: int, skew: float, losses: 
                 x.grad = None
 
             rows.append({"method": f"same-tokenizer {loss_type}", "k": k, **_timed(same, repeats)})
-            for (method, projection), (suffix, min_fan_in) in itertools.product(projections.items(),
-                                                                                 _variants(per_entry)):
+            for (method, projection), (suffix, kernels, min_fan_in) in itertools.product(
+                    projections.items(), _variants(torch_ops, per_entry)):
                 def cross():
                     loss, _ = cross_vocab_distill_loss(x, teacher_ids, logprobs, projection, loss_type=loss_type,
                                                        tp_group=group, real_vocab_size=STUDENT_TOKENS, **options)
@@ -105,9 +112,10 @@ def _body(num_tokens: int, topks: list[int], repeats: int, skew: float, losses: 
                     x.grad = None
 
                 default, cross_vocab_heavy.DENSE_MIN_FAN_IN = cross_vocab_heavy.DENSE_MIN_FAN_IN, min_fan_in
+                cross_vocab_kernels.ENABLED = kernels
                 rows.append({"method": f"cross {method} {loss_type}{suffix}", "k": k, **_timed(cross, repeats),
                              **map_stats, "entries_per_row": _entries_per_row(teacher_ids, projection)})
-                cross_vocab_heavy.DENSE_MIN_FAN_IN = default
+                cross_vocab_heavy.DENSE_MIN_FAN_IN, cross_vocab_kernels.ENABLED = default, True
                 if rank == 0:
                     print(f"  K={k} {loss_type} {method}{suffix}: {rows[-1]['cpu']:.3f} s cpu", file=sys.stderr,
                           flush=True)
@@ -204,8 +212,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skew", type=float, default=2.0, help="Zipf-like skew of the map's pieces (0: uniform)")
     parser.add_argument("--losses", nargs="+", default=[name for name, _ in LOSSES], help="a subset of the divergences")
+    parser.add_argument("--torch-ops", action="store_true",
+                        help="also time each method with torch operations instead of the host kernels (gloo runs)")
     parser.add_argument("--per-entry", action="store_true",
-                        help="also time each method with the heavy ids' dense product off (gloo runs)")
+                        help="also time each method with torch operations and the heavy ids' dense product off")
     parser.add_argument("--device", action="store_true",
                         help="TP=1 on one accelerator (the platform's device) instead of 2 gloo ranks on the host")
     args = parser.parse_args()
@@ -220,7 +230,7 @@ def main() -> None:
     print(f"# gloo, {world} ranks x 1 thread, N={args.num_tokens}, V_s={STUDENT_ROWS} ({STUDENT_TOKENS} tokens, "
           f"V_s/tp={STUDENT_ROWS // world}), V_t={TEACHER_TOKENS}, fp32 logits, map skew {args.skew}")
     rows = _merge(run_distributed(_body, world, args=(args.num_tokens, args.topk, args.repeats, args.skew, args.losses,
-                                                      args.per_entry), timeout=3600))
+                                                      args.torch_ops, args.per_entry), timeout=3600))
     first = next(row for row in rows if not row["method"].startswith("same"))
     print(f"teacher top-k ids' mean fan-in {first['fan_in_of_topk']:.1f}, largest fan-in in the map {first['max_fan_in']}")
     print(_table(rows, STUDENT_ROWS // world))

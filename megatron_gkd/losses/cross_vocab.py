@@ -48,15 +48,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_gkd.losses import cross_vocab_kernels
 from megatron_gkd.losses import divergences as _divergences  # noqa: F401 - registers the losses
-from megatron_gkd.losses.cross_vocab_heavy import BYTES_PER_HEAVY_STUDENT, HeavyColumns
+from megatron_gkd.losses.cross_vocab_heavy import BYTES_PER_HEAVY_STUDENT, HeavyColumns, smallest_total
 from megatron_gkd.losses.projection_map import ProjectionShard, shard_projection
 from megatron_gkd.losses.registry import SupportInputs, cross_tokenizer_divergences, get_divergence
 from megatron_gkd.losses.shard_ops import (
     ShardLayout,
     all_gather_rows,
     compute_dtype,
-    local_logsumexp,
+    exp_rows,
     logits_grad,
     rows_per_chunk,
 )
@@ -79,7 +80,13 @@ class ProjectedEntries:
     slot: torch.Tensor
     flat: torch.Tensor
     weight: torch.Tensor
-    row_counts: torch.Tensor  # [rows] entries per row
+    slot_counts: torch.Tensor  # [rows * K] entries per slot
+    width: int  # K
+
+    @property
+    def row_offsets(self) -> list[int]:
+        """Entries of the block's rows ``[a, b)`` are ``[offsets[a], offsets[b])``. One host sync."""
+        return [0] + self.slot_counts.view(-1, self.width).sum(1).cumsum(0).tolist()
 
     @classmethod
     def of(cls, ids: torch.Tensor, valid: torch.Tensor, shard: ProjectionShard, dtype: torch.dtype) -> "ProjectedEntries":
@@ -91,8 +98,8 @@ class ProjectedEntries:
         slot = torch.repeat_interleave(slots, counts)  # one host sync
         position = torch.arange(slot.numel(), device=ids.device) + (starts - counts.cumsum(0) + counts)[slot]
         row_start = torch.div(slots, width, rounding_mode="floor") * shard.vocab_size_local  # [rows * K], small
-        return cls(slot, row_start[slot] + shard.student_index[position], shard.weight[position].to(dtype),
-                   counts.view(num_rows, width).sum(1))
+        return cls(slot, row_start[slot] + shard.student_index[position], shard.weight[position].to(dtype), counts,
+                   width)
 
     def logits(self, logits: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
         """``[E]`` tempered student logits of the entries (``logits``: the block's rows), in ``dtype``."""
@@ -128,20 +135,35 @@ class LocalPlan:
         heavy: the teacher ids projected densely (:mod:`.cross_vocab_heavy`), or ``None``.
         dense: ``[N, K]`` bool, the slots the forward took from the dense product (filled by it); ``None`` without
             heavy ids.
-        local_lse: ``[N]`` this rank's log-partition of each row (filled by the forward): the dense product's shift.
+        local_lse: ``[N]`` this rank's log-partition of each row (filled by the forward).
+        row_max: ``[N]`` each row's largest ``z`` on this rank (filled by the forward): the shift of its sums, and of
+            the dense slots' gradient.
+        kernel: the map read by the host kernels (:mod:`.cross_vocab_kernels`, NumPy views of the shard's CSR), or
+            ``None`` for torch operations. With them no entry is materialised (one block) and every slot is read per
+            entry: no heavy ids (on the host their dense product saved nothing over the kernels' per-entry reads).
     """
 
     blocks: list[tuple[int, int]]
     heavy: HeavyColumns | None
     dense: torch.Tensor | None
     local_lse: torch.Tensor
+    row_max: torch.Tensor
+    kernel: cross_vocab_kernels.Csr | None
 
     @classmethod
-    def of(cls, teacher: TeacherSupport, shard: ProjectionShard, dtype: torch.dtype) -> "LocalPlan":
+    def of(cls, teacher: TeacherSupport, shard: ProjectionShard, dtype: torch.dtype,
+           kernel: bool = False) -> "LocalPlan":
+        """``kernel``: the host kernels serve this batch (:func:`.cross_vocab_kernels.available`)."""
+        num_rows, device = teacher.ids.shape[0], teacher.ids.device
+        local_lse = torch.empty(num_rows, dtype=dtype, device=device)
+        row_max = torch.empty(num_rows, dtype=dtype, device=device)
+        if kernel:
+            csr = cross_vocab_kernels.Csr.of(shard.indptr, shard.student_index, shard.weight)
+            return cls([(0, num_rows)], None, None, local_lse, row_max, csr)
         heavy = HeavyColumns.select(teacher.ids, teacher.valid, shard, dtype)
         dense = None if heavy is None else torch.zeros_like(teacher.valid)
-        local_lse = torch.empty(teacher.ids.shape[0], dtype=dtype, device=teacher.ids.device)
-        return cls(entry_blocks(teacher.ids, teacher.valid, shard, heavy), heavy, dense, local_lse)
+        blocks = entry_blocks(teacher.ids, teacher.valid, shard, heavy)
+        return cls(blocks, heavy, dense, local_lse, row_max, None)
 
     def per_entry(self, mask: torch.Tensor, rows: slice) -> torch.Tensor:
         """``mask`` (the rows' ``[rows, K]``) without the slots of the dense product."""
@@ -160,34 +182,130 @@ def entry_blocks(ids: torch.Tensor, valid: torch.Tensor, shard: ProjectionShard,
     if heavy is not None:
         row_bytes += heavy.num_students * BYTES_PER_HEAVY_STUDENT
     cumulative = row_bytes.cumsum(0).cpu()
-    budget = max(1, rows_per_chunk(shard.vocab_size_local, ids.device) * shard.vocab_size_local * 4)
+    chunk = rows_per_chunk(shard.vocab_size_local, ids.device)
+    budget = max(1, chunk * shard.vocab_size_local * 4)
     blocks, start, num_rows = [], 0, ids.shape[0]
     while start < num_rows:
         before = int(cumulative[start - 1]) if start else 0
         stop = int(torch.searchsorted(cumulative, before + budget, right=True))
         stop = min(num_rows, max(stop, start + 1))
+        if stop - start > chunk:  # whole row chunks: the forward's pass goes through a block a chunk at a time
+            stop = start + (stop - start) // chunk * chunk
         blocks.append((start, stop))
         start = stop
     return blocks
 
 
-def local_projection(logits: torch.Tensor, teacher: TeacherSupport, shard: ProjectionShard, plan: LocalPlan,
-                     blocks: list[tuple[int, int]], temperature: float, dtype: torch.dtype,
-                     out: torch.Tensor | None = None, row_offset: int = 0) -> torch.Tensor:
-    """``[N, K]`` this shard's ``log sum_s W[s, t] exp(z_s)`` at the teacher ids (``-inf`` where it has none), block by
-    block so that the entries of one block at a time exist; the heavy ids from the dense product (``plan.local_lse``
-    of the blocks' rows must be filled), recording which slots it gave in ``plan.dense``. ``logits`` may hold only rows
-    ``[row_offset, ...)`` (the fused path's token chunk) when ``blocks`` lie inside them."""
+class _TorchBlock:
+    """A block's map entries read with torch operations: :class:`ProjectedEntries` built once, each chunk's entries
+    and heavy students gathered from its ``exp(z - m)``, then one ``index_add`` and one dense product."""
+
+    def __init__(self, teacher: TeacherSupport, shard: ProjectionShard, plan: "LocalPlan", rows: slice, dtype):
+        self.teacher, self.shard, self.plan, self.rows, self.dtype = teacher, shard, plan, rows, dtype
+        heavy, device = plan.heavy, teacher.ids.device
+        num_rows = rows.stop - rows.start
+        self.heavy_slots = None if heavy is None else heavy.slot_column[rows] >= 0
+        per_entry = teacher.valid[rows] if heavy is None else teacher.valid[rows] & ~self.heavy_slots
+        self.entries = ProjectedEntries.of(teacher.ids[rows], per_entry, shard, dtype)
+        self.offsets = self.entries.row_offsets
+        self.shares = torch.empty(self.offsets[-1], dtype=dtype, device=device)  # each entry's exp(z - m)
+        self.factors = None if heavy is None else torch.empty(num_rows, heavy.num_students, dtype=dtype, device=device)
+
+    def read(self, first: int, last: int, exps: torch.Tensor) -> None:
+        """Reads the block's rows ``[first, last)`` from their ``exps`` (``[last - first, V/tp]``)."""
+        begin, end = self.offsets[first], self.offsets[last]
+        if begin < end:
+            torch.take(exps, self.entries.flat[begin:end] - first * exps.shape[1], out=self.shares[begin:end])
+        if self.factors is not None:
+            torch.index_select(exps, 1, self.plan.heavy.students, out=self.factors[first:last])
+
+    def values(self, shift: torch.Tensor, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """``[rows, K]`` projected logits, given the rows' ``shift`` ``m`` and ``logits`` (for the exact fallback)."""
+        entries, width, rows = self.entries, self.teacher.ids.shape[1], self.rows
+        totals = torch.zeros(shift.numel() * width, dtype=self.dtype, device=shift.device)
+        totals = totals.index_add_(0, entries.slot, self.shares.mul_(entries.weight)).view(-1, width)
+        value = shift.unsqueeze(1) + totals.log()  # -inf where this shard has no entry
+        exact = (entries.slot_counts.view(-1, width) > 0) & (totals < smallest_total(self.dtype))
+        heavy = self.plan.heavy
+        if heavy is not None:
+            dense_value, dense = heavy.pick(heavy.totals(self.factors), shift, rows)
+            self.plan.dense[rows] = dense
+            value = torch.where(dense, dense_value, value)
+            exact |= self.heavy_slots & ~dense
+        if bool(exact.any()):
+            again = ProjectedEntries.of(self.teacher.ids[rows], exact, self.shard, self.dtype)
+            recomputed = projected_logits(logits, again, exact.numel(), temperature, self.dtype).view(-1, width)
+            value = torch.where(exact, recomputed, value)
+        return value
+
+
+class _KernelBlock:
+    """A block's map entries read by the host kernels (:mod:`.cross_vocab_kernels`), every slot per entry: no entry is
+    materialised."""
+
+    def __init__(self, teacher: TeacherSupport, shard: ProjectionShard, plan: "LocalPlan", rows: slice, dtype):
+        self.shard, self.plan, self.rows, self.dtype = shard, plan, rows, dtype
+        self.valid = teacher.valid[rows]
+        self.ids = torch.where(self.valid, teacher.ids[rows], torch.zeros_like(teacher.ids[rows]))  # 0 at padding
+        self.totals = torch.empty(self.ids.shape, dtype=dtype, device=self.ids.device)
+        self.arrays = self.ids.numpy(), self.valid.numpy(), self.totals.numpy()
+
+    def read(self, first: int, last: int, exps: torch.Tensor) -> None:
+        ids, valid, totals = self.arrays
+        cross_vocab_kernels.project(exps, ids[first:last], valid[first:last], self.plan.kernel, totals[first:last])
+
+    def values(self, shift: torch.Tensor, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        shard = self.shard
+        value = shift.unsqueeze(1) + self.totals.log()  # -inf where this shard has no entry
+        has_entries = self.valid & (shard.indptr[self.ids + 1] > shard.indptr[self.ids])
+        exact = has_entries & (self.totals < smallest_total(self.dtype))
+        if bool(exact.any()):
+            ids, _, _ = self.arrays
+            cross_vocab_kernels.project_exact(logits, ids, exact.numpy(), self.plan.kernel, temperature, value.numpy())
+        return value
+
+
+def local_pass(logits: torch.Tensor, teacher: TeacherSupport, shard: ProjectionShard, plan: LocalPlan,
+               blocks: list[tuple[int, int]], temperature: float, dtype: torch.dtype, tokens_local: int,
+               out: torch.Tensor | None = None, row_offset: int = 0) -> torch.Tensor:
+    """``[N, K]`` this shard's ``log sum_s W[s, t] exp(z_s)`` at the teacher ids (``-inf`` where it has none), filling
+    ``plan.local_lse`` (and ``plan.dense``) of the blocks' rows in the same pass over the logits.
+
+    Each row chunk's ``exp(z - m)`` (``m`` the row's largest ``z``; :func:`exp_rows`, in one cache-sized scratch chunk)
+    gives the chunk's log-partition, and is read there, while it is in cache, at the map entries of the block
+    (:class:`_KernelBlock`, or :class:`_TorchBlock`: the entries built once a block, and the heavy ids' students):
+    ``y = m + log sum W exp(z - m)``. A slot whose sum falls under :func:`~.cross_vocab_heavy.smallest_total` (its
+    students hold almost none of the row's mass here, and some terms may have underflowed) is recomputed from the
+    logits with its own maximum taken out; so are the heavy slots, which then stay per entry in the backward.
+    ``logits`` may hold only rows ``[row_offset, ...)`` (the fused path's token chunk) when ``blocks`` lie inside
+    them."""
     out = torch.empty(teacher.ids.shape, dtype=dtype, device=logits.device) if out is None else out
-    width = teacher.ids.shape[1]
+    if not blocks:
+        return out
+    if tokens_local == 0:  # every column of this shard is padding: no mass, no map entries
+        for start, stop in blocks:
+            plan.local_lse[start:stop] = float("-inf")
+            out[start:stop] = float("-inf")
+        return out
+    vocab_local = logits.shape[1]
+    chunk = rows_per_chunk(vocab_local, logits.device)
+    work = torch.empty(min(chunk, max(stop - start for start, stop in blocks)), vocab_local, dtype=dtype,
+                       device=logits.device)
+    reader = _TorchBlock if plan.kernel is None else _KernelBlock
     for start, stop in blocks:
-        rows, block_logits = slice(start, stop), logits[start - row_offset:stop - row_offset]
-        if plan.heavy is not None:
-            dense_value, dense = plan.heavy.project(block_logits, plan.local_lse[rows], rows, temperature, dtype)
-            plan.dense[rows] = dense
-        entries = ProjectedEntries.of(teacher.ids[rows], plan.per_entry(teacher.valid[rows], rows), shard, dtype)
-        value = projected_logits(block_logits, entries, (stop - start) * width, temperature, dtype).view(-1, width)
-        out[rows] = value if plan.heavy is None else torch.where(plan.dense[rows], dense_value, value)
+        rows, num_rows = slice(start, stop), stop - start
+        block = reader(teacher, shard, plan, rows, dtype)
+        block_logits = logits[start - row_offset:stop - row_offset]
+        shift = torch.empty(num_rows, dtype=dtype, device=logits.device)
+        for first in range(0, num_rows, chunk):
+            last = min(first + chunk, num_rows)
+            exps = work[: last - first]
+            shift[first:last] = exp_rows(block_logits[first:last, :tokens_local], temperature,
+                                         exps[:, :tokens_local])
+            plan.local_lse[start + first:start + last] = shift[first:last] + exps[:, :tokens_local].sum(1).log()
+            block.read(first, last, exps)
+        plan.row_max[rows] = shift
+        out[rows] = block.values(shift, block_logits, temperature)
     return out
 
 
@@ -205,6 +323,15 @@ class ProjectionGrad:
         self.logits, self.row_offset = None, 0
         self._block: tuple | None = None
         self._index = 0  # rows are asked for in order: the search for a row's block starts at the last one
+        if self.plan.kernel is not None:
+            self._kernel_arrays = self._for_kernels()
+
+    def _for_kernels(self) -> tuple:
+        """NumPy arrays of the host kernels' backward: the teacher ids, ``d loss / d y / T`` (0 off the compared slots,
+        which the kernel skips: their ids are never read) and ``y``. The slots' gradient becomes the second in place:
+        at the backward's peak the loss holds no ``[N, K]`` array more than the torch path (docs/performance.md)."""
+        coef = self.slot_grad.masked_fill_(~self.state.compared, 0).div_(self.temperature)
+        return self.state.teacher_ids.contiguous().numpy(), coef.numpy(), self.projected.numpy()
 
     def attach(self, logits: torch.Tensor, row_offset: int = 0) -> None:
         """Reads rows ``[row_offset, row_offset + len(logits))`` from ``logits`` from now on (the fused path attaches
@@ -233,15 +360,23 @@ class ProjectionGrad:
         values = (z - self.projected.view(-1)[slot]).exp_().mul_(entries.weight).mul_(self.slot_grad.view(-1)[slot])
         if self.temperature != 1.0:
             values.div_(self.temperature)
-        offsets = [0] + entries.row_counts.cumsum(0).tolist()
+        offsets = entries.row_offsets
         heavy = None
         if self.plan.heavy is not None:
-            heavy = self.plan.heavy.gradient(logits, self.plan.local_lse[rows], rows, self.plan.dense[rows],
+            heavy = self.plan.heavy.gradient(logits, self.plan.row_max[rows], rows, self.plan.dense[rows],
                                              self.projected[rows], self.slot_grad[rows], self.temperature, self.dtype)
         self._block = (start, stop, entries.flat, values, offsets, heavy)
 
+    def _kernel_rows(self, out: torch.Tensor, start: int, stop: int) -> None:
+        ids, coef, projected = (array[start:stop] for array in self._kernel_arrays)
+        cross_vocab_kernels.grad_rows(self.logits[start - self.row_offset:stop - self.row_offset], ids, coef,
+                                      projected, self.plan.kernel, self.temperature, out)
+
     def add_to_rows(self, out: torch.Tensor, start: int, stop: int) -> None:
         """Adds the entries of rows ``[start, stop)`` into ``out`` (those rows, contiguous)."""
+        if self.plan.kernel is not None:
+            self._kernel_rows(out, start, stop)
+            return
         row = start
         while row < stop:
             self.ensure(row)
@@ -326,9 +461,10 @@ class _CrossVocabDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, teacher, projection, layout, divergence_name, options, temperature):
         dtype = compute_dtype(logits.dtype)
-        plan = LocalPlan.of(teacher, projection, dtype)
-        plan.local_lse.copy_(local_logsumexp(logits[:, : layout.tokens_local], temperature, dtype))
-        local_projected = local_projection(logits, teacher, projection, plan, plan.blocks, temperature, dtype)
+        plan = LocalPlan.of(teacher, projection, dtype, kernel=cross_vocab_kernels.available(logits.device,
+                                                                                              logits.dtype))
+        local_projected = local_pass(logits, teacher, projection, plan, plan.blocks, temperature, dtype,
+                                     layout.tokens_local)
         student_lse, projected = combine_projection(plan.local_lse, local_projected, layout)
         state, loss, metrics = evaluate_projection(student_lse, projected, teacher, plan, divergence_name, options)
         ctx.save_for_backward(logits)

@@ -25,7 +25,7 @@ from megatron_gkd.losses.cross_vocab import (
     check_projection,
     combine_projection,
     evaluate_projection,
-    local_projection,
+    local_pass,
     projection_grad,
 )
 from megatron_gkd.losses.fused import FusedOptions, check_hidden_and_weight
@@ -34,7 +34,6 @@ from megatron_gkd.losses.registry import cross_tokenizer_divergences, get_diverg
 from megatron_gkd.losses.shard_ops import (
     ShardLayout,
     compute_dtype,
-    local_logsumexp,
     rows_per_chunk,
     write_grad_rows,
     zero_padding_columns,
@@ -73,9 +72,8 @@ def fused_projection_partials(
     for start in range(0, num_tokens, chunk_size):
         stop = min(start + chunk_size, num_tokens)
         logits = hidden[start:stop] @ weight.t()  # [c, V/tp]
-        plan.local_lse[start:stop] = local_logsumexp(logits[:, : layout.tokens_local], temperature, dtype)
-        local_projection(logits, teacher, projection, plan, [b for b in plan.blocks if start <= b[0] < stop],
-                         temperature, dtype, out=local_projected, row_offset=start)
+        local_pass(logits, teacher, projection, plan, [b for b in plan.blocks if start <= b[0] < stop], temperature,
+                   dtype, layout.tokens_local, out=local_projected, row_offset=start)
         del logits
     return local_projected
 

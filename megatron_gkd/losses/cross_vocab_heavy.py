@@ -6,14 +6,14 @@ map a few teacher ids (common tokens, the first pieces of split words) are reach
 and are named by most rows, and they hold most of those entries. For them this module takes one product per block
 of rows instead, over the ``S`` students that the ``H`` heavy ids reach on this rank:
 
-    totals[h, r] = sum_s W[s, t_h] exp(z[r, s] - a_r)               ([H, S] sparse x [S, rows] dense)
-    y[r, h] = a_r + log totals[h, r]
+    totals[h, r] = sum_s W[s, t_h] exp(z[r, s] - m_r)               ([H, S] sparse x [S, rows] dense)
+    y[r, h] = m_r + log totals[h, r]
 
-with ``a_r`` this rank's log-partition of the row (every factor is at most 1). Its cost per row is the heavy
+with ``m_r`` the row's largest logit on this rank (every factor is at most 1). Its cost per row is the heavy
 columns' entries, shared by all ``H`` ids instead of paid per (row, id), and it reads each of the ``S`` logits of a
 row once. The backward is the transposed product, added to the ``S`` columns of the row's gradient:
 
-    d loss / d z[r, s] += exp(z[r, s] - a_r) / T * sum_h W[s, t_h] g[r, h] exp(a_r - y[r, h])
+    d loss / d z[r, s] += exp(z[r, s] - m_r) / T * sum_h W[s, t_h] g[r, h] exp(m_r - y[r, h])
 
 Which ids (:meth:`HeavyColumns.select`, once per call of the loss): this shard's entries on the id (its fan-in) at
 least :data:`DENSE_MIN_FAN_IN`, and named by at least :data:`DENSE_MIN_ROW_SHARE` of the rows. The dense product
@@ -22,8 +22,11 @@ pays for every row, the per-entry path only for the rows that name the id; on th
 an id named by fewer than about a quarter of the rows is cheaper per entry.
 
 Exactness: a (row, id) whose total is below the square root of the compute dtype's smallest normal (its students
-hold almost none of this rank's mass, some factors may have underflowed, and ``exp(a_r - y)`` would be huge) is
+hold almost none of this rank's mass, some factors may have underflowed, and ``exp(m_r - y)`` would be huge) is
 projected per entry instead, where each slot's own maximum is taken out; the rest is the same sum in another order.
+
+On the host the loss reads every entry with numba kernels instead (:mod:`.cross_vocab_kernels`); this module serves
+accelerators, narrow logits and the fused path.
 """
 
 from __future__ import annotations
@@ -110,21 +113,29 @@ class HeavyColumns:
         return cls(students, forward_matrix, backward_matrix, slot_column)
 
     def factors(self, logits: torch.Tensor, shift: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-        """``[rows, S]`` ``exp(z - a)`` at the heavy students of ``logits`` (``[rows, V/tp]``), ``shift`` ``a``
+        """``[rows, S]`` ``exp(z - m)`` at the heavy students of ``logits`` (``[rows, V/tp]``), ``shift`` ``m``
         ``[rows]``."""
         z = logits.index_select(1, self.students).to(dtype)
         if temperature != 1.0:
             z.div_(temperature)
         return z.sub_(shift.unsqueeze(1)).exp_()
 
-    def project(self, logits: torch.Tensor, shift: torch.Tensor, rows: slice, temperature: float,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([rows, K] y, [rows, K] dense)``: this shard's projected logits at the heavy ids of ``rows`` (whose logits
-        are ``logits``), and where they are taken from here (heavy, and a total that is not too small)."""
-        totals = torch.sparse.mm(self.forward_matrix, self.factors(logits, shift, temperature, dtype).t())  # [H, rows]
+    @property
+    def num_ids(self) -> int:
+        return int(self.forward_matrix.shape[0])
+
+    def totals(self, factors: torch.Tensor) -> torch.Tensor:
+        """``[H, rows]`` ``sum_s W[s, t_h] f[r, s]`` of ``factors`` ``f`` (``[rows, S]``, the rows' ``exp(z - m)`` at
+        the heavy students)."""
+        return torch.sparse.mm(self.forward_matrix, factors.t())
+
+    def pick(self, totals: torch.Tensor, shift: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([rows, K] y, [rows, K] dense)`` from the rows' ``totals`` (``[H, rows]``, relative to ``exp(shift)``):
+        this shard's projected logits at the heavy ids of ``rows``, and where they are taken from here (heavy, and a
+        total that is not too small)."""
         slot_column = self.slot_column[rows]
         picked = totals.t().gather(1, slot_column.clamp(min=0))  # [rows, K]
-        dense = (slot_column >= 0) & (picked >= smallest_total(dtype))
+        dense = (slot_column >= 0) & (picked >= smallest_total(totals.dtype))
         return shift.unsqueeze(1) + picked.log(), dense
 
     def gradient(self, logits: torch.Tensor, shift: torch.Tensor, rows: slice, dense: torch.Tensor,
@@ -132,7 +143,7 @@ class HeavyColumns:
                  dtype: torch.dtype) -> torch.Tensor:
         """``[rows, S]`` the dense slots' part of the logit gradient at the heavy students (``dense``, ``projected``
         (global ``y``) and ``slot_grad`` (``d loss / d y``) are the rows' ``[rows, K]``)."""
-        num_heavy = self.forward_matrix.shape[0]
+        num_heavy = self.num_ids
         scale = torch.where(dense, slot_grad * (shift.unsqueeze(1) - projected).exp(), torch.zeros_like(slot_grad))
         index = torch.where(dense, self.slot_column[rows], torch.full_like(self.slot_column[rows], num_heavy))
         per_id = torch.zeros(scale.shape[0], num_heavy + 1, dtype=dtype, device=scale.device)

@@ -124,10 +124,9 @@ def combine_shards(
     return torch.logsumexp(stacked[..., 0], dim=0), stacked[..., 1:].sum(0)
 
 
-def local_logsumexp_rows(
-    logits: torch.Tensor, temperature: float, work: torch.Tensor
-) -> torch.Tensor:
-    """``logsumexp(logits / T)`` over one row chunk, using ``work`` (same shape, compute dtype) as scratch."""
+def exp_rows(logits: torch.Tensor, temperature: float, work: torch.Tensor) -> torch.Tensor:
+    """Writes ``exp(logits / T - m)`` of one row chunk into ``work`` (same shape, compute dtype), ``m`` each row's
+    largest ``logits / T``, and returns ``m`` (``[rows]``, compute dtype): every value is at most 1."""
     row_max = logits.amax(dim=1, keepdim=True)
     if logits.dtype == work.dtype:
         torch.sub(logits, row_max, out=work)
@@ -137,7 +136,14 @@ def local_logsumexp_rows(
     if temperature != 1.0:
         work.div_(temperature)
     work.exp_()
-    return row_max.squeeze(1).to(work.dtype) / temperature + work.sum(dim=1).log()
+    return row_max.squeeze(1).to(work.dtype) / temperature
+
+
+def local_logsumexp_rows(
+    logits: torch.Tensor, temperature: float, work: torch.Tensor
+) -> torch.Tensor:
+    """``logsumexp(logits / T)`` over one row chunk, using ``work`` (same shape, compute dtype) as scratch."""
+    return exp_rows(logits, temperature, work) + work.sum(dim=1).log()
 
 
 def local_logsumexp(logits: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:

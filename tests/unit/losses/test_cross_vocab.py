@@ -7,15 +7,15 @@ import torch
 
 from megatron_gkd.losses import cross_vocab, shard_ops
 from megatron_gkd.losses.cross_vocab import (
-    ProjectedEntries,
+    LocalPlan,
     cross_vocab_distill_loss,
     cross_vocab_loss_on_layout,
-    projected_logits,
+    local_pass,
 )
 from megatron_gkd.losses.cross_vocab_fused import fused_cross_vocab_distill_loss
 from megatron_gkd.losses.projection_map import shard_projection
 from megatron_gkd.losses.registry import get_divergence
-from megatron_gkd.losses.shard_ops import ShardLayout, local_logsumexp
+from megatron_gkd.losses.shard_ops import ShardLayout
 from megatron_gkd.losses.vocab_parallel import prepare_teacher, vocab_parallel_distill_loss
 from megatron_gkd.testing import xtok_tokenizers
 from megatron_gkd.testing.cross_vocab import (
@@ -31,6 +31,8 @@ from megatron_gkd.testing.cross_vocab import (
     teacher_topk,
 )
 from megatron_gkd.xtok import build_projection
+
+pytestmark = pytest.mark.usefixtures("cross_vocab_paths")
 
 CASES = make_cases()
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -167,10 +169,10 @@ def _simulated_tp(case: CrossCase, loss_type: str, options: dict, tp_size: int, 
 
     def partials(rank: int) -> torch.Tensor:
         logits = shard(case.logits, rank, tp_size)
-        entries = ProjectedEntries.of(teacher.ids, teacher.valid, projections[rank], torch.float64)
-        local = projected_logits(logits, entries, teacher.ids.numel(), case.temperature, torch.float64)
-        lse = local_logsumexp(logits[:, : layouts[rank].tokens_local], case.temperature, torch.float64)
-        return torch.cat([lse.unsqueeze(1), local.view(teacher.ids.shape)], dim=1)
+        plan = LocalPlan.of(teacher, projections[rank], torch.float64)
+        local = local_pass(logits, teacher, projections[rank], plan, plan.blocks, case.temperature, torch.float64,
+                           layouts[rank].tokens_local)
+        return torch.cat([plan.local_lse.unsqueeze(1), local], dim=1)
 
     def gather(tensor: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
         pieces = [partials(rank) for rank in range(tp_size)]
@@ -360,3 +362,22 @@ def test_student_columns_compare_student_rows_without_the_map(method):
         held = torch.nonzero(block[1:] - block[:-1]).flatten()
         expected_held = torch.arange(rank * 12, min(rank * 12 + 12, real))
         assert torch.equal(held, expected_held) and part.mapped_rows_end == real
+
+
+@pytest.mark.parametrize("method", ["projected", "hybrid"])
+def test_slots_whose_sums_underflow_against_the_row_maximum_are_summed_again(method):
+    """Half the rows put their mass on a student that no teacher id reaches, 110 nats above every other: in fp32
+    exp(z - m) of the other students underflows to 0, so every slot of those rows sums to (almost) nothing relative
+    to the row's maximum and would look unmapped. Those slots are summed again with their own maximum taken out,
+    and the loss and gradient stay the dense reference's (the test fails without that second sum)."""
+    case = CASES[0]
+    unmapped = sorted(set(range(case.logits.shape[1])) - set(case.vocab_map.student_ids.tolist()))
+    logits = case.logits.clone()
+    logits[::2, unmapped[0]] += 110.0
+    moved = CrossCase(**{**case.__dict__, "logits": logits})
+    for loss_type, options in LOSS_CONFIGS:
+        loss, grad, _ = run_case(moved, loss_type, options, torch.float32, method, 0, 1, None)
+        expected, expected_grad = reference_case(moved, loss_type, options, torch.float32, method)
+        assert torch.isfinite(loss).all(), loss_type
+        assert relative(loss, expected) <= 1e-5, loss_type
+        assert relative(grad, expected_grad) <= 1e-5, loss_type

@@ -1,0 +1,19 @@
+"""The host kernels of the cross-tokenizer loss (megatron_gkd.losses.cross_vocab_kernels). Their values are checked
+through the loss, on both paths, by test_cross_vocab.py and test_cross_vocab_heavy.py (the cross_vocab_paths
+fixture); here, that the loss takes them where it should."""
+
+import torch
+
+from megatron_gkd.losses import cross_vocab_kernels
+
+
+def test_the_host_kernels_serve_cpu_fp32_and_fp64_logits(monkeypatch):
+    """The cpu extra brings numba, so on the host the kernels are the path the loss takes; this fails where they
+    would silently never run."""
+    monkeypatch.setattr(cross_vocab_kernels, "ENABLED", True)
+    assert cross_vocab_kernels.available(torch.device("cpu"), torch.float32)
+    assert cross_vocab_kernels.available(torch.device("cpu"), torch.float64)
+    assert not cross_vocab_kernels.available(torch.device("cpu"), torch.bfloat16)
+    assert not cross_vocab_kernels.available(torch.device("meta"), torch.float32)
+    monkeypatch.setattr(cross_vocab_kernels, "ENABLED", False)
+    assert not cross_vocab_kernels.available(torch.device("cpu"), torch.float32)
