@@ -31,11 +31,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import logging
 import math
 import types
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # Off: the torch operations run even where the kernels could (tests and benchmarks compare both).
 ENABLED = True
@@ -53,8 +56,54 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
 def _compiled() -> types.SimpleNamespace:
     import numba
 
+    global _prefetch
+    try:
+        _prefetch = _prefetch_intrinsic()
+        numba.njit(nogil=True)(_touch).compile("(float32[:, :], int64, int64)")
+    except Exception as error:  # another numba / LLVM than the cpu extra's: the loops run without the hint
+        logger.warning("cross-tokenizer host kernels: no software prefetch (%s: %s); the backward is about 1.7x "
+                       "slower where the logits are not in cache", type(error).__name__, error)
+        _prefetch = _no_prefetch
     jit = numba.njit(nogil=True, cache=True)
     return types.SimpleNamespace(project=jit(_project), project_exact=jit(_project_exact), grad_rows=jit(_grad_rows))
+
+
+def _prefetch_intrinsic():
+    """``_prefetch(array, i, j)``: LLVM's prefetch hint for ``array[i, j]`` (write intent, keep in all caches)."""
+    from llvmlite import ir
+    from numba import types as numba_types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def prefetch(typingctx, array, row, column):
+        def codegen(context, builder, signature, args):
+            array_type = signature.args[0]
+            view = context.make_array(array_type)(context, builder, args[0])
+            pointer = cgutils.get_item_pointer(context, builder, array_type, view, [args[1], args[2]],
+                                               wraparound=False)
+            byte_pointer, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            hint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [byte_pointer, i32,
+                                                                                                  i32, i32]),
+                                                  "llvm.prefetch.p0i8")
+            builder.call(hint, [builder.bitcast(pointer, byte_pointer), ir.Constant(i32, 1), ir.Constant(i32, 3),
+                                ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return numba_types.void(array, row, column), codegen
+
+    return prefetch
+
+
+def _no_prefetch(array, row, column):  # pragma: no cover - compiled by numba
+    pass
+
+
+_prefetch = _no_prefetch  # replaced by the intrinsic when the loops are compiled
+
+
+def _touch(array, row, column):  # pragma: no cover - compiled by numba: checks that the intrinsic compiles here
+    _prefetch(array, row, column)
 
 
 def _project(exps, ids, mask, indptr, student, weight, totals):  # pragma: no cover - compiled by numba
@@ -84,6 +133,11 @@ def _project_exact(z, ids, mask, indptr, student, weight, inv_temperature, out):
                 out[r, k] = peak + math.log(acc)
 
 
+# How many entries ahead the backward asks for the logit and the gradient it will touch (16: 0.096 s against 0.167 s
+# without the hint for the benchmark's 4.7 million entries; 4: 0.11, 8: 0.10, 32: 0.10).
+PREFETCH_DISTANCE = 16
+
+
 def _grad_rows(z, ids, coef, projected, indptr, student, weight, inv_temperature, out):  # pragma: no cover - numba
     rows, width = ids.shape
     for r in range(rows):
@@ -91,7 +145,12 @@ def _grad_rows(z, ids, coef, projected, indptr, student, weight, inv_temperature
             c = coef[r, k]
             if c != 0.0:
                 t, y_k = ids[r, k], projected[r, k]
-                for e in range(indptr[t], indptr[t + 1]):
+                end = indptr[t + 1]
+                for e in range(indptr[t], end):
+                    if e + PREFETCH_DISTANCE < end:
+                        ahead = student[e + PREFETCH_DISTANCE]
+                        _prefetch(z, r, ahead)
+                        _prefetch(out, r, ahead)
                     s = student[e]
                     out[r, s] += c * weight[e] * math.exp(z[r, s] * inv_temperature - y_k)
 
