@@ -29,10 +29,13 @@ CSR over teacher ids (:class:`~.projection_map.ProjectionShard`, built by
 (``y_t`` over its own students, a stable log-sum-exp per (row, id)), and ONE all-gather of ``[N, 1+K]`` combines
 the log-partitions and the partial ``y`` by ``logsumexp`` over ranks. The backward writes the gradient in one pass:
 ``lse_coef softmax(z)`` densely plus, for each map entry under a compared id, ``g_t W[s,t] exp(z_s - y_t)``.
-Teacher ids with a large fan-in that many rows name are projected instead by one sparse product per block of rows
-over the students they reach (:mod:`.cross_vocab_heavy`; :class:`LocalPlan` records which slots took it). Besides
-the same-tokenizer loss it holds the map entries under the support (the ids' fan-in) and the dense product's
-``[rows, S]`` factors, one block of rows at a time, at most one ``[c, V/tp]`` chunk's bytes.
+The forward reads each row chunk's ``exp(z - m)`` at the map entries while the log-partition pass has it in cache
+(:func:`local_pass`). On the host (CPU fp32/fp64 logits, numba installed) the entries are read by compiled loops over
+the map's CSR (:mod:`.cross_vocab_kernels`), which materialise nothing per entry. Elsewhere torch operations build
+them block by block, and teacher ids with a large fan-in that many rows name are projected instead by one sparse
+product per block of rows over the students they reach (:mod:`.cross_vocab_heavy`; :class:`LocalPlan` records which
+slots took it); besides the same-tokenizer loss that path holds the map entries under the support (the ids' fan-in)
+and the dense product's ``[rows, S]`` factors, one block of rows at a time, at most one ``[c, V/tp]`` chunk's bytes.
 
 The fused output layer (``hidden @ W^T`` recomputed in token chunks) is :mod:`.cross_vocab_fused`. The teacher's
 ``hidden`` signal is compared as its exact top-k (:func:`megatron_gkd.losses.hidden.hidden_topk`, made in the step from
