@@ -63,7 +63,7 @@ def _compiled() -> types.SimpleNamespace:
     except Exception as error:  # another numba / LLVM than the cpu extra's: the loops run without the hint
         logger.warning("cross-tokenizer host kernels: no software prefetch (%s: %s); the backward is about 1.7x "
                        "slower where the logits are not in cache", type(error).__name__, error)
-        _prefetch = _no_prefetch
+        _prefetch = numba.njit(inline="always")(_no_prefetch)
     jit = numba.njit(nogil=True, cache=True)
     return types.SimpleNamespace(project=jit(_project), project_exact=jit(_project_exact), grad_rows=jit(_grad_rows))
 
@@ -99,7 +99,7 @@ def _no_prefetch(array, row, column):  # pragma: no cover - compiled by numba
     pass
 
 
-_prefetch = _no_prefetch  # replaced by the intrinsic when the loops are compiled
+_prefetch = _no_prefetch  # replaced by the intrinsic (or this, compiled) when the loops are compiled
 
 
 def _touch(array, row, column):  # pragma: no cover - compiled by numba: checks that the intrinsic compiles here
