@@ -247,7 +247,7 @@ class _KernelBlock:
     materialised."""
 
     def __init__(self, teacher: TeacherSupport, shard: ProjectionShard, plan: "LocalPlan", rows: slice, dtype):
-        self.shard, self.plan, self.rows, self.dtype = shard, plan, rows, dtype
+        self.shard, self.plan, self.dtype = shard, plan, dtype
         self.valid = teacher.valid[rows]
         self.ids = torch.where(self.valid, teacher.ids[rows], torch.zeros_like(teacher.ids[rows]))  # 0 at padding
         self.totals = torch.empty(self.ids.shape, dtype=dtype, device=self.ids.device)
@@ -328,6 +328,7 @@ class ProjectionGrad:
         self._index = 0  # rows are asked for in order: the search for a row's block starts at the last one
         if self.plan.kernel is not None:
             self._kernel_arrays = self._for_kernels()
+            self.slot_grad = None  # its storage now holds the kernels' coefficients
 
     def _for_kernels(self) -> tuple:
         """NumPy arrays of the host kernels' backward: the teacher ids, ``d loss / d y / T`` (0 off the compared slots,
