@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-from megatron_gkd.testing.hf_models import TINY_CONFIGS
+from megatron_gkd.testing.hf_models import TINY_CONFIGS, VLLM_MLA_DIMS
 
 # The tested tiny config (routing, YaRN, MTP off) at MLA dims vLLM's CPU kernel accepts.
 BASE = dict(
@@ -31,10 +31,7 @@ BASE = dict(
     num_attention_heads=4,
     num_key_value_heads=4,
     q_lora_rank=64,
-    kv_lora_rank=512,
-    qk_nope_head_dim=64,
-    qk_rope_head_dim=64,
-    v_head_dim=64,
+    **VLLM_MLA_DIMS,
     max_position_embeddings=1024,
     bos_token_id=0,
     eos_token_id=1,

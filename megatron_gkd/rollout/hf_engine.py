@@ -146,12 +146,15 @@ class HFEngine(RolloutEngine):
         """Copies HF-named tensors into the model's parameters in place and sets the weight version.
 
         Args:
-            named_tensors: ``(hf_name, full tensor)`` pairs, any subset of the model's weights (consumed once).
+            named_tensors: ``(hf_name, full tensor)`` pairs, every weight of the model (consumed once); a tied
+                output layer is its embedding (``lm_head.weight`` may come, or not, beside ``embed_tokens``).
             version: the version of the weights after this load (recorded in later batches).
 
         Raises:
-            ValueError: a name the model does not have, or a shape that differs (the engine is then stale).
+            ValueError: a name the model does not have, a shape that differs, or a parameter that got no tensor (the
+                engine is then stale: it would sample from a mix of two versions).
         """
+        written: set[int] = set()
         with torch.no_grad():
             for name, tensor in named_tensors:
                 target = self._tensors.get(name)
@@ -161,6 +164,12 @@ class HFEngine(RolloutEngine):
                     raise ValueError(f"rollout engine 'hf' got weight {name!r} of shape {tuple(tensor.shape)}, its "
                                      f"model's is {tuple(target.shape)}")
                 target.copy_(tensor)
+                written.add(id(target))
+        # named_parameters() lists a tied parameter once: the alias written under either name counts.
+        missing = [name for name, param in self._model.named_parameters() if id(param) not in written]
+        if missing:
+            raise ValueError(f"rollout engine 'hf' got no tensor for {len(missing)} of its weights ({missing[0]!r}, "
+                             "...): a weight sync sends every weight")
         self._weight_version = int(version)
         logger.debug("hf rollout engine now holds weight version %d", version)  # every step: DEBUG
 

@@ -102,6 +102,10 @@ TINY_CONFIGS: dict[str, dict] = {
     ),
 }
 
+# The MLA dims vLLM's CPU kernel accepts (``kv_lora_rank + qk_rope_head_dim = 576``; the tiny config's 64 is refused:
+# "Head dimension 64 is not supported by MLA"): a tiny DeepSeek-V3 that a vLLM engine can load.
+VLLM_MLA_DIMS = dict(kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64)
+
 # ~370 MB in float32 (12 layers of 768 wide, 2048 MLP, 8192 vocabulary): the memory test and benchmark.
 LARGE_LLAMA = dict(
     hidden_size=768,

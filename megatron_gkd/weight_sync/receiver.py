@@ -20,14 +20,14 @@ from megatron_gkd.weight_sync.buckets import BucketSpec, allocate, arena_views, 
 from megatron_gkd.weight_sync.config import WeightSyncConfig, warn_if_unauthenticated
 from megatron_gkd.weight_sync.errors import ChecksumMismatch, WeightSyncError, WeightSyncTransportError
 from megatron_gkd.weight_sync.plan import WeightSyncPlan
-from megatron_gkd.weight_sync.reload_logs import quiet_reload_logs
+from megatron_gkd.weight_sync.reload_logs import audit_reload, reprocess_tied_layers
 from megatron_gkd.weight_sync.verify import check_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
 
 def reload_vllm_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Loads ``(hf_name, tensor)`` pairs into ``llm`` through vLLM's in-place reload.
+    """Loads ``(hf_name, tensor)`` pairs, every weight of the model, into ``llm`` through vLLM's in-place reload.
 
     ``worker.model_runner.reload_weights`` reruns the backend's post-load processing, which writing
     ``param.data`` or calling ``load_weights`` after start-up does not (seen on vLLM 0.32's CPU backend, which
@@ -35,15 +35,24 @@ def reload_vllm_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
     second ``load_weights`` failed on the emptied parameters). The pairs are consumed lazily, so a receiver can stream
     buckets into it. One worker per process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` or ``external_launcher``): the iterator is consumed once.
+
+    Raises:
+        WeightSyncError: the reload left a layer or a weight out (vLLM only warns, and keeps the old tensors there:
+            :mod:`~megatron_gkd.weight_sync.reload_logs`); the engine then mixes two versions.
     """
     weights = iter(named_tensors)
 
     def reload(worker):
-        quiet_reload_logs(worker.model_runner.get_model())  # only the warnings that say nothing (see there)
+        model = worker.model_runner.get_model()
+        audit = audit_reload(model)
         worker.model_runner.reload_weights(weights_iterator=weights)
-        _repack_cpu_moe_experts(worker.model_runner.get_model())
+        reprocess_tied_layers(model)  # a tied head's processed copy of the embedding (vLLM skips it)
+        _repack_cpu_moe_experts(model)
+        return audit.problems()
 
-    llm.collective_rpc(reload)
+    problems = [found for found in llm.collective_rpc(reload) if found]
+    if problems:
+        raise WeightSyncError(f"vLLM's reload left weights out, so the engine mixes old and new weights: {problems[0]}")
 
 
 def _repack_cpu_moe_experts(model) -> int:

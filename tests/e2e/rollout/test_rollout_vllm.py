@@ -76,29 +76,34 @@ def test_too_long_prompts_are_rejected_not_cut(engine):
     assert engine.generate([fits], SamplingConfig(temperature=0.0, max_tokens=16)).num_samples == 1
 
 
-def test_load_weights_changes_outputs_and_version(engine, model_dir, reference):
-    """Runs once the weight-sync receiver is on the branch (issue 5, weight_sync side)."""
-    pytest.importorskip("megatron_gkd.weight_sync.receiver")
+def _checkpoint_weights(model_dir, **replaced) -> list:
+    """Every tensor of the checkpoint (a weight sync sends them all), with ``replaced`` ones swapped in."""
     from safetensors.torch import load_file
 
+    weights = load_file(f"{model_dir}/model.safetensors")
+    return [(name, replaced.get(name.replace(".", "_"), tensor)) for name, tensor in weights.items()]
+
+
+def test_load_weights_changes_outputs_and_version(engine, model_dir, reference):
     greedy = SamplingConfig(temperature=0.0, max_tokens=4)
-    original = load_file(f"{model_dir}/model.safetensors")["lm_head.weight"]
-    engine.load_weights([("lm_head.weight", torch.zeros_like(original))], version=1)
+    head = dict(_checkpoint_weights(model_dir))["lm_head.weight"]
+    engine.load_weights(_checkpoint_weights(model_dir, lm_head_weight=torch.zeros_like(head)), version=1)
     try:
         batch = engine.generate(PROMPTS[:1], greedy)
         assert batch.weight_version == 1 and engine.weight_version == 1
         assert batch.response(0) == [0, 0, 0, 0]  # all logits equal: the first id wins
         torch.testing.assert_close(batch.logprobs(0), torch.full((4,), -torch.log(torch.tensor(256.0))))
     finally:
-        engine.load_weights([("lm_head.weight", original)], version=2)
+        engine.load_weights(_checkpoint_weights(model_dir), version=2)
     assert engine.generate(PROMPTS[:1], greedy).response(0) == reference.greedy(PROMPTS[0], 4)
 
 
-def test_a_partial_reload_names_the_layers_left_out_but_not_the_rotary_cache(engine, model_dir):
-    """vLLM warns "<layer>: Failed to load weights" for every layer a reload left out; the trainer silences
-    only the ones that say nothing (megatron_gkd/weight_sync/reload_logs.py): a real failure still shows."""
-    from safetensors.torch import load_file
-
+def test_a_partial_reload_fails_naming_the_layers_left_out_but_not_the_rotary_cache(engine, model_dir, reference):
+    """vLLM only warns "<layer>: Failed to load weights" for every layer a reload left out, and keeps the old
+    tensors there: the load fails instead, naming them (megatron_gkd/weight_sync/reload_logs.py), and the engine
+    refuses to generate until a complete load; the rotary cache, which no checkpoint holds, is never named."""
+    from megatron_gkd.rollout import StaleWeightsError
+    from megatron_gkd.weight_sync import WeightSyncError
     from megatron_gkd.weight_sync.reload_logs import LAYERWISE_LOGGER
 
     reported: list[str] = []
@@ -109,10 +114,17 @@ def test_a_partial_reload_names_the_layers_left_out_but_not_the_rotary_cache(eng
 
     handler = Collect()
     logging.getLogger(LAYERWISE_LOGGER).addHandler(handler)
+    head = dict(_checkpoint_weights(model_dir))["lm_head.weight"]
     try:
-        original = load_file(f"{model_dir}/model.safetensors")["lm_head.weight"]
-        engine.load_weights([("lm_head.weight", original)], version=3)  # every other layer left out
+        with pytest.raises(WeightSyncError, match=r"layers that got no weights: .*Linear.*weights not loaded: model\."
+                           ) as raised:
+            engine.load_weights([("lm_head.weight", head)], version=3)  # every other layer left out
     finally:
         logging.getLogger(LAYERWISE_LOGGER).removeHandler(handler)
-    assert any("Linear: Failed to load weights" in line for line in reported), reported
-    assert not any(line.startswith("RotaryEmbedding") for line in reported), reported
+    assert "Rotary" not in str(raised.value) and "lm_head" not in str(raised.value)
+    assert not any("Failed to load weights" in line for line in reported), reported  # in the error, not the log
+    with pytest.raises(StaleWeightsError, match="version 3"):
+        engine.generate(PROMPTS[:1], SamplingConfig(temperature=0.0, max_tokens=4))
+    engine.load_weights(_checkpoint_weights(model_dir), version=4)
+    assert engine.generate(PROMPTS[:1], SamplingConfig(temperature=0.0, max_tokens=4)).response(0) == \
+        reference.greedy(PROMPTS[0], 4)

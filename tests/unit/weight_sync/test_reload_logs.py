@@ -1,6 +1,7 @@
-"""vLLM's reload warnings: the two that say nothing are dropped, every other one still shows.
+"""vLLM's reload warnings: the ones that say nothing are dropped, every other one fails the reload, in words.
 
-The real reload (a vLLM engine, one tensor of many reloaded) is in tests/e2e/rollout/test_rollout_vllm.py.
+The real reloads (a vLLM engine, one tensor of many reloaded; tied heads) are in tests/e2e/rollout/test_rollout_vllm.py
+and tests/e2e/weight_sync/test_tied_engines.py.
 """
 
 import importlib.util
@@ -9,26 +10,43 @@ import pathlib
 
 import pytest
 
-from megatron_gkd.weight_sync.reload_logs import FAILED_TO_LOAD, LAYERWISE_LOGGER, HarmlessReloadWarnings
+from megatron_gkd.weight_sync.reload_logs import (
+    DERIVED_PARAMETERS,
+    FAILED_TO_LOAD,
+    INPLACE_LOGGER,
+    LAYERWISE_LOGGER,
+    NOT_LOADED,
+    ReloadAudit,
+)
 
 
-def _record(message: str, *args) -> logging.LogRecord:
-    return logging.getLogger(LAYERWISE_LOGGER).makeRecord(LAYERWISE_LOGGER, logging.WARNING, "layerwise.py", 266,
-                                                          message, args, None)
+def _record(message: str, *args, logger: str = LAYERWISE_LOGGER) -> logging.LogRecord:
+    return logging.getLogger(logger).makeRecord(logger, logging.WARNING, "layerwise.py", 266, message, args, None)
 
 
-def test_only_the_named_harmless_layers_are_dropped():
-    harmless = HarmlessReloadWarnings({"RotaryEmbedding", "ParallelLMHead"})
-    assert not harmless.filter(_record(FAILED_TO_LOAD, "RotaryEmbedding"))
-    assert not harmless.filter(_record(FAILED_TO_LOAD, "ParallelLMHead"))
-    # A layer that should have received weights and did not: a real failure, shown.
-    assert harmless.filter(_record(FAILED_TO_LOAD, "QKVParallelLinear"))
-    assert harmless.filter(_record(FAILED_TO_LOAD, "VocabParallelEmbedding"))
-    # Any other message of that logger, even naming a harmless class, is shown.
-    assert harmless.filter(_record("%s: Excessive loading", "RotaryEmbedding"))
+def test_harmless_layers_are_dropped_and_the_rest_are_kept_as_problems():
+    audit = ReloadAudit({"RotaryEmbedding", "ParallelLMHead"})
+    assert not audit.filter(_record(FAILED_TO_LOAD, "RotaryEmbedding"))
+    assert not audit.filter(_record(FAILED_TO_LOAD, "ParallelLMHead"))
+    assert audit.problems() is None
+    # Layers that should have received weights and did not: dropped from the log, kept for the error.
+    assert not audit.filter(_record(FAILED_TO_LOAD, "QKVParallelLinear"))
+    assert not audit.filter(_record(FAILED_TO_LOAD, "QKVParallelLinear"))
+    assert not audit.filter(_record(FAILED_TO_LOAD, "VocabParallelEmbedding"))
+    names = {f"model.layers.{i}.mlp.down_proj.weight" for i in range(7)}
+    names |= {"model.layers.0.self_attn.mla_attn.mla_attn.W_UK_T", "model.layers.0.self_attn.mla_attn.mla_attn.W_UV"}
+    assert not audit.filter(_record(NOT_LOADED, names, logger=INPLACE_LOGGER))
+    problems = audit.problems()
+    assert "QKVParallelLinear x2" in problems and "VocabParallelEmbedding x1" in problems
+    assert "model.layers.0.mlp.down_proj.weight" in problems and "and 2 more" in problems  # MLA's derived two: not
+    assert "W_UK_T" not in problems
+    # Any other message of those loggers, even naming a harmless class, is shown.
+    assert audit.filter(_record("%s: Excessive loading", "RotaryEmbedding"))
+    audit.reset({"RotaryEmbedding"})
+    assert audit.problems() is None
 
 
-def test_a_real_failure_reaches_the_handlers_of_the_vllm_logger():
+def test_a_problem_never_reaches_the_handlers_of_the_vllm_logger_but_other_warnings_do():
     logger = logging.getLogger(LAYERWISE_LOGGER)
     seen: list[str] = []
 
@@ -36,16 +54,18 @@ def test_a_real_failure_reaches_the_handlers_of_the_vllm_logger():
         def emit(self, record):
             seen.append(record.getMessage())
 
-    handler, harmless = Collect(), HarmlessReloadWarnings({"RotaryEmbedding"})
+    handler, audit = Collect(), ReloadAudit({"RotaryEmbedding"})
     logger.addHandler(handler)
-    logger.addFilter(harmless)
+    logger.addFilter(audit)
     try:
         logger.warning(FAILED_TO_LOAD, "RotaryEmbedding")
         logger.warning(FAILED_TO_LOAD, "RowParallelLinear")
+        logger.warning("Allocating %.1f MB of device memory", 3.0)
     finally:
-        logger.removeFilter(harmless)
+        logger.removeFilter(audit)
         logger.removeHandler(handler)
-    assert seen == ["RowParallelLinear: Failed to load weights"]
+    assert seen == ["Allocating 3.0 MB of device memory"]
+    assert audit.problems() == "layers that got no weights: RowParallelLinear x1"
 
 
 def test_vllm_still_logs_the_message_the_filter_matches():
@@ -55,6 +75,11 @@ def test_vllm_still_logs_the_message_the_filter_matches():
         pytest.skip("vLLM is not installed")
     source = pathlib.Path(spec.origin).parent / "model_executor" / "model_loader" / "reload" / "layerwise.py"
     assert f'logger.warning("{FAILED_TO_LOAD}", layer.__class__.__name__)' in source.read_text()
+    mla = source.parents[2] / "layers" / "attention" / "mla_attention.py"
+    for name in DERIVED_PARAMETERS:  # still made from kv_b_proj in the layer's processing
+        assert f'replace_parameter(self, "{name}",' in mla.read_text()
+    inplace = source.parent / "inplace.py"
+    assert " ".join(f'"{NOT_LOADED}",'.split()) in " ".join(inplace.read_text().split())
 
 
 def test_only_the_tokenizerless_chat_template_warmup_failure_is_dropped():
