@@ -96,6 +96,26 @@ def test_dense_tp2_then_pp2_into_a_tp1_engine(tmp_path, capfd):
     _assert_clean_exit(capfd)
 
 
+def test_tied_embeddings_tp2_then_pp2_three_syncs_each_into_a_tp1_engine(tmp_path, capfd):
+    """Tied embeddings (Qwen2 here; SmolLM2, Qwen3-0.6B..4B, Llama-3.2 alike): the plan sends the embedding once, and
+    each of three syncs per layout is verified (``verify=True``). At PP=2 the embedding and the output layer sit on
+    different stages: the last stage's copy must stay equal to the first's (Megatron all-reduces their gradients over
+    the embedding group), or the engine, whose head is the embedding, would part from the student's logits."""
+    qwen2 = make_tiny_checkpoint("Qwen2ForCausalLM", tmp_path / "qwen2", seed=8)
+    assert '"tie_word_embeddings": true' in (tmp_path / "qwen2" / "config.json").read_text()
+    runs = [
+        dict(layout="tp2", path=qwen2, port=free_port(), steps=1, syncs=3, engine=qwen2),
+        dict(layout="pp2", path=str(tmp_path / "tp2-saved"), port=free_port(), steps=1, syncs=3, engine=qwen2),
+    ]
+    trainer0, trainer1, rollout = _disaggregated(tmp_path, runs)
+    for index in range(2):
+        assert trainer0[index]["plan"].count("lm_head") == 0  # the head is the embedding, sent once
+        logits = trainer0[index]["logits"] or trainer1[index]["logits"]
+        assert rollout[index]["version"] == 3
+        _check(rollout[index]["before"], rollout[index]["after"], logits, trainer0[index]["saved"])
+    _assert_clean_exit(capfd)
+
+
 @pytest.mark.slow
 def test_moe_ep2_into_a_tp1_engine(tmp_path):
     moe = make_tiny_checkpoint("Qwen3MoeForCausalLM", tmp_path / "moe", seed=6)
