@@ -66,8 +66,9 @@ def mismatch_sums(
     train_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """This rank's sums behind :func:`rollout_mismatch` over ``mask`` (no collective): 0-dim float64 ``k1`` and
-    ``k3`` (sums over the tokens), ``max_log_ratio`` and ``max_inverse_log_ratio`` (the largest ``log pi_train -
-    log pi_behaviour`` and its negation; ``-inf`` without tokens) and ``num_tokens``.
+    ``k3`` (sums over the tokens), ``abs`` (the sum of ``|log pi_train - log pi_behaviour|``), ``max_log_ratio`` and
+    ``max_inverse_log_ratio`` (the largest ``log pi_train - log pi_behaviour`` and its negation; ``-inf`` without
+    tokens) and ``num_tokens``.
 
     Raises:
         ValueError: shapes that differ.
@@ -81,6 +82,7 @@ def mismatch_sums(
     zero = torch.zeros_like(log_ratio)
     return {"k1": torch.where(mask, KL_ESTIMATORS.get("k1").fn(log_ratio), zero).sum(),
             "k3": torch.where(mask, KL_ESTIMATORS.get("k3").fn(log_ratio), zero).sum(),
+            "abs": torch.where(mask, log_ratio.abs(), zero).sum(),
             "max_log_ratio": torch.where(mask, log_ratio, -torch.inf).max() if mask.numel() else zero.new_tensor(-torch.inf),
             "max_inverse_log_ratio": torch.where(mask, -log_ratio, -torch.inf).max() if mask.numel()
             else zero.new_tensor(-torch.inf),

@@ -82,7 +82,7 @@ class RolloutServer:
                 if self.receiver is None:
                     raise RuntimeError("rollout server got new weights but has no weight receiver attached")
                 try:
-                    self.receiver.sync(self.engine, expect_version=int(request["version"]))
+                    self.receiver.sync(self.engine, expect_version=int(request["version"]), check=request.get("check"))
                 except WeightSyncError as error:
                     logger.error("rollout server: the update to weight version %s failed (%s); serving on, the engine "
                                  "refuses to generate until an update succeeds", request["version"], error)
@@ -128,9 +128,10 @@ class RolloutClient(RolloutEngine):
         self._weight_version = batch.weight_version
         return batch
 
-    def update_weights(self, version: int) -> None:
-        """Tells the server to receive weights ``version`` now; the trainers' sender must send them next."""
-        _broadcast({"op": "update", "version": int(version)}, self._trainer_rank, self._group)
+    def update_weights(self, version: int, check: float | None = None) -> None:
+        """Tells the server to receive weights ``version`` now; the trainers' sender must send them next (``check``:
+        the server verifies the engine with this tolerance, the periodic engine check)."""
+        _broadcast({"op": "update", "version": int(version), "check": check}, self._trainer_rank, self._group)
 
     def close(self) -> None:
         """Stops the server (collective over the trainer ranks and the serving rank)."""

@@ -40,21 +40,24 @@ def asset_overrides(assets: pathlib.Path) -> list[str]:
             f"data.train_path={assets / 'train.jsonl'}", f"data.eval_path={assets / 'eval.jsonl'}"]
 
 
-def command(out: pathlib.Path, overrides: list[str], nproc: int = 2, config: pathlib.Path = CONFIG) -> list[str]:
+def command(out: pathlib.Path, overrides: list[str], nproc: int = 2, config: pathlib.Path = CONFIG,
+            module: str = TRAINER_CLI) -> list[str]:
+    """The torchrun command of a run; ``module``: the trainer's CLI, or a test's module that wraps it (run from the
+    repository root, e.g. ``tests.e2e.trainer.stale_engine``)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            "-m", TRAINER_CLI, "--config", str(config), f"trainer.output_dir={out}",
+            "-m", module, "--config", str(config), f"trainer.output_dir={out}",
             "logging.progress_bar=false", *overrides]
 
 
 def start(out: pathlib.Path, overrides: list[str], nproc: int = 2, log_name: str = "run.log", env: dict | None = None,
-          config: pathlib.Path = CONFIG):
+          config: pathlib.Path = CONFIG, module: str = TRAINER_CLI):
     """Starts a run of ``config``; its output goes to ``out/../<out name>-<log_name>``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     log_path = out.parent / f"{out.name}-{log_name}"
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     environment.pop("PYTEST_CURRENT_TEST", None)
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command(out, overrides, nproc, config), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(command(out, overrides, nproc, config, module), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                    env=environment, start_new_session=True, text=True)
     process.log_path = log_path
     return process
@@ -69,9 +72,9 @@ def wait(process, timeout_s: float = 900) -> int:
 
 
 def run(out: pathlib.Path, overrides: list[str], nproc: int = 2, timeout_s: float = 900, log_name: str = "run.log",
-        config: pathlib.Path = CONFIG, env: dict | None = None):
+        config: pathlib.Path = CONFIG, env: dict | None = None, module: str = TRAINER_CLI):
     """Runs to the end; returns ``(exit code, log text)``."""
-    process = start(out, overrides, nproc, log_name, env=env, config=config)
+    process = start(out, overrides, nproc, log_name, env=env, config=config, module=module)
     code = wait(process, timeout_s)
     return code, process.log_path.read_text(errors="replace")
 

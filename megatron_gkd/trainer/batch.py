@@ -256,38 +256,84 @@ class PolicyShare:
 @dataclasses.dataclass(slots=True)
 class PolicySlice:
     """The policy-gradient term's tensors in a micro-batch, ``[b, s]`` at the positions that predict each response
-    token: the sampled ``token_ids``, the reward ``advantages`` (float64), the tokens' ``coefficients`` (float64), the
-    rollout engine's ``behaviour`` log-probs and the teacher's ``teacher_logprobs`` (float32, or None)."""
+    token: the reward ``advantages`` (float64), the tokens' ``coefficients`` (float64) and the teacher's
+    ``teacher_logprobs`` (float32, or None). The sampled tokens and the rollout engine's log-probs are the
+    micro-batch's :class:`SampledSlice`."""
 
-    token_ids: torch.Tensor
     advantages: torch.Tensor
     coefficients: torch.Tensor
-    behaviour: torch.Tensor
     teacher_logprobs: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "PolicySlice":
         return PolicySlice(*(None if t is None else t.to(device) for t in (
-            self.token_ids, self.advantages, self.coefficients, self.behaviour, self.teacher_logprobs)))
+            self.advantages, self.coefficients, self.teacher_logprobs)))
 
 
 def _policy_slice(share: PolicyShare, samples: Sequence[Sample], shape: tuple[int, int]) -> PolicySlice:
     """The policy-gradient inputs at the positions that predict each response token (0 elsewhere)."""
     b, width = shape
-    token_ids = torch.zeros(b, width, dtype=torch.int64)
     advantages = torch.zeros(b, width, dtype=torch.float64)
     coefficients = torch.zeros(b, width, dtype=torch.float64)
-    behaviour = torch.zeros(b, width, dtype=torch.float32)
     teacher = None if share.teacher_logprobs is None else torch.zeros(b, width, dtype=torch.float32)
     for i, sample in enumerate(samples):
         start, length = sample.prompt_len - 1, sample.response_len
-        token_ids[i, start : start + length] = sample.tokens[sample.prompt_len:]
         advantages[i, start : start + length] = float(share.advantages[i])
         coefficients[i, start : start + length] = share.coefficients[i]
-        assert sample.logprobs is not None, "the policy gradient needs the rollout engine's log-probs"
-        behaviour[i, start : start + length] = sample.logprobs
         if teacher is not None:
             teacher[i, start : start + length] = share.teacher_logprobs[i]
-    return PolicySlice(token_ids, advantages, coefficients, behaviour, teacher)
+    return PolicySlice(advantages, coefficients, teacher)
+
+
+@dataclasses.dataclass(slots=True)
+class SampledSlice:
+    """The sampled tokens of a micro-batch, ``[b, s]`` at the positions that predict them: what the policy gradient
+    trains and what the rollout-engine check (:mod:`megatron_gkd.trainer.engine_check`) compares.
+
+    Attributes:
+        token_ids: the response tokens (0 elsewhere).
+        logprobs: float32, the rollout engine's raw log-prob of each (0 elsewhere).
+        student: True at tokens the rollout engine sampled (not a dataset's or the teacher's response).
+        current: True at the ones it sampled with the weights this update starts from: the trainer's log-probs of
+            those must be the engine's (up to arithmetic), anything more is an engine that serves other weights.
+        checked: the step compares them even where no pass of the loss yields the log-probs for free.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    student: torch.Tensor
+    current: torch.Tensor
+    checked: bool = False
+
+    def to(self, device: torch.device) -> "SampledSlice":
+        return SampledSlice(self.token_ids.to(device), self.logprobs.to(device), self.student.to(device),
+                            self.current.to(device), self.checked)
+
+
+def _sampled_slice(samples: Sequence[Sample], shape: tuple[int, int], weight_version: int | None,
+                   version: int | None, checked: bool) -> SampledSlice:
+    """The sampled tokens at the positions that predict them; ``weight_version``: the one that sampled the batch
+    (a partial rollout's samples record theirs per token), ``version``: the update's."""
+    b, width = shape
+    token_ids = torch.zeros(b, width, dtype=torch.int64)
+    logprobs = torch.zeros(b, width, dtype=torch.float32)
+    student = torch.zeros(b, width, dtype=torch.bool)
+    current = torch.zeros(b, width, dtype=torch.bool)
+    for i, sample in enumerate(samples):
+        start, length = sample.prompt_len - 1, sample.response_len
+        token_ids[i, start : start + length] = sample.tokens[sample.prompt_len:]
+        assert sample.logprobs is not None, "a sampled response carries the rollout engine's log-probs"
+        logprobs[i, start : start + length] = sample.logprobs
+        if sample.source != "student":
+            continue
+        student[i, start : start + length] = True
+        if version is None:
+            continue
+        if sample.versions is not None:
+            current[i, start : start + length] = sample.versions == version
+        elif weight_version == version:
+            current[i, start : start + length] = True
+    return SampledSlice(token_ids, logprobs, student, current, checked)
+
 
 @dataclasses.dataclass(slots=True)
 class MicroBatch:
@@ -308,6 +354,8 @@ class MicroBatch:
     loss, expert load) leave them out, so they do not depend on how far a layout pads."""
     policy: PolicySlice | None = None
     """The policy-gradient term's inputs (``rl.combine``; last stage only)."""
+    sampled: SampledSlice | None = None
+    """The sampled tokens and the rollout engine's log-probs (training batches; last stage only)."""
     sources: dict[str, torch.Tensor] | None = None
     """GKD's mixture (``sample_mix``): per source, ``[b, s]`` True at the loss positions of its samples (every source
     of the run, empty or not, so every micro-batch reports the same statistics)."""
@@ -323,10 +371,10 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved = {f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-                 for f in dataclasses.fields(self) if f.name not in ("teachers", "sources", "version")}
+                 for f in dataclasses.fields(self) if f.name not in ("teachers", "sources", "version", "sampled")}
         sources = None if self.sources is None else {name: where.to(device) for name, where in self.sources.items()}
         return MicroBatch(**moved, teachers=[teacher.to(device) for teacher in self.teachers], sources=sources,
-                          version=self.version)
+                          version=self.version, sampled=None if self.sampled is None else self.sampled.to(device))
 
 
 def common_shape(samples: Sequence[Sample], plan: Sequence[Sequence[int]], pad_multiple: int = 1) -> tuple[int, int]:
@@ -382,7 +430,8 @@ def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Ten
                      rows: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None, labels: bool = False,
                      pad_token_id: int = 0, shape: tuple[int, int] | None = None,
                      teachers: Sequence[TeacherShare] | None = None, policy: PolicyShare | None = None,
-                     sources: Sequence[str] | None = None, version: int | None = None) -> MicroBatch:
+                     sources: Sequence[str] | None = None, version: int | None = None,
+                     sampled: tuple[int | None, bool] | None = None) -> MicroBatch:
     """The ``[b, s]`` tensors of ``samples`` (right padding; positions past a sample carry no loss).
 
     Args:
@@ -400,6 +449,8 @@ def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Ten
         sources: the run's sample sources (``sample_mix``): a loss mask per source (``MicroBatch.sources``).
         version: the weight version of the update that trains ``samples`` (``MicroBatch.version``); their tokens'
             own versions (``Sample.versions``) are placed where the samples carry them.
+        sampled: ``(the weight version that sampled them, whether the engine check is due)``: the sampled tokens
+            (``MicroBatch.sampled``; training batches on ranks with a loss).
     """
     width = max(s.input_len for s in samples)
     width = -(-width // pad_multiple) * pad_multiple
@@ -412,6 +463,8 @@ def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Ten
     weights = torch.zeros(b, width, dtype=torch.float64)
     label_ids = torch.full((b, width), pad_token_id, dtype=torch.int64) if labels else None
     versioned = version is not None and any(sample.versions is not None for sample in samples)
+    assert policy is None or sampled is not None, "the policy gradient reads the sampled tokens (sampled=...)"
+    sampled_slice = None if sampled is None else _sampled_slice(samples, (b, width), sampled[0], version, sampled[1])
     token_versions = torch.full((b, width), -1, dtype=torch.int64) if versioned else None
     for i, (sample, coefficient) in enumerate(zip(samples, coefficients, strict=True)):  # rows past them: padding
         start, length = sample.prompt_len - 1, sample.response_len
@@ -435,7 +488,7 @@ def build_microbatch(samples: Sequence[Sample], coefficients: Sequence[torch.Ten
     return MicroBatch(tokens=tokens, position_ids=position_ids, loss_mask=loss_mask, coefficients=weights,
                       labels=label_ids, teachers=slices, padding_mask=padding_mask,
                       policy=None if policy is None else _policy_slice(policy, samples, (b, width)), sources=masks,
-                      token_versions=token_versions, version=version if versioned else None)
+                      token_versions=token_versions, version=version if versioned else None, sampled=sampled_slice)
 
 
 def _teacher_slice(share: TeacherShare, samples: Sequence[Sample], shape: tuple[int, int]) -> TeacherSlice:

@@ -20,13 +20,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_gkd.config import needs_teacher
+from megatron_gkd.config import needs_teacher, student_samples
 from megatron_gkd.config.checks import generating_teacher
 from megatron_gkd.config.partial import partial_rollouts
 from megatron_gkd.data.tokenization import pad_id
 from megatron_gkd.parallel.comm import agree, broadcast_msgpack
 from megatron_gkd.rollout.types import RolloutBatch
 from megatron_gkd.teacher import GenerateBatch
+from megatron_gkd.trainer import engine_check
 from megatron_gkd.trainer.batch import (
     TeacherShare,
     build_microbatch,
@@ -155,6 +156,7 @@ class BatchFlow:
             asker = torch.tensor([self.rank if self.exchange.is_teacher_rank and state.dp_rank == 0 else -1])
             dist.all_reduce(asker, op=dist.ReduceOp.MAX, group=control)
             self._generator_rank = int(asker)
+        self._engine_checked = False  # the first training batch of this process checks the engine
         self.partial = None  # trainer.scheduler=partial: the buffer of unfinished samples and its driver
         if partial_rollouts(config):
             self.partial = PartialRollout(config, rollout, prompts_per_step=config.trainer.global_batch_size // config.rollout.n,
@@ -343,8 +345,19 @@ class BatchFlow:
                 coefficients = [c * self.config.rl.kd_coef for c in coefficients]
             sources = (STUDENT, self.mix.source) if self.mix.enabled and not scoring else None
             microbatches = self.microbatches(samples, coefficients, rows, labels=False if scoring else None,
-                                             policy=policy, sources=sources, version=None if scoring else batch.index)
+                                             policy=policy, sources=sources, version=None if scoring else batch.index,
+                                             sampled=None if scoring else self._sampled(batch))
         return Prepared(microbatches, confidence)
+
+    def _sampled(self, batch: InFlight) -> tuple[int, bool] | None:
+        """What :func:`~megatron_gkd.trainer.batch.build_microbatch` needs to place the sampled tokens (the engine
+        check, the policy gradient): the version that sampled the batch and whether the check is due; None where no
+        token was sampled by the student or this rank computes no loss."""
+        if not (self.state.is_pipeline_last_stage and student_samples(self.config)):
+            return None
+        due = engine_check.check_due(self.config.weight_sync.check_interval, batch.index, first=not self._engine_checked)
+        self._engine_checked = True
+        return batch.rollout.weight_version, due
 
     def policy(self, batch: InFlight, rows: dict):
         """The policy-gradient inputs of this rank's share (:mod:`.policy`) on the last stage; None elsewhere or
@@ -426,11 +439,12 @@ class BatchFlow:
         return shares
 
     def microbatches(self, samples, coefficients, rows: dict, *, labels: bool | None = None, policy=None,
-                     sources=None, version: int | None = None) -> list:
+                     sources=None, version: int | None = None, sampled: tuple[int, bool] | None = None) -> list:
         """The micro-batches of ``samples`` (every rank of a pipeline plans the same cuts; ``policy``: the
         policy-gradient inputs of ``samples``, a :class:`~megatron_gkd.trainer.batch.PolicyShare`; ``sources``: the
         mixture's source names, whose losses are measured apart; ``version``: the update's weight version, against
-        which the loss measures the staleness of samples that record their tokens' versions)."""
+        which the loss measures the staleness of samples that record their tokens' versions; ``sampled``: the
+        version that sampled them and whether the engine check is due, where the loss reads the sampled tokens)."""
         trainer, parallel = self.config.trainer, self.config.parallel
         plan = plan_microbatches([s.input_len for s in samples], micro_batch_size=trainer.micro_batch_size,
                                  max_tokens=trainer.max_tokens_per_microbatch)
@@ -448,7 +462,7 @@ class BatchFlow:
                                  teachers=[share.take(indices) for share in shares], labels=labels,
                                  pad_token_id=self.pad_id, shape=shape,
                                  policy=None if policy is None else policy.take(indices), sources=sources,
-                                 version=version)
+                                 version=version, sampled=sampled)
                 for indices, shape in zip(plan, shapes)]
 
     def _expert_parallel_cuts(self, samples, plan, multiple: int) -> tuple[list, list]:

@@ -19,8 +19,8 @@ from megatron_gkd.config.schema import MODES
 from megatron_gkd.data import PromptSampler, load_prompts, load_tokenizer
 from megatron_gkd.data.tokenization import stop_token_ids
 from megatron_gkd.parallel.comm import all_gather_msgpack, broadcast_msgpack
+from megatron_gkd.trainer import engine_check, run_dir
 from megatron_gkd.trainer import metrics as run_metrics
-from megatron_gkd.trainer import run_dir
 from megatron_gkd.trainer.checkpointing import RunCheckpoints
 from megatron_gkd.trainer.components import build_rollout, build_student, teacher_check
 from megatron_gkd.trainer.eval import Evaluator, TeacherKL
@@ -198,6 +198,8 @@ class Trainer:
             now = time.perf_counter()
             metrics["time/step"], clock = now - clock, now  # wall time since the previous step's end
             self._log(metrics)
+            # Every rank has the step's figures now: every rank stops, and no checkpoint holds this step.
+            engine_check.check(self.last_metrics, tolerance=engine_check.tolerance_of(config), step=self.step)
             self._checkpoint_if_due()
             if self.preemption.requested():
                 self._save_checkpoint()

@@ -18,7 +18,7 @@ import time
 from typing import Iterator
 
 from megatron_gkd import platform
-from megatron_gkd.trainer import run_dir
+from megatron_gkd.trainer import engine_check, run_dir
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +260,7 @@ def loss_metrics(stats: dict, teacher_names: list[str] | None = None) -> dict:
         metrics["train/token_staleness_mean"] = stats["token_staleness"] / max(stats["tokens"], 1.0)
         metrics["train/token_staleness_max"] = stats["token_staleness_max"]
     metrics.update(policy_metrics(stats))
+    metrics.update(engine_check.metrics(stats))
     metrics.update(mixture_loss_metrics(stats))
     return metrics
 
@@ -280,8 +281,7 @@ def mixture_loss_metrics(stats: dict) -> dict:
 def policy_metrics(stats: dict) -> dict:
     """The policy-gradient term's figures (``rl.combine``) from a step's summed statistics: its loss, the teacher's
     part of the loss (``train/kd_loss``), per-token means (advantage, clipped share, the teacher's KL estimate, the
-    importance weight) and the rollout-trainer mismatch: ``KL(rollout || trainer)`` by k1 and k3, the largest
-    ``pi_train / pi_rollout`` and ``pi_rollout / pi_train`` over the sampled tokens."""
+    importance weight); the rollout-trainer mismatch is :func:`.engine_check.metrics`'s."""
     if "pg/tokens" not in stats:
         return {}
     tokens = max(stats["pg/tokens"], 1.0)
@@ -289,9 +289,6 @@ def policy_metrics(stats: dict) -> dict:
     for key in ("advantage", "clipped", "teacher_kl", "tis_weight"):
         if f"pg/{key}" in stats:
             metrics[f"pg/{key}"] = stats[f"pg/{key}"] / tokens
-    metrics.update({"mismatch/kl_k1": stats["mismatch/k1"] / tokens, "mismatch/kl_k3": stats["mismatch/k3"] / tokens,
-                    "mismatch/max_ratio": stats["mismatch/max_ratio"],
-                    "mismatch/max_inverse_ratio": stats["mismatch/max_inverse_ratio"]})
     return metrics
 
 

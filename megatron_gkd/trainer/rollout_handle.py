@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron_gkd.config import student_samples
 from megatron_gkd.parallel.comm import all_gather_msgpack, broadcast_msgpack
 from megatron_gkd.rollout.types import RolloutBatch, concat_batches, decode_batch, encode_batch
+from megatron_gkd.trainer import engine_check
 from megatron_gkd.weight_sync import colocated_sync
 
 
@@ -42,6 +43,8 @@ class Rollout:
         self.rank = dist.get_rank()
         self.version = 0  # the student weights the engine (or server) holds
         self._receiver = None
+        self._syncs = 0
+        self._check_tolerance = engine_check.tolerance_of(config)
 
     @property
     def in_background(self) -> bool:
@@ -83,18 +86,28 @@ class Rollout:
     def sync(self, chunks, version: int, *, force: bool = False) -> None:
         """Puts weights ``version`` into the engine: every step while the student samples; otherwise only when
         ``force``d (off-policy, SFT and a mixture that never draws the student sample nothing, eval refreshes the
-        engine)."""
+        engine). The first sync of this process and every ``weight_sync.check_interval``-th version are verified as
+        the periodic engine check (:mod:`.engine_check`: every scheduler and layout, where the sampled tokens' check
+        covers only tokens sampled with the weights being trained).
+
+        Raises:
+            WeightSyncError: the sync failed, or its check found the engine computing other weights (colocated; a
+                rollout server's engine refuses to generate instead, which the next rollout reports).
+        """
         if self.version == version or not (force or student_samples(self.config)):
             return
+        interval = self.config.weight_sync.check_interval
+        check = self._check_tolerance if interval and (self._syncs == 0 or version % interval == 0) else None
         with self.timers("weight_sync"):
             if self.remote is not None:
-                self.remote.sync(chunks, version)
-            elif self.engine.shares_student_weights:
+                self.remote.sync(chunks, version, check)
+            elif self.engine.shares_student_weights:  # the engine is the student: nothing can be stale
                 self.engine.load_weights(iter(()), version)
             else:
                 self._receiver = colocated_sync(chunks, self.engine, self._plan, self.config.weight_sync, version=version,
-                                                receiver=self._receiver)
+                                                receiver=self._receiver, check=check)
         self.version = version
+        self._syncs += 1
 
     def close(self) -> None:
         """Stops the engine or the rollout server (every rank)."""

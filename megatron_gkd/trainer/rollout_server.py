@@ -76,11 +76,13 @@ class RemoteRollout:
         """A batch (every trainer rank gets the same), waiting for requests queued before it."""
         return self.submit(self.client.generate, prompts, sampling).result()
 
-    def sync(self, chunks, version: int) -> None:
-        """Sends weights ``version`` to the server (after queued rollouts); returns once they are sent."""
+    def sync(self, chunks, version: int, check: float | None = None) -> None:
+        """Sends weights ``version`` to the server (after queued rollouts); returns once they are sent (``check``: the
+        server verifies them with this tolerance, the periodic engine check: a failure leaves its engine refusing to
+        generate, which the next rollout reports)."""
         def update():
-            self.client.update_weights(version)
-            self.sender.sync(chunks, version)
+            self.client.update_weights(version, check)
+            self.sender.sync(chunks, version, check=check is not None)
 
         self.submit(update).result()
 

@@ -164,7 +164,7 @@ class PolicySpec:
 
 
 # Statistics reduced by their maximum over micro-batches and ranks (the others are sums).
-MAX_STATS = ("mismatch/max_ratio", "mismatch/max_inverse_ratio", "token_staleness_max")
+MAX_STATS = ("mismatch/max_ratio", "mismatch/max_inverse_ratio", "engine/max_abs", "token_staleness_max")
 
 
 LossSpecs = Union[LossSpec, Mapping[str, LossSpec]]
@@ -327,7 +327,7 @@ class StepRunner:
             riding = self._tokens_riding_along(specs, microbatch)
             for share in microbatch.teachers:
                 spec = spec_for(specs, share.name)
-                tokens = microbatch.policy.token_ids.to(device) if riding and sampled is None else None
+                tokens = microbatch.sampled.token_ids.to(device) if riding and sampled is None else None
                 part, part_stats = self._teacher_loss(spec, share.to(device), captured, output, mask, tokens)
                 sampled = part_stats.pop("token_logprobs", sampled)
                 self._source_stats(stats, microbatch, part_stats.pop("weighted"))
@@ -338,13 +338,19 @@ class StepRunner:
                     stats[f"tokens{suffix}"] = (mask & (share.coefficients.to(device) != 0)).sum().double()
             if several:
                 stats["loss"] = contribution.detach().double()
+        raw = sampled.detach() if sampled is not None and spec_for(specs).temperature == 1.0 else None
         if microbatch.policy is not None and self.policy is not None:
             stats["kd/loss"] = contribution.detach().double()
-            part, part_stats = self._policy_loss(self.policy, microbatch.policy.to(device), captured, output, mask,
-                                                 sampled)
+            part, part_stats = self._policy_loss(self.policy, microbatch.policy.to(device),
+                                                 microbatch.sampled.token_ids.to(device), microbatch.sampled.logprobs.to(device),
+                                                 captured, output, mask, sampled)
+            policy_logprobs = part_stats.pop("token_logprobs")
+            raw = policy_logprobs if self.policy.temperature == 1.0 else None
             contribution = contribution + part
             stats.update(part_stats)
             stats["loss"] = contribution.detach().double()
+        if microbatch.sampled is not None:
+            stats.update(self._sampled_stats(spec_for(specs), microbatch, captured, output, mask, raw))
         stats.setdefault("loss", contribution.detach().double())
         # Undo the schedule's division by the number of micro-batches and DDP's average over DP ranks.
         return contribution * self._scale, {key: value.detach().cpu() for key, value in stats.items()}
@@ -371,14 +377,18 @@ class StepRunner:
             stats[f"mix/weight/{name}"] = (microbatch.coefficients.to(weighted.device) * where).sum().double()
 
     def _tokens_riding_along(self, specs, microbatch: MicroBatch) -> bool:
-        """Whether the policy gradient's sampled-token log-probs come from the first teacher's divergence pass
-        (one read of the logit shard, or one chunked recomputation of the fused logits, and one gradient write for
-        both terms): top-k rows at the policy's temperature."""
-        if self.policy is None or microbatch.policy is None or not microbatch.teachers:
+        """Whether the sampled tokens' log-probs come from the first teacher's divergence pass (one read of the logit
+        shard, or one chunked recomputation of the fused logits, and one gradient write for both terms): top-k rows
+        of the student's vocabulary, at the policy's temperature (the policy gradient reads them) or, without one,
+        at temperature 1 (the engine check compares them with the engine's raw log-probs)."""
+        if microbatch.sampled is None or not microbatch.teachers:
             return False
-        first = microbatch.teachers[0].name
-        spec = spec_for(specs, first)
-        return spec.signal.sends_topk and spec.fused == self.policy.fused and spec.temperature == self.policy.temperature
+        spec = spec_for(specs, microbatch.teachers[0].name)
+        if not spec.signal.sends_topk or spec.projection is not None:
+            return False
+        if self.policy is None or microbatch.policy is None:
+            return spec.temperature == 1.0
+        return spec.fused == self.policy.fused and spec.temperature == self.policy.temperature
 
     def _teacher_loss(self, spec: LossSpec, share, captured, output: torch.Tensor, mask: torch.Tensor,
                       token_ids: torch.Tensor | None = None):
@@ -477,31 +487,29 @@ class StepRunner:
         return contribution, {"loss": contribution.detach().double(), **self._token_metrics(metrics, weights != 0),
                               "weighted": (per_token * weights.to(per_token.dtype)).detach()}
 
-    def _policy_loss(self, spec: PolicySpec, policy, captured, output, mask, sampled: torch.Tensor | None = None):
-        """The policy-gradient term ``sum(coefficient x pg loss)`` over the micro-batch and its statistics: the
-        sampled tokens' log-probs from the same logit shards (or hidden states) as the divergence, no gather
-        (``sampled``: already taken in the divergence's pass, ``[b, s]``)."""
+    def _token_logprobs(self, spec, token_ids: torch.Tensor, captured, output, temperature: float) -> torch.Tensor:
+        """``[b, s]`` log-probs of ``token_ids`` from the same logit shards (or hidden states, ``spec.fused``) as the
+        divergence, no gather (``spec``: a :class:`LossSpec` or :class:`PolicySpec`)."""
         tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
-        common = dict(real_vocab_size=spec.real_vocab_size)
+        if spec.fused:  # hidden [b, s, h] as the model returned it
+            return fused_vocab_parallel_token_logprobs(
+                output, captured.weight, token_ids, tp_group, temperature=temperature, chunk_size=spec.chunk_size,
+                all_reduce_hidden_grad=not captured.sequence_parallel, real_vocab_size=spec.real_vocab_size)
+        return vocab_parallel_token_logprobs(captured.logits, token_ids.transpose(0, 1), tp_group, temperature=temperature,
+                                             real_vocab_size=spec.real_vocab_size).transpose(0, 1)
 
-        def logprobs_at(temperature: float) -> torch.Tensor:  # [b, s]
-            if spec.fused:  # hidden [b, s, h] as the model returned it
-                return fused_vocab_parallel_token_logprobs(
-                    output, captured.weight, policy.token_ids, tp_group, temperature=temperature,
-                    chunk_size=spec.chunk_size, all_reduce_hidden_grad=not captured.sequence_parallel, **common)
-            return vocab_parallel_token_logprobs(captured.logits, policy.token_ids.transpose(0, 1), tp_group,
-                                                 temperature=temperature, **common).transpose(0, 1)
-
-        logprobs = sampled if sampled is not None else logprobs_at(spec.temperature)
-        if spec.temperature == 1.0:
-            raw = logprobs.detach()
-        else:  # the rollout engine reports raw (temperature 1) log-probs: compare like with like
-            with torch.no_grad():
-                raw = logprobs_at(1.0)
+    def _policy_loss(self, spec: PolicySpec, policy, token_ids: torch.Tensor, behaviour: torch.Tensor, captured, output,
+                     mask, sampled: torch.Tensor | None = None):
+        """The policy-gradient term ``sum(coefficient x pg loss)`` over the micro-batch and its statistics (with
+        ``token_logprobs``: the sampled tokens' detached log-probs at the policy's temperature): the sampled tokens'
+        log-probs from the same logit shards (or hidden states) as the divergence, no gather (``sampled``: already
+        taken in the divergence's pass, ``[b, s]``); ``behaviour``: the rollout engine's."""
+        logprobs = sampled if sampled is not None else self._token_logprobs(spec, token_ids, captured, output,
+                                                                            spec.temperature)
         advantages, kl = token_advantages(spec.combination, policy.advantages, logprobs.detach(),
                                           policy.teacher_logprobs, kd_coef=spec.kd_coef, estimator=spec.estimator)
         options = PolicyGradientOptions.of(spec.options)
-        behaviour = policy.behaviour.to(logprobs.dtype) if options.tis_cap is not None else None
+        behaviour = behaviour.to(logprobs.dtype) if options.tis_cap is not None else None
         per_token, metrics = policy_gradient_from_logprobs(logprobs, torch.where(mask, advantages, 0.0), None,
                                                            behaviour, options)
         zero = torch.zeros_like(per_token)
@@ -511,17 +519,35 @@ class StepRunner:
         def total(value: torch.Tensor) -> torch.Tensor:
             return torch.where(mask, value.to(zero.dtype), zero).sum().double()
 
-        mismatch = mismatch_sums(raw, policy.behaviour, mask)  # summed over micro-batches and ranks by run()
         stats = {"pg/loss": contribution.detach().double(), "pg/tokens": mask.sum().double(),
                  "pg/advantage": total(advantages), "pg/clipped": total(metrics["clipped"]),
-                 "mismatch/k1": mismatch["k1"], "mismatch/k3": mismatch["k3"],
-                 "mismatch/max_ratio": mismatch["max_log_ratio"].exp(),
-                 "mismatch/max_inverse_ratio": mismatch["max_inverse_log_ratio"].exp()}
+                 "token_logprobs": logprobs.detach()}
         if kl is not None:
             stats["pg/teacher_kl"] = total(kl)
         if "tis_weight" in metrics:
             stats["pg/tis_weight"] = total(metrics["tis_weight"])
         return contribution, stats
+
+    def _sampled_stats(self, spec: LossSpec, microbatch: MicroBatch, captured, output, mask, raw) -> dict:
+        """The trainer's raw log-probs of the sampled tokens against the rollout engine's (:mod:`.engine_check`):
+        sums over every sampled token (``mismatch/*``) and over those sampled with the weights being trained
+        (``engine/*``). ``raw``: the trainer's, when a pass of the loss gave them at temperature 1; otherwise a no-grad
+        pass computes them where the check is due or the policy gradient logs the mismatch every step."""
+        sampled = microbatch.sampled
+        if raw is None:
+            if spec.kind.needs_labels or not (sampled.checked or microbatch.policy is not None):
+                return {}
+            with torch.no_grad():
+                raw = self._token_logprobs(spec, sampled.token_ids.to(mask.device), captured, output, 1.0)
+        engine = sampled.logprobs.to(mask.device)
+        everything = mismatch_sums(raw, engine, mask & sampled.student.to(mask.device))
+        current = mismatch_sums(raw, engine, mask & sampled.current.to(mask.device))
+        return {"mismatch/k1": everything["k1"], "mismatch/k3": everything["k3"],
+                "mismatch/max_ratio": everything["max_log_ratio"].exp(),
+                "mismatch/max_inverse_ratio": everything["max_inverse_log_ratio"].exp(),
+                "mismatch/tokens": everything["num_tokens"], "engine/abs": current["abs"],
+                "engine/tokens": current["num_tokens"],
+                "engine/max_abs": torch.maximum(current["max_log_ratio"], current["max_inverse_log_ratio"])}
 
     @staticmethod
     def _token_metrics(metrics: dict, mask: torch.Tensor) -> dict:

@@ -19,7 +19,7 @@ from megatron_gkd.models import export_hf_weights, parallel_state_of
 from megatron_gkd.weight_sync.config import WeightSyncConfig
 from megatron_gkd.weight_sync.errors import WeightSyncError
 from megatron_gkd.weight_sync.plan import WeightSyncPlan
-from megatron_gkd.weight_sync.verify import check_prompt_logprobs, student_prompt_logprobs
+from megatron_gkd.weight_sync.verify import check_prompt_logprobs, student_prompt_logprobs, verification
 
 logger = logging.getLogger(__name__)
 
@@ -83,20 +83,23 @@ class ColocatedReceiver:
         self.last_sync_s = time.perf_counter() - start
         return version
 
-    def verify(self, engine, expected_logprobs: torch.Tensor) -> float:
+    def verify(self, engine, expected_logprobs: torch.Tensor, check: float | None = None) -> float:
         """Marks ``engine`` stale and raises :class:`~megatron_gkd.weight_sync.verify.WeightSyncMismatch` unless its
-        log-probs on ``config.verify_prompts`` are the student's; returns the largest error."""
+        log-probs on ``config.verify_prompts`` are the student's (``check``: the periodic check's tolerance, see
+        :func:`~megatron_gkd.weight_sync.verify.verification`); returns the error."""
+        tolerance, mean = verification(self.config, check) or (self.config.verify_tolerance, False)
         try:
             got = engine.prompt_logprobs(self.config.verify_prompts)
-            return check_prompt_logprobs(got, expected_logprobs, self.config.verify_tolerance, self.version)
+            return check_prompt_logprobs(got, expected_logprobs, tolerance, self.version, mean=mean)
         except WeightSyncError as error:
             engine.mark_stale(str(error))
             raise
 
 
 def colocated_sync(chunks, engine, plan: WeightSyncPlan, config: WeightSyncConfig, version: int, *,
-                   receiver: ColocatedReceiver | None = None) -> ColocatedReceiver | None:
-    """One sync where the trainer rank holds the rollout engine (or ``engine=None`` on ranks without one).
+                   receiver: ColocatedReceiver | None = None, check: float | None = None) -> ColocatedReceiver | None:
+    """One sync where the trainer rank holds the rollout engine (or ``engine=None`` on ranks without one); verified
+    with ``config.verify``, or, with ``check`` (a tolerance in nats), as the periodic engine check.
 
     Every trainer rank calls it (the exporter's gathers are collectives, and so is ``verify``'s forward of the
     student). Needs every tensor on the engine's rank after the TP and expert-parallel gathers: pipeline parallel
@@ -114,7 +117,7 @@ def colocated_sync(chunks, engine, plan: WeightSyncPlan, config: WeightSyncConfi
     if engine is None:
         for _ in tensors:
             pass
-        if config.verify:
+        if verification(config, check) is not None:
             student_prompt_logprobs(chunks, config.verify_prompts)
         return None
     receiver = receiver or ColocatedReceiver(plan, config)
@@ -122,7 +125,8 @@ def colocated_sync(chunks, engine, plan: WeightSyncPlan, config: WeightSyncConfi
         receiver.sync(engine, tensors, version)
     finally:
         # After the stream, on every rank whatever happened: the student's forward is a TP collective too.
-        expected = student_prompt_logprobs(chunks, config.verify_prompts) if config.verify else None
+        verifies = verification(config, check) is not None
+        expected = student_prompt_logprobs(chunks, config.verify_prompts) if verifies else None
     if expected is not None:
-        receiver.verify(engine, expected)
+        receiver.verify(engine, expected, check)
     return receiver

@@ -39,6 +39,13 @@ class WeightSyncConfig:
     """After every sync, compare vLLM's prompt log-probs on ``verify_prompts`` with the student's."""
     verify_prompts: tuple[tuple[int, ...], ...] = ((1, 5, 9, 14, 3, 7, 2, 11),)
     verify_tolerance: float = 1e-4
+    check_interval: int = 10
+    """The cheap check, on by default (:mod:`megatron_gkd.trainer.engine_check`): the rollout engine's log-probs of the
+    tokens it sampled against the trainer's, on the first batch a process trains and every ``check_interval``-th
+    (and on every batch where the loss's own pass yields them: top-k signal at temperature 1); 0: only where free."""
+    check_tolerance: float | None = None
+    """The largest mean ``|log pi_train - log pi_engine|`` in nats over the tokens sampled with the weights being
+    trained; past it the run stops (``StaleRolloutEngine``). Null: 1e-3 for a float32 student, 0.05 for bf16/fp16."""
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -51,6 +58,10 @@ class WeightSyncConfig:
             raise ValueError(f"weight_sync.transfer={self.transfer!r}; choose one of {list(TRANSFERS)}")
         if self.checksum not in CHECKSUMS:
             raise ValueError(f"weight_sync.checksum={self.checksum!r}; choose one of {sorted(CHECKSUMS)}")
+        if self.check_interval < 0:
+            raise ValueError(f"weight_sync.check_interval must be >= 0 (0: only where free), got {self.check_interval}")
+        if self.check_tolerance is not None and not self.check_tolerance > 0:
+            raise ValueError(f"weight_sync.check_tolerance must be > 0 nats, got {self.check_tolerance}")
         if self.verify and not self.verify_prompts:
             raise ValueError("weight_sync.verify=True needs verify_prompts (token id lists)")
 

@@ -10,6 +10,7 @@ step; every rank learns the outcome (``transport.agree``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Iterable, Iterator
@@ -21,7 +22,7 @@ from megatron_gkd.weight_sync.config import WeightSyncConfig, warn_if_unauthenti
 from megatron_gkd.weight_sync.errors import ChecksumMismatch, WeightSyncError, WeightSyncTransportError
 from megatron_gkd.weight_sync.plan import WeightSyncPlan
 from megatron_gkd.weight_sync.reload_logs import audit_reload, reprocess_tied_layers
-from megatron_gkd.weight_sync.verify import check_prompt_logprobs
+from megatron_gkd.weight_sync.verify import check_prompt_logprobs, verification
 
 logger = logging.getLogger(__name__)
 
@@ -138,14 +139,15 @@ class WeightReceiver:
         return _Reception(self, version).tensors()
 
     def sync(self, engine, expected_logprobs: torch.Tensor | None = None, *, verify: bool | None = None,
-             expect_version: int | None = None) -> int:
+             expect_version: int | None = None, check: float | None = None) -> int:
         """Receives one full set of weights into ``engine`` (a rollout engine); returns the new version.
 
         The version comes from trainer rank 0 (``transport.begin``): it must be newer than the last,
         equal ``expect_version`` when given, and every bucket part must carry it. The tensors stream
         into ``engine.load_weights`` bucket by bucket. With ``config.verify``, ``expected_logprobs``
         (the student's, on ``config.verify_prompts``) must be given or arrive over the transport
-        (``share_tensor`` from the plan's logits rank).
+        (``share_tensor`` from the plan's logits rank); ``check`` (a tolerance in nats): verify this sync as the
+        periodic engine check (the mean error; :func:`~megatron_gkd.weight_sync.verify.verification`).
 
         Raises:
             ChecksumMismatch: a bucket arrived corrupted, from an old version or not the expected one
@@ -189,21 +191,24 @@ class WeightReceiver:
             raise WeightSyncError(f"weight version {self.version} reached this rollout rank but not every other one; "
                                   "the trainers will retry")
         logger.debug("weights version %d loaded in %.3f s", self.version, self.last_sync_s)  # time/weight_sync
-        if self.config.verify if verify is None else verify:
+        config = self.config if verify is None else dataclasses.replace(self.config, verify=verify)
+        if verification(config, check) is not None:
             if expected_logprobs is None:
                 size = sum(len(p) - 1 for p in self.config.verify_prompts)
                 expected_logprobs = self.transport.share_tensor(torch.empty(size, dtype=torch.float64), self.plan.logits_rank)
             try:
-                self.verify(engine, expected_logprobs)
+                self.verify(engine, expected_logprobs, *verification(config, check))
             except WeightSyncError as error:
                 engine.mark_stale(str(error))
                 raise
         return self.version
 
-    def verify(self, engine, expected_logprobs: torch.Tensor) -> float:
-        """Raises :class:`~megatron_gkd.weight_sync.verify.WeightSyncMismatch` unless the engine matches."""
+    def verify(self, engine, expected_logprobs: torch.Tensor, tolerance: float | None = None, mean: bool = False) -> float:
+        """Raises :class:`~megatron_gkd.weight_sync.verify.WeightSyncMismatch` unless the engine matches (within
+        ``tolerance``, default ``verify_tolerance``, at the worst token or on average with ``mean``)."""
         got = engine.prompt_logprobs(self.config.verify_prompts)
-        error = check_prompt_logprobs(got, expected_logprobs, self.config.verify_tolerance, self.version)
+        tolerance = self.config.verify_tolerance if tolerance is None else tolerance
+        error = check_prompt_logprobs(got, expected_logprobs, tolerance, self.version, mean=mean)
         logger.debug("verified version %d: max |log-prob error| %.2e", self.version, error)  # every sync
         return error
 

@@ -69,9 +69,11 @@ class WeightSender:
             self._sources = (key, shard_sources(chunks))
         return export_hf_shards(sources=self._sources[1])
 
-    def sync(self, chunks, version: int) -> None:
+    def sync(self, chunks, version: int, *, check: bool = False) -> None:
         """Sends every part this rank holds over the transport (collective: every trainer rank and
-        every rollout rank of the transport take part, including ranks that send nothing).
+        every rollout rank of the transport take part, including ranks that send nothing); with ``config.verify``
+        or ``check`` (the receivers verify this sync as the periodic engine check) the student's log-probs on the
+        verify prompts follow.
 
         Raises:
             WeightSyncError: a rollout rank did not take ``version`` (its engine refuses to generate
@@ -89,7 +91,7 @@ class WeightSender:
             raise WeightSyncError(
                 f"weight version {version} did not reach every rollout rank: a rollout rank refused or failed to "
                 "load it (its log says why) and its engine refuses to generate until a sync succeeds; retry the sync")
-        if self.config.verify:
+        if self.config.verify or check:
             self.share_student_logprobs(chunks)
         self.last_sync_s = time.perf_counter() - start
         logger.debug("rank %d sent %d bucket parts (version %d, %s) in %.3f s", self.rank, len(self.work), version,

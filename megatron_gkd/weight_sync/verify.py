@@ -38,12 +38,24 @@ def student_prompt_logprobs(chunks, prompts) -> torch.Tensor | None:
     return torch.cat(values) if values else None
 
 
-def check_prompt_logprobs(got: torch.Tensor, expected: torch.Tensor, tolerance: float, version: int) -> float:
-    """Raises :class:`WeightSyncMismatch` when they differ by more than ``tolerance``; returns the error."""
-    error = (got - expected).abs().max().item()
+def check_prompt_logprobs(got: torch.Tensor, expected: torch.Tensor, tolerance: float, version: int, *,
+                          mean: bool = False) -> float:
+    """Raises :class:`WeightSyncMismatch` when they differ by more than ``tolerance`` (at the worst token, or on
+    average with ``mean``: the periodic engine check, ``weight_sync.check_interval``); returns the error."""
+    differences = (got - expected).abs()
+    error = (differences.mean() if mean else differences.max()).item()
     if not error <= tolerance:
         raise WeightSyncMismatch(
-            f"after weight sync to version {version}, vLLM's prompt log-probs differ from the student's by "
-            f"{error:.3e} (> {tolerance:.1e}): the engine is not running the trained weights"
+            f"after weight sync to version {version}, the rollout engine's prompt log-probs differ from the student's "
+            f"by {error:.3e}{' on average' if mean else ''} (> {tolerance:.1e}): the engine is not running the "
+            "trained weights"
         )
     return error
+
+
+def verification(config, check: float | None) -> tuple[float, bool] | None:
+    """What a sync verifies: ``(tolerance, mean)``, or None. ``weight_sync.verify`` (every sync, the worst token
+    within ``verify_tolerance``) wins over ``check`` (this sync is the periodic engine check: the mean within it)."""
+    if config.verify:
+        return config.verify_tolerance, False
+    return None if check is None else (check, True)

@@ -101,7 +101,8 @@ def _body(checkpoint: str, layout: dict, cuts: tuple):
             shape = (max(map(len, plan)), 16) if set(layout) & {"pipeline_model_parallel_size",
                                                                  "expert_model_parallel_size"} else None
             microbatches = [build_microbatch([samples[i] for i in mb], [coefficients[i] for i in mb],
-                                             teachers=[t.take(mb) for t in teachers], policy=share.take(mb), shape=shape)
+                                             teachers=[t.take(mb) for t in teachers], policy=share.take(mb), shape=shape,
+                                             version=0, sampled=(0, False))
                             for mb in plan]
             for chunk in chunks:
                 chunk.zero_grad_buffer()

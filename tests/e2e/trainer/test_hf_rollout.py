@@ -31,5 +31,8 @@ def test_three_steps_sample_with_the_hf_engine_and_its_weights_stay_current(asse
     assert [r["train/weight_version"] for r in steps] == [0.0, 1.0, 2.0]
     assert "time/weight_sync" not in steps[0] and all(r["time/weight_sync"] > 0 for r in steps[1:])
     for record in steps:
+        # The engine check (weight_sync.check_interval): the engine's log-probs of its tokens are the trainer's.
+        assert record["engine/tokens"] > 0 and record["engine/mean_abs_error"] < 1e-4, record
+        assert abs(record["mismatch/kl_k1"]) < 1e-5 and record["mismatch/max_ratio"] < 1.001, record
         assert record["time/rollout"] > 0 and record["rollout/num_tokens"] > 0
         assert 0 < record["rollout/response_length_mean"] <= 24

@@ -50,15 +50,17 @@ def test_policy_inputs_sit_at_the_positions_that_predict_each_response_token():
                          {"t": 1.0}, num_tokens=3, num_sequences=2)
     assert share.advantages == [0.5, -0.5]
     assert [c.tolist() for c in share.coefficients] == [[0.25, 0.25], [0.5]]  # 1 / (S R_i)
-    batch = build_microbatch(samples, [torch.zeros(2), torch.zeros(1)], policy=share)
-    policy = batch.policy
+    batch = build_microbatch(samples, [torch.zeros(2), torch.zeros(1)], policy=share, version=3, sampled=(3, False))
+    policy, sampled = batch.policy, batch.sampled
     # prompt of 3: response token t is predicted at position 2 + t
-    assert policy.token_ids[0, 2:4].tolist() == [8, 9] and policy.token_ids[1, 2].item() == 10
+    assert sampled.token_ids[0, 2:4].tolist() == [8, 9] and sampled.token_ids[1, 2].item() == 10
     assert policy.advantages[0].tolist() == [0, 0, 0.5, 0.5] and policy.advantages[1].tolist() == [0, 0, -0.5, 0]
-    assert policy.behaviour[0].tolist() == [0, 0, -0.5, -0.25]
+    assert sampled.logprobs[0].tolist() == [0, 0, -0.5, -0.25]
+    assert sampled.student.equal(batch.loss_mask) and sampled.current.equal(batch.loss_mask)
     assert policy.teacher_logprobs[1].tolist() == [0, 0, -3.0, 0]
     assert (policy.coefficients != 0).equal(batch.loss_mask)
-    one = build_microbatch(samples[1:], [torch.zeros(1)], policy=share.take([1]))
+    one = build_microbatch(samples[1:], [torch.zeros(1)], policy=share.take([1]), version=4, sampled=(3, True))
+    assert one.sampled.checked and one.sampled.student.any() and not one.sampled.current.any()  # sampled one step ago
     assert one.policy.advantages[0, 2].item() == -0.5
 
 
@@ -80,7 +82,7 @@ def test_the_three_forms_advantages():
 def test_policy_metrics_are_per_token_means_and_the_mismatch_s_extremes():
     stats = {"loss": 1.5, "tokens": 4.0, "kd/loss": 1.0, "pg/loss": 0.5, "pg/tokens": 4.0, "pg/advantage": 2.0,
              "pg/clipped": 1.0, "mismatch/k1": 0.4, "mismatch/k3": 0.2, "mismatch/max_ratio": 1.3,
-             "mismatch/max_inverse_ratio": 1.1}
+             "mismatch/max_inverse_ratio": 1.1, "mismatch/tokens": 4.0}
     metrics = loss_metrics(stats)
     assert metrics["train/loss"] == 1.5 and metrics["train/kd_loss"] == 1.0 and metrics["pg/loss"] == 0.5
     assert metrics["pg/advantage"] == 0.5 and metrics["pg/clipped"] == 0.25

@@ -51,7 +51,7 @@ class Remote:
     """A rollout server's trainer side: generate, submit (its thread, here run at once) and sync."""
 
     def __init__(self):
-        self.asked, self.syncs, self.client = [], [], self
+        self.asked, self.syncs, self.checks, self.client = [], [], [], self
 
     def generate(self, prompts, sampling):
         self.asked.append((prompts, sampling))
@@ -62,8 +62,9 @@ class Remote:
         future.set_result(work())
         return future
 
-    def sync(self, chunks, version: int):
+    def sync(self, chunks, version: int, check: float | None = None):
         self.syncs.append(version)
+        self.checks.append(check)
 
 
 def _rollout(*overrides, **parts) -> Rollout:
@@ -122,3 +123,7 @@ def test_a_rollout_server_is_asked_on_its_thread_and_synced_through_it():
     assert [asked.stop_token_ids for _, asked in remote.asked] == [(2, 7), (2, 7)]
     rollout.sync(["chunk"], 3)
     assert remote.syncs == [3] and rollout.version == 3
+    # The periodic engine check (weight_sync.check_interval, 10): the first sync of a process, then every 10th version.
+    for version in (4, 10, 11, 20):
+        rollout.sync(["chunk"], version)
+    assert remote.checks == [1e-3, None, 1e-3, None, 1e-3]
