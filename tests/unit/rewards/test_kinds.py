@@ -44,7 +44,7 @@ def test_regex_rewards_a_match_anywhere_and_takes_inline_flags():
         1.0, 0.0, 0.0, 0.0]
 
 
-CHATTY = ["The capital of France is Paris.", "So the answer is **42**.", "The answer is 425.", "paris, of course",
+CHATTY = ["The capital of France is Paris.", "So the answer is **42**.", "The answer is **425**.", "paris, of course",
           "  42 "]
 ANSWERS = ["Paris", "42", "42", "Paris", "42"]
 

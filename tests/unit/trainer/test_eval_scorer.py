@@ -36,7 +36,7 @@ RECORDS = [record(0, "Capital of France?", "Paris", "geo"),
            record(4, "Capital of Spain?", "Madrid", "geo"),
            record(5, "Say hi.", None)]  # no answer: scored only by kinds that need none
 RESPONSES = ["The capital of France is Paris.", "So the answer is **42**.", "The answer is 125. No wait, 12",
-             "It is ROME, of course.", "I believe it is Barcelona.", "hi **there**"]
+             "It is ROME, of course.", "I believe it is **Barcelona**.", "hi **there**"]
 FIELDS = [{"index": r.index, "answer": r.answer, "group": r.group} for r in RECORDS]
 
 SETTINGS = [  # (kind and options, the expected score of each response; None: not scored)
@@ -46,9 +46,9 @@ SETTINGS = [  # (kind and options, the expected score of each response; None: no
     ({"kind": "math_answer"}, [0.0, 0.0, 0.0, 0.0, 0.0, None]),
     ({"kind": "regex", "pattern": r"(?:is|answer is:?) {answer}"}, [1.0, 0.0, 0.0, 1.0, 0.0, None]),
     ({"kind": "regex", "pattern": r"\*\*(?P<answer>.+?)\*\*"}, [0.0, 1.0, 0.0, 0.0, 0.0, None]),
-    ({"kind": "regex", "pattern": r"\*\*\w+\*\*"}, [0.0, 1.0, 0.0, 0.0, 0.0, 1.0]),
+    ({"kind": "regex", "pattern": r"\*\*\w+\*\*"}, [0.0, 1.0, 0.0, 0.0, 1.0, 1.0]),
     # the user's function reads the record too: 1 more where the response ends in the answer
-    ({"kind": "function", "function": f"{FUNCTIONS}:length_bonus"}, [3.1, 2.4, 4.0, 2.2, 2.6, 1.2]),
+    ({"kind": "function", "function": f"{FUNCTIONS}:length_bonus"}, [3.1, 2.4, 4.0, 2.2, 3.0, 1.2]),
 ]
 
 
