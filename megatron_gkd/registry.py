@@ -80,21 +80,26 @@ class Registry(Generic[T]):
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
 
-    def unknown(self, name: object) -> ValueError:
-        """The error for an unknown ``name``: the key, the closest name and every registered one."""
-        where = f"{self.config_key}={name!r}" if self.config_key else repr(name)
+    def unknown(self, name: object, config_key: str | None = None) -> ValueError:
+        """The error for an unknown ``name``: the key, the closest name and every registered one.
+
+        ``config_key``: the key that chose it, where another key than the registry's own chooses from it too.
+        """
+        config_key = config_key or self.config_key
+        where = f"{config_key}={name!r}" if config_key else repr(name)
         registered = ", ".join(repr(n) for n in self.names()) or "none"
         return ValueError(f"unknown {self.kind} {where}{closest(str(name), self.names())} (registered: {registered})")
 
-    def get(self, name: str) -> T:
-        """The object registered as ``name``, importing a lazy target on first use.
+    def get(self, name: str, *, config_key: str | None = None) -> T:
+        """The object registered as ``name``, importing a lazy target on first use (``config_key``: as in
+        :meth:`unknown`).
 
         Raises:
             ValueError: ``name`` is not registered.
             ImportError: a lazy target's module does not import (its message says what is missing).
         """
         if name not in self._entries:
-            raise self.unknown(name)
+            raise self.unknown(name, config_key)
         target = self._entries[name]
         if isinstance(target, str):
             module_name, attribute = target.split(":")

@@ -88,8 +88,8 @@ def check_config(config) -> None:
     """
     trainer, rollout, loss, data = config.trainer, config.rollout, config.loss, config.data
     teachers = teacher_configs(config)
-    # trainer.scheduler and eval.scorer name entries of the trainer's registries: checked by
-    # megatron_gkd.trainer.checks (config/ does not import trainer/).
+    # A user's module:function (eval.function, reward.function) is imported by megatron_gkd.trainer.checks, which
+    # the entry points run: loading a config imports no user code.
     if rollout.engine not in ENGINES:
         raise ENGINES.unknown(rollout.engine)
     if config.student.checkpoint is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 from megatron_gkd.config.checks import check_config
 from megatron_gkd.config.optim import OptimizerConfig
@@ -31,7 +31,7 @@ from megatron_gkd.losses.sampled_kl import KL_ESTIMATORS
 from megatron_gkd.parallel.state import ParallelConfig
 from megatron_gkd.platform.npu import MindSpeedConfig
 from megatron_gkd.registry import Choice
-from megatron_gkd.rewards.config import RewardConfig
+from megatron_gkd.rewards.config import RewardConfig, ScorerOptions, check_scorer
 from megatron_gkd.rollout.types import Layout, SamplingConfig
 from megatron_gkd.teacher.config import TeacherConfig, TeacherMixConfig
 from megatron_gkd.weight_sync.config import WeightSyncConfig
@@ -391,8 +391,13 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
-class EvalConfig:
-    """Held-out evaluation: greedy answers through the rollout engine, scored, and the KL to the teacher."""
+class EvalConfig(ScorerOptions):
+    """Held-out evaluation: greedy answers through the rollout engine, scored, and the KL to the teacher. The
+    scorer's options (``eval.pattern``, ``eval.function``, ``eval.tolerance``) are the reward's
+    (:class:`~megatron_gkd.rewards.config.ScorerOptions`)."""
+
+    section: ClassVar[str] = "eval"
+    choice_key: ClassVar[str] = "eval.scorer"
 
     interval: int | None = None
     """Evaluate every this many steps; ``None``: only at the start and the end (see below)."""
@@ -401,11 +406,20 @@ class EvalConfig:
     max_tokens: int = 256
     """Longest greedy answer."""
     scorer: str = "exact_match"
-    """Registered answer scorer (needs ``data.answer_key`` in the eval data)."""
+    """Registered scorer: any reward kind (``exact_match``, ``contains``, ``final_answer``, ``math_answer``,
+    ``regex``, ``function``, :mod:`megatron_gkd.rewards.kinds`), with the options it reads from this section as
+    ``reward.kind`` reads them from ``reward``. It scores the records that hold what it needs (an answer:
+    ``data.answer_key``)."""
     kl: bool = True
     """Also measure the forward KL (teacher top-k) of the student to the teacher on its answers."""
 
+    @property
+    def kind(self) -> str:
+        """The scorer under the name the reward kinds read (``reward.kind``'s)."""
+        return self.scorer
+
     def __post_init__(self):
+        check_scorer(self, self.scorer)
         if self.interval is not None and self.interval < 1:
             raise ValueError(f"eval.interval={self.interval} must be >= 1 (or null)")
         if self.max_tokens < 1:

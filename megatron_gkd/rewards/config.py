@@ -1,8 +1,11 @@
-"""The ``reward`` section, and the checks between rewards, ``rollout.n`` and the advantage estimator.
+"""The ``reward`` section, the scorer options it shares with the ``eval`` section, and the checks between
+rewards, ``rollout.n`` and the advantage estimator.
 
 A run without ``reward.kind`` computes no reward. With one, every sampled response gets a reward from the
 kind (:mod:`megatron_gkd.rewards.kinds`) in a worker process, beside the teacher request
 (:mod:`megatron_gkd.rewards.runner`); a reward that fails stops the run after its last complete step.
+``eval.scorer`` chooses from the same kinds, with the same options (:class:`ScorerOptions`) checked by the same
+:func:`check_scorer`: a reward and an eval read an answer alike.
 """
 
 from __future__ import annotations
@@ -11,33 +14,77 @@ import dataclasses
 import logging
 import math
 import re
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from megatron_gkd.rewards.kinds import REWARDS
+from megatron_gkd.rewards.matching import AnswerPattern
 
 logger = logging.getLogger(__name__)
 
-# Options that only some kinds read (each kind lists its own in ``reads``).
-_KIND_OPTIONS = ("function", "pattern", "tolerance")
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class ScorerOptions:
+    """The options a kind reads besides its name (each kind lists its own in ``reads``): the same keys in the
+    ``reward`` section and the ``eval`` section, so that ``reward.kind=regex reward.pattern=P`` and
+    ``eval.scorer=regex eval.pattern=P`` score alike."""
+
+    section: ClassVar[str]
+    """The section's name, for messages (``reward``, ``eval``)."""
+    choice_key: ClassVar[str]
+    """The key that chooses the kind (``reward.kind``, ``eval.scorer``)."""
+
+    function: str | None = None
+    """``function``: the score as ``module:function``, called with the batch as
+    ``fn(prompts: list[str], responses: list[str], records: list[dict]) -> sequence of floats`` (a record holds
+    ``index``, ``answer`` and ``group``)."""
+    pattern: str | None = None
+    """``regex``: a regular expression, 1.0 where ``re.search`` finds it in the response. ``{answer}`` in it stands
+    for the record's answer (found as ``contains`` finds it); a group ``(?P<answer>...)`` is read as the answer
+    (its last match, compared as ``contains`` compares). On the command line, quote one that starts with ``#`` or
+    ``{`` (YAML reads a comment, null, or a mapping): ``reward.pattern='"####"'``."""
+    tolerance: float = 1e-6
+    """``math_answer``: numbers are equal within ``tolerance * max(1, |answer|)``."""
+
+
+def check_scorer(options: ScorerOptions, kind_name: str) -> None:
+    """Checks the kind ``kind_name`` that ``options.choice_key`` chose, and the options it reads.
+
+    Raises:
+        ValueError: an unknown kind (with the closest name), a required option unset, a ``function`` that is not
+            ``module:function``, a ``pattern`` that does not compile, a ``tolerance`` below 0; each names the key.
+    """
+    section, key = options.section, options.choice_key
+    kind = REWARDS.get(kind_name, config_key=key)
+    for option, hint in kind.required:
+        if getattr(options, option) is None:
+            raise ValueError(f"{key}={kind_name!r} needs {section}.{option}: {hint.format(section=section)}")
+    for option in (field.name for field in dataclasses.fields(ScorerOptions)):
+        value = getattr(options, option)
+        if option not in kind.reads and value != _default(option):
+            logger.warning("%s.%s=%r has no effect with %s=%r", section, option, value, key, kind_name)
+    if options.function is not None and not re.fullmatch(r"[\w.]+:[\w.]+", options.function):
+        raise ValueError(f"{section}.function={options.function!r} must look like 'package.module:function'")
+    if options.pattern is not None:
+        try:
+            AnswerPattern(options.pattern)
+        except ValueError as error:
+            raise ValueError(f"{section}.pattern={error}") from None
+    if not (options.tolerance >= 0 and math.isfinite(options.tolerance)):
+        raise ValueError(f"{section}.tolerance={options.tolerance} must be a finite number >= 0")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
-class RewardConfig:
+class RewardConfig(ScorerOptions):
     """Rewards of sampled responses: a verifier or the user's function (see the kinds' table in
-    :mod:`megatron_gkd.rewards.kinds`)."""
+    :mod:`megatron_gkd.rewards.kinds`); the options it shares with ``eval``: :class:`ScorerOptions`."""
+
+    section: ClassVar[str] = "reward"
+    choice_key: ClassVar[str] = "reward.kind"
 
     kind: str | None = None
-    """Registered reward kind: ``final_answer`` (the demo's), ``math_answer``, ``regex`` or ``function``; null: no
-    reward is computed."""
-    function: str | None = None
-    """``kind=function``: the reward as ``module:function``, called with the batch as
-    ``fn(prompts: list[str], responses: list[str], records: list[dict]) -> sequence of floats``; imported in the
-    reward worker with the trainer's Python path."""
-    pattern: str | None = None
-    """``kind=regex``: a regular expression; the reward is 1.0 where ``re.search`` finds it in the response. On the
-    command line, quote one that starts with ``#`` (YAML reads it as a comment, null): ``reward.pattern='"####"'``."""
-    tolerance: float = 1e-6
-    """``kind=math_answer``: numbers are equal within ``tolerance * max(1, |answer|)``."""
+    """Registered reward kind: ``exact_match``, ``contains``, ``final_answer`` (the demo's), ``math_answer``,
+    ``regex`` or ``function``; null: no reward is computed. A user's ``function`` is imported in the reward worker
+    with the trainer's Python path."""
     format_pattern: str | None = None
     """An optional format reward for any kind: ``format_coef`` is added where this regular expression is found
     in the response (e.g. ``'####'``, or ``'\\\\boxed\\{'``)."""
@@ -56,25 +103,13 @@ class RewardConfig:
                 raise ValueError(f"reward.{named[0]} is set but reward.kind is null, so no reward is computed: set "
                                  f"reward.kind ({', '.join(map(repr, REWARDS.names()))}) or drop reward.{named[0]}")
         else:
-            kind = REWARDS.get(self.kind)  # unknown: ValueError with the closest name
-            for option, hint in kind.required:
-                if getattr(self, option) is None:
-                    raise ValueError(f"reward.kind={self.kind!r} needs reward.{option}: {hint}")
-            for option in _KIND_OPTIONS:
-                if option not in kind.reads and getattr(self, option) != _default(option):
-                    logger.warning("reward.%s=%r has no effect with reward.kind=%r", option, getattr(self, option),
-                                   self.kind)
-        if self.function is not None and not re.fullmatch(r"[\w.]+:[\w.]+", self.function):
-            raise ValueError(f"reward.function={self.function!r} must look like 'package.module:function'")
-        for key in ("pattern", "format_pattern"):
-            if getattr(self, key) is not None:
-                pattern = getattr(self, key)
-                try:
-                    re.compile(pattern)
-                except re.error as error:
-                    raise ValueError(f"reward.{key}={pattern!r} is not a regular expression: {error}") from None
-        if not (self.tolerance >= 0 and math.isfinite(self.tolerance)):
-            raise ValueError(f"reward.tolerance={self.tolerance} must be a finite number >= 0")
+            check_scorer(self, self.kind)
+        if self.format_pattern is not None:
+            try:
+                re.compile(self.format_pattern)
+            except re.error as error:
+                raise ValueError(f"reward.format_pattern={self.format_pattern!r} is not a regular expression: "
+                                 f"{error}") from None
         if not math.isfinite(self.format_coef):
             raise ValueError(f"reward.format_coef={self.format_coef} must be finite")
         if self.format_pattern is None and self.format_coef != _default("format_coef"):

@@ -222,7 +222,7 @@ class RewardRunner:
             raise ValueError("reward.kind is null: there is no reward to compute")
         self.config = config
         self.name = reward_name(config)
-        self._needs = REWARDS.get(config.kind).needs
+        self._needs = REWARDS.get(config.kind).needs_for(config)
         self._setup = {"target": kind_target(config.kind), "kind": config.kind, "config": dataclasses.asdict(config)}
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: _Worker | None = None

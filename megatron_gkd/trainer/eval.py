@@ -1,39 +1,24 @@
-"""Held-out evaluation: greedy answers through the rollout engine, scored by a registered scorer, and a
+"""Held-out evaluation: greedy answers through the rollout engine, scored by ``eval.scorer``, and a
 task-independent distillation metric, the forward KL to the teacher on those answers (:class:`TeacherKL`).
 
-Scorers are ``score(response_text, answer) -> float in [0, 1]``; register more with
-``SCORERS.register("name", fn)`` and choose one with ``eval.scorer``.
+``eval.scorer`` is a reward kind (:data:`~megatron_gkd.rewards.kinds.REWARDS`) built from the ``eval`` section's
+options, so an eval's accuracy and a training reward of the same kind and options agree on every response
+(:class:`Scorer`); register more kinds there (``REWARDS.register("name", "module:Class")``).
 """
 
 from __future__ import annotations
 
 import logging
-import re
-from typing import Callable, Sequence
+from typing import Sequence
 
 from megatron_gkd import parallel
 from megatron_gkd.parallel.comm import broadcast_msgpack
-from megatron_gkd.registry import Registry
-from megatron_gkd.rewards.answers import final_answer
+from megatron_gkd.rewards.kinds import REWARDS
+from megatron_gkd.rewards.protocol import plain
+from megatron_gkd.rewards.runner import RewardBatch, check_values
 from megatron_gkd.rollout import SamplingConfig
 
 logger = logging.getLogger(__name__)
-
-SCORERS: Registry[Callable[[str, str], float]] = Registry("eval scorer", config_key="eval.scorer")
-
-
-def _normalize(text: str) -> str:
-    return re.sub(r"\s+", " ", text).strip()
-
-
-@SCORERS.register("exact_match")
-def exact_match(response: str, answer: str) -> float:
-    """1 when the response equals the answer up to surrounding and repeated whitespace."""
-    return float(_normalize(response) == _normalize(answer))
-
-
-# The demo's scorer is the ``final_answer`` reward's own function: an eval's accuracy and a training reward agree.
-SCORERS.register("final_answer", final_answer)
 
 
 def response_text(tokenizer, ids, stop_ids) -> str:
@@ -42,6 +27,45 @@ def response_text(tokenizer, ids, stop_ids) -> str:
     while ids and ids[-1] in stop:
         ids = ids[:-1]
     return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def record_fields(record) -> dict:
+    """A :class:`~megatron_gkd.data.PromptRecord` as a reward or a scorer reads it."""
+    return {"index": record.index, "answer": record.answer, "group": record.group}
+
+
+class Scorer:
+    """``eval.scorer`` in this process: the reward kind of that name built from the ``eval`` section, called on
+    text decoded as the rewards decode it. Its values are checked as a reward worker's are (one finite number per
+    response; :class:`~megatron_gkd.rewards.runner.RewardFailed` names the record otherwise).
+
+    Args:
+        config: the ``eval`` section (the kind and its options).
+        tokenizer: the student's tokenizer.
+        stop_token_ids: ids that end a response (dropped before it is decoded).
+
+    Attributes:
+        needs: the fields a record must hold to be scored (an ``answer``, for every kind but ``function`` and a
+            ``regex`` that does not read one).
+    """
+
+    def __init__(self, config, tokenizer, stop_token_ids: Sequence[int]):
+        kind = REWARDS.get(config.scorer, config_key="eval.scorer")
+        self.kind, self.tokenizer, self._stop = kind(config), tokenizer, tuple(stop_token_ids)
+        self.needs = kind.needs_for(config)
+
+    def scorable(self, fields: dict) -> bool:
+        """The record holds every field the scorer needs."""
+        return all(fields.get(name) is not None for name in self.needs)
+
+    def __call__(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                 records: Sequence[dict]) -> list[float]:
+        """The scores of ``responses`` (token ids) to ``prompts`` with their records' fields, in order."""
+        batch = RewardBatch([self.tokenizer.decode(list(ids), skip_special_tokens=True) for ids in prompts],
+                            [response_text(self.tokenizer, ids, self._stop) for ids in responses], list(records))
+        if not len(batch):
+            return []
+        return check_values(self.kind.name, plain(self.kind(batch.prompts, batch.responses, batch.records)), batch)
 
 
 class Evaluator:
@@ -59,7 +83,7 @@ class Evaluator:
 
     def __init__(self, dataset, tokenizer, generate, kl, config, stop_token_ids: Sequence[int]):
         self.dataset, self.tokenizer, self._generate, self._kl = dataset, tokenizer, generate, kl
-        self.scorer = SCORERS.get(config.scorer)
+        self.scorer = Scorer(config, tokenizer, stop_token_ids)
         self.sampling = SamplingConfig(temperature=0.0, max_tokens=config.max_tokens,
                                        stop_token_ids=tuple(stop_token_ids), seed=0)
         self._stop = tuple(stop_token_ids)
@@ -69,20 +93,21 @@ class Evaluator:
         rollout = self._generate([list(r.prompt_ids) for r in records], self.sampling)
         metrics = {"eval/response_length": float(rollout.response_lengths.float().mean()),
                    "eval/num_prompts": float(len(records))}
-        scored = [(response_text(self.tokenizer, rollout.response(i), self._stop), record.answer)
-                  for i, record in enumerate(records)]
-        with_answers = [(text, answer) for text, answer in scored if answer is not None]
-        if with_answers:
-            metrics["eval/accuracy"] = sum(self.scorer(text, answer) for text, answer in with_answers) / len(with_answers)
+        fields = [record_fields(record) for record in records]
+        rows = [i for i, row in enumerate(fields) if self.scorer.scorable(row)]  # e.g. those with an answer
+        values = self.scorer([records[i].prompt_ids for i in rows], [rollout.response(i) for i in rows],
+                             [fields[i] for i in rows])
+        if rows:
+            metrics["eval/accuracy"] = sum(values) / len(values)
         groups: dict[str, list[float]] = {}  # per data.group_key value (e.g. per task)
-        for record, (text, answer) in zip(records, scored):
-            if record.group is not None and answer is not None:
-                groups.setdefault(record.group, []).append(self.scorer(text, answer))
+        for i, value in zip(rows, values):
+            if records[i].group is not None:
+                groups.setdefault(records[i].group, []).append(value)
         for group, scores in sorted(groups.items()):
             metrics[f"eval/accuracy/{group}"] = sum(scores) / len(scores)
-        for record, (text, answer) in zip(records[:2], scored[:2]):
+        for i, record in enumerate(records[:2]):
             logger.info("eval example: %r -> %r (answer %r)", self.tokenizer.decode(list(record.prompt_ids)[-32:]),
-                        text[:200], answer)
+                        response_text(self.tokenizer, rollout.response(i), self._stop)[:200], record.answer)
         kl = self._kl(rollout, [r.index for r in records]) if self._kl is not None else None
         if kl is not None:
             metrics["eval/kl_to_teacher"] = kl

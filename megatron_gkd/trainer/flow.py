@@ -38,7 +38,7 @@ from megatron_gkd.trainer.batch import (
     token_coefficients,
 )
 from megatron_gkd.trainer.components import build_reward_runner
-from megatron_gkd.trainer.eval import SCORERS, response_text
+from megatron_gkd.trainer.eval import Scorer, record_fields
 from megatron_gkd.trainer.partial import PartialRollout, groups_batch, staleness_metrics, token_staleness
 from megatron_gkd.trainer.policy import policy_share, tp_rewards
 from megatron_gkd.trainer.reward_exchange import RewardExchange
@@ -148,7 +148,7 @@ class BatchFlow:
                                       tokenizer=tokenizer, stop_token_ids=stop_ids)
         self.mix = config.sample_mix
         # mix/accuracy/<source> scores answers as the eval does; looked up once, for a run with a mixture only
-        self._scorer = SCORERS.get(config.eval.scorer) if self.mix.enabled else None
+        self._scorer = Scorer(config.eval, tokenizer, stop_ids) if self.mix.enabled else None
         self.generator = generating_teacher(config)  # the teacher that writes responses (sample_mix), or None
         if self.generator is not None:
             # One rank asks for every teacher-written response of a batch (the teacher rank of the first data-parallel
@@ -194,8 +194,7 @@ class BatchFlow:
         config = self.config
         prompt_indices = [record.index for record in records]
         prompt_groups = [record.group for record in records]
-        fields = {record.index: {"index": record.index, "answer": record.answer, "group": record.group}
-                  for record in records}
+        fields = {record.index: record_fields(record) for record in records}
         sources = self.sources(index, len(records))
         answers = None if sources is None else [record.answer for record in records]
         if config.trainer.run_mode.samples:
@@ -226,8 +225,7 @@ class BatchFlow:
               partial=None) -> InFlight:
         """This rank's share of ``rollout``, its teachers' requests and its rewards' (sent now, answered meanwhile)."""
         prompt_indices = [record.index for record in records]
-        fields = {record.index: {"index": record.index, "answer": record.answer, "group": record.group}
-                  for record in records}
+        fields = {record.index: record_fields(record) for record in records}
         samples = self.my_samples(rollout, prompt_indices, [record.group for record in records], sources)
         assignment = self.exchange.assign(samples)
         teacher = None
@@ -310,9 +308,9 @@ class BatchFlow:
                                           sample_scores(batch.rollout, batch.answers, self._score)))
         return metrics
 
-    def _score(self, response: list[int], answer: str) -> float:
+    def _score(self, prompt: list[int], response: list[int], answer: str) -> float:
         """One response's score against its prompt's answer with ``eval.scorer``, as the eval reads an answer."""
-        return float(self._scorer(response_text(self.tokenizer, response, self.stop_ids), answer))
+        return self._scorer([prompt], [response], [{"answer": answer}])[0]
 
     # -------------------------------------------------------------------------------- micro-batches
     def prepare(self, batch: InFlight, *, scoring: bool = False) -> Prepared:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from megatron_gkd.parallel.comm import agree
 from megatron_gkd.rewards import RewardBatch, RewardRunner
+from megatron_gkd.trainer.eval import response_text
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +68,8 @@ class RewardExchange:
         prompts, responses, fields = [], [], []
         for sample in samples:
             ids = sample.tokens.tolist()
-            prompt, response = ids[:sample.prompt_len], ids[sample.prompt_len:]
-            while response and response[-1] in self._stop:
-                response.pop()
-            prompts.append(self.tokenizer.decode(prompt, skip_special_tokens=True))
-            responses.append(self.tokenizer.decode(response, skip_special_tokens=True))
+            prompts.append(self.tokenizer.decode(ids[:sample.prompt_len], skip_special_tokens=True))
+            responses.append(response_text(self.tokenizer, ids[sample.prompt_len:], self._stop))  # as the eval reads it
             fields.append(records[sample.prompt_index])
         return RewardBatch(prompts, responses, fields)
 

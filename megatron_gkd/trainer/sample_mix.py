@@ -90,13 +90,14 @@ def merge_by_prompt(parts: Sequence[tuple[Sequence[int], RolloutBatch]], version
 
 
 def sample_scores(rollout: RolloutBatch, answers: Sequence[str | None] | None,
-                  score: Callable[[list[int], str], float]) -> list[float | None] | None:
-    """Each sample's ``score(response_ids, answer)`` against its prompt's answer (None where the prompt has none);
-    None when no prompt has one."""
+                  score: Callable[[list[int], list[int], str], float]) -> list[float | None] | None:
+    """Each sample's ``score(prompt_ids, response_ids, answer)`` against its prompt's answer (None where the prompt
+    has none); None when no prompt has one."""
     if not answers or all(answer is None for answer in answers):
         return None
     found = [answers[int(group)] for group in rollout.group_ids]
-    return [None if answer is None else score(rollout.response(i), answer) for i, answer in enumerate(found)]
+    return [None if answer is None else score(rollout.prompt(i), rollout.response(i), answer)
+            for i, answer in enumerate(found)]
 
 
 def source_metrics(rollout: RolloutBatch, sources: Sequence[str], off_policy: str, lmbda: float,

@@ -318,7 +318,6 @@ UNCHECKED_REGISTRIES = {
     "megatron_gkd/losses/sampled_kl.py:KL_ESTIMATORS": "not compared today",
     "megatron_gkd/losses/advantages.py:ADVANTAGE_ESTIMATORS": "not compared today",
     "megatron_gkd/losses/advantages.py:AGGREGATIONS": "not compared today",
-    "megatron_gkd/trainer/eval.py:SCORERS": "not compared today",
     "models/registry.py:ARCHITECTURES": "HF architecture names, matched by models/",
 }
 # The same words name other choices in these fields: the launcher's job scheduler ('local'), the planner's kernels

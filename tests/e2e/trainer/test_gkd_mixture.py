@@ -58,7 +58,7 @@ def test_dataset_responses_mixed_per_prompt_over_two_vllm_replicas(assets, tmp_p
     """The records' own responses (one per prompt) beside the student's ``rollout.n`` samples, with two colocated
     vLLM replicas: seed 1 draws one student prompt at step 0 (one replica samples nothing) and four at step 2."""
     from megatron_gkd.data import load_prompts, load_tokenizer
-    from megatron_gkd.trainer.eval import exact_match
+    from megatron_gkd.rewards.matching import exact_match
 
     out = tmp_path / "run"
     code, log = harness.run(out, harness.asset_overrides(assets) + SHORT + [

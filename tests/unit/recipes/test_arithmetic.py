@@ -3,7 +3,7 @@
 import json
 
 from megatron_gkd.recipes import arithmetic
-from megatron_gkd.trainer.eval import SCORERS
+from megatron_gkd.rewards.answers import final_answer
 
 
 def test_problems_are_deterministic_in_the_seed_and_the_eval_set_is_held_out():
@@ -35,11 +35,11 @@ def test_trained_tokenizer_spells_each_symbol_as_one_token_and_round_trips(tmp_p
     ids = tokenizer(record["response"], add_special_tokens=False)["input_ids"]
     assert len(ids) == len(record["response"].split()) and tokenizer.unk_token_id not in ids
     assert tokenizer.decode(ids) == record["response"]
-    assert SCORERS.get("final_answer")(tokenizer.decode(ids), record["answer"]) == 1.0
+    assert final_answer(tokenizer.decode(ids), record["answer"]) == 1.0
 
 
 def test_final_answer_scores_the_text_after_the_last_marker():
-    score = SCORERS.get("final_answer")
+    score = final_answer
     assert score("2 3 4 #### 4 3 2", "432") == 1.0
     assert score("2 3 4 #### 4 3 3", "432") == 0.0
     assert score("4 3 2", "432") == 0.0  # no marker: no answer given

@@ -3,7 +3,6 @@
 import pytest
 
 from megatron_gkd.rewards import answers
-from megatron_gkd.trainer.eval import SCORERS
 
 DEMO = "2 3 4 #### 4 3 2"  # the arithmetic task's response to 4 7 + 3 8 5 (digits one token each)
 
@@ -20,10 +19,6 @@ DEMO = "2 3 4 #### 4 3 2"  # the arithmetic task's response to 4 7 + 3 8 5 (digi
 ])
 def test_final_answer_is_the_demo_scorer(response, answer, expected):
     assert answers.final_answer(response, answer) == expected
-
-
-def test_the_eval_scorer_is_the_reward_function():
-    assert SCORERS.get("final_answer") is answers.final_answer
 
 
 @pytest.mark.parametrize("text, value", [

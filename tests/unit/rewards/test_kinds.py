@@ -6,7 +6,7 @@ import json
 import pytest
 
 from megatron_gkd.recipes import arithmetic
-from megatron_gkd.rewards import REWARDS, RewardConfig, build_reward, reward_name
+from megatron_gkd.rewards import REWARDS, RewardBatch, RewardConfig, RewardFailed, RewardRunner, build_reward, reward_name
 from megatron_gkd.rewards.kinds import kind_target, load_function
 
 FUNCTIONS = "tests.unit.rewards.reward_functions"
@@ -44,6 +44,27 @@ def test_regex_rewards_a_match_anywhere_and_takes_inline_flags():
         1.0, 0.0, 0.0, 0.0]
 
 
+CHATTY = ["The capital of France is Paris.", "So the answer is **42**.", "The answer is **425**.", "paris, of course",
+          "  42 "]
+ANSWERS = ["Paris", "42", "42", "Paris", "42"]
+
+
+@pytest.mark.parametrize("settings, expected", [
+    ({"kind": "exact_match"}, [0.0, 0.0, 0.0, 0.0, 1.0]),
+    ({"kind": "contains"}, [1.0, 1.0, 0.0, 1.0, 1.0]),
+    ({"kind": "regex", "pattern": r"(?i)(?:is|answer is:?) {answer}"}, [1.0, 0.0, 0.0, 0.0, 0.0]),
+    ({"kind": "regex", "pattern": r"\*\*(?P<answer>.+?)\*\*"}, [0.0, 1.0, 0.0, 0.0, 0.0]),
+])
+def test_kinds_for_chatty_answers(settings, expected):
+    assert _rewards(RewardConfig(**settings), CHATTY, ANSWERS) == expected
+
+
+def test_a_regex_that_reads_the_answer_stops_at_a_record_without_one():
+    config = RewardConfig(kind="regex", pattern="is {answer}")
+    with RewardRunner(config) as runner, pytest.raises(RewardFailed, match="it has no 'answer'"):
+        runner.compute(RewardBatch(["p"], ["it is 4"], [{"index": 3, "answer": None}]))
+
+
 def test_format_reward_adds_its_coefficient_to_any_kind():
     config = RewardConfig(kind="final_answer", format_pattern=r"####\s*\d", format_coef=0.25)
     assert _rewards(config, ["#### 4 3 2", "#### 4 3 3", "4 3 2"], ["432"] * 3) == [1.25, 0.25, 0.0]
@@ -75,9 +96,12 @@ def test_dotted_attributes_load():
 
 
 def test_kinds_declare_what_they_need_and_unknown_kinds_get_the_closest_name():
-    assert REWARDS.names() == ["final_answer", "function", "math_answer", "regex"]
-    assert REWARDS.get("final_answer").needs == REWARDS.get("math_answer").needs == ("answer",)
+    assert REWARDS.names() == ["contains", "exact_match", "final_answer", "function", "math_answer", "regex"]
+    for kind in ("contains", "exact_match", "final_answer", "math_answer"):
+        assert REWARDS.get(kind).needs_for(RewardConfig(kind=kind)) == ("answer",)
     assert REWARDS.get("regex").needs == REWARDS.get("function").needs == ()
+    for pattern, needs in (("####", ()), ("is {answer}", ("answer",)), (r"\*\*(?P<answer>.+?)\*\*", ("answer",))):
+        assert REWARDS.get("regex").needs_for(RewardConfig(kind="regex", pattern=pattern)) == needs
     assert [option for option, _ in REWARDS.get("function").required] == ["function"]
     assert kind_target("math_answer") == "megatron_gkd.rewards.kinds:MathAnswer"
     with pytest.raises(ValueError, match=r"reward.kind='final_anser'; did you mean 'final_answer'\?"):

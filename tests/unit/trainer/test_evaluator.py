@@ -4,10 +4,10 @@ trailing stop ids, count only records with an answer, report accuracy per group,
 only when there is one."""
 
 import dataclasses
-import types
 
 import pytest
 
+from megatron_gkd.config.schema import EvalConfig
 from megatron_gkd.rollout.types import RolloutBatch
 from megatron_gkd.trainer.eval import Evaluator
 
@@ -62,7 +62,7 @@ RESPONSES = {1: ids("2 1 #### 1 2") + [EOS], 3: ids("4 #### 4 4") + [EOS], 4: id
 
 
 def evaluator(kl=None, generate=None, tokenizer=None):
-    config = types.SimpleNamespace(scorer="final_answer", max_tokens=7)
+    config = EvalConfig(scorer="final_answer", max_tokens=7)
     return Evaluator(RECORDS, tokenizer or Tokenizer(), generate or Generate(RESPONSES), kl, config,
                      stop_token_ids=[EOS])
 

@@ -175,7 +175,7 @@ def test_each_sources_accuracy_is_the_mean_score_of_its_own_samples():
     _, _, sources, batch = _mixed_batch()
     answers = [None] + [f"answer {g}" for g in range(1, len(sources))]  # the first prompt has no answer
 
-    def score(response, answer):  # a scorer that accepts a response whose first id is odd
+    def score(prompt, response, answer):  # a scorer that accepts a response whose first id is odd
         assert answer == f"answer {answers.index(answer)}"
         return float(response[0] % 2)
 
