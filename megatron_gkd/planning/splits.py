@@ -17,7 +17,8 @@ checks a checkpoint's layout on a laptop.
 | routed experts | EP | a rank holds whole experts |
 
 Tied embeddings over several pipeline stages are supported, and :meth:`ModelSplit.describe` says how: the last
-stage keeps its own copy of the embedding as its output layer, and Megatron-Core keeps the two equal.
+stage keeps its own copy of the embedding as its output layer, and Megatron-Core keeps the two equal (both copies
+train as the single stage's one table: ``tests/distributed/trainer/test_tied_pipeline.py``).
 """
 
 from __future__ import annotations
@@ -74,10 +75,9 @@ class ModelSplit:
         lines = [text]
         if self.tied_copy:
             tied = (f"tied embeddings over {pp} stages: the last stage keeps its own copy of the embedding as its "
-                    f"output layer ([{self.vocab_rows_per_rank}, {m.hidden_size}] a TP rank, counted in its memory), "
-                    "set from the first stage's at start-up; every step Megatron-Core all-reduces the two copies' "
-                    "gradients over the embedding group, so they stay equal; the HF export and the weight sync send "
-                    "the first stage's table only")
+                    f"output layer ([{self.vocab_rows_per_rank}, {m.hidden_size}] a TP rank), loaded from the same HF "
+                    "tensor; every step Megatron-Core all-reduces the two copies' gradients over the embedding group, "
+                    "so they stay equal; the HF export and the weight sync send the first stage's table only")
             if world_size is not None:
                 stride = world_size // pp  # ranks of one stage
                 pairs = [f"({rank}, {rank + (pp - 1) * stride})" for rank in range(stride)]
