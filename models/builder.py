@@ -15,8 +15,9 @@ import logging
 import torch
 
 from megatron_gkd import parallel, platform
-from megatron_gkd.models.hf_config import architecture_name
 from megatron_gkd.models.registry import ArchitectureSpec, get_architecture
+from megatron_gkd.planning.model import model_shape
+from megatron_gkd.planning.splits import check_split
 
 logger = logging.getLogger(__name__)
 
@@ -82,26 +83,21 @@ def transformer_config(hf_config: dict, state, *, dtype: torch.dtype = torch.flo
     fields.update(arch.transformer_config(hf_config))
     fields.update(state.config.transformer_config_kwargs())
     fields.update(overrides)
-    _check_divisible(hf_config, fields, state)
+    _check_divisible(hf_config, state)
     config_class = arch.config_class
     if config_class is None:
         from megatron.core.transformer import TransformerConfig as config_class
     return config_class(**fields)
 
 
-def _check_divisible(hf_config: dict, fields: dict, state) -> None:
-    tp = state.config.tensor_model_parallel_size
-    groups = fields.get("num_query_groups") or fields["num_attention_heads"]
-    if groups % tp:
-        raise ValueError(
-            f"{architecture_name(hf_config)} has {groups} key/value heads, which do not split across "
-            f"tensor_model_parallel_size={tp}; choose a divisor of {groups}"
-        )
-    if hf_config["vocab_size"] % tp:
-        raise ValueError(
-            f"vocab_size {hf_config['vocab_size']} does not split across tensor_model_parallel_size={tp}; "
-            "choose a divisor of the vocabulary size"
-        )
+def _check_divisible(hf_config: dict, state) -> None:
+    """The check the dry run and the trainer's start make (``planning.splits``), for every other builder: a
+    layout that does not split the model fails here, before Megatron-Core asserts inside its layer builder."""
+    sizes = state.config
+    check_split(model_shape(hf_config), tensor_model_parallel_size=sizes.tensor_model_parallel_size,
+                pipeline_model_parallel_size=sizes.pipeline_model_parallel_size,
+                virtual_pipeline_model_parallel_size=sizes.virtual_pipeline_model_parallel_size,
+                expert_model_parallel_size=sizes.expert_model_parallel_size)
 
 
 def _mark_tensor_parallel_weights(model: torch.nn.Module) -> int:

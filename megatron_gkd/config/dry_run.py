@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from megatron_gkd import planning
+from megatron_gkd.config.checkpoints import check_checkpoints
 from megatron_gkd.config.checks import check_layout, eval_enabled, generating_teacher, needs_rollout, needs_teacher
 from megatron_gkd.config.schema import GKDConfig
 from megatron_gkd.rollout.registry import engine_traits
@@ -30,12 +31,14 @@ def layout_plan(config: GKDConfig, world_size: int | None = None) -> str:
     """A human-readable plan: layout, ranks and their roles, batch split, rollout and teacher.
 
     Raises:
-        ValueError: the layout does not fit ``world_size`` or the batch does not split.
+        ValueError: the layout does not fit ``world_size`` or the batch does not split, or a checkpoint does not fit
+            the layout (:func:`~megatron_gkd.config.checkpoints.check_checkpoints`).
     """
     parallel, trainer, rollout = config.parallel, config.trainer, config.rollout
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     world_size = world_size or tp * pp
     plan = check_layout(config, world_size)
+    checkpoints = check_checkpoints(config, world_size)
     dp = plan["data_parallel_size"]
     lines = [
         f"mode {trainer.mode}, scheduler {trainer.scheduler}, {trainer.num_steps} steps, output {trainer.output_dir}",
@@ -71,6 +74,7 @@ def layout_plan(config: GKDConfig, world_size: int | None = None) -> str:
                      + (f"top-k {teacher.top_k}" if teacher.signal.sends_topk else f"{teacher.signal} signal"))
         if teacher.signal.needs_head:
             lines.append(f"teacher head (hidden signal): {_teacher_head_text(config)}")
+    lines += checkpoints
     lines.append("ranks (tp, dp, pp):")
     for rank in range(world_size):
         tp_rank, dp_rank, pp_rank = rank_coordinates(rank, tp, dp)

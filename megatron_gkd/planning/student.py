@@ -26,6 +26,7 @@ from megatron_gkd.planning.params import (
     output_tensors,
     shard_elements,
 )
+from megatron_gkd.planning.splits import check_layers, check_split
 from megatron_gkd.planning.teacher_head import (
     TEACHER_HIDDEN_BYTES,
     TeacherHeadPlan,
@@ -109,12 +110,7 @@ def stage_layers(num_layers: int, layout: StudentLayout) -> list[list[list[int]]
     pp, vpp = layout.pipeline_model_parallel_size, layout.vpp
     first, last = layout.num_layers_in_first_pipeline_stage, layout.num_layers_in_last_pipeline_stage
     if first is None and last is None:
-        if num_layers % (pp * vpp):
-            raise ValueError(
-                f"{num_layers} layers do not split into pipeline_model_parallel_size x virtual chunks = "
-                f"{pp * vpp}; choose sizes that divide {num_layers}, or set num_layers_in_first/"
-                "last_pipeline_stage"
-            )
+        check_layers(num_layers, pp, vpp)
         per_chunk = num_layers // (pp * vpp)
         return [
             [list(range((c * pp + r) * per_chunk, (c * pp + r + 1) * per_chunk)) for c in range(vpp)]
@@ -177,16 +173,12 @@ def layer_activation_terms(m: ModelShape, layer: int, layout: StudentLayout, ctx
 
 
 def _check_splits(m: ModelShape, layout: StudentLayout) -> None:
+    """The builder's own check (heads, vocabulary rows, experts; ``stage_layers`` checks the layers), and what the
+    plan assumes beyond it."""
     tp, ep = layout.tensor_model_parallel_size, layout.expert_model_parallel_size
-    for name, value in (
-        ("num_attention_heads", m.num_attention_heads),
-        ("num_key_value_heads", m.num_key_value_heads),
-        ("vocab_size", m.vocab_size),
-    ):
-        if value % tp:
-            raise ValueError(f"{name}={value} does not split over tensor_model_parallel_size={tp}")
-    if ep > 1 and (not m.is_moe or m.num_experts % ep):
-        raise ValueError(f"expert_model_parallel_size={ep} needs routed experts divisible by it ({m.num_experts})")
+    check_split(m, tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    if ep > 1 and not m.is_moe:
+        raise ValueError(f"expert_model_parallel_size={ep} splits routed experts, which {m.architecture} has none of")
     if m.is_moe and tp > 1 and not layout.sequence_parallel:
         raise ValueError("Megatron-Core needs sequence_parallel for MoE layers with tensor_model_parallel_size > 1")
 

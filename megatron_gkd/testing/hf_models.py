@@ -106,6 +106,51 @@ TINY_CONFIGS: dict[str, dict] = {
 # "Head dimension 64 is not supported by MLA"): a tiny DeepSeek-V3 that a vLLM engine can load.
 VLLM_MLA_DIMS = dict(kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64)
 
+# SmolLM2-135M-Instruct's odd shapes at a tiny size (make_tiny_checkpoint("LlamaForCausalLM", path, **SMOLLM2_LIKE)):
+# 9 query heads over 3 key/value heads (TP 1 or 3 only), head_dim 64 (576 wide, as SmolLM2), tied embeddings, and a
+# table of 252 rows for a 250-id tokenizer (save_chat_tokenizer's default): 2 padding rows, and rows that split
+# over TP 3 but not 5.
+SMOLLM2_LIKE = dict(
+    vocab_size=252,
+    hidden_size=576,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    tie_word_embeddings=True,
+    max_position_embeddings=256,
+    rope_parameters=dict(rope_type="default", rope_theta=100000.0),
+)
+
+# SmolLM2-135M-Instruct's chat template, verbatim: ChatML with a default system prompt.
+SMOLLM2_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' "
+    "+ message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt "
+    "%}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CHAT_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def save_chat_tokenizer(directory: str | os.PathLike, chat_template: str | None = SMOLLM2_CHAT_TEMPLATE, *,
+                        num_ids: int = 250, word: str = "w", eos_token: str = "<|im_end|>") -> str:
+    """A word-level tokenizer of ``num_ids`` ids (SmolLM2's special tokens, then ``{word}0``, ``{word}1``, ...) with
+    ``chat_template``, saved in HF format beside a checkpoint; another ``word`` gives another vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [*CHAT_SPECIAL_TOKENS, *(f"{word}{i}" for i in range(num_ids - len(CHAT_SPECIAL_TOKENS)))]
+    core = Tokenizer(models.WordLevel({token: i for i, token in enumerate(words)}, unk_token="<|endoftext|>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<|endoftext|>", bos_token="<|im_start|>",
+                                        eos_token=eos_token, pad_token=eos_token,
+                                        additional_special_tokens=list(CHAT_SPECIAL_TOKENS))
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(os.fspath(directory))
+    return os.fspath(directory)
+
+
 # ~370 MB in float32 (12 layers of 768 wide, 2048 MLP, 8192 vocabulary): the memory test and benchmark.
 LARGE_LLAMA = dict(
     hidden_size=768,

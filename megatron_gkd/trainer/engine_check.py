@@ -68,7 +68,8 @@ def metrics(stats: dict) -> dict:
 
 def check(figures: dict, *, tolerance: float, step: int) -> None:
     """Raises :class:`StaleRolloutEngine` when the step's ``engine/mean_abs_error`` (from :func:`metrics`) is past
-    ``tolerance`` or not finite; nothing when the step compared no token."""
+    ``tolerance`` or not finite; nothing when the step compared no token. The trainer calls it with the step's
+    logged figures, which every rank holds: every rank stops, and no checkpoint holds the step."""
     error = figures.get("engine/mean_abs_error")
     if error is None or error <= tolerance:
         return

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from megatron_gkd import parallel, platform
 from megatron_gkd.config import GKDConfig, check_layout, eval_enabled, needs_responses, needs_teacher, to_dict, to_yaml
+from megatron_gkd.config.checkpoints import check_checkpoints
 from megatron_gkd.config.schema import MODES
 from megatron_gkd.data import PromptSampler, load_prompts, load_tokenizer
 from megatron_gkd.data.tokenization import stop_token_ids
@@ -101,6 +102,8 @@ class Trainer:
         self.control = self.state.control_group  # agreement, metrics, batches: host memory whatever the device
         self._dp_gloo = self.state.dp_gloo_group
         self.layout = check_layout(config, self.world_size)
+        checked = check_checkpoints(config, self.world_size)  # --dry-run's checks, before anything expensive starts
+        logger.info("checkpoints:\n  %s", "\n  ".join(checked))
         last = torch.tensor([self.rank if self.state.is_pipeline_last_stage else -1])
         dist.all_reduce(last, op=dist.ReduceOp.MAX, group=self.control)
         self._metrics_rank = int(last)  # a last-stage rank: it holds the step's loss statistics
@@ -198,7 +201,6 @@ class Trainer:
             now = time.perf_counter()
             metrics["time/step"], clock = now - clock, now  # wall time since the previous step's end
             self._log(metrics)
-            # Every rank has the step's figures now: every rank stops, and no checkpoint holds this step.
             engine_check.check(self.last_metrics, tolerance=engine_check.tolerance_of(config), step=self.step)
             self._checkpoint_if_due()
             if self.preemption.requested():

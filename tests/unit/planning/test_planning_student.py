@@ -116,7 +116,8 @@ def test_last_stage_carries_logits_teacher_topk_and_the_tied_output_copy():
 
 def test_layouts_that_do_not_split_say_why():
     hf = _qwen3_8b()
-    with pytest.raises(ValueError, match="num_key_value_heads=8 does not split over tensor_model_parallel_size=16"):
+    with pytest.raises(ValueError, match="32 attention heads and 8 key/value heads, which do not split across "
+                                         "tensor_model_parallel_size=16"):
         _rank(StudentLayout(tensor_model_parallel_size=16), hf=hf)
     moe = read_config(CONFIGS / "qwen3-30b-a3b")
     with pytest.raises(ValueError, match="sequence_parallel"):

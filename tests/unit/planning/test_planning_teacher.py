@@ -94,4 +94,4 @@ def test_cli_prints_tables_and_json(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["teacher"]["layout"]["tensor_parallel_size"] == 8 and data["student_devices"] == 8
     assert main(["student", "--hf", str(CONFIGS / "qwen3-8b"), "--tp", "16"]) == 2
-    assert "does not split" in capsys.readouterr().err
+    assert "which do not split across tensor_model_parallel_size=16" in capsys.readouterr().err

@@ -6,6 +6,7 @@ checkpoint after the step it is in and stop; the same config run again resumes a
 
 import math
 import os
+import shutil
 import signal
 
 import pytest
@@ -44,12 +45,15 @@ def signal_handlers():
         signal.signal(signum, handler)
 
 
+def sft_overrides(assets, out, num_steps: int) -> list[str]:
+    return [f"student.checkpoint={assets / 'student'}", f"data.train_path={assets / 'train.jsonl'}",
+            f"trainer.output_dir={out}", "trainer.mode=sft", "rollout.n=1", f"trainer.num_steps={num_steps}",
+            "trainer.global_batch_size=2", "trainer.micro_batch_size=1", "data.max_prompt_length=32",
+            "logging.progress_bar=false", "checkpoint.hf_at_end=false", "optim.lr=1e-3"]
+
+
 def sft_config(assets, out, num_steps: int):
-    return load_config(None, [
-        f"student.checkpoint={assets / 'student'}", f"data.train_path={assets / 'train.jsonl'}", f"trainer.output_dir={out}",
-        "trainer.mode=sft", "rollout.n=1", f"trainer.num_steps={num_steps}", "trainer.global_batch_size=2",
-        "trainer.micro_batch_size=1", "data.max_prompt_length=32", "logging.progress_bar=false",
-        "checkpoint.hf_at_end=false", "optim.lr=1e-3"])
+    return load_config(None, sft_overrides(assets, out, num_steps))
 
 
 def trained_steps(out) -> list[int]:
@@ -102,3 +106,13 @@ def test_a_preempted_run_checkpoints_and_the_same_config_resumes_at_its_step(ass
     assert summary["steps"] == 3 and not summary["preempted"]
     assert trained_steps(out) == [1, 2, 3]  # it went on from the saved step: none trained twice, none skipped
     assert find_checkpoint(run_dir.checkpoints(out)).step == 3
+
+
+def test_the_start_makes_the_dry_runs_checkpoint_checks_first(assets, tmp_path):
+    # config/checkpoints.py, the function --dry-run calls: here a tokenizer with ids past the student's table, refused
+    # before the data and the model are loaded.
+    student = tmp_path / "student"
+    shutil.copytree(assets / "student", student)
+    build_tokenizer(student, VOCAB + 16)
+    with pytest.raises(ValueError, match=f"has {VOCAB + 16} ids but Qwen3ForCausalLM's table has {VOCAB} rows"):
+        Trainer(load_config(None, [*sft_overrides(assets, tmp_path / "run", 1), f"student.checkpoint={student}"]))
