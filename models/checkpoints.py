@@ -83,7 +83,7 @@ def resolve_checkpoint(path: str | os.PathLike, *, dtype: torch.dtype | str | No
     entry = root / kind
     if not entry.is_dir():
         root.mkdir(parents=True, exist_ok=True)
-        with _exclusive(root / ".lock", file):
+        with exclusive(root / ".lock", f"converts {file}"):
             if not entry.is_dir():  # another process may have converted it while this one waited
                 _convert(file, entry, dtype, digest)
     logger.debug("checkpoint %s is the GGUF conversion %s", path, entry)
@@ -112,13 +112,14 @@ def file_blake3(file: str | os.PathLike) -> str:
 
 
 @contextlib.contextmanager
-def _exclusive(lock_file: pathlib.Path, file: str):
-    """Holds an exclusive ``flock`` on ``lock_file`` (released by the kernel if this process dies)."""
+def exclusive(lock_file: str | os.PathLike, what: str):
+    """Holds an exclusive ``flock`` on ``lock_file`` (created if missing; the kernel releases it if this process dies),
+    logging that it waits for another process that ``what`` when one holds it."""
     with open(lock_file, "a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            logger.info("waiting for another process that converts %s", file)
+            logger.info("waiting for another process that %s", what)
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
