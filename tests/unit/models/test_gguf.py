@@ -10,6 +10,7 @@ once); the real SmolLM2 in
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -21,6 +22,7 @@ from megatron_gkd.models import checkpoints, convert, resolve_checkpoint
 from megatron_gkd.planning import model_shape, read_config
 from megatron_gkd.teacher import ScoreBatch, SequenceRequest
 from megatron_gkd.teacher.backends import build_backend
+from megatron_gkd.teacher.cache.store import checkpoint_digest
 from megatron_gkd.testing.gguf_models import BOS_ID, DEFAULT_SYSTEM_PROMPT, EOS_ID, SPECIAL_TOKENS, make_tiny_gguf, tokens
 from megatron_gkd.testing.hf_models import hf_logits, read_safetensors_dir
 
@@ -144,6 +146,16 @@ def test_the_teacher_hf_backend_serves_the_gguf(tiny_f32):
     assert served.info().tokenizer_size == len(tokens())
     got, want = served.score(batch)[0], reference.score(batch)[0]
     assert np.array_equal(got.topk_ids, want.topk_ids) and np.array_equal(got.token_logprobs, want.token_logprobs)
+
+
+def test_a_teacher_cache_binds_to_the_gguf_files_bytes(tiny_f32, tmp_path):
+    digest = checkpoint_digest(tiny_f32.gguf)
+    assert checkpoint_digest(tiny_f32.gguf.parent) == digest  # the directory holding it names the same file
+    copy = tmp_path / "elsewhere" / tiny_f32.gguf.name
+    copy.parent.mkdir()
+    shutil.copyfile(tiny_f32.gguf, copy)
+    assert checkpoint_digest(copy) == digest
+    assert checkpoint_digest(make_tiny_gguf(tmp_path / "other", seed=1).gguf) != digest
 
 
 def test_the_conversion_command_writes_an_hf_directory(tiny_f32, tmp_path):
