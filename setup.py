@@ -81,6 +81,9 @@ setup(
         # On Ascend: torch_npu (needs CANN) and MindSpeed from https://gitcode.com/Ascend/MindSpeed;
         # neither installs from the public index, see README "Platforms".
         "npu": [],
+        # GGUF checkpoints (llama.cpp's format) as student/teacher checkpoints, dequantized by transformers, which needs
+        # both to read one (megatron_gkd/models/gguf.py); 0.19.0 is the release verified with transformers 5.19.
+        "gguf": ["gguf>=0.19.0", "accelerate>=1.0"],
         # transformers builds the tiny reference checkpoints of the model tests (megatron_gkd.testing.hf_models).
         # ray: the Ray gate's placement tests run on Ray's local multi-node cluster (2.60.0 installs on 3.11).
         "test": ["pytest>=8", "pytest-timeout", "transformers", "ray==2.60.0", "ruff==0.17.6"],

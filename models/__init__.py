@@ -6,6 +6,10 @@ Public API (call :func:`megatron_gkd.parallel.initialize` first)::
     for hf_name, tensor in export_hf_weights(chunks): ...  # full HF tensors on their owner rank
     save_hf(chunks, "path/to/out")                          # safetensors + config + tokenizer files
     chunks = build_model(read_hf_config("path/to/hf"))      # random init, same layout and mapping
+    hf_dir = resolve_checkpoint("model.Q4_1.gguf", dtype="float32")   # a GGUF as a cached HF directory
+
+Every function here that takes a checkpoint path also takes a GGUF file (or a directory holding one): it is
+dequantized into a cached HF directory first (:func:`resolve_checkpoint`, the one place paths become directories).
 
 Supported architectures are registered by their ``config.json`` ``architectures[0]`` string; any other
 raises ``ValueError`` listing :func:`supported_architectures`.
@@ -50,6 +54,7 @@ fixes of ``mla.py``) and ``config_class`` (``MLATransformerConfig``).
 """
 
 from megatron_gkd.models.builder import HFModelInfo, build_model, parallel_state_of, transformer_config, unwrap
+from megatron_gkd.models.checkpoints import cache_root, resolve_checkpoint
 from megatron_gkd.models.export import export_hf_shards, export_hf_weights, save_hf, shard_sources
 from megatron_gkd.models.hf_config import read_hf_config
 from megatron_gkd.models.loading import SafetensorsCheckpoint, load_hf
@@ -83,6 +88,7 @@ __all__ = [
     "SafetensorsCheckpoint",
     "WeightRule",
     "build_model",
+    "cache_root",
     "export_hf_shards",
     "shard_sources",
     "export_hf_weights",
@@ -92,6 +98,7 @@ __all__ = [
     "mapped_tensors",
     "read_hf_config",
     "register_architecture",
+    "resolve_checkpoint",
     "save_hf",
     "parallel_state_of",
     "shard_coordinates",

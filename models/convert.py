@@ -1,12 +1,16 @@
-"""Offline conversion between HF checkpoints and Megatron-Core distributed checkpoints.
+"""Offline conversion between HF checkpoints and Megatron-Core distributed checkpoints, and from GGUF to HF.
 
-Run under torchrun; the parallel layout is the one the checkpoint is written with (hf-to-mcore) or read
-with (mcore-to-hf), and the two may differ (``dist_checkpointing`` reshards)::
+Run under torchrun (gguf-to-hf: one process); the parallel layout is the one the checkpoint is written with
+(hf-to-mcore) or read with (mcore-to-hf), and the two may differ (``dist_checkpointing`` reshards)::
 
     torchrun --nproc_per_node 2 -m megatron_gkd.models.convert hf-to-mcore \\
         --hf path/to/hf --out path/to/mcore --tensor-model-parallel-size 2
     torchrun --nproc_per_node 1 -m megatron_gkd.models.convert mcore-to-hf \\
         --mcore path/to/mcore --out path/to/hf-out
+    python -m megatron_gkd.models.convert gguf-to-hf --gguf model.Q4_1.gguf --out path/to/hf --dtype bfloat16
+
+``--hf`` also takes a GGUF file (converted through the cache first, :func:`~megatron_gkd.models.resolve_checkpoint`);
+gguf-to-hf writes the dequantized HF checkpoint (weights, config, tokenizer, chat template) where you say instead.
 
 The Megatron checkpoint holds ``model`` (or ``model0``, ``model1``... per virtual-pipeline chunk) in
 ``dist_checkpointing`` format, plus ``hf/``: the HF ``config.json`` and tokenizer files, from which
@@ -30,9 +34,12 @@ import torch
 from megatron_gkd import parallel, platform
 from megatron_gkd.log_setup import setup_logging
 from megatron_gkd.models.builder import build_model
+from megatron_gkd.models.checkpoints import resolve_checkpoint
 from megatron_gkd.models.export import TOKENIZER_FILES, save_hf
+from megatron_gkd.models.gguf import convert_gguf
 from megatron_gkd.models.hf_config import read_hf_config
 from megatron_gkd.models.loading import load_hf
+from megatron_gkd.planning.gguf_config import gguf_file
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +51,13 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron_gkd.models.convert", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     to_mcore = commands.add_parser("hf-to-mcore", help="HF safetensors -> Megatron dist checkpoint")
-    to_mcore.add_argument("--hf", required=True, help="HF checkpoint directory")
+    to_mcore.add_argument("--hf", required=True, help="HF checkpoint directory or GGUF file")
     to_hf = commands.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors")
     to_hf.add_argument("--mcore", required=True, help="checkpoint directory written by hf-to-mcore")
+    from_gguf = commands.add_parser("gguf-to-hf", help="GGUF file -> HF safetensors (dequantized; no torchrun)")
+    from_gguf.add_argument("--gguf", required=True, help="GGUF file, or a directory holding one")
+    from_gguf.add_argument("--out", required=True, help="output directory")
+    from_gguf.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     for command in (to_mcore, to_hf):
         command.add_argument("--out", required=True, help="output directory")
         command.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -96,6 +107,7 @@ def hf_to_mcore(hf_path: str, out: str, dtype: torch.dtype) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    hf_path = resolve_checkpoint(hf_path, dtype=dtype)  # a GGUF: its converted directory, tokenizer included
     chunks = load_hf(hf_path, dtype=dtype)
     final, out = out, _partial(out)
     dist_checkpointing.save(sharded_model_state(chunks), out)
@@ -126,9 +138,30 @@ def mcore_to_hf(mcore_path: str, out: str, dtype: torch.dtype) -> None:
     logger.info("wrote HF checkpoint %s from %s", out, mcore_path)
 
 
+def gguf_to_hf(gguf_path: str, out: str, dtype: torch.dtype) -> None:
+    """Writes the dequantized HF checkpoint of a GGUF to ``out`` (whole or not at all, as the other commands)."""
+    file = gguf_file(gguf_path)
+    if file is None:
+        raise ValueError(f"--gguf {gguf_path} is not a GGUF file nor a directory holding one")
+    if os.path.exists(out):
+        raise FileExistsError(f"--out {out} exists; remove it or choose another directory (nothing was written)")
+    partial = out.rstrip(os.sep) + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        convert_gguf(file, partial, dtype=dtype)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    os.rename(partial, out)
+    logger.info("wrote HF checkpoint %s from %s", out, file)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     setup_logging("INFO")
+    if args.command == "gguf-to-hf":  # no model parallelism: one process dequantizes
+        gguf_to_hf(args.gguf, args.out, DTYPES[args.dtype])
+        return
 
     platform.setup()
 

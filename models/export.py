@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gkd.models.builder import parallel_state_of, unwrap
+from megatron_gkd.models.checkpoints import resolve_checkpoint
 from megatron_gkd.models.loading import INDEX_FILE
 from megatron_gkd.models.mapping import WeightRule, mapped_tensors, shard_coordinates
 from megatron_gkd.parallel import gather_tp
@@ -256,6 +257,8 @@ def _write_metadata(path, maps, info, dtype, tokenizer_source) -> None:
     with open(os.path.join(path, "config.json"), "w") as handle:
         json.dump(config, handle, indent=2)
     source = tokenizer_source or info.source
+    if source is not None:
+        source = resolve_checkpoint(source)  # a GGUF tokenizer: the files of its conversion
     copied = []
     if source is not None and os.path.abspath(source) != os.path.abspath(path):
         for name in TOKENIZER_FILES:

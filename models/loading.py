@@ -16,6 +16,7 @@ import os
 import torch
 
 from megatron_gkd.models.builder import build_model, parallel_state_of
+from megatron_gkd.models.checkpoints import resolve_checkpoint
 from megatron_gkd.models.hf_config import read_hf_config
 from megatron_gkd.models.mapping import mapped_tensors, shard_coordinates, tp_slice_index
 
@@ -116,7 +117,8 @@ def load_hf(
     filled slice by slice (see the module docstring for what each rank reads).
 
     Args:
-        path: HF checkpoint directory (``config.json`` and ``*.safetensors``, sharded or not).
+        path: HF checkpoint directory (``config.json`` and ``*.safetensors``, sharded or not), or a GGUF file
+            (dequantized to ``dtype`` into a cached HF directory once: :func:`~megatron_gkd.models.resolve_checkpoint`).
         dtype: parameter dtype (the checkpoint's tensors are converted on copy).
         state: the parallel state (default: the initialised one).
         use_transformer_engine: Transformer Engine layer specs; default: when TE imports.
@@ -125,7 +127,7 @@ def load_hf(
     Returns:
         One module per virtual-pipeline chunk of this rank.
     """
-    path = os.fspath(path)
+    path = resolve_checkpoint(path, dtype=dtype)
     hf_config = read_hf_config(path)
     config_overrides.setdefault("perform_initialization", False)
     chunks = build_model(

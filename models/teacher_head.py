@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from megatron_gkd.models.checkpoints import resolve_checkpoint
 from megatron_gkd.models.hf_config import read_hf_config
 from megatron_gkd.models.loading import SafetensorsCheckpoint
 from megatron_gkd.models.mapping import find_rule
@@ -84,7 +85,7 @@ def load_teacher_head(
 
     Args:
         checkpoint: the teacher's HF checkpoint directory (``config.json`` and ``*.safetensors``,
-            sharded with an index or not); only the output layer's rows of this shard are read.
+            sharded with an index or not), or a GGUF file; only the output layer's rows of this shard are read.
         student_vocab_size: rows of the student's (padded) output layer, which the ranks split.
         tp_rank, tp_size: this rank in the student's tensor-parallel group, and the group's size.
         real_vocab_size: the tokenizer's entries; ids at or past it are padding.
@@ -100,6 +101,9 @@ def load_teacher_head(
         KeyError: the checkpoint lacks the output layer's tensor.
     """
     _check_layout(student_vocab_size, tp_rank, tp_size, real_vocab_size)
+    # A GGUF's float32 conversion holds its values exactly; a caller that serves it in another dtype passes that
+    # conversion's directory instead (resolve_checkpoint), so that one conversion serves both.
+    checkpoint = resolve_checkpoint(checkpoint, dtype="float32")
     hf_config = read_hf_config(checkpoint)
     name = output_layer_name(hf_config)
     rows = student_vocab_size // tp_size

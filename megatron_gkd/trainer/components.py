@@ -16,7 +16,7 @@ from megatron_gkd import platform
 from megatron_gkd.config import GKDConfig, needs_rollout
 from megatron_gkd.config.checks import generating_teacher
 from megatron_gkd.data.tokenization import pad_id
-from megatron_gkd.models import load_hf, unwrap
+from megatron_gkd.models import load_hf, resolve_checkpoint, unwrap
 from megatron_gkd.models.teacher_head import load_teacher_head
 from megatron_gkd.parallel import ParallelState
 from megatron_gkd.rewards import RewardRunner
@@ -89,7 +89,9 @@ def build_teacher_head(teacher, state, student: Student, tokenizer, cross=None) 
     if cross is not None:
         real = cross.teacher_table.vocab_size
         rows = -(-real // tp) * tp
-    head = load_teacher_head(teacher.head_source, student_vocab_size=rows, tp_rank=state.tp_rank, tp_size=tp,
+    # A GGUF teacher: the conversion its service loads (teacher.checkpoint_dtype), not a second one.
+    source = resolve_checkpoint(teacher.head_source, dtype=teacher.checkpoint_dtype)
+    head = load_teacher_head(source, student_vocab_size=rows, tp_rank=state.tp_rank, tp_size=tp,
                              real_vocab_size=real, dtype=student.dtype, device=platform.device())
     logger.info("teacher head shard %s (%s, %.1f MiB) from %s", tuple(head.shape), head.dtype,
                 head.numel() * head.element_size() / 2**20, teacher.head_source)
@@ -119,7 +121,9 @@ def rollout_engine_kwargs(config: GKDConfig, tokenizer) -> dict:
                        seed=config.trainer.seed, skip_tokenizer_init=True)
         if rollout.kv_cache_memory_mb is not None:
             options["kv_cache_memory_bytes"] = rollout.kv_cache_memory_mb << 20
-    return dict(model=config.student.checkpoint, tensor_parallel_size=rollout.tensor_parallel_size,
+    # The engine reads the directory the student was loaded from (a GGUF: its conversion in the student's dtype).
+    model = resolve_checkpoint(config.student.checkpoint, dtype=config.student.dtype)
+    return dict(model=model, tensor_parallel_size=rollout.tensor_parallel_size,
                 max_model_len=rollout.max_model_len, dtype=rollout.dtype or config.student.dtype, pad_token_id=pad,
                 vocab_size=len(tokenizer), **options, **rollout.engine_args)
 

@@ -13,6 +13,7 @@ import dataclasses
 import time
 from typing import Any
 
+from megatron_gkd.models.checkpoints import resolve_checkpoint
 from megatron_gkd.registry import Registry
 from megatron_gkd.teacher.types import (
     ErrorCode,
@@ -23,6 +24,9 @@ from megatron_gkd.teacher.types import (
     TeacherError,
     TeacherOutput,
 )
+
+# The dtype every built-in backend loads its weights in unless given ``dtype`` (their argument's default).
+DEFAULT_DTYPE = "float32"
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -181,9 +185,12 @@ def backend_names() -> list[str]:
 
 
 def build_backend(name: str, **kwargs: Any) -> TeacherBackend:
-    """Builds the implementation registered as ``name`` with its keyword options.
+    """Builds the implementation registered as ``name`` with its keyword options. A ``model`` that is a GGUF file
+    reaches the backend as its HF conversion, dequantized to the backend's ``dtype`` (default float32).
 
     Raises:
         ValueError: unknown name (the message lists the registered ones).
     """
+    if kwargs.get("model") is not None:
+        kwargs["model"] = resolve_checkpoint(kwargs["model"], dtype=kwargs.get("dtype", DEFAULT_DTYPE))
     return BACKENDS.build(name, **kwargs)

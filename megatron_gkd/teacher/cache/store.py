@@ -41,6 +41,7 @@ import blake3
 import numpy as np
 import torch
 
+from megatron_gkd.planning.gguf_config import gguf_file
 from megatron_gkd.teacher.security import MIN_SECRET_BYTES, SECRET_ENV
 from megatron_gkd.teacher.types import Signal, TeacherOutput
 
@@ -115,12 +116,17 @@ def file_digest(path: pathlib.Path) -> str:
 
 def checkpoint_digest(directory: str | os.PathLike) -> str:
     """blake3 over every file of a checkpoint directory (relative name, size and blake3 of each, sorted by
-    name): the same weights, config and tokenizer files give the same digest wherever they lie."""
+    name): the same weights, config and tokenizer files give the same digest wherever they lie. A GGUF teacher (the
+    file, or a directory holding it) is that one file, whatever dtype it is served in."""
+    gguf = gguf_file(directory)
     directory = pathlib.Path(directory)
-    if not directory.is_dir():
+    if gguf is not None:
+        directory, files = pathlib.Path(gguf).parent, [pathlib.Path(gguf)]
+    elif not directory.is_dir():
         raise ValueError(f"teacher checkpoint {directory} is not a directory")
+    else:
+        files = sorted(path for path in directory.rglob("*") if path.is_file())
     hasher = blake3.blake3()
-    files = sorted(path for path in directory.rglob("*") if path.is_file())
     if not files:
         raise ValueError(f"teacher checkpoint {directory} holds no files")
     for path in files:

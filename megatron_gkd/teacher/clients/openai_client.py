@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from megatron_gkd.data.tokenization import tokenizer_digest
+from megatron_gkd.data.tokenization import load_tokenizer, tokenizer_digest
 from megatron_gkd.teacher import sampling
 from megatron_gkd.teacher.clients import RetryPolicy, TeacherClient, TeacherInfo
 from megatron_gkd.teacher.clients.http_call import DeadlineExceeded, HttpEndpoint, Response, ResponseTooLarge
@@ -178,9 +178,7 @@ class OpenAITeacherClient(TeacherClient):
     def info(self) -> TeacherInfo:
         digest = size = None
         if self._teacher_tokenizer is not None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(self._teacher_tokenizer)
+            tokenizer = load_tokenizer(self._teacher_tokenizer)  # a directory, a GGUF file or a Hub id
             digest, size = tokenizer_digest(tokenizer), len(tokenizer)
         # The API does not report the output-layer size; the tokenizer's is the real vocabulary.
         return TeacherInfo(vocab_size=size or 0, tokenizer_size=size, tokenizer_digest=digest,
