@@ -102,8 +102,7 @@ class Trainer:
         self.control = self.state.control_group  # agreement, metrics, batches: host memory whatever the device
         self._dp_gloo = self.state.dp_gloo_group
         self.layout = check_layout(config, self.world_size)
-        checked = check_checkpoints(config, self.world_size)  # --dry-run's checks, before anything expensive starts
-        logger.info("checkpoints:\n  %s", "\n  ".join(checked))
+        logger.info("checkpoints (--dry-run's checks, done first):\n  %s", "\n  ".join(check_checkpoints(config, self.world_size)))
         last = torch.tensor([self.rank if self.state.is_pipeline_last_stage else -1])
         dist.all_reduce(last, op=dist.ReduceOp.MAX, group=self.control)
         self._metrics_rank = int(last)  # a last-stage rank: it holds the step's loss statistics
