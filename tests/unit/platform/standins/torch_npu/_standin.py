@@ -3,7 +3,10 @@
 (nothing is recorded when the variable is unset).
 
 A stack keeps only the frames a test reasons about: this repository's files (as repository-relative paths,
-the stand-ins' own frames left out) and Megatron-Core's (``megatron/core/...``), innermost last.
+the stand-ins' own frames left out) and Megatron-Core's (``megatron/core/...``), innermost last. ``caller`` is the
+innermost frame outside the stand-ins, whoever's: a library that asks the device API itself (accelerate asks
+``torch.npu.is_available()`` as it is imported, under the first ``transformers`` call that imports it) is told
+apart from the project file that made that call.
 """
 
 from __future__ import annotations
@@ -38,8 +41,11 @@ def record(kind: str, **detail) -> None:
     directory = os.environ.get(RECORD_ENV)
     if not directory:
         return
-    stack = [name for name in (_frame_name(frame.filename) for frame in traceback.extract_stack()[:-1]) if name]
+    frames = traceback.extract_stack()[:-1]
+    stack = [name for name in (_frame_name(frame.filename) for frame in frames) if name]
+    outside = [frame.filename for frame in frames if not pathlib.Path(frame.filename).is_relative_to(STANDINS)]
+    caller = _frame_name(outside[-1]) or outside[-1] if outside else None
     line = json.dumps({"kind": kind, "rank": os.environ.get("RANK"), "pid": os.getpid(), "detail": detail,
-                       "stack": stack}, default=str)
+                       "stack": stack, "caller": caller}, default=str)
     with _lock, open(pathlib.Path(directory) / f"{os.getpid()}.jsonl", "a") as out:
         out.write(line + "\n")
