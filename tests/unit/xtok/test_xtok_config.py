@@ -48,6 +48,9 @@ def test_bad_values_are_refused():
         CrossTokenizerConfig(method="hybird")
     with pytest.raises(ValueError, match="decay"):
         CrossTokenizerConfig(method="projected", decay=2.0)
+    with pytest.raises(ValueError, match="prompt='templat' is not one of template, text; did you mean 'template'"):
+        CrossTokenizerConfig(method="projected", prompt="templat")
+    assert CrossTokenizerConfig().prompt == "template"  # what the teacher reads when it serves the conversation
 
 
 BASE = pathlib.Path(__file__).resolve().parents[3] / "configs" / "cpu_tiny.yaml"
