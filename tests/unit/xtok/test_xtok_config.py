@@ -92,3 +92,9 @@ def test_full_support_without_a_method_warns_that_it_is_inert(caplog):
     with caplog.at_level(logging.WARNING):
         load_config(BASE, ["teacher.signal=hidden", FULL])
     assert f"{FULL} has no effect without teacher.cross_tokenizer.method" in caplog.text
+
+
+def test_the_text_prompt_without_a_method_warns_that_it_is_inert(caplog):
+    with caplog.at_level(logging.WARNING):
+        load_config(BASE, ["teacher.cross_tokenizer.prompt=text"])
+    assert "teacher.cross_tokenizer.prompt=text has no effect without teacher.cross_tokenizer.method" in caplog.text
