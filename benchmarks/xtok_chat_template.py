@@ -17,9 +17,13 @@ is special tokens and ends in one (``<s> w1 w2 </s> <s>``, as real templates end
 
 Each run: on-policy forward KL from the teacher's top-16, the student sampling with its own weights
 (``rollout.engine=megatron``), TP=1, one process, ``sync``, ``--steps`` steps of 16 samples (4 prompts x 4), one run at
-a time. Measured: the held-out KL(teacher || student) over the whole vocabulary, float64, teacher-forced on
-``eval.jsonl``'s references through the template (``distill_quality.HeldOutKL``), of the start and of the run's final
-HF export; the cut is ``1 - end / start``. ``--code DIR`` runs the trainer of another checkout (its ``configs/`` and
+a time; ``--mode off_policy``: the records' reference responses instead (16 prompts a step, nothing sampled), where
+the two teachers must give the same loss at every step (on-policy the random student also samples special tokens
+inside its responses, which the request path handles differently from the same-tokenizer one).
+
+Measured: the held-out KL(teacher || student) over the whole vocabulary, float64, teacher-forced on ``eval.jsonl``'s
+references through the template (``distill_quality.HeldOutKL``), of the start and of the run's final HF export; the
+cut is ``1 - end / start``. ``--code DIR`` runs the trainer of another checkout (its ``configs/`` and
 package; ``megatron_gkd/models`` and ``megatron_gkd/parallel`` linked as the GPU machine's set-up does) on the same
 assets, for the figure before a change. Output: ``results.json`` and a Markdown table of the range over seeds.
 """
@@ -53,9 +57,10 @@ def build(root: pathlib.Path) -> pathlib.Path:
     return assets
 
 
-def overrides(assets: pathlib.Path, method: str, seed: int, steps: int) -> list[str]:
+def overrides(assets: pathlib.Path, method: str, seed: int, steps: int, mode: str) -> list[str]:
     teacher = assets / "cross" / "permuted" if method == "permuted" else assets / "teacher"
-    return [*harness.asset_overrides(assets), f"teacher.serve.model={teacher}", *METHODS[method],
+    samples = ["trainer.mode=off_policy", "rollout.n=1"] if mode == "off_policy" else []
+    return [*samples, *harness.asset_overrides(assets), f"teacher.serve.model={teacher}", *METHODS[method],
             "parallel.tensor_model_parallel_size=1", "rollout.engine=megatron", "rollout.tensor_parallel_size=1",
             "trainer.scheduler=sync", f"trainer.num_steps={steps}", "optim.lr_warmup_steps=2",
             "eval.at_start=false", "eval.at_end=false", "eval.kl=false", "checkpoint.save_interval=null",
@@ -107,9 +112,11 @@ def main() -> None:
     parser.add_argument("--code", type=pathlib.Path, default=harness.REPO, help="the checkout whose trainer runs")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--mode", choices=["on_policy", "off_policy"], default="on_policy")
     args = parser.parse_args()
-    assets = build(args.assets or args.out / "assets")
+    args.out = args.out.resolve()  # the runs' working directory is the checkout that runs
+    assets = build((args.assets or args.out / "assets").resolve())
     code = args.code.resolve()
     if code != harness.REPO:
         link_packages(code)
@@ -119,7 +126,7 @@ def main() -> None:
     for method in args.methods:
         for seed in args.seeds:
             out = args.out / f"{method}-seed{seed}"
-            wall_s = run(code, out, overrides(assets, method, seed, args.steps))
+            wall_s = run(code, out, overrides(assets, method, seed, args.steps, args.mode))
             export = max((out / "hf").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
             results.append({"method": method, "seed": seed, "heldout_kl": kl(export), "wall_s": wall_s,
                             "final_loss": harness.steps(out)[-1]["train/loss"]})
