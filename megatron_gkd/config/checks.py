@@ -394,6 +394,9 @@ def _check_teacher(config, teacher, key: str) -> None:
         logger.warning("%s.cross_tokenizer.hidden_support=%s has no effect without %s.cross_tokenizer.method (a teacher "
                        "of the student's tokenizer with signal=hidden is always compared over its whole vocabulary)",
                        key, teacher.cross_tokenizer.hidden_support, key)
+    if teacher.enabled and not teacher.cross_tokenizer.enabled and teacher.cross_tokenizer.prompt != "template":
+        logger.warning("%s.cross_tokenizer.prompt=%s has no effect without %s.cross_tokenizer.method (a teacher of the "
+                       "student's tokenizer reads the student's prompt ids)", key, teacher.cross_tokenizer.prompt, key)
 
 
 def _check_cross_tokenizer(config, teacher, key: str) -> None:

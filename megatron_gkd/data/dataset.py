@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import operator
 from typing import NamedTuple
@@ -14,7 +15,7 @@ import tqdm
 from megatron_gkd.data.config import DataConfig, resolve_format
 from megatron_gkd.data.readers import Fields, Malformed, Row, open_rows
 from megatron_gkd.data.records import HINTS, ParsedRecord, parse_record
-from megatron_gkd.data.tokenization import eos_token_id, render_prompt, resolve_chat_template, tokenize_texts
+from megatron_gkd.data.tokenization import eos_token_id, prompt_conversation, render_prompt, resolve_chat_template, tokenize_texts
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,10 @@ class PromptRecord:
     group: str | None = None
     """The record's ``data.group_key`` field (e.g. its task: eval reports accuracy per group, and
     ``teacher_mix.mode=route`` sends it to the teacher of that name), or ``None``."""
+    conversation: str | list[dict[str, str]] | None = None
+    """What ``prompt_ids`` were rendered from (:func:`~megatron_gkd.data.tokenization.prompt_conversation`: the raw
+    text, or the messages the chat template read), kept when the dataset is loaded with ``keep_conversations``
+    (a teacher of another tokenizer renders it with its own template); else ``None``."""
 
 
 @dataclasses.dataclass
@@ -72,9 +77,10 @@ class PromptDataset:
 
     def __init__(self, path: str, stats: DatasetStats, indices: np.ndarray, prompts: TokenColumn,
                  responses: TokenColumn, has_response: np.ndarray, answers: list[str | None],
-                 groups: list[str | None] | None = None):
+                 groups: list[str | None] | None = None, conversations: list[str | None] | None = None):
         assert len(indices) == len(prompts) == len(responses) == len(has_response) == len(answers)
         self._groups = groups if groups is not None else [None] * len(indices)
+        self._conversations = conversations  # JSON text: a str per record costs its length, a list of dicts far more
         self.path = path
         self.stats = stats
         self._indices = indices
@@ -92,8 +98,10 @@ class PromptDataset:
             raise IndexError(f"position {position} out of range for {len(self)} prompts of {self.path}")
         position %= len(self)
         response = self._responses[position] if self._has_response[position] else None
+        conversation = self._conversations[position] if self._conversations is not None else None
         return PromptRecord(index=int(self._indices[position]), prompt_ids=self._prompts[position],
-                            response_ids=response, answer=self._answers[position], group=self._groups[position])
+                            response_ids=response, answer=self._answers[position], group=self._groups[position],
+                            conversation=None if conversation is None else json.loads(conversation))
 
     @property
     def has_responses(self) -> bool:
@@ -102,7 +110,8 @@ class PromptDataset:
 
 
 def load_prompts(path: str, config: DataConfig, tokenizer, *, require_responses: bool = False,
-                 limit: int | None = None, show_progress: bool = False) -> PromptDataset:
+                 limit: int | None = None, show_progress: bool = False,
+                 keep_conversations: bool = False) -> PromptDataset:
     """Reads, checks, templates, tokenizes and filters the prompts of ``path``.
 
     The result depends only on the file, ``config`` and the tokenizer, so every rank that loads the same
@@ -112,6 +121,7 @@ def load_prompts(path: str, config: DataConfig, tokenizer, *, require_responses:
         require_responses: records without a reference response are malformed (off_policy / sft modes).
         limit: keep at most the first ``limit`` records that survive filtering, and stop reading there.
         show_progress: draw a progress bar (pass it on rank 0 only; it stays off when stderr is not a TTY).
+        keep_conversations: keep each record's conversation (``PromptRecord.conversation``) beside its ids.
 
     Raises:
         ValueError: more than ``config.max_bad_fraction`` of the records read is malformed (the message holds
@@ -126,11 +136,11 @@ def load_prompts(path: str, config: DataConfig, tokenizer, *, require_responses:
     eos = eos_token_id(tokenizer)
     num_rows, chunks = open_rows(path, resolve_format(path, config.format), fields, _CHUNK_ROWS)
     stats = DatasetStats()
-    kept = _Kept()
+    kept = _Kept(keep_conversations)
     bar = tqdm.tqdm(total=num_rows, desc=f"tokenizing {path}", unit="rows", disable=None if show_progress else True)
     with bar:
         for chunk in chunks:
-            outcomes = _tokenize_chunk(chunk, fields, template, tokenizer, eos, require_responses)
+            outcomes = _tokenize_chunk(chunk, fields, template, tokenizer, eos, require_responses, keep_conversations)
             for index, outcome in outcomes:
                 stats.num_records += 1
                 _tally(stats, kept, index, outcome, config)
@@ -152,10 +162,11 @@ class _Tokenized(NamedTuple):
     response_ids: list[int] | None
     answer: str | None
     group: str | None
+    conversation: str | None  # JSON, with keep_conversations
 
 
 def _tokenize_chunk(chunk: list[Row], fields: Fields, template: str | None, tokenizer, eos: int,
-                    require_responses: bool) -> list[tuple[int, Malformed | _Tokenized]]:
+                    require_responses: bool, keep_conversations: bool) -> list[tuple[int, Malformed | _Tokenized]]:
     """What became of every row of ``chunk``, in file order."""
     outcomes: dict[int, Malformed | _Tokenized] = {}
     parsed: list[ParsedRecord] = []
@@ -177,7 +188,9 @@ def _tokenize_chunk(chunk: list[Row], fields: Fields, template: str | None, toke
     for record, ids in zip(parsed, prompt_ids, strict=True):
         # Take the response first: the responses line up with the records that have one, kept or not.
         response = None if record.response is None else [*next(response_ids), eos]
-        outcomes[record.index] = _Tokenized(ids, response, record.answer, record.group) if ids else Malformed("prompt has no tokens")
+        conversation = json.dumps(prompt_conversation(record, template)) if keep_conversations else None
+        outcomes[record.index] = _Tokenized(ids, response, record.answer, record.group, conversation) if ids \
+            else Malformed("prompt has no tokens")
     return [(index, outcomes[index]) for index, _ in chunk]
 
 
@@ -186,7 +199,7 @@ def _tally(stats: DatasetStats, kept: _Kept, index: int, outcome: Malformed | _T
     if isinstance(outcome, Malformed):
         stats.add_malformed(index, outcome)
         return
-    prompt_ids, response_ids, answer, group = outcome
+    prompt_ids, response_ids, answer, group, conversation = outcome
     if len(prompt_ids) > config.max_prompt_length:
         stats.num_prompt_too_long += 1
     elif (response_ids is not None and config.max_response_length is not None
@@ -194,7 +207,7 @@ def _tally(stats: DatasetStats, kept: _Kept, index: int, outcome: Malformed | _T
         stats.num_response_too_long += 1
     else:
         stats.num_kept += 1
-        kept.add(index, prompt_ids, response_ids, answer, group)
+        kept.add(index, prompt_ids, response_ids, answer, group, conversation)
 
 
 def _report(path: str, stats: DatasetStats, config: DataConfig, template: str | None) -> None:
@@ -261,8 +274,9 @@ class TokenColumn:
 class _Kept:
     """The records that survive filtering, gathered chunk by chunk."""
 
-    def __init__(self):
+    def __init__(self, keep_conversations: bool = False):
         self.indices: list[int] = []
+        self.conversations: list[str | None] | None = [] if keep_conversations else None
         self.prompts = TokenColumn()
         self.responses = TokenColumn()
         self.has_response: list[bool] = []
@@ -270,8 +284,10 @@ class _Kept:
         self.groups: list[str | None] = []
 
     def add(self, index: int, prompt_ids: list[int], response_ids: list[int] | None, answer: str | None,
-            group: str | None = None) -> None:
+            group: str | None = None, conversation: str | None = None) -> None:
         self.indices.append(index)
+        if self.conversations is not None:
+            self.conversations.append(conversation)
         self.prompts.append(prompt_ids)
         self.responses.append(response_ids or [])
         self.has_response.append(response_ids is not None)
@@ -285,4 +301,4 @@ class _Kept:
     def build(self, path: str, stats: DatasetStats) -> PromptDataset:
         return PromptDataset(path, stats, np.asarray(self.indices, dtype=np.int64), self.prompts.finish(),
                              self.responses.finish(), np.asarray(self.has_response, dtype=bool), self.answers,
-                             self.groups)
+                             self.groups, self.conversations)

@@ -82,16 +82,32 @@ def resolve_chat_template(config: DataConfig, tokenizer) -> str | None:
     return template
 
 
-def render_prompt(record: ParsedRecord, template: str | None, tokenizer) -> str | Malformed:
-    """The prompt text the model sees: the raw text, or the conversation through ``template`` followed
-    by the assistant's generation prompt."""
+def prompt_conversation(record: ParsedRecord, template: str | None) -> str | list[dict[str, str]]:
+    """What a prompt is rendered from: its raw text when there is no template, else the messages the template reads
+    (a text prompt as one user message). A teacher of another tokenizer renders the same conversation its own way
+    (:mod:`megatron_gkd.teacher.cross_prompt`).
+
+    Raises:
+        ValueError: the record holds chat messages and there is no template.
+    """
     if template is None:
         if record.messages is not None:
             raise ValueError(f"row {record.index} holds chat messages but there is no chat template (the "
                              "tokenizer has none, or data.chat_template=none); set data.chat_template to the "
                              "path of a .jinja template file")
         return record.text
-    messages = record.messages if record.messages is not None else [{"role": "user", "content": record.text}]
+    return record.messages if record.messages is not None else [{"role": "user", "content": record.text}]
+
+
+def render_prompt(record: ParsedRecord, template: str | None, tokenizer) -> str | Malformed:
+    """The prompt text the model sees: the raw text, or the conversation through ``template`` followed
+    by the assistant's generation prompt."""
+    conversation = prompt_conversation(record, template)
+    return conversation if template is None else render_messages(conversation, template, tokenizer)
+
+
+def render_messages(messages: list[dict[str, str]], template: str, tokenizer) -> str | Malformed:
+    """``messages`` through ``template``, followed by the assistant's generation prompt."""
     try:
         return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                              add_generation_prompt=True)

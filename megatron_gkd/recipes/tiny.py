@@ -25,10 +25,15 @@ logger = logging.getLogger(__name__)
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 BOS_ID, EOS_ID = 1, 2
+# A chat template for the tiny tokenizer (``data.chat_template``): its markup is special tokens and it ends in one,
+# as real templates end in ``<|im_start|>assistant\n`` (the tiny vocabulary has no role words).
+CHAT_TEMPLATE = ("{% for message in messages %}<s> {{ message['content'] }} </s> {% endfor %}"
+                 "{% if add_generation_prompt %}<s>{% endif %}")
 
 
-def build_tokenizer(directory: str | pathlib.Path, vocab_size: int = 512):
-    """A word-level tokenizer ``<unk> <s> </s> w0 .. w{vocab_size-4}`` saved in HF format; returns it."""
+def build_tokenizer(directory: str | pathlib.Path, vocab_size: int = 512, chat_template: str | None = None):
+    """A word-level tokenizer ``<unk> <s> </s> w0 .. w{vocab_size-4}`` saved in HF format (with ``chat_template``,
+    e.g. :data:`CHAT_TEMPLATE`, if given); returns it."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -37,6 +42,7 @@ def build_tokenizer(directory: str | pathlib.Path, vocab_size: int = 512):
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                         pad_token="<unk>")
+    tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(directory)
     return tokenizer
 
@@ -108,22 +114,25 @@ def build_assets(out: str | pathlib.Path, *, vocab_size: int = 512, num_train: i
     return out
 
 
-def _save_tokenizer(core, directory: str | pathlib.Path):
+def _save_tokenizer(core, directory: str | pathlib.Path, chat_template: str | None = None):
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                         pad_token="<unk>")
+    tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(directory)
     return tokenizer
 
 
-def build_cross_teachers(assets: str | pathlib.Path, out: str | pathlib.Path, *, seed: int = 5) -> pathlib.Path:
+def build_cross_teachers(assets: str | pathlib.Path, out: str | pathlib.Path, *, seed: int = 5,
+                         chat_template: str | None = None) -> pathlib.Path:
     """Teachers of other tokenizers than the tiny assets' (``assets``, :func:`build_assets`) for cross-tokenizer runs,
     under ``out`` (skipped when ``out/READY`` exists):
 
     * ``permuted``: the tiny teacher itself behind a tokenizer that numbers the same words in another order (its
-      embedding and output rows permuted with them). It is the same model over the same text, so a cross-tokenizer run
-      against it must equal a same-tokenizer run against the tiny teacher (the map ``W`` is a permutation).
+      embedding and output rows permuted with them) and keeps the student's chat template (``chat_template``, if
+      given, replaces it). It is the same model over the same text, so a cross-tokenizer run against it must equal a
+      same-tokenizer run against the tiny teacher (the map ``W`` is a permutation).
     * ``chars``: a random Qwen3 over a character tokenizer (``w``, the ten digits and the specials): every student
       word ``w123`` is several teacher tokens (1:n groups), whitespace dropped on both sides like the student's (so as
       a *student* it suits one-word responses only: its decoding joins the characters).
@@ -150,7 +159,7 @@ def build_cross_teachers(assets: str | pathlib.Path, out: str | pathlib.Path, *,
     shutil.copytree(assets / "teacher", target, dirs_exist_ok=True)
     for stale in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (target / stale).unlink(missing_ok=True)
-    _save_tokenizer(core, target)
+    _save_tokenizer(core, target, chat_template or student.chat_template)
     # Row of teacher id t = the tiny teacher's row of the word the permuted tokenizer numbers t.
     rows = torch.tensor([vocab[w] for w in sorted(permuted, key=permuted.get)], dtype=torch.int64)
     weights = target / "model.safetensors"

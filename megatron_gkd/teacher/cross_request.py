@@ -2,11 +2,11 @@
 on the student's positions.
 
 The student's sample is ids of the student's vocabulary. The teacher is sent the same *text* in its own ids (it never
-sees a student id): the prompt is the student's prompt decoded (special tokens dropped) and encoded by the teacher's
-tokenizer with the special tokens it adds itself (its BOS); the response is the student's response text encoded on
-its own (so that a token boundary lies at the response start on both sides), followed by the teacher's partner of each
-special token the student's response ends with (EOS with EOS). The student's chat template, if any, is part of the
-prompt text the teacher reads; only responses are aligned, so templates never need to match.
+sees a student id): the prompt is what the teacher would read if it served the conversation itself, by default the
+conversation through the teacher's own chat template (:mod:`.cross_prompt`, ``teacher.cross_tokenizer.prompt``); the
+response is the student's response text encoded on its own (so that a token boundary lies at the response start on
+both sides), followed by the teacher's partner of each special token the student's response ends with (EOS with EOS).
+Only responses are aligned, so the two chat templates never need to match.
 
 :func:`megatron_gkd.xtok.align.align_ids` aligns the two responses from the bytes their ids write; where a normaliser
 or a whitespace-dropping pre-tokenizer makes the bytes differ, the tokenizers' offsets into the decoded text are used
@@ -47,6 +47,7 @@ import numpy as np
 
 from megatron_gkd.data import load_tokenizer
 from megatron_gkd.losses.projection_map import shard_projection, with_student_columns
+from megatron_gkd.teacher.cross_prompt import TeacherPrompts
 from megatron_gkd.teacher.types import SequenceRequest, TeacherOutput
 from megatron_gkd.xtok.align import Alignment, Kind, align_ids, align_spans, align_text
 from megatron_gkd.xtok.config import CrossTokenizerConfig
@@ -94,6 +95,7 @@ class CrossTokenizer:
         self.method, self.chain = config.method, config.inside_groups == "chain"
         self.text_boundaries = config.boundary == "text"
         self.student_tokenizer, self.teacher_tokenizer = student_tokenizer, teacher_tokenizer
+        self.prompts = TeacherPrompts(config.prompt, student_tokenizer, teacher_tokenizer)  # learn() the datasets
         self.student_table: TokenTable = token_table(student_tokenizer)
         self.teacher_table: TokenTable = token_table(teacher_tokenizer)
         teacher_specials = special_names(teacher_tokenizer, self.teacher_table)
@@ -182,10 +184,7 @@ class CrossTokenizer:
         tail = len(response) - (np.flatnonzero(~special)[-1] + 1 if (~special).any() else 0)
         body = response[: len(response) - tail]  # text (and special tokens within it) before the closing specials
         text = self._decode(body)
-        teacher_prompt = self._encode(self._decode(prompt), special=True)
-        if not len(teacher_prompt):  # an empty prompt text: the teacher needs one token of context
-            first = self.teacher_tokenizer.bos_token_id or self.teacher_tokenizer.eos_token_id or 0
-            teacher_prompt = np.asarray([first], dtype=np.int64)
+        teacher_prompt = self.prompts(prompt)
         closing = [self.special_pairs[int(i)] for i in response[len(body):] if int(i) in self.special_pairs]
         written = self._encode(text, special=False)
         teacher_response = np.concatenate([written, np.asarray(closing, dtype=np.int64)])

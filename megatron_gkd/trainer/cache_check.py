@@ -12,6 +12,7 @@ from megatron_gkd.data import load_prompts, load_tokenizer
 from megatron_gkd.data.tokenization import stop_token_ids, tokenizer_digest
 from megatron_gkd.teacher.cache.generated import REBUILD_FLAG, SAMPLING_KEYS, prompt_records, sampling_settings
 from megatron_gkd.teacher.cache.store import checkpoint_digest, dataset_digest, dataset_records
+from megatron_gkd.teacher.cross_prompt import prompt_rule
 from megatron_gkd.teacher.security import SECRET_ENV
 
 logger = logging.getLogger(__name__)
@@ -45,12 +46,15 @@ def check_cache_run(client, config, tokenizer, teacher=None) -> None:
                          "eval.kl=false, or use a live teacher")
     manifest, teacher = client.manifest, teacher if teacher is not None else config.teacher
     _check_bound(client, teacher)
-    cross = teacher.cross_tokenizer.enabled
+    teacher_tokenizer = load_tokenizer(teacher.tokenizer_source) if teacher.cross_tokenizer.enabled else None
     pairs = {"tokenizer_digest": (manifest.tokenizer_digest, tokenizer_digest(tokenizer)),
-             # the teacher's own tokenizer, for a cache built for a pair (teacher.cross_tokenizer)
+             # the teacher's own tokenizer and what it read before each response, for a cache built for a pair
              "teacher.cross_tokenizer.tokenizer": (
                  manifest.teacher_tokenizer_digest,
-                 tokenizer_digest(load_tokenizer(teacher.tokenizer_source)) if cross else None),
+                 None if teacher_tokenizer is None else tokenizer_digest(teacher_tokenizer)),
+             "teacher.cross_tokenizer.prompt": (
+                 manifest.teacher_prompt,
+                 None if teacher_tokenizer is None else prompt_rule(teacher.cross_tokenizer, teacher_tokenizer)),
              "teacher.signal": (manifest.signal, teacher.signal),
              "teacher.temperature": (manifest.temperature, float(teacher.temperature))}
     if teacher.signal == manifest.signal:  # the settings of the signal both have

@@ -122,13 +122,13 @@ class Trainer:
         config, data = self.config, self.config.data
         self.tokenizer = load_tokenizer(config.student.tokenizer_path)
         self.stop_ids = stop_token_ids(config.rollout.stop_token_ids, self.tokenizer)
-        show = self.rank == 0
+        show, keep = self.rank == 0, self.teachers.keep_conversations
         self.train_data = load_prompts(data.train_path, data, self.tokenizer, show_progress=show,
-                                       require_responses=needs_responses(config))
+                                       require_responses=needs_responses(config), keep_conversations=keep)
         self.eval_data, self._eval_groups = None, {}
         if eval_enabled(config):
             self.eval_data = load_prompts(data.eval_path, data, self.tokenizer, show_progress=show,
-                                          limit=data.num_eval_prompts)
+                                          limit=data.num_eval_prompts, keep_conversations=keep)
             self._eval_groups = {record.index: record.group for record in self.eval_data}
         if self.teachers.several and self.teachers.routed:  # every record must reach a teacher
             for dataset in filter(None, (self.train_data, self.eval_data)):
@@ -149,6 +149,8 @@ class Trainer:
                                      layout=self.layout, stop_ids=self.stop_ids, timers=self.timers)
         self.flow = BatchFlow(config, self.state, control=self.control, dp_group=self._dp_gloo, tokenizer=self.tokenizer,
                               timers=self.timers, teachers=self.teachers, rollout=self.rollout, stop_ids=self.stop_ids)
+        datasets = [dataset for dataset in (self.train_data, self.eval_data) if dataset is not None]
+        self.teachers.learn_prompts(datasets, self.flow.exchange.asks)  # a teacher of another tokenizer's own prompts
         if self.eval_data is not None:
             kl = None
             if config.eval.kl and len(self.teachers):  # scored as the distillation modes score, in every mode

@@ -130,6 +130,20 @@ class Teachers:
             plan[self._mix.teacher_of(group, self.by_name)].append(index)
         return plan
 
+    @property
+    def keep_conversations(self) -> bool:
+        """Whether the datasets keep each record's conversation: a teacher of another tokenizer reads it through its
+        own chat template (``cross_tokenizer.prompt=template``, :mod:`megatron_gkd.teacher.cross_prompt`)."""
+        return any(t.config.enabled and t.config.cross_tokenizer.enabled and t.config.cross_tokenizer.prompt == "template"
+                   for t in self)
+
+    def learn_prompts(self, datasets, asks) -> None:
+        """Every teacher of another tokenizer learns its own prompt of each record of ``datasets`` (loaded with
+        :attr:`keep_conversations`), on the ranks that ask it (``asks(teacher)``): their samples carry ids only."""
+        for teacher in self:
+            if teacher.cross is not None and asks(teacher):
+                teacher.cross.prompts.learn(record for dataset in datasets for record in dataset)
+
     def suffix(self, name: str) -> str:
         """What a per-teacher metric name ends with (nothing for a single teacher)."""
         return teacher_suffix(name, self.several)

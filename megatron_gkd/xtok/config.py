@@ -8,6 +8,8 @@ meaningless"). It still is, unless the run names a method; the refusal now says 
         method: projected        # null (default): same tokenizer required | projected (X-Token P-KL) | hybrid (H-KL)
         tokenizer: null          # the teacher's tokenizer directory; null: teacher.serve.model, teacher.checkpoint or
                                  # teacher.teacher_tokenizer
+        prompt: template         # template: a conversation through the teacher's own chat template | text: the
+                                 # student's prompt as text, special tokens kept (megatron_gkd.teacher.cross_prompt)
         inside_groups: chain     # chain: the student tokens of a group the teacher writes as fewer tokens are compared
                                  # through the chain rule (megatron_gkd.teacher.cross_request) | skip: only group heads
         boundary: teacher        # teacher: group heads compared at the teacher's token boundaries through W | text: every
@@ -36,6 +38,7 @@ ENABLE_KEY = "teacher.cross_tokenizer.method"
 METHODS = ("projected", "hybrid")
 INSIDE_GROUPS = ("chain", "skip")
 BOUNDARIES = ("teacher", "text")
+PROMPTS = ("template", "text")
 
 
 class HiddenSupport(Choice):
@@ -63,6 +66,12 @@ class CrossTokenizerConfig:
             exact string matches compared directly, the projection elsewhere).
         tokenizer: the teacher's tokenizer (an HF directory); ``None``: the teacher's own checkpoint directory
             (``teacher.serve.model`` or ``teacher.checkpoint``) or ``teacher.teacher_tokenizer``.
+        prompt: what the teacher reads before the response (:mod:`megatron_gkd.teacher.cross_prompt`). ``template``
+            (default): a prompt rendered from a conversation (the student's chat template was used) is that
+            conversation through the teacher's OWN chat template, as the teacher would read it if it served the
+            conversation itself; raw text stays raw text. ``text``: the student's rendered prompt as text with its
+            special tokens kept, encoded by the teacher (a special token's string that the teacher knows becomes its
+            id): for a teacher trained on the student's template, or none of its own.
         inside_groups: ``chain`` (default): in a group where the teacher's token is longer than the student's (n:1,
             n:m; the numeral case), every student position is compared with the teacher's distribution over the
             student token its tokens continue with (the chain rule over the teacher's top-k,
@@ -86,6 +95,7 @@ class CrossTokenizerConfig:
 
     method: str | None = None
     tokenizer: str | None = None
+    prompt: str = "template"
     inside_groups: str = "chain"
     boundary: str = "teacher"
     hidden_support: str = "topk"
@@ -97,6 +107,9 @@ class CrossTokenizerConfig:
         if self.method is not None and self.method not in METHODS:
             raise ValueError(f"{ENABLE_KEY}={self.method!r} is not one of null, {', '.join(METHODS)}"
                              f"{closest(self.method, list(METHODS))}")
+        if self.prompt not in PROMPTS:
+            raise ValueError(f"teacher.cross_tokenizer.prompt={self.prompt!r} is not one of {', '.join(PROMPTS)}"
+                             f"{closest(self.prompt, list(PROMPTS))}")
         if self.inside_groups not in INSIDE_GROUPS:
             raise ValueError(f"teacher.cross_tokenizer.inside_groups={self.inside_groups!r} is not one of "
                              f"{', '.join(INSIDE_GROUPS)}{closest(self.inside_groups, list(INSIDE_GROUPS))}")

@@ -99,9 +99,11 @@ def build(config, out: pathlib.Path, *, records_per_shard: int, batch_size: int 
                        "it only against teacher.checkpoint", SECRET_ENV)
     tokenizer = load_tokenizer(config.student.tokenizer_path)
     generation = _generation(config, tokenizer, batch_size, responses_per_prompt)
-    # Loaded as the run loads it: with sample_mix.source=teacher the records need no response.
+    # Loaded as the run loads it: with sample_mix.source=teacher the records need no response; a teacher of another
+    # tokenizer reads each record's conversation through its own chat template (megatron_gkd.teacher.cross_prompt).
+    cross = teacher.cross_tokenizer
     dataset = load_prompts(config.data.train_path, config.data, tokenizer, require_responses=needs_responses(config),
-                           show_progress=True)
+                           show_progress=True, keep_conversations=cross.enabled and cross.prompt == "template")
     records = dataset_records(dataset) if generation is None else prompt_records(dataset)
     service = service_secret = None
     try:
@@ -116,7 +118,7 @@ def build(config, out: pathlib.Path, *, records_per_shard: int, batch_size: int 
                                           head_checkpoint=teacher.head_source if teacher.signal.needs_head else None)
         return _score(teacher, config, tokenizer, records, out, records_per_shard=records_per_shard,
                       batch_size=batch_size or 16, teacher_checkpoint=teacher_checkpoint,
-                      service_secret=service_secret, secret=secret, generation=generation)
+                      service_secret=service_secret, secret=secret, generation=generation, dataset=dataset)
     finally:
         if service is not None:
             service.stop()
@@ -152,7 +154,7 @@ def _generation(config, tokenizer, batch_size: int | None, responses_per_prompt:
 
 
 def _score(teacher, config, tokenizer, records, out, *, records_per_shard, batch_size, teacher_checkpoint,
-           service_secret, secret, generation=None):
+           service_secret, secret, generation=None, dataset=None):
     client = build_client_from_config(teacher, service_secret)
     # The run's section: it still names the served model (the teacher's tokenizer).
     cross = CrossTokenizer.of_teacher(config.teacher, tokenizer, len(tokenizer))
@@ -164,6 +166,7 @@ def _score(teacher, config, tokenizer, records, out, *, records_per_shard, batch
                          temperature=teacher.temperature, signal=teacher.signal, hidden_dtype=teacher.hidden_dtype,
                          records_per_shard=records_per_shard, cross=cross, generation=generation)
         if cross is not None:  # scored as the trainer asks: the records' text in the teacher's own ids
+            cross.prompts.learn(dataset)
             records = [CacheRecord(r.index, *_teacher_side(cross, r)) for r in records]
         return build_cache(client, records, out, plan, batch_size=batch_size, show_progress=True, secret=secret)
     finally:

@@ -90,7 +90,7 @@ def make_plan(info, identity: dict, *, teacher_checkpoint: str | None, tokenizer
         tokenizer: the tokenizer that tokenized ``records`` (the student's); the teacher's must be the same unless
             ``cross`` is given.
         cross: a cross-tokenizer teacher's :class:`~megatron_gkd.teacher.cross_request.CrossTokenizer`: the records are scored
-            as the teacher tokenizes their text, and the manifest records the pair.
+            as the teacher tokenizes their text, and the manifest records the pair and the teacher's prompt rule.
         generation: the teacher writes the responses (:func:`~.generated.generation_settings`); ``records`` are then
             the prompts alone (:func:`~.generated.prompt_records`).
 
@@ -133,7 +133,7 @@ def make_plan(info, identity: dict, *, teacher_checkpoint: str | None, tokenizer
         dataset={"path": data_path, "blake3": dataset_digest(records), "num_records": len(records),
                  "num_response_tokens": sum(len(r.token_ids) - r.response_start for r in records)},
         records_per_shard=records_per_shard, teacher_tokenizer_digest=None if cross is None else cross.teacher_digest,
-        generation=generation)
+        teacher_prompt=None if cross is None else cross.prompts.description, generation=generation)
 
 
 def build_cache(client, records: Sequence[CacheRecord], out: str | pathlib.Path, plan: CacheManifest, *,

@@ -156,6 +156,9 @@ class CacheManifest:
         teacher_tokenizer_digest: a cross-tokenizer teacher's own tokenizer (``teacher.cross_tokenizer``): the cache
             was built for this pair of tokenizers, its rows hold teacher ids of the records' text as the teacher
             tokenizes it (:mod:`megatron_gkd.teacher.cross_request`). None: the teacher shares the student's tokenizer.
+        teacher_prompt: a cross-tokenizer teacher's prompt rule (:func:`megatron_gkd.teacher.cross_prompt.prompt_rule`:
+            ``text``, or ``template:`` and its chat template's digest): the prompts its rows were scored after. None:
+            the same tokenizer, or a cache built before the rule was recorded (a run refuses it for a pair).
         shards: per shard ``name``, ``num_records``, ``num_rows``, ``bytes`` and ``blake3``; in a build's plan
             (``build.json``), the shards written so far.
         mac: ``hmac-sha256:HEX`` of every other field (:func:`manifest_mac`) with the run's secret, or None when the
@@ -171,6 +174,7 @@ class CacheManifest:
     dataset: dict[str, Any]
     records_per_shard: int
     teacher_tokenizer_digest: str | None = None
+    teacher_prompt: str | None = None
     generation: dict[str, Any] | None = None
     shards: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     format: str = FORMAT
@@ -208,11 +212,13 @@ class CacheManifest:
 
 
 def _stored_fields(manifest: CacheManifest) -> dict[str, Any]:
-    """The manifest's fields as written; a cache of the dataset's responses has no ``generation`` key, so its files
-    (and its MAC) are what they were before the field existed, and older readers still read it."""
+    """The manifest's fields as written; a cache of the dataset's responses has no ``generation`` key and a
+    same-tokenizer one no ``teacher_prompt``, so their files (and MACs) are what they were before the fields existed,
+    and older readers still read them."""
     fields = dataclasses.asdict(manifest)
-    if fields["generation"] is None:
-        del fields["generation"]
+    for key in ("generation", "teacher_prompt"):
+        if fields[key] is None:
+            del fields[key]
     return fields
 
 

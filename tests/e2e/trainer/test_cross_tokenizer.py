@@ -4,7 +4,8 @@ tokenizer, asked in its own ids, its rows moved back to the student's positions,
 * Exactness: the tiny teacher behind a permuted vocabulary (the same model over the same text; W a permutation) must
   train the student exactly as the tiny teacher does through the same-tokenizer path: TP=1 unfused ``projected`` on
   the served top-k, and TP=2 fused ``hybrid`` on the hidden signal (the teacher's top-k made in the step from its
-  hidden states), off-policy on fixed data, loss within 1e-5 at every step; and TP=2 unfused with
+  hidden states), off-policy on fixed data, prompts through a chat template that ends in a special token (the teacher
+  reads them through its own, issue #45), loss within 1e-5 at every step; and TP=2 unfused with
   ``hidden_support=full`` (the teacher's whole distribution), both methods, against the same-tokenizer hidden signal.
 * On-policy with vLLM rollout at TP=2: a character-level teacher (every student word is several teacher tokens),
   with the xtok/* metrics and eval's KL to the teacher, on both signals.
@@ -28,9 +29,13 @@ OFF_POLICY = ["trainer.mode=off_policy", "rollout.n=1", "trainer.global_batch_si
 
 @pytest.fixture(scope="module")
 def cross_teachers(assets, tmp_path_factory):
-    from megatron_gkd.recipes.tiny import build_cross_teachers
+    """The permuted teacher carries the tiny chat template (``chat_template.jinja`` beside it, for the student's
+    ``data.chat_template``); runs on raw text read raw text whatever the teacher's template."""
+    from megatron_gkd.recipes.tiny import CHAT_TEMPLATE, build_cross_teachers
 
-    return build_cross_teachers(assets, tmp_path_factory.mktemp("cross_teachers"))
+    out = build_cross_teachers(assets, tmp_path_factory.mktemp("cross_teachers"), chat_template=CHAT_TEMPLATE)
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return out
 
 
 def _run(assets, tmp_path_factory, name: str, overrides: list[str], nproc: int = 2):
@@ -40,10 +45,11 @@ def _run(assets, tmp_path_factory, name: str, overrides: list[str], nproc: int =
 
 
 def test_a_permuted_vocabulary_trains_exactly_as_the_same_tokenizer(assets, cross_teachers, tmp_path_factory):
-    same, code, log = _run(assets, tmp_path_factory, "same", OFF_POLICY + ["parallel.tensor_model_parallel_size=1"],
-                           nproc=1)
+    chat = [f"data.chat_template={cross_teachers / 'chat_template.jinja'}"]
+    same, code, log = _run(assets, tmp_path_factory, "same",
+                           OFF_POLICY + chat + ["parallel.tensor_model_parallel_size=1"], nproc=1)
     assert code == 0, log[-4000:]
-    permuted = [f"teacher.serve.model={cross_teachers / 'permuted'}"]
+    permuted = chat + [f"teacher.serve.model={cross_teachers / 'permuted'}"]
     runs = {}
     for name, nproc, extra in (("projected_tp1", 1, ["parallel.tensor_model_parallel_size=1",
                                                      "teacher.cross_tokenizer.method=projected"]),
@@ -55,7 +61,7 @@ def test_a_permuted_vocabulary_trains_exactly_as_the_same_tokenizer(assets, cros
                                    "teacher.cross_tokenizer.inside_groups=skip"])):
         out, code, log = _run(assets, tmp_path_factory, name, OFF_POLICY + permuted + extra, nproc=nproc)
         assert code == 0, f"{name}: {log[-4000:]}"
-        assert "cross-tokenizer map (" in log
+        assert "cross-tokenizer map (" in log and "teacher prompts: " in log  # learnt through its own template
         runs[name] = harness.steps(out)
     reference = harness.steps(same)
     assert len(reference) == 3 and reference[0]["train/loss"] != reference[2]["train/loss"]

@@ -163,6 +163,7 @@ def test_a_cross_tokenizer_cache_equals_the_live_teacher_and_refuses_another_pai
     _build(_overrides(assets, small, "topk") + cross, cache)
     manifest = (cache / MANIFEST).read_text()
     assert '"teacher_tokenizer_digest": "' in manifest  # built for a pair
+    assert '"teacher_prompt": "text"' in manifest  # what the teacher read: the tiny permuted tokenizer has no template
     live, cached = tmp_path / "live", tmp_path / "cached"
     code, log = harness.run(live, _overrides(assets, small, "topk") + cross, nproc=1)
     assert code == 0, log[-4000:]

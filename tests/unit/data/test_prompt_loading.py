@@ -39,6 +39,20 @@ def test_text_and_chat_prompts_through_the_template(tmp_path, chat_tokenizer, fo
     assert _records(load_prompts(path, DataConfig(), chat_tokenizer)) == MIXED_WITH_TEMPLATE
 
 
+def test_kept_conversations_are_what_each_prompt_was_rendered_from(tmp_path, chat_tokenizer, plain_tokenizer):
+    """keep_conversations (a teacher of another tokenizer renders them its own way): the messages the template read,
+    a text prompt as one user message; raw text where no template is used; nothing unless asked."""
+    path = write_prompts(tmp_path, "mixed", "jsonl", MIXED)
+    kept = _records(load_prompts(path, DataConfig(), chat_tokenizer, keep_conversations=True))
+    assert [r.conversation for r in kept] == [[{"role": "user", "content": "w1 w2"}], MIXED[1]["messages"],
+                                              MIXED[2]["messages"][:1], [{"role": "user", "content": "w3"}]]
+    assert [r.prompt_ids for r in kept] == [r.prompt_ids for r in MIXED_WITH_TEMPLATE]
+    assert all(r.conversation is None for r in _records(load_prompts(path, DataConfig(), chat_tokenizer)))
+    text = write_prompts(tmp_path, "text", "jsonl", [MIXED[0], MIXED[3]])
+    raw = _records(load_prompts(text, DataConfig(), plain_tokenizer, keep_conversations=True))
+    assert [r.conversation for r in raw] == ["w1 w2", "w3"]
+
+
 def test_line_by_line_reader_gives_the_typed_readers_records(tmp_path, chat_tokenizer, caplog):
     """A bad line makes pyarrow give up on the file; the fallback must read the good lines identically."""
     bad = [*MIXED, "{not json", {"prompt": 5}]

@@ -265,6 +265,27 @@ def test_another_tokenizer_is_refused(caches, assets, data, tmp_path):
         _check(assets, caches["topk"], other)
 
 
+def test_a_pair_cache_scored_after_another_teacher_prompt_is_refused(caches, assets, data, tmp_path):
+    """A cache built for a pair records what the teacher read before each response (issue #45): one whose teacher read
+    the student's rendering (``text``) is refused by a run whose teacher reads its own chat template."""
+    from megatron_gkd.data import load_tokenizer
+    from megatron_gkd.data.tokenization import tokenizer_digest
+    from megatron_gkd.recipes.tiny import CHAT_TEMPLATE, build_cross_teachers
+
+    permuted = build_cross_teachers(assets, tmp_path / "cross", chat_template=CHAT_TEMPLATE) / "permuted"
+    cache = tmp_path / "cache"
+    shutil.copytree(caches["topk"], cache)
+    manifest = json.loads((cache / MANIFEST).read_text())  # unsigned: the run binds it by teacher.checkpoint
+    assert "teacher_prompt" not in manifest  # a same-tokenizer cache writes (and signs) what it did before
+    manifest.update(teacher_tokenizer_digest=tokenizer_digest(load_tokenizer(str(permuted))), teacher_prompt="text")
+    (cache / MANIFEST).write_text(json.dumps(manifest))
+    cross = ["teacher.cross_tokenizer.method=projected", f"teacher.cross_tokenizer.tokenizer={permuted}"]
+    with pytest.raises(ValueError, match=r"teacher\.cross_tokenizer\.prompt: 'text' in the cache, "
+                                         r"'template:[0-9a-f]{16}' in this run"):
+        _check(assets, cache, data[0], *cross)
+    _check(assets, cache, data[0], *cross, "teacher.cross_tokenizer.prompt=text")  # the rule it was built with
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.mode=on_policy", "rollout.n=4"], "cannot score on-policy samples"),
     (["eval.kl=true"], "eval.kl scores the student's own eval answers"),

@@ -48,6 +48,9 @@ def test_bad_values_are_refused():
         CrossTokenizerConfig(method="hybird")
     with pytest.raises(ValueError, match="decay"):
         CrossTokenizerConfig(method="projected", decay=2.0)
+    with pytest.raises(ValueError, match="prompt='templat' is not one of template, text; did you mean 'template'"):
+        CrossTokenizerConfig(method="projected", prompt="templat")
+    assert CrossTokenizerConfig().prompt == "template"  # what the teacher reads when it serves the conversation
 
 
 BASE = pathlib.Path(__file__).resolve().parents[3] / "configs" / "cpu_tiny.yaml"
@@ -89,3 +92,9 @@ def test_full_support_without_a_method_warns_that_it_is_inert(caplog):
     with caplog.at_level(logging.WARNING):
         load_config(BASE, ["teacher.signal=hidden", FULL])
     assert f"{FULL} has no effect without teacher.cross_tokenizer.method" in caplog.text
+
+
+def test_the_text_prompt_without_a_method_warns_that_it_is_inert(caplog):
+    with caplog.at_level(logging.WARNING):
+        load_config(BASE, ["teacher.cross_tokenizer.prompt=text"])
+    assert "teacher.cross_tokenizer.prompt=text has no effect without teacher.cross_tokenizer.method" in caplog.text
