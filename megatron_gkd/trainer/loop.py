@@ -149,8 +149,7 @@ class Trainer:
                                      layout=self.layout, stop_ids=self.stop_ids, timers=self.timers)
         self.flow = BatchFlow(config, self.state, control=self.control, dp_group=self._dp_gloo, tokenizer=self.tokenizer,
                               timers=self.timers, teachers=self.teachers, rollout=self.rollout, stop_ids=self.stop_ids)
-        datasets = [dataset for dataset in (self.train_data, self.eval_data) if dataset is not None]
-        self.teachers.learn_prompts(datasets, self.flow.exchange.asks)  # a teacher of another tokenizer's own prompts
+        self.teachers.learn_prompts([d for d in (self.train_data, self.eval_data) if d is not None], self.flow.exchange.asks)
         if self.eval_data is not None:
             kl = None
             if config.eval.kl and len(self.teachers):  # scored as the distillation modes score, in every mode
@@ -211,8 +210,7 @@ class Trainer:
                 return self._summary(first_eval, {}, start, preempted=True)
         if self.step < config.trainer.num_steps:
             logger.info("token budget of %d reached after step %d (%d tokens trained); %d batches sampled ahead are not "
-                        "trained", config.trainer.token_budget, self.step, self.tokens_trained,
-                        len(self.pipeline.in_flight))
+                        "trained", config.trainer.token_budget, self.step, self.tokens_trained, len(self.pipeline.in_flight))
         last_eval = self._evaluate() if config.eval.at_end else {}
         if last_eval and self.rank == 0:
             self.writer.write(self.step, last_eval)
