@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 def sample_teacher(teacher: str | pathlib.Path, prompts_path: str | pathlib.Path, out: str | pathlib.Path, *,
                    n: int = 4, temperature: float = 1.0, max_tokens: int = 12, max_model_len: int = 64,
                    seed: int = 0, chunk: int = 2048) -> dict:
-    """Samples ``n`` responses per prompt of ``prompts_path`` from ``teacher`` into the JSONL ``out``
-    (``prompt``, ``response``, and ``answer`` when the prompt record has one); returns counts.
+    """Samples ``n`` responses per prompt of ``prompts_path`` from ``teacher`` into the JSONL ``out`` (``prompt`` and
+    ``response``, or, for a record of chat ``messages``, its messages with the response as the assistant's last;
+    ``answer`` and ``group`` when the prompt record has them); returns counts.
 
     One process, no ``torch.distributed``: vLLM keeps its engine in this process.
     """
@@ -54,10 +55,12 @@ def sample_teacher(teacher: str | pathlib.Path, prompts_path: str | pathlib.Path
                         continue
                     ids = batch.response(i)
                     source = texts[block[int(batch.group_ids[i])].index]
-                    record = {"prompt": source["prompt"],
-                              "response": tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True)}
-                    if "answer" in source:
-                        record["answer"] = source["answer"]
+                    response = tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True)
+                    if "messages" in source:  # the reference response of a conversation is its last, assistant message
+                        record = {"messages": [*source["messages"], {"role": "assistant", "content": response}]}
+                    else:
+                        record = {"prompt": source["prompt"], "response": response}
+                    record.update({key: source[key] for key in ("answer", "group") if key in source})
                     handle.write(json.dumps(record) + "\n")
                     counts["kept"] += 1
                     counts["tokens"] += len(ids)
@@ -68,12 +71,13 @@ def sample_teacher(teacher: str | pathlib.Path, prompts_path: str | pathlib.Path
     return counts
 
 
-def answer_accuracy(path: str | pathlib.Path) -> float | None:
-    """Share of the samples in ``path`` whose final answer is right (the ``final_answer`` scorer); None
-    when the records carry no answers."""
+def answer_accuracy(path: str | pathlib.Path, scorer=final_answer) -> float | None:
+    """Share of the samples in ``path`` whose answer is right by ``scorer(response, answer)`` (default: the final
+    answer after ``####``); None when the records carry no answers."""
     records = [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
     scored = [r for r in records if "answer" in r]
-    return sum(final_answer(r["response"], r["answer"]) for r in scored) / len(scored) if scored else None
+    responses = [r["response"] if "response" in r else r["messages"][-1]["content"] for r in scored]
+    return sum(scorer(text, r["answer"]) for text, r in zip(responses, scored)) / len(scored) if scored else None
 
 
 def main(argv: list[str] | None = None) -> None:
