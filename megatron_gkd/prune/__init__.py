@@ -18,22 +18,29 @@ Library::
     result = prune_checkpoint(teacher, out, PruneTargets(num_layers=10), tokens, state=state)
 """
 
+from megatron_gkd.prune.apply import TensorPruner, pruned_tensors
 from megatron_gkd.prune.calibration import calibration_tokens, pack
 from megatron_gkd.prune.importance import DEPTH_METRICS, Importance, measure_importance
+from megatron_gkd.prune.run import REPORT_FILE, PruneResult, prune_checkpoint
 from megatron_gkd.prune.selection import KeptIndices, select_kept
 from megatron_gkd.prune.targets import ModelSizes, PruneTargets, parameter_count, parse_size, pruned_hf_config
 
 __all__ = [
     "DEPTH_METRICS",
+    "REPORT_FILE",
     "Importance",
     "KeptIndices",
     "ModelSizes",
+    "PruneResult",
     "PruneTargets",
+    "TensorPruner",
     "calibration_tokens",
     "measure_importance",
     "pack",
     "parameter_count",
     "parse_size",
+    "prune_checkpoint",
     "pruned_hf_config",
+    "pruned_tensors",
     "select_kept",
 ]
