@@ -9,6 +9,7 @@ the embedding, so it stays tied. A tensor of any other name fails: pruning it wo
 
 from __future__ import annotations
 
+import enum
 import re
 from typing import Iterator
 
@@ -17,28 +18,39 @@ import torch
 from megatron_gkd.prune.selection import KeptIndices
 from megatron_gkd.prune.targets import ModelSizes
 
+
+class Axis(enum.Enum):
+    """What a tensor dimension indexes."""
+
+    HIDDEN = "hidden channels"
+    HEADS = "query heads, head_dim rows each"
+    GROUPS = "key/value groups, head_dim rows each"
+    FFN = "MLP channels"
+
+
+HIDDEN, HEADS, GROUPS, FFN = Axis.HIDDEN, Axis.HEADS, Axis.GROUPS, Axis.FFN
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Per HF tensor, what each of its dimensions indexes (None: kept whole).
-_LAYER_AXES: dict[str, tuple[str | None, ...]] = {
-    "input_layernorm.weight": ("hidden",),
-    "post_attention_layernorm.weight": ("hidden",),
-    "self_attn.q_proj.weight": ("heads", "hidden"),
-    "self_attn.q_proj.bias": ("heads",),
-    "self_attn.k_proj.weight": ("groups", "hidden"),
-    "self_attn.k_proj.bias": ("groups",),
-    "self_attn.v_proj.weight": ("groups", "hidden"),
-    "self_attn.v_proj.bias": ("groups",),
-    "self_attn.o_proj.weight": ("hidden", "heads"),
+_LAYER_AXES: dict[str, tuple[Axis | None, ...]] = {
+    "input_layernorm.weight": (HIDDEN,),
+    "post_attention_layernorm.weight": (HIDDEN,),
+    "self_attn.q_proj.weight": (HEADS, HIDDEN),
+    "self_attn.q_proj.bias": (HEADS,),
+    "self_attn.k_proj.weight": (GROUPS, HIDDEN),
+    "self_attn.k_proj.bias": (GROUPS,),
+    "self_attn.v_proj.weight": (GROUPS, HIDDEN),
+    "self_attn.v_proj.bias": (GROUPS,),
+    "self_attn.o_proj.weight": (HIDDEN, HEADS),
     "self_attn.q_norm.weight": (None,),
     "self_attn.k_norm.weight": (None,),
-    "mlp.gate_proj.weight": ("ffn", "hidden"),
-    "mlp.up_proj.weight": ("ffn", "hidden"),
-    "mlp.down_proj.weight": ("hidden", "ffn"),
+    "mlp.gate_proj.weight": (FFN, HIDDEN),
+    "mlp.up_proj.weight": (FFN, HIDDEN),
+    "mlp.down_proj.weight": (HIDDEN, FFN),
 }
-_MODEL_AXES: dict[str, tuple[str | None, ...]] = {
-    "model.embed_tokens.weight": (None, "hidden"),
-    "model.norm.weight": ("hidden",),
-    "lm_head.weight": (None, "hidden"),
+_MODEL_AXES: dict[str, tuple[Axis | None, ...]] = {
+    "model.embed_tokens.weight": (None, HIDDEN),
+    "model.norm.weight": (HIDDEN,),
+    "lm_head.weight": (None, HIDDEN),
 }
 
 
@@ -62,7 +74,7 @@ class TensorPruner:
         student_name = f"model.layers.{position}.{rest}"
         return student_name, self._index(name, tensor, _axes(_LAYER_AXES, rest, name), position)
 
-    def _index(self, name: str, tensor: torch.Tensor, axes: tuple[str | None, ...], position: int | None) -> torch.Tensor:
+    def _index(self, name: str, tensor: torch.Tensor, axes: tuple[Axis | None, ...], position: int | None) -> torch.Tensor:
         if tensor.dim() != len(axes):
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}; pruning expects {len(axes)} dimensions")
         for dim, axis in enumerate(axes):
@@ -71,17 +83,17 @@ class TensorPruner:
                 tensor = tensor.index_select(dim, index)
         return tensor
 
-    def _rows(self, axis: str, position: int | None) -> list[int]:
-        if axis == "hidden":
+    def _rows(self, axis: Axis, position: int | None) -> list[int]:
+        if axis is HIDDEN:
             return self.kept.hidden
-        if axis == "ffn":
+        if axis is FFN:
             return self.kept.ffn[position]
         # Heads and key/value groups are blocks of head_dim rows.
-        units = self.kept.heads[position] if axis == "heads" else self.kept.query_groups[position]
+        units = self.kept.heads[position] if axis is HEADS else self.kept.query_groups[position]
         return [unit * self.head_dim + row for unit in units for row in range(self.head_dim)]
 
 
-def _axes(table: dict, key: str, name: str) -> tuple[str | None, ...]:
+def _axes(table: dict, key: str, name: str) -> tuple[Axis | None, ...]:
     if key not in table:
         raise ValueError(f"cannot prune HF tensor {name!r}: pruning knows the tensors of dense Llama, Qwen2 and Qwen3 "
                          "decoders only")
