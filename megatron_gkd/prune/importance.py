@@ -88,8 +88,10 @@ def measure_importance(chunks, tokens: torch.Tensor, *, state, sizes: ModelSizes
     microbatches, num_rows = _my_microbatches(tokens, state, micro_batch_size)
     num_tokens, num_label_tokens = num_rows * tokens.shape[1], num_rows * (tokens.shape[1] - 1)
     sums = _Sums(sizes, platform.device())
-    with _recording(chunks, sums, state):
-        sums.tensors["loss"] += _loss_sum(chunks, microbatches)
+    bar = tqdm.tqdm(total=len(microbatches) * len(chunks), desc="calibration forward", unit="micro-batch",
+                    disable=state.rank != 0)
+    with _recording(chunks, sums, state), bar:
+        sums.tensors["loss"] += _loss_sum(chunks, microbatches, bar)
     means = {name: value / num_tokens for name, value in sums.reduce(state).items()}
     loss = float(means.pop("loss")) * num_tokens / num_label_tokens
     if depth_metric == "cosine":
@@ -190,8 +192,9 @@ def _on_norm(target: torch.Tensor, module, args, output) -> None:
     target += output.abs().sum(dim=(0, 1), dtype=torch.float64)  # [s, b, h] -> [h]
 
 
-def _loss_sum(chunks, microbatches: list[torch.Tensor]) -> torch.Tensor:
-    """The summed LM loss of this replica's tokens on the last stage (a scalar, 0 on other stages)."""
+def _loss_sum(chunks, microbatches: list[torch.Tensor], bar: tqdm.tqdm | None = None) -> torch.Tensor:
+    """The summed LM loss of this replica's tokens on the last stage (a scalar, 0 on other stages); ``bar`` advances
+    once a micro-batch and chunk."""
     seq_length, micro_batch_size = microbatches[0].shape[1], microbatches[0].shape[0]
     position_ids = torch.arange(seq_length, device=microbatches[0].device).unsqueeze(0)
 
@@ -199,6 +202,8 @@ def _loss_sum(chunks, microbatches: list[torch.Tensor]) -> torch.Tensor:
         tokens = next(data_iterator)
         # Megatron's loss at position t is for labels[t]; the last position's label is a wrapped token it ignores below.
         output = model(tokens, position_ids, attention_mask=None, labels=torch.roll(tokens, -1, dims=1))
+        if bar is not None:
+            bar.update()
         return output, _keep_loss
 
     with eval_mode(chunks), torch.no_grad():
