@@ -6,12 +6,13 @@
 | layer, ``loss`` | the LM loss with the layer skipped (one more pass a layer) | ``loss without the layer - loss`` |
 | query head | the input of ``linear_proj``: each head's attention output | its L2 norm over ``head_dim`` |
 | MLP channel | the input of ``linear_fc2``: ``silu(gate) * up`` | ``abs`` |
-| hidden channel | the outputs of ``input_layernorm`` and ``pre_mlp_layernorm`` | ``abs``, kept per layer (summed over the |
-|  | of every layer, and of the final norm | layers the student keeps when ranking) |
+| hidden channel | each layer's two norms' outputs, and the final norm's | ``abs``, summed over the norms of the layers kept |
 
 The width scores are Minitron's activation-based ones (Muralidharan et al., 2024, "Compact Language Models via
 Pruning and Knowledge Distillation"). ``cosine`` is the default depth score because one forward pass scores every
-layer; ``loss`` measures what depth pruning changes directly, at one more pass over the calibration set per layer.
+layer, whatever the depth; ``loss`` measures what depth pruning changes directly, at one more pass over the
+calibration set per layer (on SmolLM2-135M: 12 s against 5.7 min, and its 10-of-30-layer student was 1 nat closer
+to the teacher before distillation: docs/running.md, "Pruning").
 
 Every statistic is a sum over calibration tokens, kept per rank in the whole model's shape: a tensor-parallel rank
 fills the heads and MLP channels it holds (Megatron splits them in the HF order: whole query groups, contiguous MLP
