@@ -55,7 +55,15 @@ fixes of ``mla.py``) and ``config_class`` (``MLATransformerConfig``).
 
 from megatron_gkd.models.builder import HFModelInfo, build_model, parallel_state_of, transformer_config, unwrap
 from megatron_gkd.models.checkpoints import cache_root, resolve_checkpoint
-from megatron_gkd.models.export import export_hf_shards, export_hf_weights, save_hf, shard_sources
+from megatron_gkd.models.export import (
+    commit_output,
+    export_hf_shards,
+    export_hf_weights,
+    partial_output,
+    save_hf,
+    shard_sources,
+    write_hf,
+)
 from megatron_gkd.models.hf_config import read_hf_config
 from megatron_gkd.models.loading import SafetensorsCheckpoint, load_hf
 from megatron_gkd.models.mapping import (
@@ -89,6 +97,7 @@ __all__ = [
     "WeightRule",
     "build_model",
     "cache_root",
+    "commit_output",
     "export_hf_shards",
     "shard_sources",
     "export_hf_weights",
@@ -96,10 +105,12 @@ __all__ = [
     "global_name",
     "load_hf",
     "mapped_tensors",
+    "partial_output",
     "read_hf_config",
     "register_architecture",
     "resolve_checkpoint",
     "save_hf",
+    "write_hf",
     "parallel_state_of",
     "shard_coordinates",
     "supported_architectures",

@@ -35,7 +35,7 @@ from megatron_gkd import parallel, platform
 from megatron_gkd.log_setup import setup_logging
 from megatron_gkd.models.builder import build_model
 from megatron_gkd.models.checkpoints import resolve_checkpoint
-from megatron_gkd.models.export import TOKENIZER_FILES, save_hf
+from megatron_gkd.models.export import TOKENIZER_FILES, commit_output, partial_output, save_hf
 from megatron_gkd.models.gguf import convert_gguf
 from megatron_gkd.models.hf_config import read_hf_config
 from megatron_gkd.models.loading import load_hf
@@ -78,30 +78,6 @@ def sharded_model_state(chunks) -> dict:
     return {key: chunk.sharded_state_dict() for key, chunk in zip(_model_keys(len(chunks)), chunks)}
 
 
-def _partial(out: str) -> str:
-    """Rank 0 empties ``<out>.partial`` for this attempt (collective); returns it."""
-    import torch.distributed as dist
-
-    if os.path.exists(out):
-        raise FileExistsError(f"--out {out} exists; remove it or choose another directory (nothing was written)")
-    partial = out.rstrip(os.sep) + ".partial"
-    if dist.get_rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    dist.barrier()
-    return partial
-
-
-def _commit(partial: str, out: str) -> None:
-    """After every rank has written (collective): ``<out>.partial`` becomes ``<out>`` in one rename."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    if dist.get_rank() == 0:
-        os.rename(partial, out)
-    dist.barrier()
-
-
 def hf_to_mcore(hf_path: str, out: str, dtype: torch.dtype) -> None:
     """Loads the HF checkpoint (sliced per rank) and saves it as a Megatron dist checkpoint."""
     import torch.distributed as dist
@@ -109,7 +85,7 @@ def hf_to_mcore(hf_path: str, out: str, dtype: torch.dtype) -> None:
 
     hf_path = resolve_checkpoint(hf_path, dtype=dtype)  # a GGUF: its converted directory, tokenizer included
     chunks = load_hf(hf_path, dtype=dtype)
-    final, out = out, _partial(out)
+    final, out = out, partial_output(out)
     dist_checkpointing.save(sharded_model_state(chunks), out)
     if dist.get_rank() == 0:
         hf_dir = os.path.join(out, HF_SUBDIR)
@@ -119,7 +95,7 @@ def hf_to_mcore(hf_path: str, out: str, dtype: torch.dtype) -> None:
         for name in TOKENIZER_FILES:
             if os.path.isfile(os.path.join(hf_path, name)):
                 shutil.copyfile(os.path.join(hf_path, name), os.path.join(hf_dir, name))
-    _commit(out, final)
+    commit_output(out, final)
     logger.info("wrote Megatron checkpoint %s from %s", final, hf_path)
 
 
@@ -132,9 +108,9 @@ def mcore_to_hf(mcore_path: str, out: str, dtype: torch.dtype) -> None:
     state = dist_checkpointing.load(sharded_model_state(chunks), mcore_path)
     for key, chunk in zip(_model_keys(len(chunks)), chunks):
         chunk.load_state_dict(state[key])
-    partial = _partial(out)
+    partial = partial_output(out)
     save_hf(chunks, partial)
-    _commit(partial, out)
+    commit_output(partial, out)
     logger.info("wrote HF checkpoint %s from %s", out, mcore_path)
 
 

@@ -195,9 +195,29 @@ def save_hf(
             is about twice this (safetensors serialises a file's tensors in memory).
         tokenizer_source: where to copy tokenizer files from.
     """
+    info = unwrap(modules[0]).hf_model_info
+    write_hf(export_hf_weights(modules), path, hf_config=info.hf_config, dtype=dtype or info.dtype,
+             max_shard_bytes=max_shard_bytes, tokenizer_source=tokenizer_source or info.source)
+
+
+def write_hf(
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    path: str | os.PathLike,
+    *,
+    hf_config: dict,
+    dtype: torch.dtype,
+    max_shard_bytes: int = 2**30,
+    tokenizer_source: str | os.PathLike | None = None,
+) -> None:
+    """Writes the HF tensors every rank yields as one HF checkpoint (collective: call on every rank).
+
+    :func:`save_hf` with the tensors given: each rank writes what its ``tensors`` yield (each name on one
+    rank only, e.g. :func:`export_hf_weights` with its default ``owner_only``, possibly transformed) into
+    its own files; rank 0 then writes the index, ``hf_config`` as ``config.json`` and the tokenizer files
+    of ``tokenizer_source``.
+    """
     path = os.fspath(path)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    info = unwrap(modules[0]).hf_model_info
     if rank == 0:
         os.makedirs(path, exist_ok=True)
         # Stale files of an earlier save would be listed nowhere but confuse readers of the directory.
@@ -206,16 +226,17 @@ def save_hf(
                 os.remove(os.path.join(path, name))
     _barrier()
 
-    weight_map = _write_owned_tensors(modules, path, rank, dtype or info.dtype, max_shard_bytes)
+    weight_map = _write_owned_tensors(tensors, path, rank, dtype, max_shard_bytes)
     maps = [None] * dist.get_world_size() if dist.is_initialized() else [weight_map]
     if dist.is_initialized():
         dist.all_gather_object(maps, weight_map)
     if rank == 0:
-        _write_metadata(path, maps, info, dtype or info.dtype, tokenizer_source)
+        _write_metadata(path, maps, hf_config, dtype, tokenizer_source)
     _barrier()
 
 
-def _write_owned_tensors(modules, path, rank, dtype, max_shard_bytes) -> dict[str, tuple[str, int]]:
+def _write_owned_tensors(tensors: Iterator[tuple[str, torch.Tensor]], path, rank, dtype,
+                         max_shard_bytes) -> dict[str, tuple[str, int]]:
     from safetensors.torch import save_file
 
     weight_map: dict[str, tuple[str, int]] = {}
@@ -233,7 +254,7 @@ def _write_owned_tensors(modules, path, rank, dtype, max_shard_bytes) -> dict[st
             weight_map[name] = (file, tensor.numel() * tensor.element_size())
         buffer, buffered, part = {}, 0, part + 1
 
-    for name, tensor in export_hf_weights(modules):
+    for name, tensor in tensors:
         # A copy on the host: safetensors refuses tensors that share storage with each other.
         buffer[name] = tensor.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
         buffered += buffer[name].numel() * buffer[name].element_size()
@@ -243,7 +264,7 @@ def _write_owned_tensors(modules, path, rank, dtype, max_shard_bytes) -> dict[st
     return weight_map
 
 
-def _write_metadata(path, maps, info, dtype, tokenizer_source) -> None:
+def _write_metadata(path, maps, hf_config, dtype, tokenizer_source) -> None:
     weight_map, total = {}, 0
     for rank_map in maps:
         for name, (file, num_bytes) in rank_map.items():
@@ -252,13 +273,11 @@ def _write_metadata(path, maps, info, dtype, tokenizer_source) -> None:
             total += num_bytes
     with open(os.path.join(path, INDEX_FILE), "w") as handle:
         json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, handle, indent=2)
-    config = dict(info.hf_config)
+    config = dict(hf_config)
     config["dtype" if "dtype" in config else "torch_dtype"] = str(dtype).removeprefix("torch.")
     with open(os.path.join(path, "config.json"), "w") as handle:
         json.dump(config, handle, indent=2)
-    source = tokenizer_source or info.source
-    if source is not None:
-        source = resolve_checkpoint(source)  # a GGUF tokenizer: the files of its conversion
+    source = resolve_checkpoint(tokenizer_source) if tokenizer_source is not None else None  # a GGUF: its conversion's files
     copied = []
     if source is not None and os.path.abspath(source) != os.path.abspath(path):
         for name in TOKENIZER_FILES:
@@ -266,6 +285,34 @@ def _write_metadata(path, maps, info, dtype, tokenizer_source) -> None:
                 shutil.copyfile(os.path.join(source, name), os.path.join(path, name))
                 copied.append(name)
     logger.info("saved %d HF tensors (%.1f MB) to %s; copied %s", len(weight_map), total / 2**20, path, copied or "no tokenizer files")
+
+
+def partial_output(out: str | os.PathLike) -> str:
+    """Rank 0 empties ``<out>.partial`` for this attempt (collective); returns it.
+
+    A command writes its output there and :func:`commit_output` renames it to ``<out>`` once every rank's
+    files are on disk, so a run that dies leaves no ``<out>`` that looks finished.
+
+    Raises:
+        FileExistsError: ``out`` exists (nothing is overwritten).
+    """
+    out = os.fspath(out)
+    if os.path.exists(out):
+        raise FileExistsError(f"--out {out} exists; remove it or choose another directory (nothing was written)")
+    partial = out.rstrip(os.sep) + ".partial"
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    _barrier()
+    return partial
+
+
+def commit_output(partial: str, out: str | os.PathLike) -> None:
+    """After every rank has written (collective): ``<out>.partial`` becomes ``<out>`` in one rename."""
+    _barrier()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        os.rename(partial, os.fspath(out))
+    _barrier()
 
 
 def _barrier() -> None:

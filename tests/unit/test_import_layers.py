@@ -18,7 +18,7 @@ LAYERS = (
     "parallel", "planning", "models",  # process groups, parameter and memory counts, Megatron <-> HF models
     "data", "losses", "weight_sync", "rollout", "rewards", "xtok", "teacher",  # the subsystems
     "config",  # the run's config: composes the subsystems' sections and checks them together
-    "trainer", "launcher",  # the run
+    "trainer", "launcher", "prune",  # the run, and the jobs beside it that build models under a layout
     "recipes", "testing",  # assets and test helpers built on everything
 )
 KNOWN_UPWARD: dict[tuple[str, str], str] = {
