@@ -5,7 +5,8 @@ cores (``bash scripts/run_smollm2_prune.sh``; ``configs/smollm2_prune_cpu.yaml``
 ``prepare`` does what the run needs and keeps it under ``--out`` (a rerun reuses it): the teacher (the GGUF from the
 package index, dequantized: :mod:`.smollm2`), the prompts (:mod:`.instructions`), the student pruned from the
 teacher with the training prompts as calibration text (:mod:`megatron_gkd.prune`), and the teacher's own held-out
-accuracy (greedy answers through vLLM, scored as the trainer's eval scores them). Two students of about the same
+accuracy (greedy answers through vLLM, scored as the trainer's eval scores them; the answers, as
+``task/eval_teacher.jsonl``, are the reference of ``benchmarks/smollm2_prune.py``'s held-out KL). Two students of about the same
 size (63.7M parameters each, of the teacher's 134.5M; the tied embedding is 28.3M of the first, 18.9M of the second):
 
 ==========  ======================================================================================================
@@ -46,7 +47,7 @@ VARIANTS = {
     "width": ["--hidden-size", "384", "--num-attention-heads", "6", "--ffn-hidden-size", "912"],
 }
 """``python -m megatron_gkd.prune`` sizes of each student (the module docstring's table)."""
-EVAL_MAX_TOKENS = 40  # what configs/smollm2_prune_cpu.yaml's eval generates
+EVAL_MAX_TOKENS = 32  # what configs/smollm2_prune_cpu.yaml's eval generates
 
 
 def prepare(out: pathlib.Path, variant: str = "depth", *, num_samples: int = 64) -> dict:
@@ -63,29 +64,34 @@ def prepare(out: pathlib.Path, variant: str = "depth", *, num_samples: int = 64)
         subprocess.run(command, check=True)
     accuracy_path = out / "teacher_accuracy.json"
     if not accuracy_path.exists():
-        accuracy_path.write_text(json.dumps({"eval/accuracy": teacher_accuracy(teacher, task / "eval.jsonl")}))
+        accuracy, answers = greedy_accuracy(teacher, task / "eval.jsonl")
+        records = [json.loads(line) for line in (task / "eval.jsonl").read_text().splitlines() if line.strip()]
+        with open(task / "eval_teacher.jsonl", "w") as handle:  # the held-out KL's reference: the teacher's answers
+            for record, answer in zip(records, answers, strict=True):
+                messages = [*record["messages"], {"role": "assistant", "content": answer}]
+                handle.write(json.dumps({**record, "messages": messages}) + "\n")
+        accuracy_path.write_text(json.dumps({"eval/accuracy": accuracy}))
     prepared = {"teacher": str(teacher), "task": str(task), "student": str(student), "variant": variant,
                 "teacher_accuracy": json.loads(accuracy_path.read_text())["eval/accuracy"]}
     (out / "prepared.json").write_text(json.dumps(prepared, indent=1))
     return prepared
 
 
-def teacher_accuracy(teacher: pathlib.Path, eval_path: pathlib.Path) -> float:
-    """The teacher's greedy answers to the held-out prompts through vLLM, scored by ``contains`` as the trainer's eval
-    scores the student's (``eval.scorer=contains``, ``eval.max_tokens``)."""
-    tokenizer = load_tokenizer(str(teacher))
+def greedy_accuracy(model: pathlib.Path, eval_path: pathlib.Path) -> tuple[float, list[str]]:
+    """``model``'s greedy answers to the held-out prompts through vLLM, scored by ``contains`` as the trainer's eval
+    scores the student's (``eval.scorer=contains``, ``eval.max_tokens``); returns the accuracy and the answers."""
+    tokenizer = load_tokenizer(str(model))
     dataset = load_prompts(str(eval_path), DataConfig(train_path=str(eval_path)), tokenizer)
     records = [dataset[i] for i in range(len(dataset))]
     eos = eos_token_id(tokenizer)
-    engine = build_engine("vllm", model=str(teacher), max_model_len=256, pad_token_id=tokenizer.pad_token_id or 0)
+    engine = build_engine("vllm", model=str(model), max_model_len=256, pad_token_id=tokenizer.pad_token_id or 0)
     try:
         batch = engine.generate([list(r.prompt_ids) for r in records],
                                 SamplingConfig(temperature=0.0, max_tokens=EVAL_MAX_TOKENS, stop_token_ids=(eos,), seed=0))
     finally:
         engine.close()
-    scores = [contains(response_text(tokenizer, batch.response(i), (eos,)), records[i].answer)
-              for i in range(batch.num_samples)]
-    return sum(scores) / len(scores)
+    answers = [response_text(tokenizer, batch.response(i), (eos,)) for i in range(batch.num_samples)]
+    return sum(contains(text, record.answer) for text, record in zip(answers, records)) / len(records), answers
 
 
 def summarise(run_dir: pathlib.Path, teacher_accuracy_: float, wall_time_s: float | None = None) -> dict:
