@@ -209,14 +209,14 @@ def main() -> None:
                                        samples.with_suffix(".partial"), n=4, max_tokens=32, max_model_len=256)
         samples.with_suffix(".partial").rename(samples)
     results = []
-    for variant, method in jobs:
-        common = common_overrides(prepared[variant], variant, args.token_budget, args.num_steps)
-        for seed in args.seeds:
+    for seed in args.seeds:  # every job's first seed first: a sweep cut short still compares them all
+        for variant, method in jobs:
             done = args.out / f"{variant}-{method}-seed{seed}" / "result.json"
             if args.report:
                 if done.exists():
                     results.append(json.loads(done.read_text()))
                 continue
+            common = common_overrides(prepared[variant], variant, args.token_budget, args.num_steps)
             results.append(run_one(args.out, variant, method, seed, common, samples, kl))
     text = table(results, start)
     (args.out / "results.md").write_text(text + "\n")

@@ -25,8 +25,9 @@ def read_metrics(run_dir: pathlib.Path) -> tuple[list[dict], list[dict]]:
     return [r for r in records if "train/loss" in r], [r for r in records if "eval/accuracy" in r]
 
 
-def plot(run_dir: pathlib.Path, teacher_accuracy: float | None = None, path: pathlib.Path | None = None) -> pathlib.Path:
-    """Eval accuracy (with the teacher's as a line) and train loss against steps, as ``metrics.png``."""
+def plot(run_dir: pathlib.Path, teacher_accuracy: float | None = None, path: pathlib.Path | None = None,
+         scorer: str = "exact answer") -> pathlib.Path:
+    """Eval accuracy (by ``scorer``, with the teacher's as a line) and train loss against steps, as ``metrics.png``."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a server or in CI
@@ -37,7 +38,7 @@ def plot(run_dir: pathlib.Path, teacher_accuracy: float | None = None, path: pat
     accuracy_axis.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], "o-", label="student")
     if teacher_accuracy is not None:
         accuracy_axis.axhline(teacher_accuracy, color="gray", linestyle="--", label="teacher")
-    accuracy_axis.set(xlabel="step", ylabel="eval accuracy (exact answer)", ylim=(0, 1), title="held-out accuracy")
+    accuracy_axis.set(xlabel="step", ylabel=f"eval accuracy ({scorer})", ylim=(0, 1), title="held-out accuracy")
     accuracy_axis.legend()
     loss_axis.plot([r["step"] for r in steps], [r["train/loss"] for r in steps], label="train loss")
     kl = [r for r in evals if "eval/kl_to_teacher" in r]

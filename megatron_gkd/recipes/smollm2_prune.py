@@ -104,7 +104,7 @@ def summarise(run_dir: pathlib.Path, teacher_accuracy_: float, wall_time_s: floa
               "accuracy_before": first["eval/accuracy"], "accuracy_after": last["eval/accuracy"],
               "teacher_accuracy": teacher_accuracy_, "steps": last["step"], "wall_time_s": wall_time_s,
               "accuracy_gap_closed": (last["eval/accuracy"] - first["eval/accuracy"]) / gap if gap > 0 else None}
-    result["plot"] = str(report.plot(run_dir, teacher_accuracy_).resolve())
+    result["plot"] = str(report.plot(run_dir, teacher_accuracy_, scorer="the answer contained").resolve())
     return result
 
 

@@ -192,7 +192,7 @@ class Trainer:
             try:
                 metrics = self._update(batch)
             except Exception:
-                self.checkpoints.save_after_failure(self.step, *self._data_position())
+                self.checkpoints.save_after_failure(self.step, batch.data_state, self.tokens_trained)  # resumes at it
                 raise
             self.step += 1
             self._sync_weights()

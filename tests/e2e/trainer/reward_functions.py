@@ -15,6 +15,10 @@ def _third() -> bool:
     return next(_calls) >= 3
 
 
+def ones(prompts, responses, records):
+    return [1.0] * len(responses)
+
+
 def raises_on_third(prompts, responses, records):
     if _third():
         raise ValueError("the grader cannot parse this response")

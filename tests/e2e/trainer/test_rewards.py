@@ -40,11 +40,15 @@ def test_final_answer_rewards_are_logged_every_step(assets, tmp_path):
     assert any(0 < r["reward/mean"] < 0.5 for r in steps)  # batches of rewarded and unrewarded responses
 
 
+def _overrides(assets, function: str, *extra: str) -> list[str]:
+    return harness.asset_overrides(assets) + OFF_POLICY + [
+        "trainer.num_steps=6", "checkpoint.save_interval=1", "reward.kind=function",
+        f"reward.function={FUNCTIONS}:{function}", *extra]
+
+
 def _fails_after_two_steps(assets, tmp_path, function: str, *extra: str) -> str:
     out = tmp_path / "run"
-    code, log = harness.run(out, harness.asset_overrides(assets) + OFF_POLICY + [
-        "trainer.num_steps=6", "checkpoint.save_interval=1", "reward.kind=function",
-        f"reward.function={FUNCTIONS}:{function}", *extra])
+    code, log = harness.run(out, _overrides(assets, function, *extra))
     assert code != 0, log[-4000:]
     assert f"RewardFailed: reward '{FUNCTIONS}:{function}'" in log, log[-4000:]
     assert [r["step"] for r in harness.steps(out)] == [1, 2]  # no step is trained on a missing reward
@@ -53,10 +57,24 @@ def _fails_after_two_steps(assets, tmp_path, function: str, *extra: str) -> str:
     return log
 
 
-def test_a_reward_that_raises_stops_the_run_after_the_last_complete_step(assets, tmp_path):
+def test_a_reward_that_raises_stops_the_run_and_its_batch_is_trained_after_the_resume(assets, tmp_path):
     log = _fails_after_two_steps(assets, tmp_path, "raises_on_third")
     assert "raised ValueError: the grader cannot parse this response on record 0 of 4 (id " in log, log[-4000:]
     assert "PeerFailure: rank 0 failed, so every rank stops" in log  # the rank without a runner stops too
+    # Rerunning the command (the grader mended) resumes at step 2 and trains the failed batch as step 3, exactly as a
+    # run that never failed does (issue #48: the saved data position was the next batch's, so it was skipped).
+    code, log = harness.run(tmp_path / "run", _overrides(assets, "ones", "trainer.num_steps=4"), log_name="resumed.log")
+    assert code == 0, log[-4000:]
+    reference = tmp_path / "reference"
+    code, log = harness.run(reference, _overrides(assets, "ones", "trainer.num_steps=4", "checkpoint.save_interval=null"),
+                            log_name="reference.log")
+    assert code == 0, log[-4000:]
+    resumed = {r["step"]: (r["prompts"], r["train/loss"]) for r in harness.steps(tmp_path / "run")}
+    expected = {r["step"]: (r["prompts"], r["train/loss"]) for r in harness.steps(reference)}
+    assert sorted(resumed) == [1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        assert resumed[step][0] == expected[step][0], (step, resumed[step][0], expected[step][0])
+        assert resumed[step][1] == pytest.approx(expected[step][1], rel=1e-5), step
 
 
 @pytest.mark.slow  # suite time: the default tier has the raising reward

@@ -26,7 +26,8 @@ HF_ENGINE = ["rollout.engine=hf", "rollout.tensor_parallel_size=1", "rollout.kv_
 
 @pytest.mark.parametrize("scheduler, interval, stops", [
     ("sync", 0, "StaleRolloutEngine: at step 2, the rollout engine's log-probs of"),
-    ("one_step_off", 10, "after weight sync to version 1, the rollout engine's prompt log-probs differ"),
+    pytest.param("one_step_off", 10, "after weight sync to version 1, the rollout engine's prompt log-probs differ",
+                 marks=pytest.mark.slow),  # suite time; the periodic check's arguments: tests/unit/trainer/test_rollout_handle.py
 ])
 def test_an_engine_that_keeps_its_first_weights_stops_the_run_naming_it(assets, tmp_path, scheduler, interval, stops):
     out = tmp_path / "run"

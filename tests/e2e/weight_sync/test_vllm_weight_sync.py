@@ -81,6 +81,7 @@ def _assert_clean_exit(capfd) -> None:
     assert "Traceback" not in err and "Invalid process group" not in err, err[-4000:]
 
 
+@pytest.mark.slow  # suite time: the default tier runs the same path with a tied model (below)
 def test_dense_tp2_then_pp2_into_a_tp1_engine(tmp_path, capfd):
     llama = make_tiny_checkpoint("LlamaForCausalLM", tmp_path / "llama", seed=5)
     runs = [

@@ -101,3 +101,31 @@ def test_a_failed_load_leaves_the_engine_stale_and_reads_the_stream_to_its_end(e
     assert engine.stale and receiver.version == 0
     with pytest.raises(Exception, match="refuses to generate"):
         engine.generate([[1]], SamplingConfig())
+
+
+class _Scoring(RecordingEngine):
+    """An engine whose prompt log-probs are given."""
+
+    def __init__(self, logprobs: torch.Tensor):
+        super().__init__()
+        self.logprobs = logprobs
+
+    def prompt_logprobs(self, prompts) -> torch.Tensor:
+        return self.logprobs
+
+
+def test_the_periodic_check_compares_the_mean_and_verify_the_worst_token():
+    """weight_sync.check_interval's sync check (check=tolerance) stops an engine off on average and lets one token of
+    bf16-like noise pass; weight_sync.verify holds every token to verify_tolerance; a check leaves the engine stale."""
+    expected = torch.zeros(7, dtype=torch.float64)
+    noisy = expected.clone()
+    noisy[3] = 0.08  # one token off by bf16's worst, the mean 0.011
+    receiver = ColocatedReceiver(_plan(), WeightSyncConfig(transport="colocated"))
+    assert receiver.verify(_Scoring(noisy), expected, check=0.05) == pytest.approx(0.08 / 7)
+    stale = _Scoring(expected + 0.06)
+    with pytest.raises(WeightSyncError, match=r"differ from the student's by 6\.000e-02 on average \(> 5\.0e-02\)"):
+        receiver.verify(stale, expected, check=0.05)
+    assert stale.stale
+    strict = ColocatedReceiver(_plan(), WeightSyncConfig(transport="colocated", verify=True, verify_tolerance=1e-4))
+    with pytest.raises(WeightSyncError, match=r"by 8\.000e-02 \(> 1\.0e-04\)"):  # verify wins over the check
+        strict.verify(_Scoring(noisy), expected, check=0.05)
