@@ -35,9 +35,11 @@ import json
 import logging
 import pathlib
 import statistics
+import subprocess
+import sys
 import time
 
-from megatron_gkd.recipes import smollm2_prune, teacher_samples
+from megatron_gkd.recipes import smollm2_prune
 from megatron_gkd.testing import runs as harness
 
 logger = logging.getLogger("smollm2_prune")
@@ -201,13 +203,15 @@ def main() -> None:
         [(v, m) for v in args.variants for m in args.methods]
     prepared = {variant: smollm2_prune.prepare(args.out, variant) for variant in sorted({v for v, _ in jobs})}
     first = next(iter(prepared.values()))
+    samples = args.out / "teacher_samples.jsonl"
+    if not samples.exists() and not args.report:  # in a process of its own: vLLM on CPU counts this one's memory
+        subprocess.run([sys.executable, "-m", "megatron_gkd.recipes.teacher_samples", "--teacher", first["teacher"],
+                        "--prompts", str(pathlib.Path(first["task"]) / "train.jsonl"), "--n", "4",
+                        "--max-tokens", "32", "--max-model-len", "256", "--out", str(samples.with_suffix(".partial"))],
+                       check=True)
+        samples.with_suffix(".partial").rename(samples)
     kl = HeldOutKL(pathlib.Path(first["teacher"]), pathlib.Path(first["task"]) / "eval_teacher.jsonl")
     start = starts(args.out, first, sorted(prepared), kl)
-    samples = args.out / "teacher_samples.jsonl"
-    if not samples.exists() and not args.report:
-        teacher_samples.sample_teacher(first["teacher"], pathlib.Path(first["task"]) / "train.jsonl",
-                                       samples.with_suffix(".partial"), n=4, max_tokens=32, max_model_len=256)
-        samples.with_suffix(".partial").rename(samples)
     results = []
     for seed in args.seeds:  # every job's first seed first: a sweep cut short still compares them all
         for variant, method in jobs:

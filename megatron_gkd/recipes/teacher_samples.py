@@ -88,12 +88,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--max-model-len", type=int, default=64, help="prompt and response tokens, at most")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     setup_logging("INFO")
     sample_teacher(args.teacher, args.prompts, args.out, n=args.n, temperature=args.temperature,
-                   max_tokens=args.max_tokens, seed=args.seed)
+                   max_tokens=args.max_tokens, max_model_len=args.max_model_len, seed=args.seed)
     accuracy = answer_accuracy(args.out)
     if accuracy is not None:
         logger.info("teacher samples with the right final answer: %.3f", accuracy)

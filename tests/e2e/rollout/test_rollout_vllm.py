@@ -61,6 +61,17 @@ def test_samples_are_grouped_with_logprobs_and_topk(engine, reference):
     assert torch.equal(again.response_ids, batch.response_ids), "a seeded batch is not reproducible"
 
 
+def test_seeded_sampling_of_more_prompt_tokens_than_one_engine_step_takes(engine):
+    """vLLM splits prompts over engine steps when a batch has more prompt tokens than a step takes (4,096), and then
+    rewinds the seeded generator of a request whose prefill was cut, which vLLM's CPU build cannot do ("CPU Generator
+    does not use offset"): 60 prompts of 80 tokens, seeded, sample and reproduce."""
+    prompts = [[1] + [(7 * i + j) % 250 + 2 for j in range(79)] for i in range(60)]
+    sampling = SamplingConfig(temperature=1.0, max_tokens=4, seed=5)
+    batch = engine.generate(prompts, sampling)
+    assert batch.num_samples == 60 and all(len(batch.response(i)) == 4 for i in range(60))
+    assert torch.equal(engine.generate(prompts, sampling).response_ids, batch.response_ids)
+
+
 def test_stop_token_ends_a_response(engine, reference):
     greedy = reference.greedy(PROMPTS[0], 8)
     stop = greedy[2]
