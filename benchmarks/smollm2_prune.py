@@ -50,8 +50,7 @@ METHODS = {
     "on_policy": [],
     "gkd_mixture": ["sample_mix.lmbda=0.5", "sample_mix.per=prompt", "sample_mix.source=dataset", *ON_SAMPLES],
     "kd_teacher_samples": ["trainer.mode=off_policy", *ON_SAMPLES],
-    "sft_teacher_samples": ["trainer.mode=sft", "teacher.client=none", "teacher.serve.model=null", "eval.kl=false",
-                            *ON_SAMPLES],
+    "sft_teacher_samples": ["trainer.mode=sft", "teacher.client=none", "teacher.serve.model=null", *ON_SAMPLES],
 }
 DEFAULT_JOBS = [("depth", method) for method in METHODS] + [("width", "on_policy")]
 
@@ -95,7 +94,7 @@ def common_overrides(prepared: dict, variant: str, budget: int, num_steps: int) 
     return [f"student.checkpoint={pathlib.Path(prepared['student']).parent / f'student_{variant}'}",
             f"teacher.serve.model={prepared['teacher']}", f"data.train_path={task / 'train.jsonl'}",
             f"data.eval_path={task / 'eval.jsonl'}", f"trainer.token_budget={budget}", f"trainer.num_steps={num_steps}",
-            f"optim.lr_decay_steps={num_steps}", "eval.at_start=false", "eval.interval=null",
+            f"optim.lr_decay_steps={num_steps}", "eval.at_start=false", "eval.interval=null", "eval.kl=false",
             "checkpoint.save_interval=null", "checkpoint.save_at_end=false", "checkpoint.hf_at_end=true"]
 
 
@@ -191,7 +190,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=["depth", "width"])
     parser.add_argument("--methods", nargs="+", choices=list(METHODS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--token-budget", type=int, default=40_000, help="teacher tokens per run")
+    parser.add_argument("--token-budget", type=int, default=24_000, help="teacher tokens per run")
     parser.add_argument("--num-steps", type=int, default=120, help="a cap on steps (the budget ends runs first)")
     parser.add_argument("--report", action="store_true", help="only aggregate the finished runs")
     args = parser.parse_args()
