@@ -288,6 +288,10 @@ def _check_inert(config) -> None:
     elif loss.support_mode == "union" and loss.support_k is not None:
         logger.warning("loss.support_k has no effect with loss.support_mode=union (the support is both top-k lists "
                        "whole: teacher.top_k + rollout.logprobs_k ids)")
+    rl_without_divergence = config.rl.combination is not None and not config.rl.combination.uses_divergence
+    if loss.tail_bucket and (not trainer.run_mode.distills or rl_without_divergence):
+        logger.warning("loss.tail_bucket has no effect: no divergence is trained on (trainer.mode=%s, rl.combine=%s)",
+                       trainer.mode, config.rl.combine)
     if not loss.fused and loss.chunk_size != 1024:
         logger.warning("loss.chunk_size has no effect without loss.fused=true")
     if trainer.max_tokens_per_microbatch is not None and trainer.micro_batch_size != 1:
@@ -388,6 +392,9 @@ def _check_teacher(config, teacher, key: str) -> None:
               f"{key}.client=local, or {key}.signal=topk")
     if not trainer.run_mode.distills and not eval_enabled(config):
         logger.warning("%s.* has no effect in trainer.mode=sft without eval (it is only used for eval's KL)", key)
+    if loss.tail_bucket and teacher.signal.sends_hidden and not teacher.cross_tokenizer.enabled:
+        logger.warning("loss.tail_bucket has no effect with %s.signal=hidden (the divergence is over the teacher's "
+                       "whole distribution, with no mass left outside)", key)
     if teacher.enabled and teacher.cross_tokenizer.enabled:
         _check_cross_tokenizer(config, teacher, key)
     elif teacher.enabled and teacher.cross_tokenizer.hidden_support.whole_vocabulary:
@@ -408,6 +415,9 @@ def _check_cross_tokenizer(config, teacher, key: str) -> None:
     if config.loss.divergence.student_support:
         _fail(f"{where}: loss.type={config.loss.type} has no cross-tokenizer form (its support is the student's own top-k, which the "
               "teacher would have to score through the inverse map); use forward_kl, reverse_kl, jsd or kl_rkl")
+    if config.loss.tail_bucket:
+        _fail(f"{where}: loss.tail_bucket has no cross-tokenizer form (the student's mass outside the teacher's ids "
+              "through the projection is not computed); set loss.tail_bucket=false")
     if teacher.signal.sends_hidden and teacher.cross_tokenizer.inside_groups == "chain":
         _fail(f"{where} with {key}.signal=hidden: the chain rule reads the teacher's top-k where the teacher is asked, "
               f"which the hidden signal makes only in the step; set {key}.cross_tokenizer.inside_groups=skip, or "

@@ -188,6 +188,10 @@ class LossConfig:
     """Tokens per chunk of the fused path."""
     diagnostics: bool = False
     """Also measure the teacher/student top-k overlap (an extra vocab-parallel top-k; unfused only)."""
+    tail_bucket: bool = False
+    """Top-k teacher rows: compare over ``k+1`` outcomes, the teacher's ids and the mass outside them on both sides
+    (:mod:`megatron_gkd.losses.tail`): every divergence is then a true divergence, and reverse KL / JSD no longer
+    renormalise on the top-k. One more number per token; not with ``tcad`` (its coverage term scores that mass)."""
 
     def __post_init__(self):
         divergence = get_divergence(self.type)
@@ -203,6 +207,11 @@ class LossConfig:
             raise ValueError(f"loss.support_k={self.support_k} must be >= 1 (or null for teacher.top_k)")
         if self.chunk_size < 1:
             raise ValueError(f"loss.chunk_size={self.chunk_size} must be >= 1")
+        if self.tail_bucket and divergence.student_support:
+            raise ValueError(f"loss.tail_bucket=true does not apply to loss.type={self.type}: its coverage term "
+                             "(loss.options.coverage_coef) already scores the student's mass outside its support; "
+                             "set loss.tail_bucket=false, or a divergence on the teacher's top-k (forward_kl, "
+                             "reverse_kl, jsd, kl_rkl)")
         if self.fused and self.diagnostics:
             raise ValueError("loss.diagnostics needs the full logits, which loss.fused=true never builds; "
                              "turn one of them off")

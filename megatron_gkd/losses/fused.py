@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_gkd.losses.registry import get_divergence
 from megatron_gkd.losses.shard_ops import (
     LocalSupport,
     ShardLayout,
@@ -26,6 +27,7 @@ from megatron_gkd.losses.shard_ops import (
     write_grad_rows,
     zero_padding_columns,
 )
+from megatron_gkd.losses.tail import check_tail_bucket, complement_logsumexp, split_partition
 from megatron_gkd.losses.vocab_parallel import (
     ForwardState,
     backward_scales,
@@ -64,17 +66,23 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def fused_partials(
     hidden: torch.Tensor, weight: torch.Tensor, support: LocalSupport, layout: ShardLayout, chunk_size: int,
-    temperature: float, dtype: torch.dtype,
+    temperature: float, dtype: torch.dtype, complement: LocalSupport | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's ``[N]`` log-partition and ``[N, K]`` tempered logits at the owned ids of
-    ``hidden @ weight^T``, one token chunk of logits at a time (shared by every fused term)."""
+    ``hidden @ weight^T``, one token chunk of logits at a time (shared by every fused term). With ``complement``
+    (the teacher's ids), the ``logsumexp`` is over the columns outside them instead (the tail bucket, :mod:`.tail`)."""
     num_tokens = hidden.shape[0]
     local_lse = torch.empty(num_tokens, dtype=dtype, device=hidden.device)
     local_support_logits = torch.empty(support.local_index.shape, dtype=dtype, device=hidden.device)
     for start in range(0, num_tokens, chunk_size):
         stop = min(start + chunk_size, num_tokens)
         logits = _chunk_logits(hidden[start:stop], weight)  # [c, V/tp]
-        local_lse[start:stop] = local_logsumexp(logits[:, : layout.tokens_local], temperature, dtype)
+        tokens = logits[:, : layout.tokens_local]
+        if complement is None:
+            local_lse[start:stop] = local_logsumexp(tokens, temperature, dtype)
+        else:
+            chunk_complement = LocalSupport(complement.local_index[start:stop], complement.in_shard[start:stop])
+            local_lse[start:stop] = complement_logsumexp(tokens, chunk_complement, temperature, dtype)
         chunk_support = LocalSupport(support.local_index[start:stop], support.in_shard[start:stop])
         local_support_logits[start:stop] = chunk_support.gather(logits, dtype) / temperature
         del logits
@@ -120,19 +128,24 @@ def fused_grads(
 
 class _FusedDistill(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, teacher, layout, divergence_name, options, fused, temperature, token_ids):
+    def forward(ctx, hidden, weight, teacher, layout, divergence_name, options, fused, temperature, token_ids,
+                tail_bucket):
         dtype = compute_dtype(hidden.dtype)
         ids, valid = teacher.ids, teacher.valid
         if token_ids is not None:  # the sampled token: one more support column (see _VocabParallelDistill)
             ids = torch.cat([ids, token_ids.unsqueeze(1)], dim=1)
             valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
         support = LocalSupport.of(ids, valid, layout)
-        local_lse, local_support_logits = fused_partials(hidden, weight, support, layout, fused.chunk_size,
-                                                         temperature, dtype)
-        student_lse, support_logits = combine_shards(local_lse, local_support_logits, layout)
         width = teacher.ids.shape[1]
+        complement = support.columns(width) if tail_bucket else None
+        local_lse, local_support_logits = fused_partials(hidden, weight, support, layout, fused.chunk_size,
+                                                         temperature, dtype, complement)
+        student_lse, support_logits = combine_shards(local_lse, local_support_logits, layout)
+        student_tail = None
+        if tail_bucket:
+            student_lse, student_tail = split_partition(student_lse, support_logits[:, :width], teacher.valid)
         state, loss, metrics = evaluate_divergence(
-            student_lse, support_logits[:, :width], teacher, support, layout, divergence_name, options
+            student_lse, support_logits[:, :width], teacher, support, layout, divergence_name, options, student_tail
         )
         token_logprobs = support_logits[:, width] - student_lse if token_ids is not None else hidden.new_empty(0)
         ctx.save_for_backward(hidden, weight)
@@ -147,7 +160,7 @@ class _FusedDistill(torch.autograd.Function):
         hidden, weight = ctx.saved_tensors
         grad_hidden, grad_weight = fused_grads(hidden, weight, ctx.state, grad_loss, ctx.layout, ctx.fused,
                                                ctx.temperature, ctx.dtype, grad_token if ctx.with_tokens else None)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def check_hidden_and_weight(hidden: torch.Tensor, output_weight_shard: torch.Tensor) -> None:
@@ -185,7 +198,8 @@ def fused_vocab_parallel_distill_loss(
             :func:`vocab_parallel_distill_loss`.
         **options: the divergence's options, ``real_vocab_size`` and ``token_ids`` as for
             :func:`vocab_parallel_distill_loss` (padding rows of the weight get a zero gradient), plus ``chunk_size``
-            (tokens per chunk, default 1024) and ``all_reduce_hidden_grad`` (default True) of :class:`FusedOptions`.
+            (tokens per chunk, default 1024) and ``all_reduce_hidden_grad`` (default True) of :class:`FusedOptions`,
+            and ``tail_bucket`` as for :func:`vocab_parallel_distill_loss`.
 
     Returns:
         ``(per_token_loss, metrics)`` as :func:`vocab_parallel_distill_loss` (``teacher_mass``,
@@ -200,9 +214,12 @@ def fused_vocab_parallel_distill_loss(
             "compute the overlap from vocab_parallel_topk on a logits chunk if needed"
         )
     divergence_options, own = split_options(loss_type, options, ("chunk_size", "all_reduce_hidden_grad",
-                                                                 "real_vocab_size", "token_ids"))
+                                                                 "real_vocab_size", "token_ids", "tail_bucket"))
     real_vocab_size = own.pop("real_vocab_size", None)
     token_ids = own.pop("token_ids", None)
+    tail_bucket = bool(own.pop("tail_bucket", False))
+    if tail_bucket:
+        check_tail_bucket(get_divergence(loss_type))
     fused = FusedOptions(**own)
     temperature = check_temperature(temperature)
     check_hidden_and_weight(hidden, output_weight_shard)
@@ -216,7 +233,8 @@ def fused_vocab_parallel_distill_loss(
     if token_ids is not None:
         token_ids = check_token_ids(token_ids.to(hidden.device), flat_hidden.shape[0], layout.tokens)
     loss, student_mass, teacher_mass, token_logprobs = _FusedDistill.apply(
-        flat_hidden, output_weight_shard, teacher, layout, loss_type, divergence_options, fused, temperature, token_ids
+        flat_hidden, output_weight_shard, teacher, layout, loss_type, divergence_options, fused, temperature, token_ids,
+        tail_bucket,
     )
     metrics = {"student_mass": student_mass.reshape(lead), "teacher_mass": teacher_mass.reshape(lead)}
     if token_ids is not None:

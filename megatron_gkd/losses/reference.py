@@ -99,6 +99,52 @@ def reference_distill_loss(
     return value if all_rows else loss.index_put((rows,), value)
 
 
+def reference_tail_distill_loss(
+    full_logits: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    loss_type: str,
+    temperature: float = 1.0,
+    *,
+    real_vocab_size: int | None = None,
+    tail_floor: float = 1e-6,
+    **options,
+) -> torch.Tensor:
+    """Per-token loss ``[N]`` (float64, autograd) with the tail bucket: the divergences of
+    :func:`reference_distill_loss` between two distributions over ``k+1`` outcomes, the teacher's ids and "any other
+    token". The teacher's tail is ``max(1 - sum p, tail_floor)``; the student's the sum of its softmax over the real
+    vocabulary's ids outside the teacher's (no outcome, left out, when there are none). Rows without a valid teacher
+    entry get 0."""
+    logits = full_logits.double()[:, :real_vocab_size]
+    lp = teacher_logprobs.double()
+    valid = torch.isfinite(lp)
+    has = valid.any(-1)
+    loss = torch.zeros(logits.shape[0], dtype=torch.float64, device=logits.device)
+    if not bool(has.any()):
+        return loss + 0 * logits.sum()
+    if loss_type == "tcad":
+        raise ValueError("tcad has no tail-bucket form")
+    rows = has.nonzero().squeeze(1)
+    lp, valid = lp[rows], valid[rows]
+    ids = teacher_ids.long()[rows].clamp(0, logits.shape[1] - 1)  # padding ids may be anything
+    log_q_full = torch.log_softmax(logits[rows] / temperature, dim=-1)
+    in_top = torch.zeros(log_q_full.shape, dtype=torch.bool, device=logits.device)
+    in_top[torch.arange(len(rows)).unsqueeze(1).expand_as(ids)[valid], ids[valid]] = True
+    student_tail = (log_q_full.exp() * ~in_top).sum(-1)
+    has_tail = (~in_top).any(-1)
+    teacher_tail = (1 - (lp.exp() * valid).sum(-1)).clamp(min=tail_floor)
+    log_q = torch.cat([log_q_full.gather(1, ids), torch.where(has_tail, student_tail, 1.0).log()[:, None]], 1)
+    log_p = torch.cat([lp, teacher_tail.log()[:, None]], 1)
+    bucket = torch.cat([valid, has_tail[:, None]], 1)
+    log_p, log_q = log_p.masked_fill(~bucket, float("-inf")), log_q.masked_fill(~bucket, float("-inf"))
+    forward_kl = _kl(log_p, log_q, bucket)
+    value = _support_divergence(loss_type, forward_kl, _renormalise(log_p, bucket), _renormalise(log_q, bucket),
+                                bucket, options)
+    if value is None:
+        raise ValueError(f"no reference for loss_type {loss_type!r}")
+    return loss.index_put((rows,), value)
+
+
 def reference_full_vocab_loss(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,

@@ -97,6 +97,10 @@ class LocalSupport:
         in_shard = valid & (local >= 0) & (local < layout.vocab_size_local)
         return cls(torch.where(in_shard, local, torch.zeros_like(local)), in_shard)
 
+    def columns(self, width: int) -> "LocalSupport":
+        """The first ``width`` support columns (the teacher's ids, without a sampled token riding after them)."""
+        return LocalSupport(self.local_index[:, :width], self.in_shard[:, :width])
+
     def gather(self, logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``[rows, K]`` logits at the owned ids in ``dtype``, exactly 0 elsewhere."""
         values = logits.gather(1, self.local_index).to(dtype)
@@ -167,29 +171,42 @@ class SparseGrad:
 
     Entries are addressed by their flat position ``row * V/tp + column`` in the ``[N, V/tp]`` gradient;
     a row chunk starting at ``start`` subtracts ``start * V/tp`` once.
+
+    ``replace``: the entries are the whole gradient there and overwrite the dense part instead of adding to it (the
+    tail bucket's, whose dense coefficient is exact outside the support only, :mod:`.tail`); ``then``: entries added
+    after these.
     """
 
     flat_index: torch.Tensor
     values: torch.Tensor
     row_offsets: list[int]  # entries of rows [a, b) are [row_offsets[a], row_offsets[b])
+    replace: bool = False
+    then: "SparseGrad | None" = None
 
     @classmethod
-    def of(cls, support: LocalSupport, grad_support: torch.Tensor, vocab_size_local: int) -> "SparseGrad":
+    def of(cls, support: LocalSupport, grad_support: torch.Tensor, vocab_size_local: int, *, replace: bool = False,
+           then: "SparseGrad | None" = None) -> "SparseGrad":
         # Boolean-mask selection keeps row-major order: entries come sorted by row.
         counts = support.in_shard.sum(dim=1)
         rows = torch.arange(counts.numel(), device=counts.device).repeat_interleave(counts)
         flat_index = rows * vocab_size_local + support.local_index[support.in_shard]
         offsets = torch.zeros(counts.numel() + 1, dtype=torch.int64)
         offsets[1:] = counts.cumsum(0).cpu()  # one host sync per call, none per chunk
-        return cls(flat_index, grad_support[support.in_shard], offsets.tolist())
+        return cls(flat_index, grad_support[support.in_shard], offsets.tolist(), replace, then)
 
     def add_to_rows(self, out: torch.Tensor, start: int, stop: int) -> None:
-        """Adds the entries of rows ``[start, stop)`` into ``out`` (those rows, contiguous)."""
+        """Adds (``replace``: writes) the entries of rows ``[start, stop)`` into ``out`` (those rows, contiguous),
+        then those of ``then``."""
         first, last = self.row_offsets[start], self.row_offsets[stop]
-        if first == last:
-            return
-        flat = self.flat_index[first:last] - start * out.shape[1]
-        out.view(-1).index_add_(0, flat, self.values[first:last].to(out.dtype))
+        if first != last:
+            flat = self.flat_index[first:last] - start * out.shape[1]
+            values = self.values[first:last].to(out.dtype)
+            if self.replace:  # ids are distinct within a row: no entry is written twice
+                out.view(-1).index_copy_(0, flat, values)
+            else:
+                out.view(-1).index_add_(0, flat, values)
+        if self.then is not None:
+            self.then.add_to_rows(out, start, stop)
 
 
 def write_grad_rows(

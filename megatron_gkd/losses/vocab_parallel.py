@@ -29,6 +29,7 @@ from megatron_gkd.losses.shard_ops import (
     local_logsumexp,
     logits_grad,
 )
+from megatron_gkd.losses.tail import check_tail_bucket, complement_logsumexp, split_partition, tail_terms
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +162,9 @@ class ForwardState:
 
     The loss itself is not kept here: holding an output on the autograd context would make a
     reference cycle (output -> grad_fn -> ctx -> output) that frees only at garbage collection.
+
+    ``support_lse_coef`` and ``support_probs``: the tail bucket's (:class:`~megatron_gkd.losses.tail.TailTerms`); the
+    teacher's ids then get their whole gradient written over the dense part.
     """
 
     student_lse: torch.Tensor
@@ -168,6 +172,8 @@ class ForwardState:
     lse_coef: torch.Tensor
     support: LocalSupport
     vocab_size_local: int
+    support_lse_coef: torch.Tensor | None = None
+    support_probs: torch.Tensor | None = None
 
 
 def evaluate_divergence(
@@ -178,17 +184,25 @@ def evaluate_divergence(
     layout: ShardLayout,
     divergence_name: str,
     options: Any,
+    student_tail: torch.Tensor | None = None,
 ) -> tuple[ForwardState, torch.Tensor, dict[str, torch.Tensor]]:
     """The divergence of the combined ``[N, K]`` support logits, shared by the unfused and fused paths (``support``
     may hold one more column after the teacher's: a sampled token riding along, see :func:`backward_scales`'s
-    ``grad_token``).
+    ``grad_token``). ``student_tail``: ``[N]`` the student's tempered ``logsumexp`` outside the teacher's ids: the
+    divergence is then over the ids and the tail bucket (:mod:`.tail`).
 
     Returns:
         ``(state for the backward, per-token loss, metrics)``.
     """
     inputs = SupportInputs(support_logits, teacher.logprobs, teacher.valid, student_lse)
-    terms = get_divergence(divergence_name).fn(inputs, options)
-    state = ForwardState(student_lse, terms.grad_support, terms.lse_coef, support, layout.vocab_size_local)
+    divergence = get_divergence(divergence_name)
+    if student_tail is None:
+        terms = divergence.fn(inputs, options)
+        state = ForwardState(student_lse, terms.grad_support, terms.lse_coef, support, layout.vocab_size_local)
+    else:
+        terms = tail_terms(divergence, inputs, student_tail, options)
+        state = ForwardState(student_lse, terms.grad_support, terms.lse_coef, support, layout.vocab_size_local,
+                             terms.support_lse_coef, terms.support_probs)
     return state, terms.loss, support_metrics(inputs)
 
 
@@ -206,6 +220,18 @@ def backward_scales(
     if grad_token is not None:
         grad_token = grad_token.to(lse_coef.dtype)
         lse_coef = lse_coef - grad_token
+    if state.support_probs is not None:  # the tail bucket: the teacher's ids get their whole gradient written
+        width = values.shape[1]
+        own = state.support_lse_coef * grad_loss
+        if grad_token is not None:
+            own = own - grad_token
+        values = values + own.unsqueeze(1) * state.support_probs
+        token = LocalSupport(state.support.local_index[:, width:], state.support.in_shard[:, width:])
+        then = None if grad_token is None else SparseGrad.of(token, grad_token.unsqueeze(1) / temperature,
+                                                             state.vocab_size_local)
+        return lse_coef / temperature, SparseGrad.of(state.support.columns(width), values / temperature,
+                                                     state.vocab_size_local, replace=True, then=then)
+    if grad_token is not None:
         values = torch.cat([values, grad_token.unsqueeze(1)], dim=1)
     return lse_coef / temperature, SparseGrad.of(state.support, values / temperature, state.vocab_size_local)
 
@@ -215,7 +241,8 @@ class _VocabParallelDistill(torch.autograd.Function):
     the same pass); exact analytic backward, no autograd through comms."""
 
     @staticmethod
-    def forward(ctx, logits, teacher, layout, divergence_name, options, temperature, diagnostics, token_ids):
+    def forward(ctx, logits, teacher, layout, divergence_name, options, temperature, diagnostics, token_ids,
+                tail_bucket):
         dtype = compute_dtype(logits.dtype)
         ids, valid = teacher.ids, teacher.valid
         if token_ids is not None:  # the sampled token: one more support column, gathered with the teacher's
@@ -223,11 +250,18 @@ class _VocabParallelDistill(torch.autograd.Function):
             valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
         support = LocalSupport.of(ids, valid, layout)
         local_support_logits = support.gather(logits, dtype) / temperature
-        local_lse = local_logsumexp(logits[:, : layout.tokens_local], temperature, dtype)
-        student_lse, support_logits = combine_shards(local_lse, local_support_logits, layout)
         width = teacher.ids.shape[1]
+        tokens = logits[:, : layout.tokens_local]
+        if tail_bucket:  # the mass outside the teacher's ids, from which the log-partition follows (.tail)
+            local_lse = complement_logsumexp(tokens, support.columns(width), temperature, dtype)
+        else:
+            local_lse = local_logsumexp(tokens, temperature, dtype)
+        student_lse, support_logits = combine_shards(local_lse, local_support_logits, layout)
+        student_tail = None
+        if tail_bucket:
+            student_lse, student_tail = split_partition(student_lse, support_logits[:, :width], teacher.valid)
         state, loss, metrics = evaluate_divergence(
-            student_lse, support_logits[:, :width], teacher, support, layout, divergence_name, options
+            student_lse, support_logits[:, :width], teacher, support, layout, divergence_name, options, student_tail
         )
         token_logprobs = support_logits[:, width] - student_lse if token_ids is not None else logits.new_empty(0)
         overlap = topk_overlap(logits, teacher, layout) if diagnostics else logits.new_empty(0, dtype=dtype)
@@ -245,7 +279,7 @@ class _VocabParallelDistill(torch.autograd.Function):
                                               grad_token if ctx.with_tokens else None)
         grad = logits_grad(logits, ctx.state.student_lse, dense_scale, sparse, ctx.temperature, ctx.dtype,
                            ctx.tokens_local)
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None
 
 
 def split_options(loss_type: str, options: dict[str, Any], common: tuple[str, ...]) -> tuple[Any, dict]:
@@ -291,7 +325,9 @@ def vocab_parallel_distill_loss(
             past it are padding rows of the table, with no probability and no gradient (the student's
             distribution is the softmax over the tokens), and a teacher id there is refused, and ``token_ids``
             (``[N]`` or ``[s, b]``, default None): one token per row whose log-prob ``log softmax(logits / T)[y]``
-            is also returned, from the same pass over the shard (the policy-gradient term's sampled tokens).
+            is also returned, from the same pass over the shard (the policy-gradient term's sampled tokens), and
+            ``tail_bucket`` (bool, default False): the divergence is over ``K+1`` outcomes, the teacher's ids and the
+            mass outside them on both sides (:mod:`megatron_gkd.losses.tail`; not with ``tcad``).
 
     Returns:
         ``(per_token_loss, metrics)``: the loss ``[N]`` (or ``[s, b]``) in fp32 (fp64 for fp64
@@ -301,9 +337,14 @@ def vocab_parallel_distill_loss(
         padding have loss 0 and gradient 0.
 
     Raises:
-        ValueError: unknown ``loss_type`` or option, bad temperature, malformed teacher tensors.
+        ValueError: unknown ``loss_type`` or option, bad temperature, malformed teacher tensors, ``tail_bucket`` with
+            ``tcad``.
     """
-    divergence_options, own = split_options(loss_type, options, ("diagnostics", "real_vocab_size", "token_ids"))
+    divergence_options, own = split_options(loss_type, options, ("diagnostics", "real_vocab_size", "token_ids",
+                                                                 "tail_bucket"))
+    tail_bucket = bool(own.get("tail_bucket", False))
+    if tail_bucket:
+        check_tail_bucket(get_divergence(loss_type))
     temperature = check_temperature(temperature)
     vocab_local = student_logits.shape[-1]
     lead = student_logits.shape[:-1]
@@ -317,7 +358,7 @@ def vocab_parallel_distill_loss(
     if token_ids is not None:
         token_ids = check_token_ids(token_ids.to(logits.device), logits.shape[0], layout.tokens)
     loss, student_mass, teacher_mass, overlap, token_logprobs = _VocabParallelDistill.apply(
-        logits, teacher, layout, loss_type, divergence_options, temperature, diagnostics, token_ids
+        logits, teacher, layout, loss_type, divergence_options, temperature, diagnostics, token_ids, tail_bucket
     )
     metrics = {"student_mass": student_mass.reshape(lead), "teacher_mass": teacher_mass.reshape(lead)}
     if diagnostics:

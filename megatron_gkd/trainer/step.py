@@ -61,6 +61,7 @@ class LossSpec:
         fused: the fused output layer + loss (no logits).
         chunk_size: tokens per chunk of the fused path.
         diagnostics: also measure the top-k overlap (unfused).
+        tail_bucket: top-k rows: the divergence over the teacher's ids and the mass outside them (``loss.tail_bucket``).
         coverage_coef: tcad's coverage weight, to report the coverage term apart (derived from ``options``).
         signal: ``topk`` (teacher rows of ids and log-probs) or ``hidden`` (the teacher's hidden states: exact
             full-vocabulary divergences through the teacher's output layer, :func:`hidden_distill_loss`).
@@ -85,6 +86,7 @@ class LossSpec:
     fused: bool = False
     chunk_size: int = 1024
     diagnostics: bool = False
+    tail_bucket: bool = False
     signal: Signal = Signal.TOPK
     teacher_temperature: float = 1.0
     real_vocab_size: int | None = None
@@ -114,7 +116,7 @@ class LossSpec:
             return cls(kind=LossKind.CROSS_ENTROPY)
         signal = teacher.signal if teacher is not None else Signal.TOPK
         return cls(loss_type=loss.type, options=dict(loss.options), temperature=loss.temperature, fused=loss.fused,
-                   chunk_size=loss.chunk_size, diagnostics=loss.diagnostics, signal=signal,
+                   chunk_size=loss.chunk_size, diagnostics=loss.diagnostics, tail_bucket=loss.tail_bucket, signal=signal,
                    teacher_temperature=teacher.temperature if teacher is not None else 1.0,
                    real_vocab_size=real_vocab_size, projection=projection,
                    teacher_top_k=teacher.top_k if projection is not None else None,
@@ -406,13 +408,15 @@ class StepRunner:
             per_token, metrics = fused_vocab_parallel_distill_loss(
                 output, captured.weight, share.ids, share.logprobs, loss_type=spec.loss_type, tp_group=tp_group,
                 temperature=spec.temperature, chunk_size=spec.chunk_size, real_vocab_size=spec.real_vocab_size,
-                all_reduce_hidden_grad=not captured.sequence_parallel, **riding, **spec.options)
+                all_reduce_hidden_grad=not captured.sequence_parallel, tail_bucket=spec.tail_bucket, **riding,
+                **spec.options)
         else:  # logits [s, b, V/tp] as the output layer made them; teacher rows and results [b, s]
             riding = {} if token_ids is None else {"token_ids": token_ids.transpose(0, 1)}
             per_token, metrics = vocab_parallel_distill_loss(
                 captured.logits, share.ids.transpose(0, 1), share.logprobs.transpose(0, 1),
                 loss_type=spec.loss_type, tp_group=tp_group, temperature=spec.temperature,
-                diagnostics=spec.diagnostics, real_vocab_size=spec.real_vocab_size, **riding, **spec.options)
+                diagnostics=spec.diagnostics, real_vocab_size=spec.real_vocab_size, tail_bucket=spec.tail_bucket,
+                **riding, **spec.options)
             per_token = per_token.transpose(0, 1)
             metrics = {key: value.transpose(0, 1) for key, value in metrics.items()}
         sampled = metrics.pop("token_logprobs", None)
