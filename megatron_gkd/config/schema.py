@@ -27,7 +27,7 @@ from megatron_gkd.losses import PolicyGradientOptions, get_divergence
 from megatron_gkd.losses.advantages import get_advantage_estimator, get_aggregation
 from megatron_gkd.losses.combinations import get_combination
 from megatron_gkd.losses.registry import Divergence
-from megatron_gkd.losses.sampled_kl import KL_ESTIMATORS
+from megatron_gkd.losses.sampled_kl import KL_ESTIMATORS, check_advantage_estimator
 from megatron_gkd.parallel.state import ParallelConfig
 from megatron_gkd.platform.npu import MindSpeedConfig
 from megatron_gkd.registry import Choice
@@ -232,7 +232,8 @@ class RLConfig:
     """How the per-token policy-gradient loss is averaged: ``token_mean``, ``sequence_mean`` or ``group_constant``
     (divides by ``rollout.max_tokens``)."""
     kl_estimator: str = "k1"
-    """The per-token estimate of ``KL(student || teacher)`` in the advantage: ``k1`` or ``k3``."""
+    """The per-token estimate of ``KL(student || teacher)`` in the advantage: ``k1`` (``k3``, unbiased for the KL's
+    value, is refused there: its gradient as an advantage is biased, :mod:`megatron_gkd.losses.sampled_kl`)."""
     clip_low: float = 0.2
     """PPO's ratio clip below (``1 - clip_low``). One update per rollout keeps the ratio at 1 unless ``tis_cap``."""
     clip_high: float = 0.2
@@ -252,6 +253,8 @@ class RLConfig:
         get_advantage_estimator(self.advantage)
         get_aggregation(self.aggregation)
         KL_ESTIMATORS.get(self.kl_estimator)
+        if self.combine is not None and self.combination.teacher_in_advantage:
+            check_advantage_estimator(self.kl_estimator, self.combine)
         try:
             PolicyGradientOptions.of(self.options)
         except ValueError as error:

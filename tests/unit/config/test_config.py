@@ -61,6 +61,9 @@ BAD = [
     (["rl.combine=teacher", "rl.tis_cap=2", "rollout.temperature=0.7"], None, "set rollout.temperature=1 or rl.tis_cap"),
     (["rl.clip_low=1.0"], None, "rl.clip_low=1.0 must lie in [0, 1)"),
     (["rl.kl_estimator=k2"], None, "rl.kl_estimator='k2'"),
+    # k3 as an advantage follows grad KL(s || t) - grad CE(t, s) (docs/running.md): refused, naming k1
+    (["rl.combine=teacher", "rl.kl_estimator=k3"], None, "rl.kl_estimator=k3 with rl.combine='teacher'"),
+    (["rl.combine=advantage", "reward.kind=final_answer", "rl.kl_estimator=k3"], None, "set rl.kl_estimator=k1"),
     (["rl.aggregation=token_sum"], None, "rl.aggregation='token_sum'"),
 ]
 
