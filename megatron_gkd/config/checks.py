@@ -145,7 +145,15 @@ def _check_rl(config, teachers: dict) -> None:
     rl = config.rl
     combination = rl.combination
     if combination is None:
+        if rl.num_updates > 1:
+            logger.warning("rl.ppo_epochs / rl.mini_batches have no effect without rl.combine (the divergence alone "
+                           "takes one optimizer step per batch)")
         return
+    if rl.num_updates == 1 and (rl.clip_ratio_c is not None or rl.clip_low != _default(rl, "clip_low")
+                                or rl.clip_high != _default(rl, "clip_high")):
+        logger.warning("rl.clip_low / rl.clip_high / rl.clip_ratio_c have no effect with one update per batch "
+                       "(rl.ppo_epochs=1, rl.mini_batches=1): the ratio pi / pi_old is 1; raise rl.ppo_epochs or "
+                       "rl.mini_batches for the clip to act")
     if not config.trainer.run_mode.samples:
         _fail(f"rl.combine={rl.combine!r} trains on the student's own samples with their rewards, which only "
               f"trainer.mode=on_policy has (it is {config.trainer.mode}); set trainer.mode=on_policy or rl.combine=null")

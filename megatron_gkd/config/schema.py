@@ -235,7 +235,9 @@ class RLConfig:
     """The per-token estimate of ``KL(student || teacher)`` in the advantage: ``k1`` (``k3``, unbiased for the KL's
     value, is refused there: its gradient as an advantage is biased, :mod:`megatron_gkd.losses.sampled_kl`)."""
     clip_low: float = 0.2
-    """PPO's ratio clip below (``1 - clip_low``). One update per rollout keeps the ratio at 1 unless ``tis_cap``."""
+    """PPO's ratio clip below (``1 - clip_low``). The ratio is ``pi / pi_old``, ``pi_old`` the trainer's log-probs of the
+    samples before the batch's first update: with one update per batch (``ppo_epochs = mini_batches = 1``) it is 1 and
+    the clip is inert; with several it acts from the second update on."""
     clip_high: float = 0.2
     """PPO's ratio clip above (``1 + clip_high``)."""
     clip_ratio_c: float | None = None
@@ -246,6 +248,15 @@ class RLConfig:
     log-probs). Null: off; the mismatch is still logged (``mismatch/*``)."""
     advantage_eps: float = 1e-6
     """Added to the group's standard deviation (``grpo``)."""
+    ppo_epochs: int = 1
+    """Passes over each batch (PPO's epochs), each of ``mini_batches`` optimizer steps. With more than one update per
+    batch the trainer first records the sampled tokens' log-probs (``pi_old``: a forward pass without gradients, as
+    verl's and NeMo-RL's actors do), the ratio of every update is taken against them and the advantages (the
+    teacher's ``k(y_t)`` included) stay those of ``pi_old``. The learning-rate schedule steps once per batch."""
+    mini_batches: int = 1
+    """Optimizer steps per pass: the batch's micro-batches on each rank in this many consecutive groups (each rank
+    needs at least as many micro-batches); a group's gradient is scaled by ``mini_batches``, so that it weighs as a
+    whole batch's."""
 
     def __post_init__(self):
         if self.combine is not None:
@@ -263,6 +274,9 @@ class RLConfig:
             raise ValueError(f"rl.kd_coef={self.kd_coef} must be a finite number >= 0")
         if not self.advantage_eps >= 0:
             raise ValueError(f"rl.advantage_eps={self.advantage_eps} must be >= 0")
+        for key in ("ppo_epochs", "mini_batches"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"rl.{key}={getattr(self, key)} must be >= 1 (1: one update per batch)")
 
     @property
     def enabled(self) -> bool:
@@ -273,6 +287,11 @@ class RLConfig:
     def combination(self):
         """The :class:`~megatron_gkd.losses.combinations.Combination` of ``combine`` (None without one)."""
         return get_combination(self.combine) if self.combine is not None else None
+
+    @property
+    def num_updates(self) -> int:
+        """Optimizer steps per batch (``ppo_epochs x mini_batches``)."""
+        return self.ppo_epochs * self.mini_batches
 
     @property
     def options(self) -> dict:

@@ -257,16 +257,19 @@ class PolicyShare:
 class PolicySlice:
     """The policy-gradient term's tensors in a micro-batch, ``[b, s]`` at the positions that predict each response
     token: the reward ``advantages`` (float64), the tokens' ``coefficients`` (float64) and the teacher's
-    ``teacher_logprobs`` (float32, or None). The sampled tokens and the rollout engine's log-probs are the
-    micro-batch's :class:`SampledSlice`."""
+    ``teacher_logprobs`` (float32, or None), and ``old_logprobs``: the trainer's log-probs of the sampled tokens
+    before the batch's first update, which the step records when it makes several (``rl.ppo_epochs``,
+    ``rl.mini_batches``; None: one update, the ratio is 1). The sampled tokens and the rollout engine's log-probs are
+    the micro-batch's :class:`SampledSlice`."""
 
     advantages: torch.Tensor
     coefficients: torch.Tensor
     teacher_logprobs: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "PolicySlice":
         return PolicySlice(*(None if t is None else t.to(device) for t in (
-            self.advantages, self.coefficients, self.teacher_logprobs)))
+            self.advantages, self.coefficients, self.teacher_logprobs, self.old_logprobs)))
 
 
 def _policy_slice(share: PolicyShare, samples: Sequence[Sample], shape: tuple[int, int]) -> PolicySlice:

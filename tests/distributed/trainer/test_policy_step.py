@@ -224,3 +224,103 @@ def test_expert_parallel_equals_one_rank(moe_checkpoint):
                 assert stats[name] == pytest.approx(reference[name], rel=1e-5, abs=1e-7), (what, name)
             _close(output, reference_output, f"{what} output layer")
             _close(embedding, reference_embedding, f"{what} embedding")
+
+
+# The clip under staleness (issue #46): two updates of one batch (two PPO epochs, or two mini-batches), the second
+# against the log-probs the trainer recorded before the first. With SGD at this rate and this narrow range a second
+# epoch finds about half of the tokens clipped (ratios from 0.8 to 2.5: both sides, and the dual clip on negative
+# advantages), the other half not.
+CLIP = dict(clip_low=0.05, clip_high=0.05, clip_ratio_c=1.1)
+CLIP_LR = 1e-3
+
+
+def _clip_body(checkpoint: str, fused: bool, epochs: int, mini_batches: int, lr: float = CLIP_LR):
+    """Trains one batch of two micro-batches with ``rl.ppo_epochs=epochs``, ``rl.mini_batches=mini_batches``; at each
+    optimizer step records the output layer's gradient and the final hidden states and output weight it was taken at.
+    Returns the step's statistics, the micro-batches and the records."""
+    from megatron.core import parallel_state as mpu
+
+    from megatron_gkd import parallel
+    from megatron_gkd.config.schema import RLConfig
+    from megatron_gkd.models import load_hf, unwrap
+    from megatron_gkd.trainer.batch import build_microbatch, teacher_rows, token_coefficients
+    from megatron_gkd.trainer.optim import OptimizerConfig, build_optimizer, wrap_for_training
+    from megatron_gkd.trainer.policy import policy_share
+    from megatron_gkd.trainer.step import LossSpec, PolicySpec, StepRunner, capture_output_layer
+
+    state = parallel.initialize()
+    parallel.seed(0)
+    optim = OptimizerConfig(optimizer="sgd", lr=lr, clip_grad=0.0)
+    chunks = wrap_for_training(load_hf(checkpoint), optim)
+    optimizer = build_optimizer(optim, chunks)
+    rl = RLConfig(combine="advantage", kd_coef=KD_COEF, advantage="grpo", aggregation="token_mean",
+                  ppo_epochs=epochs, mini_batches=mini_batches, **CLIP)
+    policy = PolicySpec.from_config(types.SimpleNamespace(rl=rl, rollout=types.SimpleNamespace(temperature=1.0),
+                                                          loss=types.SimpleNamespace(fused=fused, chunk_size=5)),
+                                    REAL_VOCAB)
+    runner = StepRunner(chunks, optimizer, types.SimpleNamespace(step=lambda increment: None), tp_group=state.tp_group,
+                        dp_group=mpu.get_data_parallel_group_gloo(), dp_size=1, is_last_stage=True, policy=policy)
+    samples, rewards, outputs = _batch()
+    num_tokens = sum(s.response_len for s in samples)
+    rows = teacher_rows(outputs, samples)
+    coefficients = token_coefficients(samples, total_tokens=num_tokens, num_groups=NUM_GROUPS)
+    config = types.SimpleNamespace(rl=rl, rollout=types.SimpleNamespace(max_tokens=8))
+    share = policy_share(config, samples, torch.tensor(rewards), {"teacher": (list(range(len(samples))), rows)},
+                         {"teacher": 1.0}, num_tokens=num_tokens, num_sequences=len(samples))
+    microbatches = [build_microbatch([samples[i] for i in mb], [coefficients[i] for i in mb], policy=share.take(mb),
+                                     version=0, sampled=(0, False)) for mb in ([0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11])]
+    gpt = unwrap(chunks[0])
+    records, step = [], optimizer.step
+
+    def recording_step():
+        with torch.no_grad(), capture_output_layer(chunks[0], state.tp_group) as captured:
+            hidden = [chunks[0](mb.tokens, mb.position_ids, attention_mask=None) for mb in microbatches]
+        records.append((gpt.output_layer.weight.main_grad.clone(), [h.double() for h in hidden],
+                        captured.weight.detach().double().clone()))
+        return step()
+
+    optimizer.step = recording_step
+    stats, _ = runner.train_step(LossSpec(loss_type="forward_kl", fused=fused, chunk_size=5,
+                                          real_vocab_size=REAL_VOCAB), microbatches)
+    parallel.destroy()
+    return stats, [(mb.tokens, mb.policy, mb.sampled, mb.loss_mask) for mb in microbatches], records
+
+
+# A mini-batch moves the other's tokens less than its own: a larger step.
+@pytest.mark.parametrize("fused, epochs, mini_batches, lr", [(False, 2, 1, CLIP_LR), (True, 2, 1, CLIP_LR),
+                                                             (False, 1, 2, 10 * CLIP_LR)])
+def test_a_second_update_is_clipped_as_the_float64_reference_says(checkpoint, fused, epochs, mini_batches, lr):
+    from megatron_gkd.losses.reference import reference_policy_gradient_loss, reference_token_logprobs
+
+    (stats, microbatches, records), = run_distributed(_clip_body, 1, args=(checkpoint, fused, epochs, mini_batches,
+                                                                                  lr))
+    assert len(records) == 2  # two optimizer steps on one batch
+
+    def per_token(hidden, weight):  # the float64 logits of each micro-batch's loss positions, flattened
+        return [((h @ weight.t())[mask], sampled.token_ids[mask], policy, mask)
+                for h, (_, policy, sampled, mask) in zip(hidden, microbatches)]
+
+    first = per_token(records[0][1], records[0][2])
+    old = [reference_token_logprobs(logits, ids, real_vocab_size=REAL_VOCAB) for logits, ids, _, _ in first]
+    clipped = 0
+    for update, (grad, hidden, weight) in enumerate(records):
+        weight = weight.clone().requires_grad_()
+        total = 0.0
+        for index, ((logits, ids, policy, mask), old_logprobs) in enumerate(zip(per_token(hidden, weight), old)):
+            if mini_batches > 1 and index != update:  # a mini-batch (one micro-batch here) per update
+                continue
+            # the advantage is fixed over the epochs: the teacher's k1 at the log-probs recorded before the first
+            advantages = policy.advantages[mask] - KD_COEF * (old_logprobs - policy.teacher_logprobs[mask].double())
+            loss = reference_policy_gradient_loss(logits, ids, advantages, old_logprobs, real_vocab_size=REAL_VOCAB,
+                                                  **CLIP)
+            total = total + mini_batches * (loss * policy.coefficients[mask]).sum()  # a mini-batch weighs as a batch
+            ratio = torch.exp(reference_token_logprobs(logits, ids, real_vocab_size=REAL_VOCAB) - old_logprobs)
+            clipped += int(((ratio - 1).abs() > CLIP["clip_low"]).sum())
+        (expected,) = torch.autograd.grad(total, weight)
+        _close(grad, expected.float(), f"fused={fused} epochs={epochs} mini_batches={mini_batches} update {update}")
+    assert clipped > 0, (stats["pg/ratio_min"], stats["pg/ratio_max"])  # the second update moved tokens out of the range
+    # figures: the mean over the epochs (each covers the batch once), the extremes over every update
+    assert stats["pg/clipped"] > 0 and (stats["pg/ratio_max"] > 1 + CLIP["clip_high"]
+                                        or stats["pg/ratio_min"] < 1 - CLIP["clip_low"])
+    assert stats["pg/ratio_min"] <= 1.0 <= stats["pg/ratio_max"]
+    assert stats["pg/ratio"] != pytest.approx(stats["pg/tokens"], rel=1e-9)

@@ -11,6 +11,7 @@ from megatron_gkd.losses.combinations import get_combination, token_advantages
 from megatron_gkd.trainer.batch import PolicyShare, Sample, TeacherRows, build_microbatch
 from megatron_gkd.trainer.metrics import loss_metrics
 from megatron_gkd.trainer.policy import policy_share, sample_advantages, teacher_token_logprobs
+from megatron_gkd.trainer.step import PolicySpec, StepRunner
 
 
 def _sample(group, prompt, response, logprobs=None):
@@ -91,8 +92,32 @@ def test_policy_metrics_are_per_token_means_and_the_mismatch_s_extremes():
     assert metrics["mismatch/kl_k1"] == 0.1 and metrics["mismatch/kl_k3"] == 0.05
     assert metrics["mismatch/max_ratio"] == 1.3 and metrics["mismatch/max_inverse_ratio"] == 1.1
     assert "pg/loss" not in loss_metrics({"loss": 1.0, "tokens": 2.0})  # distillation alone: no pg figures
+    ratios = loss_metrics({**stats, "pg/ratio": 4.4, "pg/ratio_min": 0.7, "pg/ratio_max": 1.6})
+    assert ratios["pg/ratio_mean"] == pytest.approx(1.1) and ratios["pg/ratio_min"] == 0.7
+    assert ratios["pg/ratio_max"] == 1.6
 
 
 def test_a_share_of_reward_advantages_only_reads_no_teacher():
     share = PolicyShare([1.0], [torch.ones(2)])
     assert share.take([0]).teacher_logprobs is None
+
+
+def test_several_updates_cut_the_micro_batches_and_merge_their_figures():
+    def runner(epochs, mini_batches):
+        return types.SimpleNamespace(policy=PolicySpec(combination=get_combination("teacher"), ppo_epochs=epochs,
+                                                       mini_batches=mini_batches))
+
+    microbatches = list("abcde")
+    assert StepRunner._updates(runner(1, 1), microbatches) == [microbatches]
+    assert StepRunner._updates(types.SimpleNamespace(policy=None), microbatches) == [microbatches]
+    assert StepRunner._updates(runner(2, 2), microbatches) == [list("ab"), list("cde"), list("ab"), list("cde")]
+    with pytest.raises(ValueError, match="rl.mini_batches=6 .* this rank has 5 micro-batches"):
+        StepRunner._updates(runner(1, 6), microbatches)
+    updates = [{"loss": 1.0, "pg/tokens": 4.0, "pg/ratio_max": 1.0, "pg/ratio_min": 1.0},
+               {"loss": 3.0, "pg/tokens": 4.0, "pg/ratio_max": 1.3, "pg/ratio_min": 0.6}]
+    recorded = {"mismatch/k1": 0.5, "engine/abs": 0.25}
+    merged = StepRunner._merge(runner(2, 1), updates, recorded)
+    # sums: the mean over the epochs; extremes: over every update; the engine's figures: the recording pass's
+    assert merged == {"loss": 2.0, "pg/tokens": 4.0, "pg/ratio_max": 1.3, "pg/ratio_min": 0.6, "mismatch/k1": 0.5,
+                      "engine/abs": 0.25}
+    assert StepRunner._merge(runner(2, 1), [None, None], None) is None  # not the last pipeline stage
