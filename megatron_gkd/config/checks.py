@@ -176,6 +176,15 @@ def _check_rl(config, teachers: dict) -> None:
                 _fail(f"rl.combine={rl.combine!r} reads the teacher's log-prob of each sampled token, which "
                       f"{teacher_key(config, name)}.client={teacher.client!r} does not return: use rl.combine=loss "
                       "(the divergence over its rows) or a client that returns token log-probs (zmq, openai)")
+    if rl.teacher_baseline and not combination.teacher_in_advantage:
+        logger.warning("rl.teacher_baseline has no effect with rl.combine=%s (the teacher is not in the advantage)",
+                       rl.combine)
+    elif rl.teacher_baseline and config.rollout.temperature != 1.0:
+        _fail(f"rl.teacher_baseline reads k1 from the rollout engine's raw (temperature 1) log-probs, but "
+              f"rollout.temperature={config.rollout.temperature}: set rollout.temperature=1 or rl.teacher_baseline=false")
+    elif rl.teacher_baseline and config.rollout.n < 2:
+        _fail("rl.teacher_baseline is the mean k1 of the other samples of a prompt, but rollout.n=1 gives none: set "
+              "rollout.n >= 2 or rl.teacher_baseline=false")
     if rl.tis_cap is not None and config.rollout.temperature != 1.0:
         _fail(f"rl.tis_cap weighs by pi_train / pi_rollout with the rollout engine's raw (temperature 1) log-probs, "
               f"but rollout.temperature={config.rollout.temperature}: set rollout.temperature=1 or rl.tis_cap=null")

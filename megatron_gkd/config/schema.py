@@ -248,6 +248,11 @@ class RLConfig:
     log-probs). Null: off; the mismatch is still logged (``mismatch/*``)."""
     advantage_eps: float = 1e-6
     """Added to the group's standard deviation (``grpo``)."""
+    teacher_baseline: bool = False
+    """The advantage forms: each token's ``k1`` less a baseline, the mean ``k1`` of the other samples of its prompt group
+    at the same position (0 where none reaches it), from the sampler's log-probs (needs ``rollout.temperature=1`` and
+    ``rollout.n >= 2``): ``A_t = A_reward - kd_coef x (k1(y_t) - b_t)``. The others' samples do not depend on this
+    token, so the expected gradient is unchanged; the variance falls where ``k1`` is large at every position."""
     ppo_epochs: int = 1
     """Passes over each batch (PPO's epochs), each of ``mini_batches`` optimizer steps. With more than one update per
     batch the trainer first records the sampled tokens' log-probs (``pi_old``: a forward pass without gradients, as

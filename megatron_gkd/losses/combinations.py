@@ -19,7 +19,8 @@ name           per-token loss                                               rewa
 =============  ===========================================================  ==========  =========================
 
 ``pg(A)`` is :func:`~megatron_gkd.losses.policy_gradient.policy_gradient_terms`; the KL estimate is an advantage,
-so it is computed from detached log-probs and carries no gradient of its own.
+so it is computed from detached log-probs and carries no gradient of its own. A baseline ``b_t`` independent of the
+token (``rl.teacher_baseline``: the other samples' ``k1`` at its position) may be subtracted from ``k(y_t)``.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def token_advantages(
     *,
     kd_coef: float,
     estimator: str = "k1",
+    teacher_baseline: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each token's advantage under ``combination`` (see the module docstring), and the teacher's KL estimate.
 
@@ -86,6 +88,7 @@ def token_advantages(
             advantage.
         kd_coef: the teacher's weight ``c``.
         estimator: ``k1`` (``k3`` is refused where the teacher is in the advantage: its gradient is biased there).
+        teacher_baseline: same shape, subtracted from the estimate in the advantage (``rl.teacher_baseline``), or None.
 
     Returns:
         ``(advantages, kl)``: advantages in the dtype of ``student_logprobs``, detached; ``kl`` the per-token estimate
@@ -102,4 +105,5 @@ def token_advantages(
         raise ValueError(f"rl.combine={combination.name!r} needs the teacher's log-prob of each sampled token")
     check_advantage_estimator(estimator, combination.name)
     kl = reverse_kl_estimate(student_logprobs.detach(), teacher_logprobs.to(dtype), estimator).detach()
-    return (base - kd_coef * kl).detach(), kl
+    signal = kl if teacher_baseline is None else kl - teacher_baseline.to(dtype)
+    return (base - kd_coef * signal).detach(), kl

@@ -555,7 +555,8 @@ class StepRunner:
                                                                     logprobs.detach())
         advantages, kl = token_advantages(spec.combination, policy.advantages,
                                           logprobs.detach() if old is None else old, policy.teacher_logprobs,
-                                          kd_coef=spec.kd_coef, estimator=spec.estimator)
+                                          kd_coef=spec.kd_coef, estimator=spec.estimator,
+                                          teacher_baseline=policy.teacher_baseline)
         options = PolicyGradientOptions.of(spec.options)
         behaviour = behaviour.to(logprobs.dtype) if options.tis_cap is not None else None
         per_token, metrics = policy_gradient_from_logprobs(logprobs, torch.where(mask, advantages, 0.0), old,

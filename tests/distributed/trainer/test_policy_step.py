@@ -45,16 +45,18 @@ def _batch():
     return samples, rewards, outputs
 
 
-def _config(combine: str, tis_cap=None):
+def _config(combine: str, tis_cap=None, baseline=False):
     from megatron_gkd.config.schema import RLConfig
 
     return types.SimpleNamespace(rl=RLConfig(combine=combine, kd_coef=KD_COEF, advantage="grpo",
-                                             aggregation="sequence_mean", kl_estimator="k1", tis_cap=tis_cap),
+                                             aggregation="sequence_mean", kl_estimator="k1", tis_cap=tis_cap,
+                                             teacher_baseline=baseline),
                                  rollout=types.SimpleNamespace(max_tokens=8))
 
 
-CASES = [("loss", False, None), ("loss", True, None), ("advantage", False, 2.0), ("advantage", True, None),
-         ("teacher", False, None)]
+# (combine, fused, tis_cap, rl.teacher_baseline)
+CASES = [("loss", False, None, False), ("loss", True, None, False), ("advantage", False, 2.0, False),
+         ("advantage", True, None, False), ("teacher", False, None, False), ("teacher", True, None, True)]
 
 
 def _body(checkpoint: str, layout: dict, cuts: tuple):
@@ -87,8 +89,8 @@ def _body(checkpoint: str, layout: dict, cuts: tuple):
     coefficients = token_coefficients(samples, total_tokens=num_tokens, num_groups=NUM_GROUPS)
     gpt = unwrap(chunks[0])
     results = {}
-    for combine, fused, tis_cap in CASES:
-        config = _config(combine, tis_cap)
+    for combine, fused, tis_cap, baseline in CASES:
+        config = _config(combine, tis_cap, baseline)
         share = policy_share(config, samples, rewards, {"teacher": (list(range(len(samples))), rows)}, {"teacher": 1.0},
                              num_tokens=num_tokens, num_sequences=num_sequences)
         teachers = [TeacherShare("teacher", rows.split(lengths), [c * KD_COEF for c in coefficients])] \
@@ -141,6 +143,20 @@ def _grpo(rewards: np.ndarray) -> np.ndarray:
     return ((table - table.mean(1, keepdims=True)) / (table.std(1, ddof=1, keepdims=True) + 1e-6)).reshape(-1)
 
 
+def _baseline_sum(samples) -> float:
+    """The teacher baseline summed over every token, by hand: for each token the mean k1 (sampler's log-prob less the
+    teacher's) of the other samples of its group that reach its position."""
+    _, _, outputs = _batch()
+    k1 = [s.logprobs.double() - torch.from_numpy(o.token_logprobs).double() for s, o in zip(samples, outputs)]
+    total = 0.0
+    for i, sample in enumerate(samples):
+        for t in range(sample.response_len):
+            others = [k1[j][t] for j, other in enumerate(samples)
+                      if j != i and other.group == sample.group and other.response_len > t]
+            total += float(sum(others) / len(others)) if others else 0.0
+    return total
+
+
 def test_the_step_figures_are_the_batch_s(single):
     samples, rewards, _ = _batch()
     advantages = _grpo(rewards)
@@ -148,9 +164,12 @@ def test_the_step_figures_are_the_batch_s(single):
         tokens = sum(s.response_len for s in samples)
         assert stats["pg/tokens"] == tokens
         if combine == "teacher":
-            # reward 0: the advantage is -kd_coef x k1 of the teacher (k1's sign is the sampled tokens': no bound)
+            # reward 0: the advantage is -kd_coef x k1 of the teacher (k1's sign is the sampled tokens': no bound),
+            # less the baseline (the fused case): the other samples' k1 at each position
             assert stats["pg/teacher_kl"] != 0
-            assert stats["pg/advantage"] == pytest.approx(-KD_COEF * stats["pg/teacher_kl"], rel=1e-5)
+            baseline = _baseline_sum(samples) if _fused else 0.0
+            assert baseline != 0 or not _fused
+            assert stats["pg/advantage"] == pytest.approx(-KD_COEF * (stats["pg/teacher_kl"] - baseline), rel=1e-5)
             continue
         # sequence_mean: each response's tokens weigh 1 / (S R_i); at ratio 1 the loss is -sum(coefficient x A)
         expected = -sum(a for a in advantages) / len(samples)
@@ -170,8 +189,8 @@ def test_the_step_figures_are_the_batch_s(single):
 def test_cut_fused_and_unfused_agree(single):
     for (combine, fused, cut), (stats, output, embedding) in single.items():
         reference, reference_output, reference_embedding = single[(combine, False, "one")]
-        if combine == "advantage" and fused != False:  # noqa: E712 - the unfused case has tis_cap, the fused not
-            continue
+        if combine != "loss" and fused != False:  # noqa: E712 - the unfused case has tis_cap (advantage), the fused
+            continue  # case the teacher baseline (teacher)
         for key in ("loss", "pg/loss", "pg/advantage"):
             assert stats[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), (combine, fused, cut, key)
         _close(output, reference_output, f"{combine} fused={fused} {cut} output layer")

@@ -121,3 +121,28 @@ def test_several_updates_cut_the_micro_batches_and_merge_their_figures():
     assert merged == {"loss": 2.0, "pg/tokens": 4.0, "pg/ratio_max": 1.3, "pg/ratio_min": 0.6, "mismatch/k1": 0.5,
                       "engine/abs": 0.25}
     assert StepRunner._merge(runner(2, 1), [None, None], None) is None  # not the last pipeline stage
+
+
+def test_the_teacher_baseline_is_the_other_samples_k1_at_each_position():
+    # a group of three (k1 from the sampler's and the teacher's log-probs) and a group of one
+    samples = [_sample(0, [5], [1, 2, 3], [-1.0, -1.0, -1.0]), _sample(0, [5], [1, 4], [-2.0, -0.5]),
+               _sample(0, [5], [6], [-0.5]), _sample(1, [7], [1, 2], [-1.0, -1.0])]
+    teacher = torch.tensor([-2.0, -1.5, -1.0, -2.0, -2.5, -1.0, -3.0, -3.0])
+    rows = {"t": ([0, 1, 2, 3], TeacherRows(torch.zeros(8, 0, dtype=torch.int64), torch.zeros(8, 0), teacher))}
+    config = types.SimpleNamespace(rl=RLConfig(combine="teacher", teacher_baseline=True),
+                                   rollout=types.SimpleNamespace(max_tokens=4))
+    share = policy_share(config, samples, None, rows, {"t": 1.0}, num_tokens=8, num_sequences=4)
+    # k1 per sample: [1, 0.5, 0], [0, 2], [0.5], [2, 2]; leave-one-out means of the group's others at each position,
+    # 0 where no other sample reaches it
+    assert [b.tolist() for b in share.teacher_baseline] == [[0.25, 2.0, 0.0], [0.75, 0.5], [0.5], [0.0, 0.0]]
+    batch = build_microbatch(samples[:2], [torch.zeros(3), torch.zeros(2)], policy=share.take([0, 1]), version=0,
+                             sampled=(0, False))
+    assert batch.policy.teacher_baseline[1, :3].tolist() == [0.75, 0.5, 0.0]  # prompt of 1: token t at position t
+    # the advantage is -kd_coef x (k1 - baseline); the figure pg/teacher_kl stays k1
+    advantages, kl = token_advantages(get_combination("teacher"), torch.zeros(3), torch.tensor([-1.0, -1.0, -1.0]),
+                                      teacher[:3], kd_coef=2.0, teacher_baseline=share.teacher_baseline[0])
+    assert kl.tolist() == [1.0, 0.5, 0.0] and advantages.tolist() == [-1.5, 3.0, 0.0]
+    assert share.take([2]).teacher_baseline[0].tolist() == [0.5]
+    no_baseline = policy_share(types.SimpleNamespace(rl=RLConfig(combine="teacher"), rollout=config.rollout), samples,
+                               None, rows, {"t": 1.0}, num_tokens=8, num_sequences=4)
+    assert no_baseline.teacher_baseline is None
