@@ -148,6 +148,8 @@ def _check_rl(config, teachers: dict) -> None:
         if rl.num_updates > 1:
             logger.warning("rl.ppo_epochs / rl.mini_batches have no effect without rl.combine (the divergence alone "
                            "takes one optimizer step per batch)")
+        if rl.kd_coef_end is not None:
+            logger.warning("rl.kd_coef_end has no effect without rl.combine (the divergence alone is the loss)")
         return
     if rl.num_updates == 1 and (rl.clip_ratio_c is not None or rl.clip_low != _default(rl, "clip_low")
                                 or rl.clip_high != _default(rl, "clip_high")):
@@ -168,9 +170,10 @@ def _check_rl(config, teachers: dict) -> None:
         logger.warning("rl.combine=teacher trains on the teacher's signal alone: reward.kind=%r is computed and "
                        "logged (reward/*), not trained on", config.reward.kind)
     if combination.teacher_in_advantage:
-        if not combination.uses_reward and rl.kd_coef == 0:
-            _fail(f"rl.combine={rl.combine!r} with rl.kd_coef=0 trains on nothing (reward 0, the teacher weighed 0): "
-                  "set rl.kd_coef > 0, e.g. 1.0")
+        if not combination.uses_reward and 0 in (rl.kd_coef, rl.kd_coef_end):
+            key = "rl.kd_coef" if rl.kd_coef == 0 else "rl.kd_coef_end"
+            _fail(f"rl.combine={rl.combine!r} with {key}=0 trains on nothing (reward 0, the teacher weighed 0): "
+                  f"set {key} > 0, e.g. 1.0")
         for name, teacher in teachers.items():
             if not client_traits(teacher.client).token_logprobs:
                 _fail(f"rl.combine={rl.combine!r} reads the teacher's log-prob of each sampled token, which "

@@ -224,7 +224,13 @@ class RLConfig:
     kd_coef x k(y_t)``, the teacher's log-prob of the sampled token only) or ``teacher`` (reward 0, ``A_t = -kd_coef x
     k(y_t)``); null: distillation only."""
     kd_coef: float = 1.0
-    """The teacher's weight in the combination, ``>= 0``."""
+    """The teacher's weight in the combination, ``>= 0`` (at the first batch, with ``kd_coef_end``)."""
+    kd_coef_end: float | None = None
+    """KDRL's annealing: the teacher's weight moves linearly from ``kd_coef`` to this value over the first
+    ``kd_coef_steps`` batches and stays there (``kd_coef: 1``, ``kd_coef_end: 0``: distillation that anneals into
+    rewards alone); null: ``kd_coef`` throughout."""
+    kd_coef_steps: int | None = None
+    """Batches over which ``kd_coef`` reaches ``kd_coef_end``."""
     advantage: str = "grpo"
     """Advantage from each prompt's rewards: ``grpo``, ``rloo``, ``dr_grpo`` (need ``rollout.n >= 2``) or
     ``reinforce``."""
@@ -277,6 +283,14 @@ class RLConfig:
             raise ValueError(str(error).replace("option ", "rl.", 1)) from None
         if not (self.kd_coef >= 0 and math.isfinite(self.kd_coef)):
             raise ValueError(f"rl.kd_coef={self.kd_coef} must be a finite number >= 0")
+        if self.kd_coef_end is not None and not (self.kd_coef_end >= 0 and math.isfinite(self.kd_coef_end)):
+            raise ValueError(f"rl.kd_coef_end={self.kd_coef_end} must be a finite number >= 0 (or null: no schedule)")
+        if self.kd_coef_end is not None and not (self.kd_coef_steps or 0) >= 1:
+            raise ValueError(f"rl.kd_coef_end needs rl.kd_coef_steps >= 1 (the batches of the ramp), not "
+                             f"{self.kd_coef_steps}")
+        if self.kd_coef_end is None and self.kd_coef_steps is not None:
+            raise ValueError("rl.kd_coef_steps has no effect without rl.kd_coef_end: set rl.kd_coef_end (the weight "
+                             "at the end of the ramp) or rl.kd_coef_steps=null")
         if not self.advantage_eps >= 0:
             raise ValueError(f"rl.advantage_eps={self.advantage_eps} must be >= 0")
         for key in ("ppo_epochs", "mini_batches"):
@@ -292,6 +306,13 @@ class RLConfig:
     def combination(self):
         """The :class:`~megatron_gkd.losses.combinations.Combination` of ``combine`` (None without one)."""
         return get_combination(self.combine) if self.combine is not None else None
+
+    def kd_coef_at(self, step: int) -> float:
+        """The teacher's weight at batch ``step`` (0-based) under ``kd_coef_end``'s linear ramp."""
+        if self.kd_coef_end is None:
+            return self.kd_coef
+        progress = min(max(step, 0) / self.kd_coef_steps, 1.0)
+        return self.kd_coef + (self.kd_coef_end - self.kd_coef) * progress
 
     @property
     def num_updates(self) -> int:

@@ -244,18 +244,20 @@ class PolicyShare:
             combination does not read it.
         teacher_baseline: per sample ``[R_i]`` the baseline subtracted from each token's ``k1`` (``rl.teacher_baseline``),
             or None.
+        kd_coef: the teacher's weight in the advantage at this batch (``rl.kd_coef_at``).
     """
 
     advantages: Sequence[float]
     coefficients: Sequence[torch.Tensor]
     teacher_logprobs: Sequence[torch.Tensor] | None = None
     teacher_baseline: Sequence[torch.Tensor] | None = None
+    kd_coef: float = 1.0
 
     def take(self, indices: Sequence[int]) -> "PolicyShare":
         teacher, baseline = (None if values is None else [values[i] for i in indices]
                              for values in (self.teacher_logprobs, self.teacher_baseline))
         return PolicyShare([self.advantages[i] for i in indices], [self.coefficients[i] for i in indices], teacher,
-                           baseline)
+                           baseline, self.kd_coef)
 
 
 @dataclasses.dataclass(slots=True)
@@ -264,19 +266,21 @@ class PolicySlice:
     token: the reward ``advantages`` (float64), the tokens' ``coefficients`` (float64) and the teacher's
     ``teacher_logprobs`` (float32, or None), and ``old_logprobs``: the trainer's log-probs of the sampled tokens
     before the batch's first update, which the step records when it makes several (``rl.ppo_epochs``,
-    ``rl.mini_batches``; None: one update, the ratio is 1), and ``teacher_baseline`` (float32, or None: the baseline
-    of each token's ``k1``, ``rl.teacher_baseline``). The sampled tokens and the rollout engine's log-probs are
-    the micro-batch's :class:`SampledSlice`."""
+    ``rl.mini_batches``; None: one update, the ratio is 1), ``teacher_baseline`` (float32, or None: the baseline
+    of each token's ``k1``, ``rl.teacher_baseline``) and ``kd_coef``, the teacher's weight in the advantage at this
+    batch. The sampled tokens and the rollout engine's log-probs are the micro-batch's :class:`SampledSlice`."""
 
     advantages: torch.Tensor
     coefficients: torch.Tensor
     teacher_logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     teacher_baseline: torch.Tensor | None = None
+    kd_coef: float = 1.0
 
     def to(self, device: torch.device) -> "PolicySlice":
         return PolicySlice(*(None if t is None else t.to(device) for t in (
-            self.advantages, self.coefficients, self.teacher_logprobs, self.old_logprobs, self.teacher_baseline)))
+            self.advantages, self.coefficients, self.teacher_logprobs, self.old_logprobs, self.teacher_baseline)),
+            kd_coef=self.kd_coef)
 
 
 def _policy_slice(share: PolicyShare, samples: Sequence[Sample], shape: tuple[int, int]) -> PolicySlice:
@@ -294,7 +298,7 @@ def _policy_slice(share: PolicyShare, samples: Sequence[Sample], shape: tuple[in
             teacher[i, start : start + length] = share.teacher_logprobs[i]
         if baseline is not None:
             baseline[i, start : start + length] = share.teacher_baseline[i]
-    return PolicySlice(advantages, coefficients, teacher, teacher_baseline=baseline)
+    return PolicySlice(advantages, coefficients, teacher, teacher_baseline=baseline, kd_coef=share.kd_coef)
 
 
 @dataclasses.dataclass(slots=True)

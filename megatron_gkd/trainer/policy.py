@@ -94,7 +94,7 @@ def teacher_baselines(samples, teacher: Sequence[torch.Tensor]) -> list[torch.Te
 
 
 def policy_share(config, samples, rewards: torch.Tensor | None, rows: dict, weights: dict[str, float], *,
-                 num_tokens: int, num_sequences: int) -> PolicyShare:
+                 num_tokens: int, num_sequences: int, step: int = 0) -> PolicyShare:
     """The policy-gradient inputs of this rank's ``samples``.
 
     Args:
@@ -104,6 +104,7 @@ def policy_share(config, samples, rewards: torch.Tensor | None, rows: dict, weig
         rows: the teachers' rows (``TeacherExchange.rows``), read where the teacher is in the advantage.
         weights: each teacher's mixture weight.
         num_tokens, num_sequences: the global batch's response tokens and responses (the aggregation's counts).
+        step: the batch's index (the teacher's weight, ``rl.kd_coef_at``).
     """
     rl = config.rl
     combination = rl.combination
@@ -115,4 +116,4 @@ def policy_share(config, samples, rewards: torch.Tensor | None, rows: dict, weig
     coefficients = aggregation_coefficients([s.response_len for s in samples], rl.aggregation, counts)
     teacher = teacher_token_logprobs(samples, rows, weights) if combination.teacher_in_advantage else None
     baseline = teacher_baselines(samples, teacher) if teacher is not None and rl.teacher_baseline else None
-    return PolicyShare(advantages, coefficients, teacher, baseline)
+    return PolicyShare(advantages, coefficients, teacher, baseline, rl.kd_coef_at(step))

@@ -138,7 +138,8 @@ class PolicySpec:
 
     Attributes:
         combination: how the reward and the teacher combine.
-        kd_coef: the teacher's weight; estimator: ``k1`` or ``k3`` (the teacher in the advantage).
+        estimator: ``k1`` (the teacher in the advantage; its weight, ``rl.kd_coef`` on its schedule, is each
+            micro-batch's ``PolicySlice.kd_coef``).
         options: :class:`~megatron_gkd.losses.PolicyGradientOptions` keywords (clipping, ``tis_cap``).
         temperature: the policy is ``softmax(logits / temperature)``, the rollout's sampling temperature.
         fused, chunk_size: the log-probs from the hidden states and the output weight, as the divergence's.
@@ -148,7 +149,6 @@ class PolicySpec:
     """
 
     combination: object
-    kd_coef: float = 1.0
     estimator: str = "k1"
     options: dict = dataclasses.field(default_factory=dict)
     temperature: float = 1.0
@@ -164,7 +164,7 @@ class PolicySpec:
         rl = config.rl
         if not rl.enabled:
             return None
-        return cls(combination=rl.combination, kd_coef=rl.kd_coef, estimator=rl.kl_estimator, options=rl.options,
+        return cls(combination=rl.combination, estimator=rl.kl_estimator, options=rl.options,
                    temperature=config.rollout.temperature, fused=config.loss.fused, chunk_size=config.loss.chunk_size,
                    real_vocab_size=real_vocab_size, ppo_epochs=rl.ppo_epochs, mini_batches=rl.mini_batches)
 
@@ -555,7 +555,7 @@ class StepRunner:
                                                                     logprobs.detach())
         advantages, kl = token_advantages(spec.combination, policy.advantages,
                                           logprobs.detach() if old is None else old, policy.teacher_logprobs,
-                                          kd_coef=spec.kd_coef, estimator=spec.estimator,
+                                          kd_coef=policy.kd_coef, estimator=spec.estimator,
                                           teacher_baseline=policy.teacher_baseline)
         options = PolicyGradientOptions.of(spec.options)
         behaviour = behaviour.to(logprobs.dtype) if options.tis_cap is not None else None

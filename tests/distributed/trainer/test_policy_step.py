@@ -95,7 +95,7 @@ def _body(checkpoint: str, layout: dict, cuts: tuple):
                              num_tokens=num_tokens, num_sequences=num_sequences)
         teachers = [TeacherShare("teacher", rows.split(lengths), [c * KD_COEF for c in coefficients])] \
             if config.rl.combination.uses_divergence else []
-        runner.policy = PolicySpec(combination=config.rl.combination, kd_coef=KD_COEF, estimator="k1",
+        runner.policy = PolicySpec(combination=config.rl.combination, estimator="k1",
                                    options=config.rl.options, fused=fused, chunk_size=5, real_vocab_size=REAL_VOCAB)
         for cut in cuts:
             plan = [list(range(len(samples)))] if cut == "one" else [[i] for i in range(len(samples))]

@@ -64,6 +64,9 @@ BAD = [
     (["rl.combine=teacher", "rl.teacher_baseline=true", "rollout.temperature=0.7"], None,
      "set rollout.temperature=1 or rl.teacher_baseline=false"),
     (["rl.combine=teacher", "rl.teacher_baseline=true", "rollout.n=1"], None, "set rollout.n >= 2"),
+    (["rl.kd_coef_end=0"], None, "rl.kd_coef_end needs rl.kd_coef_steps"),
+    (["rl.kd_coef_steps=5"], None, "rl.kd_coef_steps has no effect without rl.kd_coef_end"),
+    (["rl.combine=teacher", "rl.kd_coef_end=0", "rl.kd_coef_steps=5"], None, "trains on nothing"),
     (["rl.kl_estimator=k2"], None, "rl.kl_estimator='k2'"),
     # k3 as an advantage follows grad KL(s || t) - grad CE(t, s) (docs/running.md): refused, naming k1
     (["rl.combine=teacher", "rl.kl_estimator=k3"], None, "rl.kl_estimator=k3 with rl.combine='teacher'"),

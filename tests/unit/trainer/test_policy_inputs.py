@@ -146,3 +146,17 @@ def test_the_teacher_baseline_is_the_other_samples_k1_at_each_position():
     no_baseline = policy_share(types.SimpleNamespace(rl=RLConfig(combine="teacher"), rollout=config.rollout), samples,
                                None, rows, {"t": 1.0}, num_tokens=8, num_sequences=4)
     assert no_baseline.teacher_baseline is None
+
+
+def test_kd_coef_anneals_linearly_then_stays():
+    rl = RLConfig(combine="advantage", kd_coef=2.0, kd_coef_end=0.5, kd_coef_steps=3)
+    assert [rl.kd_coef_at(step) for step in range(5)] == [2.0, 1.5, 1.0, 0.5, 0.5]
+    assert [RLConfig(kd_coef=2.0).kd_coef_at(step) for step in (0, 100)] == [2.0, 2.0]  # no schedule: constant
+    samples = [_sample(0, [5], [1], [-1.0]), _sample(0, [5], [2], [-1.0])]
+    rows = {"t": ([0, 1], TeacherRows(torch.zeros(2, 0, dtype=torch.int64), torch.zeros(2, 0), torch.tensor([-2.0, -3.0])))}
+    config = types.SimpleNamespace(rl=RLConfig(combine="teacher", kd_coef=2.0, kd_coef_end=0.5, kd_coef_steps=3),
+                                   rollout=types.SimpleNamespace(max_tokens=4))
+    share = policy_share(config, samples, None, rows, {"t": 1.0}, num_tokens=2, num_sequences=2, step=2)
+    assert share.kd_coef == 1.0 and share.take([1]).kd_coef == 1.0
+    batch = build_microbatch(samples, [torch.zeros(1)] * 2, policy=share, version=2, sampled=(2, False))
+    assert batch.policy.kd_coef == 1.0 and batch.policy.to(torch.device("cpu")).kd_coef == 1.0
