@@ -343,3 +343,67 @@ def test_a_second_update_is_clipped_as_the_float64_reference_says(checkpoint, fu
                                         or stats["pg/ratio_min"] < 1 - CLIP["clip_low"])
     assert stats["pg/ratio_min"] <= 1.0 <= stats["pg/ratio_max"]
     assert stats["pg/ratio"] != pytest.approx(stats["pg/tokens"], rel=1e-9)
+
+
+def _updates_body(checkpoint: str, layout: dict):
+    """``rl.ppo_epochs=2``, ``rl.mini_batches=2`` on one micro-batch per sample: the step's statistics and how far it
+    moved the output layer's (last stage) and the embedding's (first stage) weights."""
+    from megatron.core import parallel_state as mpu
+
+    from megatron_gkd import parallel
+    from megatron_gkd.config.schema import RLConfig
+    from megatron_gkd.models import load_hf, unwrap
+    from megatron_gkd.trainer.batch import build_microbatch, teacher_rows, token_coefficients
+    from megatron_gkd.trainer.optim import OptimizerConfig, build_optimizer, wrap_for_training
+    from megatron_gkd.trainer.policy import policy_share
+    from megatron_gkd.trainer.step import LossSpec, PolicySpec, StepRunner
+
+    state = parallel.initialize(**layout)
+    parallel.seed(0)
+    optim = OptimizerConfig(optimizer="sgd", lr=10 * CLIP_LR, clip_grad=0.0)
+    chunks = wrap_for_training(load_hf(checkpoint), optim)
+    rl = RLConfig(combine="teacher", kd_coef=KD_COEF, aggregation="token_mean", ppo_epochs=2, mini_batches=2, **CLIP)
+    config = types.SimpleNamespace(rl=rl, rollout=types.SimpleNamespace(temperature=1.0, max_tokens=8),
+                                   loss=types.SimpleNamespace(fused=False, chunk_size=5))
+    runner = StepRunner(chunks, build_optimizer(optim, chunks), types.SimpleNamespace(step=lambda increment: None),
+                        tp_group=state.tp_group, dp_group=mpu.get_data_parallel_group_gloo(),
+                        dp_size=state.data_parallel_size, is_last_stage=state.is_pipeline_last_stage,
+                        policy=PolicySpec.from_config(config, REAL_VOCAB))
+    samples, _, outputs = _batch()
+    num_tokens = sum(s.response_len for s in samples)
+    rows = teacher_rows(outputs, samples)
+    coefficients = token_coefficients(samples, total_tokens=num_tokens, num_groups=NUM_GROUPS)
+    share = policy_share(config, samples, None, {"teacher": (list(range(len(samples))), rows)}, {"teacher": 1.0},
+                         num_tokens=num_tokens, num_sequences=len(samples))
+    last = state.is_pipeline_last_stage
+    microbatches = [build_microbatch([samples[i]], [coefficients[i]], policy=share.take([i]) if last else None,
+                                     shape=(1, 16), version=0, sampled=(0, False) if last else None)
+                    for i in range(len(samples))]
+    gpt = unwrap(chunks[0])
+
+    def weights():
+        return (gpt.output_layer.weight.detach().clone() if gpt.post_process else None,
+                gpt.embedding.word_embeddings.weight.detach().clone() if gpt.pre_process else None)
+
+    before = weights()
+    stats, _ = runner.train_step(LossSpec(loss_type="forward_kl", real_vocab_size=REAL_VOCAB), microbatches)
+    output, embedding = (None if b is None else a - b for a, b in zip(weights(), before))
+    parallel.destroy()
+    return state.tp_rank, stats, output, embedding
+
+
+@pytest.mark.parametrize("layout", ["pp2", pytest.param("tp2", marks=pytest.mark.slow)])
+def test_several_updates_do_not_depend_on_the_layout(checkpoint, layout):
+    # pi_old is recorded by a forward pass without gradients through the whole pipeline (PP) and from the logit
+    # shards (TP); each later update's ratio, clip and weights then match one rank's
+    (_, reference, reference_output, reference_embedding), = run_distributed(_updates_body, 1, args=(checkpoint, {}))
+    assert reference["pg/clipped"] > 0 and reference["pg/ratio_max"] > 1 + CLIP["clip_high"]
+    assert reference_output.abs().max() > 0 and reference_embedding.abs().max() > 0
+    for tp_rank, stats, output, embedding in run_distributed(_updates_body, 2, args=(checkpoint, LAYOUTS[layout])):
+        if output is not None:
+            for key in ("loss", "pg/loss", "pg/clipped", "pg/ratio", "pg/ratio_max", "pg/ratio_min", "mismatch/k1"):
+                assert stats[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-6), (layout, key)
+            expected = reference_output.chunk(2)[tp_rank] if layout == "tp2" else reference_output
+            _close(output, expected, f"{layout} output layer's change")
+        if embedding is not None and layout != "tp2":
+            _close(embedding, reference_embedding, f"{layout} embedding's change")
