@@ -145,7 +145,17 @@ def _check_rl(config, teachers: dict) -> None:
     rl = config.rl
     combination = rl.combination
     if combination is None:
+        if rl.num_updates > 1:
+            logger.warning("rl.ppo_epochs / rl.mini_batches have no effect without rl.combine (the divergence alone "
+                           "takes one optimizer step per batch)")
+        if rl.kd_coef_end is not None:
+            logger.warning("rl.kd_coef_end has no effect without rl.combine (the divergence alone is the loss)")
         return
+    if rl.num_updates == 1 and (rl.clip_ratio_c is not None or rl.clip_low != _default(rl, "clip_low")
+                                or rl.clip_high != _default(rl, "clip_high")):
+        logger.warning("rl.clip_low / rl.clip_high / rl.clip_ratio_c have no effect with one update per batch "
+                       "(rl.ppo_epochs=1, rl.mini_batches=1): the ratio pi / pi_old is 1; raise rl.ppo_epochs or "
+                       "rl.mini_batches for the clip to act")
     if not config.trainer.run_mode.samples:
         _fail(f"rl.combine={rl.combine!r} trains on the student's own samples with their rewards, which only "
               f"trainer.mode=on_policy has (it is {config.trainer.mode}); set trainer.mode=on_policy or rl.combine=null")
@@ -160,14 +170,24 @@ def _check_rl(config, teachers: dict) -> None:
         logger.warning("rl.combine=teacher trains on the teacher's signal alone: reward.kind=%r is computed and "
                        "logged (reward/*), not trained on", config.reward.kind)
     if combination.teacher_in_advantage:
-        if not combination.uses_reward and rl.kd_coef == 0:
-            _fail(f"rl.combine={rl.combine!r} with rl.kd_coef=0 trains on nothing (reward 0, the teacher weighed 0): "
-                  "set rl.kd_coef > 0, e.g. 1.0")
+        if not combination.uses_reward and 0 in (rl.kd_coef, rl.kd_coef_end):
+            key = "rl.kd_coef" if rl.kd_coef == 0 else "rl.kd_coef_end"
+            _fail(f"rl.combine={rl.combine!r} with {key}=0 trains on nothing (reward 0, the teacher weighed 0): "
+                  f"set {key} > 0, e.g. 1.0")
         for name, teacher in teachers.items():
             if not client_traits(teacher.client).token_logprobs:
                 _fail(f"rl.combine={rl.combine!r} reads the teacher's log-prob of each sampled token, which "
                       f"{teacher_key(config, name)}.client={teacher.client!r} does not return: use rl.combine=loss "
                       "(the divergence over its rows) or a client that returns token log-probs (zmq, openai)")
+    if rl.teacher_baseline and not combination.teacher_in_advantage:
+        logger.warning("rl.teacher_baseline has no effect with rl.combine=%s (the teacher is not in the advantage)",
+                       rl.combine)
+    elif rl.teacher_baseline and config.rollout.temperature != 1.0:
+        _fail(f"rl.teacher_baseline reads k1 from the rollout engine's raw (temperature 1) log-probs, but "
+              f"rollout.temperature={config.rollout.temperature}: set rollout.temperature=1 or rl.teacher_baseline=false")
+    elif rl.teacher_baseline and config.rollout.n < 2:
+        _fail("rl.teacher_baseline is the mean k1 of the other samples of a prompt, but rollout.n=1 gives none: set "
+              "rollout.n >= 2 or rl.teacher_baseline=false")
     if rl.tis_cap is not None and config.rollout.temperature != 1.0:
         _fail(f"rl.tis_cap weighs by pi_train / pi_rollout with the rollout engine's raw (temperature 1) log-probs, "
               f"but rollout.temperature={config.rollout.temperature}: set rollout.temperature=1 or rl.tis_cap=null")

@@ -27,7 +27,7 @@ from megatron_gkd.losses import PolicyGradientOptions, get_divergence
 from megatron_gkd.losses.advantages import get_advantage_estimator, get_aggregation
 from megatron_gkd.losses.combinations import get_combination
 from megatron_gkd.losses.registry import Divergence
-from megatron_gkd.losses.sampled_kl import KL_ESTIMATORS
+from megatron_gkd.losses.sampled_kl import KL_ESTIMATORS, check_advantage_estimator
 from megatron_gkd.parallel.state import ParallelConfig
 from megatron_gkd.platform.npu import MindSpeedConfig
 from megatron_gkd.registry import Choice
@@ -233,7 +233,13 @@ class RLConfig:
     kd_coef x k(y_t)``, the teacher's log-prob of the sampled token only) or ``teacher`` (reward 0, ``A_t = -kd_coef x
     k(y_t)``); null: distillation only."""
     kd_coef: float = 1.0
-    """The teacher's weight in the combination, ``>= 0``."""
+    """The teacher's weight in the combination, ``>= 0`` (at the first batch, with ``kd_coef_end``)."""
+    kd_coef_end: float | None = None
+    """KDRL's annealing: the teacher's weight moves linearly from ``kd_coef`` to this value over the first
+    ``kd_coef_steps`` batches and stays there (``kd_coef: 1``, ``kd_coef_end: 0``: distillation that anneals into
+    rewards alone); null: ``kd_coef`` throughout."""
+    kd_coef_steps: int | None = None
+    """Batches over which ``kd_coef`` reaches ``kd_coef_end``."""
     advantage: str = "grpo"
     """Advantage from each prompt's rewards: ``grpo``, ``rloo``, ``dr_grpo`` (need ``rollout.n >= 2``) or
     ``reinforce``."""
@@ -241,9 +247,12 @@ class RLConfig:
     """How the per-token policy-gradient loss is averaged: ``token_mean``, ``sequence_mean`` or ``group_constant``
     (divides by ``rollout.max_tokens``)."""
     kl_estimator: str = "k1"
-    """The per-token estimate of ``KL(student || teacher)`` in the advantage: ``k1`` or ``k3``."""
+    """The per-token estimate of ``KL(student || teacher)`` in the advantage: ``k1`` (``k3``, unbiased for the KL's
+    value, is refused there: its gradient as an advantage is biased, :mod:`megatron_gkd.losses.sampled_kl`)."""
     clip_low: float = 0.2
-    """PPO's ratio clip below (``1 - clip_low``). One update per rollout keeps the ratio at 1 unless ``tis_cap``."""
+    """PPO's ratio clip below (``1 - clip_low``). The ratio is ``pi / pi_old``, ``pi_old`` the trainer's log-probs of the
+    samples before the batch's first update: with one update per batch (``ppo_epochs = mini_batches = 1``) it is 1 and
+    the clip is inert; with several it acts from the second update on."""
     clip_high: float = 0.2
     """PPO's ratio clip above (``1 + clip_high``)."""
     clip_ratio_c: float | None = None
@@ -254,6 +263,20 @@ class RLConfig:
     log-probs). Null: off; the mismatch is still logged (``mismatch/*``)."""
     advantage_eps: float = 1e-6
     """Added to the group's standard deviation (``grpo``)."""
+    teacher_baseline: bool = False
+    """The advantage forms: each token's ``k1`` less a baseline, the mean ``k1`` of the other samples of its prompt group
+    at the same position (0 where none reaches it), from the sampler's log-probs (needs ``rollout.temperature=1`` and
+    ``rollout.n >= 2``): ``A_t = A_reward - kd_coef x (k1(y_t) - b_t)``. The others' samples do not depend on this
+    token, so the expected gradient is unchanged; the variance falls where ``k1`` is large at every position."""
+    ppo_epochs: int = 1
+    """Passes over each batch (PPO's epochs), each of ``mini_batches`` optimizer steps. With more than one update per
+    batch the trainer first records the sampled tokens' log-probs (``pi_old``: a forward pass without gradients, as
+    verl's and NeMo-RL's actors do), the ratio of every update is taken against them and the advantages (the
+    teacher's ``k(y_t)`` included) stay those of ``pi_old``. The learning-rate schedule steps once per batch."""
+    mini_batches: int = 1
+    """Optimizer steps per pass: the batch's micro-batches on each rank in this many consecutive groups (each rank
+    needs at least as many micro-batches); a group's gradient is scaled by ``mini_batches``, so that it weighs as a
+    whole batch's."""
 
     def __post_init__(self):
         if self.combine is not None:
@@ -261,14 +284,27 @@ class RLConfig:
         get_advantage_estimator(self.advantage)
         get_aggregation(self.aggregation)
         KL_ESTIMATORS.get(self.kl_estimator)
+        if self.combine is not None and self.combination.teacher_in_advantage:
+            check_advantage_estimator(self.kl_estimator, self.combine)
         try:
             PolicyGradientOptions.of(self.options)
         except ValueError as error:
             raise ValueError(str(error).replace("option ", "rl.", 1)) from None
         if not (self.kd_coef >= 0 and math.isfinite(self.kd_coef)):
             raise ValueError(f"rl.kd_coef={self.kd_coef} must be a finite number >= 0")
+        if self.kd_coef_end is not None and not (self.kd_coef_end >= 0 and math.isfinite(self.kd_coef_end)):
+            raise ValueError(f"rl.kd_coef_end={self.kd_coef_end} must be a finite number >= 0 (or null: no schedule)")
+        if self.kd_coef_end is not None and not (self.kd_coef_steps or 0) >= 1:
+            raise ValueError(f"rl.kd_coef_end needs rl.kd_coef_steps >= 1 (the batches of the ramp), not "
+                             f"{self.kd_coef_steps}")
+        if self.kd_coef_end is None and self.kd_coef_steps is not None:
+            raise ValueError("rl.kd_coef_steps has no effect without rl.kd_coef_end: set rl.kd_coef_end (the weight "
+                             "at the end of the ramp) or rl.kd_coef_steps=null")
         if not self.advantage_eps >= 0:
             raise ValueError(f"rl.advantage_eps={self.advantage_eps} must be >= 0")
+        for key in ("ppo_epochs", "mini_batches"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"rl.{key}={getattr(self, key)} must be >= 1 (1: one update per batch)")
 
     @property
     def enabled(self) -> bool:
@@ -279,6 +315,18 @@ class RLConfig:
     def combination(self):
         """The :class:`~megatron_gkd.losses.combinations.Combination` of ``combine`` (None without one)."""
         return get_combination(self.combine) if self.combine is not None else None
+
+    def kd_coef_at(self, step: int) -> float:
+        """The teacher's weight at batch ``step`` (0-based) under ``kd_coef_end``'s linear ramp."""
+        if self.kd_coef_end is None:
+            return self.kd_coef
+        progress = min(max(step, 0) / self.kd_coef_steps, 1.0)
+        return self.kd_coef + (self.kd_coef_end - self.kd_coef) * progress
+
+    @property
+    def num_updates(self) -> int:
+        """Optimizer steps per batch (``ppo_epochs x mini_batches``)."""
+        return self.ppo_epochs * self.mini_batches
 
     @property
     def options(self) -> dict:

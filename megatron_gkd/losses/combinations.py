@@ -3,7 +3,8 @@
 Three forms, each a registered :class:`Combination` that says what it needs, so the trainer and the config checks
 ask it instead of comparing names. ``A_r`` is a response's advantage from its group's rewards
 (:mod:`.advantages`), ``k(.)`` the per-token estimate of ``KL(student || teacher)`` at the sampled token
-(:mod:`.sampled_kl`: ``k1 = log pi_s - log pi_t``, or ``k3``), ``c = rl.kd_coef``:
+(:mod:`.sampled_kl`: ``k1 = log pi_s - log pi_t``; ``k3`` is refused there, its gradient as an advantage is biased),
+``c = rl.kd_coef``:
 
 =============  ===========================================================  ==========  =========================
 name           per-token loss                                               reward      teacher signal
@@ -18,7 +19,8 @@ name           per-token loss                                               rewa
 =============  ===========================================================  ==========  =========================
 
 ``pg(A)`` is :func:`~megatron_gkd.losses.policy_gradient.policy_gradient_terms`; the KL estimate is an advantage,
-so it is computed from detached log-probs and carries no gradient of its own.
+so it is computed from detached log-probs and carries no gradient of its own. A baseline ``b_t`` independent of the
+token (``rl.teacher_baseline``: the other samples' ``k1`` at its position) may be subtracted from ``k(y_t)``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import dataclasses
 
 import torch
 
-from megatron_gkd.losses.sampled_kl import reverse_kl_estimate
+from megatron_gkd.losses.sampled_kl import check_advantage_estimator, reverse_kl_estimate
 from megatron_gkd.registry import Registry
 
 
@@ -74,6 +76,7 @@ def token_advantages(
     *,
     kd_coef: float,
     estimator: str = "k1",
+    teacher_baseline: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each token's advantage under ``combination`` (see the module docstring), and the teacher's KL estimate.
 
@@ -84,11 +87,15 @@ def token_advantages(
         teacher_logprobs: same shape, the teacher's log-probs of the same tokens; needed where the teacher is in the
             advantage.
         kd_coef: the teacher's weight ``c``.
-        estimator: ``k1`` or ``k3``.
+        estimator: ``k1`` (``k3`` is refused where the teacher is in the advantage: its gradient is biased there).
+        teacher_baseline: same shape, subtracted from the estimate in the advantage (``rl.teacher_baseline``), or None.
 
     Returns:
         ``(advantages, kl)``: advantages in the dtype of ``student_logprobs``, detached; ``kl`` the per-token estimate
         of ``KL(student || teacher)`` (None where the form does not read the teacher's token log-probs).
+
+    Raises:
+        ValueError: the teacher's log-probs are missing, or ``estimator`` is not a gradient-correct advantage.
     """
     dtype = student_logprobs.dtype
     base = torch.zeros_like(student_logprobs) if not combination.uses_reward else reward_advantages.to(dtype)
@@ -96,5 +103,7 @@ def token_advantages(
         return base.detach(), None
     if teacher_logprobs is None:
         raise ValueError(f"rl.combine={combination.name!r} needs the teacher's log-prob of each sampled token")
+    check_advantage_estimator(estimator, combination.name)
     kl = reverse_kl_estimate(student_logprobs.detach(), teacher_logprobs.to(dtype), estimator).detach()
-    return (base - kd_coef * kl).detach(), kl
+    signal = kl if teacher_baseline is None else kl - teacher_baseline.to(dtype)
+    return (base - kd_coef * signal).detach(), kl

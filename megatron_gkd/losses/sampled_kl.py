@@ -6,6 +6,12 @@ estimators of ``KL(q || p) = E_q[log q - log p]`` are
 * ``k1 = -log r``: unbiased, but negative on single tokens (high variance);
 * ``k3 = (r - 1) - log r``: unbiased and never negative (``E_q[r] = 1``), lower variance when ``p`` is close.
 
+Unbiased for the KL's *value*, not for its gradient: used as a (detached) per-token advantage, ``-k`` gives the
+policy-gradient loss the expected gradient ``E_q[k grad log q]``, which is ``grad KL(q || p)`` for k1 but
+``grad KL(q || p) - grad CE(p, q)`` for k3 (its ``r - 1`` term contributes ``E_q[r grad log q] = sum_y p(y) grad log
+q(y) = -grad CE(p, q)``, while ``E_q[grad log q] = 0``): descending it raises the forward KL. Each estimator says
+whether it may be an advantage (:attr:`KLEstimator.gradient_as_advantage`); k3 stays for the mismatch figures.
+
 Two uses in RL with distillation:
 
 * The student samples and the teacher scores: ``reverse_kl_estimate`` is a per-token estimate of the reverse
@@ -28,15 +34,38 @@ from megatron_gkd.registry import Registry
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class KLEstimator:
-    """A per-token estimator of ``KL(q || p)`` from ``log r = log p(y) - log q(y)``, ``y ~ q``."""
+    """A per-token estimator of ``KL(q || p)`` from ``log r = log p(y) - log q(y)``, ``y ~ q``.
+
+    Attributes:
+        name: the name that selects it.
+        fn: the estimate from ``log r``.
+        gradient_as_advantage: ``-fn`` as a detached advantage gives ``grad KL(q || p)`` in expectation (see the
+            module docstring: k1 does, k3 does not).
+    """
 
     name: str
     fn: Callable[[torch.Tensor], torch.Tensor]
+    gradient_as_advantage: bool
 
 
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator", config_key="rl.kl_estimator")
-KL_ESTIMATORS.register("k1", KLEstimator("k1", lambda log_ratio: -log_ratio))
-KL_ESTIMATORS.register("k3", KLEstimator("k3", lambda log_ratio: torch.expm1(log_ratio) - log_ratio))
+KL_ESTIMATORS.register("k1", KLEstimator("k1", lambda log_ratio: -log_ratio, gradient_as_advantage=True))
+KL_ESTIMATORS.register("k3", KLEstimator("k3", lambda log_ratio: torch.expm1(log_ratio) - log_ratio,
+                                         gradient_as_advantage=False))
+
+
+def check_advantage_estimator(estimator: str, combine: str) -> None:
+    """Refuses an estimator whose detached value is not a gradient-correct advantage (the module docstring).
+
+    Raises:
+        ValueError: naming ``rl.kl_estimator`` and the fix.
+    """
+    if not KL_ESTIMATORS.get(estimator).gradient_as_advantage:
+        raise ValueError(
+            f"rl.kl_estimator={estimator} with rl.combine={combine!r}: as a per-token advantage {estimator}'s expected "
+            "gradient is grad KL(student || teacher) - grad CE(teacher, student), so descending it raises the forward "
+            "KL (docs/running.md, 'Training on rewards with the teacher'); set rl.kl_estimator=k1 (unbiased gradient), "
+            "or rl.combine=loss for the teacher's divergence as a loss term")
 
 
 def reverse_kl_estimate(

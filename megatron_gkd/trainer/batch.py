@@ -242,31 +242,45 @@ class PolicyShare:
         coefficients: per sample ``[R_i]`` the token's coefficient in the policy-gradient loss (its aggregation).
         teacher_logprobs: per sample ``[R_i]`` the teacher's log-prob of each response token, or None where the
             combination does not read it.
+        teacher_baseline: per sample ``[R_i]`` the baseline subtracted from each token's ``k1`` (``rl.teacher_baseline``),
+            or None.
+        kd_coef: the teacher's weight in the advantage at this batch (``rl.kd_coef_at``).
     """
 
     advantages: Sequence[float]
     coefficients: Sequence[torch.Tensor]
     teacher_logprobs: Sequence[torch.Tensor] | None = None
+    teacher_baseline: Sequence[torch.Tensor] | None = None
+    kd_coef: float = 1.0
 
     def take(self, indices: Sequence[int]) -> "PolicyShare":
-        teacher = None if self.teacher_logprobs is None else [self.teacher_logprobs[i] for i in indices]
-        return PolicyShare([self.advantages[i] for i in indices], [self.coefficients[i] for i in indices], teacher)
+        teacher, baseline = (None if values is None else [values[i] for i in indices]
+                             for values in (self.teacher_logprobs, self.teacher_baseline))
+        return PolicyShare([self.advantages[i] for i in indices], [self.coefficients[i] for i in indices], teacher,
+                           baseline, self.kd_coef)
 
 
 @dataclasses.dataclass(slots=True)
 class PolicySlice:
     """The policy-gradient term's tensors in a micro-batch, ``[b, s]`` at the positions that predict each response
     token: the reward ``advantages`` (float64), the tokens' ``coefficients`` (float64) and the teacher's
-    ``teacher_logprobs`` (float32, or None). The sampled tokens and the rollout engine's log-probs are the
-    micro-batch's :class:`SampledSlice`."""
+    ``teacher_logprobs`` (float32, or None), and ``old_logprobs``: the trainer's log-probs of the sampled tokens
+    before the batch's first update, which the step records when it makes several (``rl.ppo_epochs``,
+    ``rl.mini_batches``; None: one update, the ratio is 1), ``teacher_baseline`` (float32, or None: the baseline
+    of each token's ``k1``, ``rl.teacher_baseline``) and ``kd_coef``, the teacher's weight in the advantage at this
+    batch. The sampled tokens and the rollout engine's log-probs are the micro-batch's :class:`SampledSlice`."""
 
     advantages: torch.Tensor
     coefficients: torch.Tensor
     teacher_logprobs: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    teacher_baseline: torch.Tensor | None = None
+    kd_coef: float = 1.0
 
     def to(self, device: torch.device) -> "PolicySlice":
         return PolicySlice(*(None if t is None else t.to(device) for t in (
-            self.advantages, self.coefficients, self.teacher_logprobs)))
+            self.advantages, self.coefficients, self.teacher_logprobs, self.old_logprobs, self.teacher_baseline)),
+            kd_coef=self.kd_coef)
 
 
 def _policy_slice(share: PolicyShare, samples: Sequence[Sample], shape: tuple[int, int]) -> PolicySlice:
@@ -274,14 +288,17 @@ def _policy_slice(share: PolicyShare, samples: Sequence[Sample], shape: tuple[in
     b, width = shape
     advantages = torch.zeros(b, width, dtype=torch.float64)
     coefficients = torch.zeros(b, width, dtype=torch.float64)
-    teacher = None if share.teacher_logprobs is None else torch.zeros(b, width, dtype=torch.float32)
+    teacher, baseline = (None if values is None else torch.zeros(b, width, dtype=torch.float32)
+                         for values in (share.teacher_logprobs, share.teacher_baseline))
     for i, sample in enumerate(samples):
         start, length = sample.prompt_len - 1, sample.response_len
         advantages[i, start : start + length] = float(share.advantages[i])
         coefficients[i, start : start + length] = share.coefficients[i]
         if teacher is not None:
             teacher[i, start : start + length] = share.teacher_logprobs[i]
-    return PolicySlice(advantages, coefficients, teacher)
+        if baseline is not None:
+            baseline[i, start : start + length] = share.teacher_baseline[i]
+    return PolicySlice(advantages, coefficients, teacher, teacher_baseline=baseline, kd_coef=share.kd_coef)
 
 
 @dataclasses.dataclass(slots=True)

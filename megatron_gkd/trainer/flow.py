@@ -300,6 +300,9 @@ class BatchFlow:
     def annotation_metrics(self, batch: InFlight) -> dict:
         """The teachers', the rewards' and the mixture's metrics of a trained batch (collective over every rank)."""
         metrics = {**self.exchange.metrics(batch.teacher, batch.samples), **self.rewards.metrics(batch.rewards)}
+        rl = self.config.rl
+        if rl.enabled and rl.kd_coef_end is not None:  # the teacher's weight on its schedule
+            metrics["rl/kd_coef"] = rl.kd_coef_at(batch.index)
         if batch.partial is not None:  # from the global batch, the same on every rank
             metrics.update({**batch.partial, **staleness_metrics(batch.rollout, batch.index,
                                                                  self.config.rollout.partial.max_staleness)})
@@ -340,7 +343,7 @@ class BatchFlow:
             if policy is not None and not self.config.rl.combination.uses_divergence:
                 rows = {}  # the teacher is in the advantage only: no divergence term
             elif policy is not None:  # rl.combine=loss: the divergence weighs rl.kd_coef beside the policy gradient
-                coefficients = [c * self.config.rl.kd_coef for c in coefficients]
+                coefficients = [c * policy.kd_coef for c in coefficients]
             sources = (STUDENT, self.mix.source) if self.mix.enabled and not scoring else None
             microbatches = self.microbatches(samples, coefficients, rows, labels=False if scoring else None,
                                              policy=policy, sources=sources, version=None if scoring else batch.index,
@@ -367,7 +370,7 @@ class BatchFlow:
         rewards = tp_rewards(batch.rewards, len(samples), self.state.tp_group) if rl.combination.uses_reward else None
         weights = {teacher.name: teacher.weight for teacher in self.teachers}
         return policy_share(self.config, samples, rewards, rows, weights, num_tokens=batch.rollout.num_generated_tokens,
-                            num_sequences=batch.rollout.num_samples)
+                            num_sequences=batch.rollout.num_samples, step=batch.index)
 
     def scoring_batch(self, rollout: RolloutBatch, prompt_indices: list[int], prompt_groups: list) -> InFlight:
         """``rollout`` (sampled elsewhere, e.g. eval answers) as a batch for :meth:`prepare` with ``scoring``."""

@@ -281,7 +281,8 @@ def mixture_loss_metrics(stats: dict) -> dict:
 def policy_metrics(stats: dict) -> dict:
     """The policy-gradient term's figures (``rl.combine``) from a step's summed statistics: its loss, the teacher's
     part of the loss (``train/kd_loss``), per-token means (advantage, clipped share, the teacher's KL estimate, the
-    importance weight); the rollout-trainer mismatch is :func:`.engine_check.metrics`'s."""
+    importance weight, the ratio ``pi / pi_old``) and the ratio's extremes; the rollout-trainer mismatch is
+    :func:`.engine_check.metrics`'s."""
     if "pg/tokens" not in stats:
         return {}
     tokens = max(stats["pg/tokens"], 1.0)
@@ -289,6 +290,9 @@ def policy_metrics(stats: dict) -> dict:
     for key in ("advantage", "clipped", "teacher_kl", "tis_weight"):
         if f"pg/{key}" in stats:
             metrics[f"pg/{key}"] = stats[f"pg/{key}"] / tokens
+    if "pg/ratio" in stats:  # pi / pi_old: 1 with one update per batch, spread by the later of several
+        metrics.update({"pg/ratio_mean": stats["pg/ratio"] / tokens, "pg/ratio_min": stats["pg/ratio_min"],
+                        "pg/ratio_max": stats["pg/ratio_max"]})
     return metrics
 
 

@@ -7,6 +7,7 @@ coefficients and the teacher's log-prob of each sampled token, on every rank of 
 | advantages | each prompt group's rewards (:func:`~megatron_gkd.losses.group_advantages`) | this rank's whole groups |
 | coefficients | the aggregation over the *global* batch's counts (:func:`~megatron_gkd.losses.aggregation_coefficients`) | every token |
 | teacher log-probs | the teacher rows' ``token_logprobs`` (the teacher that scores the sample; a mixture's weighted sum) | last stage |
+| teacher baseline | the other samples of the group's ``k1`` at each position (``rl.teacher_baseline``) | last stage |
 
 The step reads them from :class:`~megatron_gkd.trainer.batch.PolicySlice` (``megatron_gkd.trainer.step``).
 """
@@ -69,8 +70,31 @@ def teacher_token_logprobs(samples, rows: dict, weights: dict[str, float]) -> li
     return found
 
 
+def teacher_baselines(samples, teacher: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per sample ``[R_i]`` the baseline of each token's ``k1`` (``rl.teacher_baseline``): the mean over the *other*
+    samples of its prompt group that reach the same position of their ``k1 = log pi_sampler - log pi_teacher``, 0 where
+    none does. Leaving the sample out keeps the baseline independent of its own tokens (no bias)."""
+    k1 = [sample.logprobs.float() - values.float() for sample, values in zip(samples, teacher, strict=True)]
+    members: dict[int, list[int]] = {}
+    for index, sample in enumerate(samples):
+        members.setdefault(sample.group, []).append(index)
+    baselines = [torch.zeros_like(values) for values in k1]
+    for indices in members.values():
+        width = max(k1[i].numel() for i in indices)
+        sums, counts = torch.zeros(width, dtype=torch.float64), torch.zeros(width, dtype=torch.float64)
+        for i in indices:
+            sums[: k1[i].numel()] += k1[i].double()
+            counts[: k1[i].numel()] += 1
+        for i in indices:
+            length = k1[i].numel()
+            others = counts[:length] - 1
+            mean = (sums[:length] - k1[i].double()) / others.clamp_min(1)
+            baselines[i] = torch.where(others > 0, mean, torch.zeros_like(mean)).float()
+    return baselines
+
+
 def policy_share(config, samples, rewards: torch.Tensor | None, rows: dict, weights: dict[str, float], *,
-                 num_tokens: int, num_sequences: int) -> PolicyShare:
+                 num_tokens: int, num_sequences: int, step: int = 0) -> PolicyShare:
     """The policy-gradient inputs of this rank's ``samples``.
 
     Args:
@@ -80,6 +104,7 @@ def policy_share(config, samples, rewards: torch.Tensor | None, rows: dict, weig
         rows: the teachers' rows (``TeacherExchange.rows``), read where the teacher is in the advantage.
         weights: each teacher's mixture weight.
         num_tokens, num_sequences: the global batch's response tokens and responses (the aggregation's counts).
+        step: the batch's index (the teacher's weight, ``rl.kd_coef_at``).
     """
     rl = config.rl
     combination = rl.combination
@@ -90,4 +115,5 @@ def policy_share(config, samples, rewards: torch.Tensor | None, rows: dict, weig
     counts = BatchCounts(num_tokens=num_tokens, num_sequences=num_sequences, max_response_len=config.rollout.max_tokens)
     coefficients = aggregation_coefficients([s.response_len for s in samples], rl.aggregation, counts)
     teacher = teacher_token_logprobs(samples, rows, weights) if combination.teacher_in_advantage else None
-    return PolicyShare(advantages, coefficients, teacher)
+    baseline = teacher_baselines(samples, teacher) if teacher is not None and rl.teacher_baseline else None
+    return PolicyShare(advantages, coefficients, teacher, baseline, rl.kd_coef_at(step))

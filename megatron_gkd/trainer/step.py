@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
+import math
 import types
 from functools import partial
 from typing import Iterator, Mapping, Sequence, Union
@@ -138,21 +140,25 @@ class PolicySpec:
 
     Attributes:
         combination: how the reward and the teacher combine.
-        kd_coef: the teacher's weight; estimator: ``k1`` or ``k3`` (the teacher in the advantage).
+        estimator: ``k1`` (the teacher in the advantage; its weight, ``rl.kd_coef`` on its schedule, is each
+            micro-batch's ``PolicySlice.kd_coef``).
         options: :class:`~megatron_gkd.losses.PolicyGradientOptions` keywords (clipping, ``tis_cap``).
         temperature: the policy is ``softmax(logits / temperature)``, the rollout's sampling temperature.
         fused, chunk_size: the log-probs from the hidden states and the output weight, as the divergence's.
         real_vocab_size: ids at or past it are padding rows.
+        ppo_epochs, mini_batches: passes over a batch and optimizer steps per pass (``rl.ppo_epochs``,
+            ``rl.mini_batches``); with more than one update the step records ``pi_old`` first.
     """
 
     combination: object
-    kd_coef: float = 1.0
     estimator: str = "k1"
     options: dict = dataclasses.field(default_factory=dict)
     temperature: float = 1.0
     fused: bool = False
     chunk_size: int = 1024
     real_vocab_size: int | None = None
+    ppo_epochs: int = 1
+    mini_batches: int = 1
 
     @classmethod
     def from_config(cls, config, real_vocab_size: int) -> "PolicySpec | None":
@@ -160,13 +166,31 @@ class PolicySpec:
         rl = config.rl
         if not rl.enabled:
             return None
-        return cls(combination=rl.combination, kd_coef=rl.kd_coef, estimator=rl.kl_estimator, options=rl.options,
+        return cls(combination=rl.combination, estimator=rl.kl_estimator, options=rl.options,
                    temperature=config.rollout.temperature, fused=config.loss.fused, chunk_size=config.loss.chunk_size,
-                   real_vocab_size=real_vocab_size)
+                   real_vocab_size=real_vocab_size, ppo_epochs=rl.ppo_epochs, mini_batches=rl.mini_batches)
+
+    @property
+    def num_updates(self) -> int:
+        """Optimizer steps per batch."""
+        return self.ppo_epochs * self.mini_batches
 
 
-# Statistics reduced by their maximum over micro-batches and ranks (the others are sums).
-MAX_STATS = ("mismatch/max_ratio", "mismatch/max_inverse_ratio", "engine/max_abs", "token_staleness_max")
+# Statistics reduced by their maximum (MAX_STATS) or minimum (MIN_STATS) over micro-batches, ranks and the updates
+# of one batch (the others are sums, averaged over a batch's epochs).
+MAX_STATS = ("mismatch/max_ratio", "mismatch/max_inverse_ratio", "engine/max_abs", "token_staleness_max",
+             "pg/ratio_max")
+MIN_STATS = ("pg/ratio_min",)
+# Statistics of the trainer against the rollout engine: valid at the weights the batch's first update starts from.
+ENGINE_PREFIXES = ("mismatch/", "engine/")
+
+
+class Pass(enum.Enum):
+    """What a pass over a batch's micro-batches is for."""
+
+    ONLY = "the batch's one update (or an evaluation): pi_old is the current policy, the ratio is 1"
+    RECORD = "before several updates: no loss, records pi_old and the figures against the rollout engine"
+    UPDATE = "one of several updates: the ratio against the recorded pi_old"
 
 
 LossSpecs = Union[LossSpec, Mapping[str, LossSpec]]
@@ -278,6 +302,7 @@ class StepRunner:
             if chunk.config.fp16:
                 chunk.config.grad_scale_func = optimizer.scale_loss
         self._scale = 1.0
+        self._pass = Pass.ONLY
 
     def _forward_step(self, specs, data_iterator, model):
         microbatch: MicroBatch = next(data_iterator)
@@ -316,6 +341,8 @@ class StepRunner:
     def _loss(self, specs, microbatch: MicroBatch, captured, output: torch.Tensor):
         device = output.device
         mask = microbatch.loss_mask.to(device)
+        if self._pass is Pass.RECORD:
+            return self._record_old_logprobs(spec_for(specs), microbatch, captured, output, mask)
         stats: dict[str, torch.Tensor] = {"tokens": mask.sum().double()}
         if microbatch.token_versions is not None:
             stats.update(self._staleness_stats(microbatch, mask))
@@ -351,11 +378,27 @@ class StepRunner:
             contribution = contribution + part
             stats.update(part_stats)
             stats["loss"] = contribution.detach().double()
-        if microbatch.sampled is not None:
+        if microbatch.sampled is not None and self._pass is Pass.ONLY:  # else the RECORD pass measured them
             stats.update(self._sampled_stats(spec_for(specs), microbatch, captured, output, mask, raw))
         stats.setdefault("loss", contribution.detach().double())
         # Undo the schedule's division by the number of micro-batches and DDP's average over DP ranks.
         return contribution * self._scale, {key: value.detach().cpu() for key, value in stats.items()}
+
+    def _record_old_logprobs(self, spec: LossSpec, microbatch: MicroBatch, captured, output, mask):
+        """Before several updates of one batch: keeps the policy's log-probs of the sampled tokens as ``pi_old``
+        (``microbatch.policy.old_logprobs``, ``[b, s]``) and measures the trainer against the rollout engine at the
+        weights the batch was meant for (:meth:`_sampled_stats`); no loss."""
+        policy = self.policy
+        if microbatch.policy is None:  # nothing to record (the batch has no policy-gradient term)
+            return torch.zeros((), dtype=torch.float32, device=mask.device), {}
+        with torch.no_grad():
+            logprobs = self._token_logprobs(policy, microbatch.sampled.token_ids.to(mask.device), captured, output,
+                                            policy.temperature).detach()
+        microbatch.policy.old_logprobs = logprobs
+        stats = self._sampled_stats(spec, microbatch, captured, output, mask,
+                                    logprobs if policy.temperature == 1.0 else None)
+        return torch.zeros((), dtype=torch.float32, device=mask.device), {key: value.detach().cpu()
+                                                                          for key, value in stats.items()}
 
     @staticmethod
     def _staleness_stats(microbatch: MicroBatch, mask: torch.Tensor) -> dict:
@@ -510,11 +553,17 @@ class StepRunner:
         taken in the divergence's pass, ``[b, s]``); ``behaviour``: the rollout engine's."""
         logprobs = sampled if sampled is not None else self._token_logprobs(spec, token_ids, captured, output,
                                                                             spec.temperature)
-        advantages, kl = token_advantages(spec.combination, policy.advantages, logprobs.detach(),
-                                          policy.teacher_logprobs, kd_coef=spec.kd_coef, estimator=spec.estimator)
+        # pi_old: recorded before the first of several updates (outside the loss mask: ratio 1); None: this update
+        # starts from the weights that pi_old is, the ratio is 1. The advantages read pi_old: fixed over the updates.
+        old = None if policy.old_logprobs is None else torch.where(mask, policy.old_logprobs.to(logprobs.dtype),
+                                                                    logprobs.detach())
+        advantages, kl = token_advantages(spec.combination, policy.advantages,
+                                          logprobs.detach() if old is None else old, policy.teacher_logprobs,
+                                          kd_coef=policy.kd_coef, estimator=spec.estimator,
+                                          teacher_baseline=policy.teacher_baseline)
         options = PolicyGradientOptions.of(spec.options)
         behaviour = behaviour.to(logprobs.dtype) if options.tis_cap is not None else None
-        per_token, metrics = policy_gradient_from_logprobs(logprobs, torch.where(mask, advantages, 0.0), None,
+        per_token, metrics = policy_gradient_from_logprobs(logprobs, torch.where(mask, advantages, 0.0), old,
                                                            behaviour, options)
         zero = torch.zeros_like(per_token)
         per_token = torch.where(mask, per_token, zero)
@@ -523,8 +572,11 @@ class StepRunner:
         def total(value: torch.Tensor) -> torch.Tensor:
             return torch.where(mask, value.to(zero.dtype), zero).sum().double()
 
+        ratio = metrics["ratio"].to(zero.dtype)
         stats = {"pg/loss": contribution.detach().double(), "pg/tokens": mask.sum().double(),
                  "pg/advantage": total(advantages), "pg/clipped": total(metrics["clipped"]),
+                 "pg/ratio": total(ratio), "pg/ratio_max": torch.where(mask, ratio, -math.inf).max().double(),
+                 "pg/ratio_min": torch.where(mask, ratio, math.inf).min().double(),
                  "token_logprobs": logprobs.detach()}
         if kl is not None:
             stats["pg/teacher_kl"] = total(kl)
@@ -557,52 +609,109 @@ class StepRunner:
     def _token_metrics(metrics: dict, mask: torch.Tensor) -> dict:
         return {key: torch.where(mask, value, torch.zeros_like(value)).sum().double() for key, value in metrics.items()}
 
-    def run(self, spec: "LossSpecs", microbatches: Sequence[MicroBatch], *, forward_only: bool) -> dict[str, float] | None:
+    def run(self, spec: "LossSpecs", microbatches: Sequence[MicroBatch], *, forward_only: bool,
+            purpose: Pass = Pass.ONLY, weight: float = 1.0) -> dict[str, float] | None:
         """Forward (and backward) of ``microbatches``; the statistics summed over micro-batches and DP
         ranks on the last stage (``loss``: this step's loss; with several teachers also ``KEY/NAME`` per
         teacher), ``None`` elsewhere.
 
         Args:
             spec: a :class:`LossSpec` for every teacher, or ``{teacher name: LossSpec}``.
+            purpose: what the pass is for (:class:`Pass`).
+            weight: the gradient is that of ``weight x`` the loss (a mini-batch of ``rl.mini_batches``); the statistics
+                are not scaled.
         """
-        self._scale = float(len(microbatches) * self.dp_size)
+        self._scale, self._pass = float(len(microbatches) * self.dp_size) * weight, purpose
         longest = max(mb.shape[1] for mb in microbatches)
-        outputs = run_schedule(self.chunks, partial(self._forward_step, spec), list(microbatches), seq_length=longest,
-                               micro_batch_size=max(mb.shape[0] for mb in microbatches), forward_only=forward_only)
+        try:
+            outputs = run_schedule(self.chunks, partial(self._forward_step, spec), list(microbatches),
+                                   seq_length=longest, micro_batch_size=max(mb.shape[0] for mb in microbatches),
+                                   forward_only=forward_only)
+        finally:
+            self._pass = Pass.ONLY
         if not self.is_last_stage:
             return None
         keys = sorted({key for stats in outputs for key in stats})  # the same on every DP rank
-        summed, largest = [k for k in keys if k not in MAX_STATS], [k for k in keys if k in MAX_STATS]
+        summed = [k for k in keys if k not in MAX_STATS and k not in MIN_STATS]
+        extreme = [k for k in keys if k in MAX_STATS or k in MIN_STATS]
+        sign = torch.tensor([-1.0 if k in MIN_STATS else 1.0 for k in extreme], dtype=torch.float64)  # min = -max(-x)
         totals = torch.zeros(len(summed), dtype=torch.float64)
-        maxima = torch.full((len(largest),), -torch.inf, dtype=torch.float64)
+        maxima = torch.full((len(extreme),), -torch.inf, dtype=torch.float64)
         for stats in outputs:
             for index, key in enumerate(summed):
                 if key in stats:
                     totals[index] += stats[key]
-            for index, key in enumerate(largest):
+            for index, key in enumerate(extreme):
                 if key in stats:
-                    maxima[index] = torch.maximum(maxima[index], stats[key].double())
+                    maxima[index] = torch.maximum(maxima[index], sign[index] * stats[key].double())
         if self.dp_size > 1:
             dist.all_reduce(totals, group=self.dp_group)
-            if largest:
+            if extreme:
                 dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.dp_group)
         return {**{key: float(totals[index]) for index, key in enumerate(summed)},
-                **{key: float(maxima[index]) for index, key in enumerate(largest)}}
+                **{key: float(sign[index] * maxima[index]) for index, key in enumerate(extreme)}}
 
     def train_step(self, spec: "LossSpecs", microbatches: Sequence[MicroBatch]) -> tuple[dict[str, float] | None, dict]:
-        """One optimizer step; returns the loss statistics (last stage) and ``{grad_norm, lr}``.
+        """The batch's optimizer steps (one, or ``rl.ppo_epochs x rl.mini_batches``: :meth:`_updates`); returns the loss
+        statistics (last stage) and ``{grad_norm, lr}`` (the mean norm over the steps). The learning-rate schedule
+        steps once per batch.
 
         Raises:
-            RuntimeError: the optimizer skipped the step (non-finite gradients).
+            RuntimeError: the optimizer skipped a step (non-finite gradients).
+            ValueError: fewer micro-batches on this rank than ``rl.mini_batches``.
         """
-        for chunk in self.chunks:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        stats = self.run(spec, microbatches, forward_only=False)
-        update_successful, grad_norm, _ = self.optimizer.step()
-        if not update_successful:
-            raise RuntimeError("the optimizer skipped the step: the gradients are not finite (NaN/inf in the loss "
-                               "or the teacher rows); lower optim.lr or check the teacher's outputs")
+        updates = self._updates(microbatches)
+        several = len(updates) > 1
+        recorded = None
+        if several:
+            with torch.no_grad():
+                recorded = self.run(spec, microbatches, forward_only=True, purpose=Pass.RECORD)
+        results, norms = [], []
+        for group in updates:
+            for chunk in self.chunks:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            results.append(self.run(spec, group, forward_only=False, purpose=Pass.UPDATE if several else Pass.ONLY,
+                                    weight=self.policy.mini_batches if several else 1.0))
+            update_successful, grad_norm, _ = self.optimizer.step()
+            if not update_successful:
+                raise RuntimeError("the optimizer skipped the step: the gradients are not finite (NaN/inf in the loss "
+                                   "or the teacher rows); lower optim.lr or check the teacher's outputs")
+            norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
         lr = self.optimizer.param_groups[0]["lr"]
         self.lr_scheduler.step(1)
-        return stats, {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "lr": float(lr)}
+        stats = self._merge(results, recorded) if several else results[0]
+        return stats, {"grad_norm": sum(norms) / len(norms), "lr": float(lr)}
+
+    def _updates(self, microbatches: Sequence[MicroBatch]) -> list[Sequence[MicroBatch]]:
+        """The micro-batches of each optimizer step of the batch: all of them once, or ``rl.ppo_epochs`` passes of
+        ``rl.mini_batches`` consecutive groups (sizes differing by one at most, the same cut on every rank that has
+        as many micro-batches)."""
+        if self.policy is None or self.policy.num_updates == 1:
+            return [microbatches]
+        count = self.policy.mini_batches
+        if len(microbatches) < count:
+            raise ValueError(f"rl.mini_batches={count} optimizer steps per pass, but this rank has "
+                             f"{len(microbatches)} micro-batches: lower rl.mini_batches, or trainer.micro_batch_size "
+                             "(or trainer.max_tokens_per_microbatch)")
+        bounds = [len(microbatches) * index // count for index in range(count + 1)]
+        groups = [microbatches[bounds[index]:bounds[index + 1]] for index in range(count)]
+        return groups * self.policy.ppo_epochs
+
+    def _merge(self, results: list, recorded: dict | None) -> dict | None:
+        """The statistics of a batch's several updates (None off the last stage): sums averaged over the epochs (each
+        epoch's mini-batches cover the batch once), extremes over every update, and the figures against the rollout
+        engine from the pass that recorded ``pi_old``."""
+        if recorded is None:
+            return None
+        merged: dict[str, float] = {}
+        for stats in results:
+            for key, value in stats.items():
+                if key in MAX_STATS:
+                    merged[key] = max(merged.get(key, -math.inf), value)
+                elif key in MIN_STATS:
+                    merged[key] = min(merged.get(key, math.inf), value)
+                else:
+                    merged[key] = merged.get(key, 0.0) + value / self.policy.ppo_epochs
+        merged.update({key: value for key, value in recorded.items() if key.startswith(ENGINE_PREFIXES)})
+        return merged

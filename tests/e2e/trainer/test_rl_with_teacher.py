@@ -47,7 +47,7 @@ def test_loss_side_combination_with_vllm_and_one_step_off(assets, tmp_path):
 @pytest.mark.slow  # suite time: the loss side runs the same path in the default tier
 @pytest.mark.parametrize("combine", ["advantage", "teacher"])
 def test_the_teacher_in_the_advantage(assets, tmp_path, combine):
-    steps = _steps(assets, tmp_path, f"rl.combine={combine}", "rl.kl_estimator=k3")
+    steps = _steps(assets, tmp_path, f"rl.combine={combine}", "rl.kl_estimator=k1")
     for record in steps:
         _common(record)
         assert record["train/kd_loss"] == 0.0 and record["pg/teacher_kl"] > 0

@@ -60,7 +60,17 @@ BAD = [
     (["rl.combine=teacher", "rl.kd_coef=0"], None, "trains on nothing"),
     (["rl.combine=teacher", "rl.tis_cap=2", "rollout.temperature=0.7"], None, "set rollout.temperature=1 or rl.tis_cap"),
     (["rl.clip_low=1.0"], None, "rl.clip_low=1.0 must lie in [0, 1)"),
+    (["rl.ppo_epochs=0"], None, "rl.ppo_epochs=0 must be >= 1"),
+    (["rl.combine=teacher", "rl.teacher_baseline=true", "rollout.temperature=0.7"], None,
+     "set rollout.temperature=1 or rl.teacher_baseline=false"),
+    (["rl.combine=teacher", "rl.teacher_baseline=true", "rollout.n=1"], None, "set rollout.n >= 2"),
+    (["rl.kd_coef_end=0"], None, "rl.kd_coef_end needs rl.kd_coef_steps"),
+    (["rl.kd_coef_steps=5"], None, "rl.kd_coef_steps has no effect without rl.kd_coef_end"),
+    (["rl.combine=teacher", "rl.kd_coef_end=0", "rl.kd_coef_steps=5"], None, "trains on nothing"),
     (["rl.kl_estimator=k2"], None, "rl.kl_estimator='k2'"),
+    # k3 as an advantage follows grad KL(s || t) - grad CE(t, s) (docs/running.md): refused, naming k1
+    (["rl.combine=teacher", "rl.kl_estimator=k3"], None, "rl.kl_estimator=k3 with rl.combine='teacher'"),
+    (["rl.combine=advantage", "reward.kind=final_answer", "rl.kl_estimator=k3"], None, "set rl.kl_estimator=k1"),
     (["rl.aggregation=token_sum"], None, "rl.aggregation='token_sum'"),
 ]
 
@@ -142,6 +152,18 @@ def test_support_k_is_inert_with_a_union_support_and_says_so(caplog):
     assert "loss.support_k has no effect" not in caplog.text
     load_config(BASE, [*tcad, "loss.support_mode=union"])
     assert "loss.support_k has no effect with loss.support_mode=union" in caplog.text
+
+
+def test_the_clip_and_the_teacher_baseline_say_where_they_are_inert(caplog):
+    teacher_only = ["rl.combine=teacher", "rl.clip_ratio_c=3"]
+    load_config(BASE, [*teacher_only, "rl.ppo_epochs=2"])
+    assert "have no effect" not in caplog.text
+    load_config(BASE, teacher_only)
+    assert "rl.clip_low / rl.clip_high / rl.clip_ratio_c have no effect with one update per batch" in caplog.text
+    load_config(BASE, ["rl.mini_batches=2"])
+    assert "rl.ppo_epochs / rl.mini_batches have no effect without rl.combine" in caplog.text
+    load_config(BASE, ["rl.combine=loss", "reward.kind=final_answer", "rl.teacher_baseline=true"])
+    assert "rl.teacher_baseline has no effect with rl.combine=loss" in caplog.text
 
 
 def test_each_mode_says_what_it_does():

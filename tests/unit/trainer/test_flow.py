@@ -62,6 +62,9 @@ class Tokenizer:
     def __len__(self):
         return 512
 
+    def decode(self, ids, **kwargs):  # the reward's verifier reads the response (no answer: reward 0)
+        return " ".join(map(str, ids))
+
 
 def _flow(*overrides):
     config = load_config(BASE, list(overrides))
@@ -114,3 +117,21 @@ def test_prepare_returns_the_confidence_metrics_instead_of_keeping_them():
     assert flow.prepare(scoring, scoring=True).confidence == {}
     _, plain, _ = _flow()
     assert plain.prepare(plain.produce(0, RECORDS, {}, version=0)).confidence == {}
+
+
+@pytest.mark.parametrize("combine", ["teacher", "loss"])
+def test_the_teacher_s_weight_follows_its_schedule_by_batch(combine):
+    rewarded = ["reward.kind=final_answer"] if combine == "loss" else []
+    config, flow, _ = _flow(f"rl.combine={combine}", *rewarded, "rl.kd_coef=2.0", "rl.kd_coef_end=0.5",
+                            "rl.kd_coef_steps=3")
+    records = [Record(10 + i) for i in range(4)]
+    for record in records:
+        record.answer = "7"
+    for index, expected in ((0, 2.0), (1, 1.5), (5, 0.5)):
+        batch = flow.produce(index, records, {}, version=index)
+        prepared = flow.prepare(batch)
+        assert {mb.policy.kd_coef for mb in prepared.microbatches} == {expected}
+        assert flow.annotation_metrics(batch)["rl/kd_coef"] == expected
+        if combine == "loss":  # the divergence's coefficients: the token mean times the weight
+            coefficients = torch.cat([mb.teachers[0].coefficients[mb.loss_mask] for mb in prepared.microbatches])
+            assert float(coefficients.sum()) == pytest.approx(expected)
