@@ -13,7 +13,7 @@ returned, so no step is trained on a missing reward.
 | the worker dies (a crash in C code, ``os._exit``) | its exit code and the batch's records |
 | a reply that cannot be read | why, and the batch's records; the worker is killed |
 | wrong length, not a sequence | the length or type returned and the batch's records |
-| an item that is not a number, or NaN / inf | the value and its record |
+| an item that is not a number, NaN / inf, or past ``reward.max_abs`` | the value and its record |
 | a record without a field the kind needs (``answer``) | the record and the field |
 
 **Why a process, not a thread.** A thread cannot be stopped: a hung function keeps its thread until the process
@@ -43,6 +43,7 @@ import threading
 import time
 import weakref
 
+from megatron_gkd.rewards.config import DEFAULT_MAX_ABS
 from megatron_gkd.rewards.kinds import REWARDS, kind_target, reward_name
 from megatron_gkd.rewards.protocol import describe_error, read_frame, write_frame
 
@@ -126,11 +127,15 @@ class RewardOutput:
     wall_s: float
 
 
-def check_values(reward: str, reply: tuple, batch: RewardBatch) -> list[float]:
+def check_values(reward: str, reply: tuple, batch: RewardBatch, *, max_abs: float = DEFAULT_MAX_ABS) -> list[float]:
     """The validated rewards of ``batch`` from the worker's plain reply (see :func:`.protocol.plain`).
 
+    Args:
+        max_abs: the largest ``|reward|`` accepted (``reward.max_abs``).
+
     Raises:
-        RewardFailed: not a sequence, a wrong length, an item that is not a number, or a non-finite value.
+        RewardFailed: not a sequence, a wrong length, an item that is not a number, a non-finite value, or one
+            past ``max_abs``.
     """
     if reply[0] != "sequence":
         _, type_name, text = reply
@@ -146,6 +151,9 @@ def check_values(reward: str, reply: tuple, batch: RewardBatch) -> list[float]:
                                        "numbers", record=i)
         if not math.isfinite(value):
             raise RewardFailed(reward, f"returned {value} for {batch.describe(i)}; rewards must be finite", record=i)
+        if abs(value) > max_abs:
+            raise RewardFailed(reward, f"returned {value} for {batch.describe(i)}; rewards must be within "
+                                       f"+-reward.max_abs={max_abs}", record=i)
     return items
 
 
@@ -311,7 +319,8 @@ class RewardRunner:
             logger.error("reward %r raised in its worker:\n%s", self.name, text)
             where = batch.describe(record) if record is not None else batch.describe_all()
             raise RewardFailed(self.name, f"raised {error} on {where}", record=record)
-        return RewardOutput(check_values(self.name, reply[1], batch), reply[2], time.perf_counter() - start)
+        return RewardOutput(check_values(self.name, reply[1], batch, max_abs=self.config.max_abs), reply[2],
+                            time.perf_counter() - start)
 
     def close(self) -> None:
         """Cancels the calls not started, stops the one running and the worker (idempotent)."""

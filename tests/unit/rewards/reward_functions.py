@@ -50,6 +50,11 @@ def inf_values(prompts, responses, records):
     return [math.inf] * len(responses)
 
 
+def absurd_on_second(prompts, responses, records):
+    """Finite, but past any reward's scale: GRPO's mean of two such rewards overflows."""
+    return [1e308 if i == 1 else 0.0 for i in range(len(responses))]
+
+
 def one_short(prompts, responses, records):
     return [0.0] * (len(responses) - 1)
 

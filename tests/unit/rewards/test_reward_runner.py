@@ -88,6 +88,8 @@ def test_numpy_results_and_prints_on_stdout_do_not_disturb_the_replies(start):
     ("nan_on_second", ("ok",) * 4, "returned nan for record 1 of 4 (id 101, prompt '1 7 + 3 8 5 ='); rewards must "
                                    "be finite", 1),
     ("inf_values", ("ok",) * 4, "returned inf for record 0 of 4 (id 100", 0),
+    ("absurd_on_second", ("ok",) * 4, "returned 1e+308 for record 1 of 4 (id 101, prompt '1 7 + 3 8 5 ='); rewards "
+                                      "must be within +-reward.max_abs=1000000.0", 1),
     ("one_short", ("ok",) * 4, "returned 3 values for a batch of 4 records (ids 100, 101, 102, 103; first prompt "
                                "'0 7 + 3 8 5 ='); it must return one per response", None),
     ("strings", ("ok",) * 4, "returned a str ('1.0') for record 0 of 4 (id 100", 0),
@@ -178,10 +180,13 @@ def test_a_hung_reward_does_not_hang_the_process_at_exit(tmp_path):
     assert _gone(map(int, pid_file.read_text().split()))
 
 
-def test_check_values_accepts_finite_numbers_only():
+def test_check_values_accepts_finite_numbers_within_the_bound_only():
     four = batch(("ok",) * 4)
-    assert check_values("r", ("sequence", [0.0, 1.0, -2.5, 1e300]), four) == [0.0, 1.0, -2.5, 1e300]
+    assert check_values("r", ("sequence", [0.0, 1.0, -2.5, 1e6]), four) == [0.0, 1.0, -2.5, 1e6]
+    assert check_values("r", ("sequence", [0.0, 1.0, -2.5, 1e300]), four, max_abs=1e300) == [0.0, 1.0, -2.5, 1e300]
     for reply, words in [(("sequence", [0.0, 1.0, 2.0, -math.inf]), "returned -inf for record 3 of 4"),
+                         (("sequence", [0.0, 1.0, -1e300, 0.0]), "returned -1e+300 for record 2 of 4"),
+                         (("sequence", [0.0, 1.0, 2.0, 1000000.5]), "returned 1000000.5 for record 3 of 4"),
                          (("sequence", [0.0, ("list", "[1.0]"), 0.0, 0.0]), "returned a list ([1.0]) for record 1"),
                          (("sequence", [0.0] * 5), "returned 5 values for a batch of 4 records"),
                          (("not a sequence", "dict", "{}"), "returned a dict ({}) for a batch of 4 records")]:
