@@ -19,13 +19,13 @@ returned, so no step is trained on a missing reward.
 **Why a process, not a thread.** A thread cannot be stopped: a hung function keeps its thread until the process
 exits, and one that spins in Python keeps half of the interpreter's time from the trainer's own thread (a
 pure-Python loop took 0.146 s beside one spinning thread against 0.072 s alone, on the 2-core development machine);
-a pool's threads are joined at exit, which then hangs. The worker is killed instead (its whole process group: a
-function may start processes), dies with the trainer (``PR_SET_PDEATHSIG``, and a finalizer at exit), and its
-Python code never competes with the trainer's for the GIL. What it costs: one process per runner (about 0.1 s to
-start, plus importing the user's module); each call pickles the batch's text through a pipe (measured by
-``benchmarks/reward_overlap.py``); the user's function must be importable by name from a fresh interpreter (not
-defined in ``__main__``); calls are served one at a time, in order; a killed worker loses whatever it had loaded,
-and the next call pays a fresh start.
+a pool's threads are joined at exit, which then hangs. The worker is killed instead (its whole tree: a function may
+start processes, even in sessions of their own, see :mod:`.worker`), dies with the trainer (``PR_SET_PDEATHSIG``, and
+a finalizer at exit), and its Python code never competes with the trainer's for the GIL. What it costs: two
+processes per runner (a supervisor and the one that computes, about 0.1 s to start, plus importing the user's
+module); each call pickles the batch's text through a pipe (measured by ``benchmarks/reward_overlap.py``); the user's
+function must be importable by name from a fresh interpreter (not defined in ``__main__``); calls are served one at a
+time, in order; a killed worker loses whatever it had loaded, and the next call pays a fresh start.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import threading
 import time
 import weakref
 
+from megatron_gkd.child_process import kill_descendants
 from megatron_gkd.rewards.config import DEFAULT_MAX_ABS
 from megatron_gkd.rewards.kinds import REWARDS, kind_target, reward_name
 from megatron_gkd.rewards.protocol import describe_error, read_frame, write_frame
@@ -159,6 +160,8 @@ def check_values(reward: str, reply: tuple, batch: RewardBatch, *, max_abs: floa
 
 def _kill(process: subprocess.Popen) -> None:
     if process.poll() is None:
+        # The worker is a subreaper: every process the reward started is in its tree, whatever its session.
+        kill_descendants(process.pid)
         try:
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -209,8 +212,15 @@ class _Worker:
         except queue.Empty:
             return _TIMEOUT
 
+    def wait_exit(self, timeout: float) -> None:
+        """Gives the worker ``timeout`` seconds to exit by itself."""
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
     def kill(self) -> int:
-        """Kills the worker's process group; its exit code."""
+        """Kills the worker and every process in its tree; its exit code."""
         self._finalizer()
         return self.process.returncode
 
@@ -302,6 +312,8 @@ class RewardRunner:
         worker, timeout = self._worker, self.config.timeout_s
         reply = worker.receive(timeout) if worker.send((batch.prompts, batch.responses, batch.records)) else None
         if reply is _TIMEOUT or reply is None:
+            if reply is None:  # the computing process has exited; its supervisor exits as it did, after the tree
+                worker.wait_exit(5.0)
             self._worker, code = None, worker.kill()
             if self._closed:
                 raise RewardFailed(self.name, f"was stopped: the runner was closed during {batch.describe_all()}")

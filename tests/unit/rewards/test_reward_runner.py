@@ -125,6 +125,48 @@ def test_a_hang_past_the_timeout_kills_the_worker_and_its_children(start, tmp_pa
     assert _gone([worker, child])
 
 
+def test_processes_in_sessions_of_their_own_die_with_the_worker(start, tmp_path, monkeypatch):
+    """Issue #48: the runner killed only the worker's process group; a grader's process that left it (a session of
+    its own) outlived the call's timeout, the runner's close and the trainer."""
+    pid_file = tmp_path / "pids"
+    monkeypatch.setenv("REWARD_TEST_PID_FILE", str(pid_file))
+    runner = start("hangs_beside_its_own_session", timeout_s=1.0)
+    with pytest.raises(RewardFailed, match="gave no rewards within reward.timeout_s=1.0 s"):
+        runner.compute(batch())
+    assert _gone(map(int, pid_file.read_text().split())), "the timeout's kill left a process behind"
+
+    pid_file.unlink()
+    runner = start("leaves_its_own_session")
+    assert runner.compute(batch()).values == [1.0] * 4
+    worker, grandchild = map(int, pid_file.read_text().split())
+    assert _alive(grandchild)  # kept between calls: a grader may hold a server
+    runner.close()
+    assert _gone([worker, grandchild]), "closing the runner left a process behind"
+
+
+def test_processes_in_sessions_of_their_own_die_with_a_killed_trainer(tmp_path):
+    pid_file = tmp_path / "pids"
+    script = textwrap.dedent(f"""
+        import os, time
+        from megatron_gkd.rewards import RewardBatch, RewardConfig, RewardRunner
+        runner = RewardRunner(RewardConfig(kind="function", function="{FUNCTIONS}:hangs_beside_its_own_session",
+                                           timeout_s=600))
+        future = runner.submit(RewardBatch(["p"], ["r"], [{{}}]))
+        time.sleep(3600)
+    """)
+    env = {**os.environ, "REWARD_TEST_PID_FILE": str(pid_file), "PYTHONPATH": str(ROOT)}
+    trainer = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < deadline and trainer.poll() is None
+            time.sleep(0.05)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert _gone(map(int, pid_file.read_text().split())), "a killed trainer's reward left a process behind"
+
+
 def test_after_a_failure_the_next_call_gets_a_fresh_worker(start):
     runner = start(kind="final_answer", format_pattern="####", timeout_s=30)
     with pytest.raises(RewardFailed, match=r"cannot score record 1 of 2 \(id 101, prompt '1 7 \+ 3 8 5 ='\): it has "
