@@ -99,6 +99,10 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.exit_with_parent:
+        # First: a replica of `serve` still loading its model (a minute for a large one, under load) stops when
+        # serve dies, by the default SIGTERM; the handler installed below takes over once the model is loaded.
+        exit_with_parent()
     setup_logging("INFO")
     secret = load_secret(args.secret_file)
     limits = wire.Limits(max_message_bytes=args.max_message_mb * 2**20)
@@ -127,8 +131,6 @@ def main(argv: list[str] | None = None) -> None:
         # SIGTERM that torchrun forwards.
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: stop.set())
-        if args.exit_with_parent:
-            exit_with_parent()
         if args.role in ("serve", "proxy"):
             workers = None if args.role == "serve" else args.workers  # serve: a private IPC socket
             proxy = Proxy(args.frontend, workers, secret, args.insecure, limits).start()
