@@ -13,7 +13,9 @@ and its tree is killed by walking ``/proc`` (:func:`kill_descendants`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import logging
 import os
 import pathlib
@@ -107,6 +109,29 @@ def _parent(pid: int) -> int | None:
         return None
 
 
+def _kill_listed(child: int, tree: set[int]) -> None:
+    """SIGKILLs ``child`` if it is still the process listed in ``tree`` (its parent is in it)."""
+    try:
+        handle = os.pidfd_open(child)
+    except ProcessLookupError:  # exited already
+        return
+    except OSError as error:
+        if error.errno != errno.ENOSYS:
+            return
+        # A kernel before 5.3 has no pidfds: the parent check and the signal are then two steps.
+        if _parent(child) in tree:
+            with contextlib.suppress(OSError):
+                os.kill(child, signal.SIGKILL)
+        return
+    try:
+        if _parent(child) in tree:  # still the process listed, not a reused pid
+            signal.pidfd_send_signal(handle, signal.SIGKILL)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
+
+
 def kill_descendants(pid: int, timeout_s: float = 10.0) -> bool:
     """SIGKILLs every descendant of ``pid`` (not ``pid``) until none is left; whether none is.
 
@@ -120,17 +145,7 @@ def kill_descendants(pid: int, timeout_s: float = 10.0) -> bool:
         found, tree = _walk(pid)
         empty_reads = 0 if found else empty_reads + 1
         for child in found:
-            try:
-                handle = os.pidfd_open(child)
-            except OSError:  # exited already
-                continue
-            try:
-                if _parent(child) in tree:  # still the process listed, not a reused pid
-                    signal.pidfd_send_signal(handle, signal.SIGKILL)
-            except OSError:
-                pass
-            finally:
-                os.close(handle)
+            _kill_listed(child, tree)
         if found and time.monotonic() > end:
             return False
         time.sleep(0.005)  # SIGKILL is delivered at once; the process becomes a zombie shortly after
