@@ -363,7 +363,7 @@ def test_a_worker_whose_responses_break_the_contract_is_refused_by_the_client(hf
         return _lie(case, request, truth)
 
     proxy = Proxy("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", secret=SECRET, limits=LIMITS).start()
-    liar = peers.FakeWorker(proxy.backend_address, SECRET, answer)
+    liar = peers.FakeWorker(proxy.backend_address, SECRET, answer, info=hf_backend.info().to_dict())
     try:
         with build_client("zmq", address=proxy.frontend_address, secret=SECRET, limits=LIMITS,
                           retry=QUICK) as client:
