@@ -4,11 +4,18 @@ A child leads its own process group (it may start processes of its own), writes 
 an unread pipe), announces itself with a ``READY`` line, and stops when the process that started it
 dies, even by SIGKILL (:func:`exit_with_parent`, which the child calls). :meth:`ServiceProcess.stop`
 signals the whole group and waits.
+
+A process group holds only the processes that stay in it: one started in a session of its own (as code-execution
+graders start their sandboxes) leaves it. A process that must take its whole tree with it becomes a subreaper
+(:func:`become_subreaper`: orphans of its descendants are re-parented to it, not to init, so they stay in its tree)
+and its tree is killed by walking ``/proc`` (:func:`kill_descendants`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import logging
 import os
 import pathlib
@@ -25,6 +32,7 @@ logger = logging.getLogger(__name__)
 _WORLD_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                     "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK")
 _handed_out: set[int] = set()
+_PR_SET_CHILD_SUBREAPER = 36
 # (this process, its parent) when this module was imported, early in a child's start-up: a parent that dies
 # while the child is still loading (before it calls exit_with_parent) must be noticed too, and by then
 # os.getppid() already names the process that adopted the orphan.
@@ -48,6 +56,100 @@ def exit_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
     if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def become_subreaper() -> None:
+    """Adopts this process's orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``): a descendant whose parent
+    exits is re-parented to this process instead of init, so :func:`kill_descendants` still finds it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def _process_table() -> tuple[dict[int, list[int]], set[int]]:
+    """The children of every process, and the zombies (exited, not yet reaped), from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    zombies: set[int] = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                state, parent = stat.read().rsplit(")", 1)[1].split()[:2]  # the name may hold ") "
+        except (OSError, ValueError):
+            continue  # exited while the table was read
+        children.setdefault(int(parent), []).append(int(entry.name))
+        if state == "Z":
+            zombies.add(int(entry.name))
+    return children, zombies
+
+
+def _walk(pid: int) -> tuple[list[int], set[int]]:
+    """The live descendants of ``pid`` (parents before their children), and the whole tree with its zombies.
+
+    Zombies are walked through, not listed: a process that has just exited may still be read as the parent of a
+    child that the kernel is re-parenting.
+    """
+    (children, zombies), tree = _process_table(), [pid]
+    for process in tree:  # grows as it is walked
+        tree += children.get(process, ())
+    return [process for process in tree[1:] if process not in zombies], set(tree)
+
+
+def descendants(pid: int) -> list[int]:
+    """The live descendants of ``pid``, parents before their children."""
+    return _walk(pid)[0]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _kill_listed(child: int, tree: set[int]) -> None:
+    """SIGKILLs ``child`` if it is still the process listed in ``tree`` (its parent is in it)."""
+    try:
+        handle = os.pidfd_open(child)
+    except ProcessLookupError:  # exited already
+        return
+    except OSError as error:
+        if error.errno != errno.ENOSYS:
+            return
+        # A kernel before 5.3 has no pidfds: the parent check and the signal are then two steps.
+        if _parent(child) in tree:
+            with contextlib.suppress(OSError):
+                os.kill(child, signal.SIGKILL)
+        return
+    try:
+        if _parent(child) in tree:  # still the process listed, not a reused pid
+            signal.pidfd_send_signal(handle, signal.SIGKILL)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
+
+
+def kill_descendants(pid: int, timeout_s: float = 10.0) -> bool:
+    """SIGKILLs every descendant of ``pid`` (not ``pid``) until none is left; whether none is.
+
+    Sessions and process groups of their own do not hide a descendant. ``pid`` should be a subreaper
+    (:func:`become_subreaper`) that is still alive: a descendant whose parent is killed first is then re-parented to
+    it and found by the next pass, instead of escaping to init. Each process is signalled through a pidfd opened
+    before its parent is checked again, so a pid reused by an unrelated process in between is never signalled.
+    """
+    end, empty_reads = time.monotonic() + timeout_s, 0
+    while empty_reads < 2:  # an empty tree is believed when read twice: a child being re-parented can be missed once
+        found, tree = _walk(pid)
+        empty_reads = 0 if found else empty_reads + 1
+        for child in found:
+            _kill_listed(child, tree)
+        if found and time.monotonic() > end:
+            return False
+        time.sleep(0.005)  # SIGKILL is delivered at once; the process becomes a zombie shortly after
+    return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -117,8 +117,8 @@ def group_advantages(rewards: torch.Tensor, estimator: str, *, eps: float = DEFA
         ``[num_prompts, n]`` float64 advantages (the sequence's; every token of a response carries it).
 
     Raises:
-        ValueError: unknown estimator, ``rewards`` not 2-D or not finite, or fewer samples per prompt than the
-            estimator needs.
+        ValueError: unknown estimator, ``rewards`` not 2-D or not finite, fewer samples per prompt than the
+            estimator needs, or advantages that overflow (non-finite from finite rewards).
     """
     chosen = get_advantage_estimator(estimator)
     if rewards.dim() != 2:
@@ -134,7 +134,17 @@ def group_advantages(rewards: torch.Tensor, estimator: str, *, eps: float = DEFA
     values = rewards.to(torch.float64)
     if not bool(torch.isfinite(values).all()):
         raise ValueError("rewards must be finite; a failed reward must fail its sample, not become NaN/inf")
-    return chosen.fn(values, eps)
+    advantages = chosen.fn(values, eps)
+    # Finite rewards can still overflow in a group's sum (two of 1e308): GRPO then gives NaN, RLOO and Dr. GRPO
+    # +-inf, which would train silently on garbage.
+    finite = torch.isfinite(advantages).all(dim=1)
+    if not bool(finite.all()):
+        group = int((~finite).nonzero()[0, 0])
+        shown = ", ".join(f"{value:g}" for value in values[group, :8].tolist()) + (", ..." if values.shape[1] > 8 else "")
+        raise ValueError(f"advantage estimator {estimator!r} gave a non-finite advantage for prompt group {group} of "
+                         f"{len(values)} (rewards [{shown}]): the rewards' scale overflows float64; bound them "
+                         "(reward.max_abs)")
+    return advantages
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -21,6 +21,10 @@ from megatron_gkd.rewards.matching import AnswerPattern
 
 logger = logging.getLogger(__name__)
 
+# The largest |reward| accepted by default: verifiers give 0 or 1, graders a few points. A finite 1e308 is a grader's
+# bug, and an estimator's arithmetic on such rewards (GRPO's mean of two) overflows to inf and NaN.
+DEFAULT_MAX_ABS = 1e6
+
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class ScorerOptions:
@@ -95,6 +99,10 @@ class RewardConfig(ScorerOptions):
     naming the reward and the batch's records."""
     start_timeout_s: float = 120.0
     """Longest the worker may take to start and build the reward (importing the user's module included)."""
+    max_abs: float = DEFAULT_MAX_ABS
+    """Largest ``|reward|`` accepted: a reward past it (or not finite) stops the run naming the reward and its
+    record, as a failed reward does. Raise it for a reward of a larger scale; the advantage estimators refuse what
+    overflows anyway."""
 
     def __post_init__(self):
         if self.kind is None:
@@ -114,6 +122,8 @@ class RewardConfig(ScorerOptions):
             raise ValueError(f"reward.format_coef={self.format_coef} must be finite")
         if self.format_pattern is None and self.format_coef != _default("format_coef"):
             logger.warning("reward.format_coef=%s has no effect without reward.format_pattern", self.format_coef)
+        if not (math.isfinite(self.max_abs) and self.max_abs > 0):
+            raise ValueError(f"reward.max_abs={self.max_abs} must be a finite number > 0")
         for key in ("timeout_s", "start_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"reward.{key}={getattr(self, key)} must be > 0 seconds")

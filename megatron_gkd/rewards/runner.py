@@ -13,19 +13,19 @@ returned, so no step is trained on a missing reward.
 | the worker dies (a crash in C code, ``os._exit``) | its exit code and the batch's records |
 | a reply that cannot be read | why, and the batch's records; the worker is killed |
 | wrong length, not a sequence | the length or type returned and the batch's records |
-| an item that is not a number, or NaN / inf | the value and its record |
+| an item that is not a number, NaN / inf, or past ``reward.max_abs`` | the value and its record |
 | a record without a field the kind needs (``answer``) | the record and the field |
 
 **Why a process, not a thread.** A thread cannot be stopped: a hung function keeps its thread until the process
 exits, and one that spins in Python keeps half of the interpreter's time from the trainer's own thread (a
 pure-Python loop took 0.146 s beside one spinning thread against 0.072 s alone, on the 2-core development machine);
-a pool's threads are joined at exit, which then hangs. The worker is killed instead (its whole process group: a
-function may start processes), dies with the trainer (``PR_SET_PDEATHSIG``, and a finalizer at exit), and its
-Python code never competes with the trainer's for the GIL. What it costs: one process per runner (about 0.1 s to
-start, plus importing the user's module); each call pickles the batch's text through a pipe (measured by
-``benchmarks/reward_overlap.py``); the user's function must be importable by name from a fresh interpreter (not
-defined in ``__main__``); calls are served one at a time, in order; a killed worker loses whatever it had loaded,
-and the next call pays a fresh start.
+a pool's threads are joined at exit, which then hangs. The worker is killed instead (its whole tree: a function may
+start processes, even in sessions of their own, see :mod:`.worker`), dies with the trainer (``PR_SET_PDEATHSIG``, and
+a finalizer at exit), and its Python code never competes with the trainer's for the GIL. What it costs: two
+processes per runner (a supervisor and the one that computes, about 0.1 s to start, plus importing the user's
+module); each call pickles the batch's text through a pipe (measured by ``benchmarks/reward_overlap.py``); the user's
+function must be importable by name from a fresh interpreter (not defined in ``__main__``); calls are served one at a
+time, in order; a killed worker loses whatever it had loaded, and the next call pays a fresh start.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ import threading
 import time
 import weakref
 
+from megatron_gkd.child_process import kill_descendants
+from megatron_gkd.rewards.config import DEFAULT_MAX_ABS
 from megatron_gkd.rewards.kinds import REWARDS, kind_target, reward_name
 from megatron_gkd.rewards.protocol import describe_error, read_frame, write_frame
 
@@ -126,11 +128,15 @@ class RewardOutput:
     wall_s: float
 
 
-def check_values(reward: str, reply: tuple, batch: RewardBatch) -> list[float]:
+def check_values(reward: str, reply: tuple, batch: RewardBatch, *, max_abs: float = DEFAULT_MAX_ABS) -> list[float]:
     """The validated rewards of ``batch`` from the worker's plain reply (see :func:`.protocol.plain`).
 
+    Args:
+        max_abs: the largest ``|reward|`` accepted (``reward.max_abs``).
+
     Raises:
-        RewardFailed: not a sequence, a wrong length, an item that is not a number, or a non-finite value.
+        RewardFailed: not a sequence, a wrong length, an item that is not a number, a non-finite value, or one
+            past ``max_abs``.
     """
     if reply[0] != "sequence":
         _, type_name, text = reply
@@ -146,11 +152,16 @@ def check_values(reward: str, reply: tuple, batch: RewardBatch) -> list[float]:
                                        "numbers", record=i)
         if not math.isfinite(value):
             raise RewardFailed(reward, f"returned {value} for {batch.describe(i)}; rewards must be finite", record=i)
+        if abs(value) > max_abs:
+            raise RewardFailed(reward, f"returned {value} for {batch.describe(i)}; rewards must be within "
+                                       f"+-reward.max_abs={max_abs}", record=i)
     return items
 
 
 def _kill(process: subprocess.Popen) -> None:
     if process.poll() is None:
+        # The worker is a subreaper: every process the reward started is in its tree, whatever its session.
+        kill_descendants(process.pid)
         try:
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -201,8 +212,15 @@ class _Worker:
         except queue.Empty:
             return _TIMEOUT
 
+    def wait_exit(self, timeout: float) -> None:
+        """Gives the worker ``timeout`` seconds to exit by itself."""
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
     def kill(self) -> int:
-        """Kills the worker's process group; its exit code."""
+        """Kills the worker and every process in its tree; its exit code."""
         self._finalizer()
         return self.process.returncode
 
@@ -294,6 +312,8 @@ class RewardRunner:
         worker, timeout = self._worker, self.config.timeout_s
         reply = worker.receive(timeout) if worker.send((batch.prompts, batch.responses, batch.records)) else None
         if reply is _TIMEOUT or reply is None:
+            if reply is None:  # the computing process has exited; its supervisor exits as it did, after the tree
+                worker.wait_exit(5.0)
             self._worker, code = None, worker.kill()
             if self._closed:
                 raise RewardFailed(self.name, f"was stopped: the runner was closed during {batch.describe_all()}")
@@ -311,7 +331,8 @@ class RewardRunner:
             logger.error("reward %r raised in its worker:\n%s", self.name, text)
             where = batch.describe(record) if record is not None else batch.describe_all()
             raise RewardFailed(self.name, f"raised {error} on {where}", record=record)
-        return RewardOutput(check_values(self.name, reply[1], batch), reply[2], time.perf_counter() - start)
+        return RewardOutput(check_values(self.name, reply[1], batch, max_abs=self.config.max_abs), reply[2],
+                            time.perf_counter() - start)
 
     def close(self) -> None:
         """Cancels the calls not started, stops the one running and the worker (idempotent)."""

@@ -11,6 +11,8 @@ at once).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from megatron_gkd.rollout.types import SamplingConfig
@@ -40,6 +42,24 @@ def draw_uniforms(generators: list[torch.Generator], count: int) -> torch.Tensor
     if not generators:
         return torch.empty(0, count, dtype=torch.float64)
     return torch.stack([torch.rand(count, dtype=torch.float64, generator=generator) for generator in generators])
+
+
+def seeded_uniforms(seeds: Sequence[int | None], count: int) -> torch.Tensor:
+    """``[len(seeds), count]`` float64 uniforms in ``[0, 1)``: row ``r`` holds the first ``count`` of the stream
+    :func:`seeded_generator` gives ``seeds[r]``, as :func:`draw_uniforms` of those generators would.
+
+    One generator is re-seeded row after row instead of one held per row: a host generator holds 2.7 KB, so a
+    request of a million one-token responses held 2.7 GB of generators (issue #48); this holds the uniforms only.
+    """
+    uniforms = torch.empty(len(seeds), count, dtype=torch.float64)
+    generator = torch.Generator()
+    for row, seed in enumerate(seeds):
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        torch.rand(count, dtype=torch.float64, generator=generator, out=uniforms[row])
+    return uniforms
 
 
 def sample_next(scores: torch.Tensor, uniforms: torch.Tensor, *, temperature: float, top_k: int, top_p: float,

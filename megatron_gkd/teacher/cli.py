@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompts of one generate request a worker accepts")
     parser.add_argument("--max-new-tokens", type=int, default=WorkLimits().max_new_tokens,
                         help="the largest max_tokens (longest response) a generate request may ask for")
+    parser.add_argument("--max-generate-mb", type=int, default=WorkLimits().max_generate_bytes >> 20,
+                        help="host memory one generate request may hold on a worker, as estimated from its "
+                             "responses and max_tokens (MiB)")
     parser.add_argument("--num-workers", type=int, default=1,
                         help="serve role: worker replicas behind the proxy; 1 scores in this process, more "
                              "start that many worker processes (each loads the model)")
@@ -85,7 +88,8 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
     """The options a worker process of ``serve --num-workers N`` needs (all but role and address)."""
     options = ["--backend", args.backend, "--model", args.model, "--max-message-mb", str(args.max_message_mb),
                "--delay-s", str(args.delay_s), "--max-request-tokens", str(args.max_request_tokens),
-               "--max-generate-prompts", str(args.max_generate_prompts), "--max-new-tokens", str(args.max_new_tokens)]
+               "--max-generate-prompts", str(args.max_generate_prompts), "--max-new-tokens", str(args.max_new_tokens),
+               "--max-generate-mb", str(args.max_generate_mb)]
     options += [item for pair in args.backend_arg for item in ("--backend-arg", pair)]
     options += [item for module in args.backend_module for item in ("--backend-module", module)]
     if args.secret_file:
@@ -95,6 +99,10 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.exit_with_parent:
+        # First: a replica of `serve` still loading its model (a minute for a large one, under load) stops when
+        # serve dies, by the default SIGTERM; the handler installed below takes over once the model is loaded.
+        exit_with_parent()
     setup_logging("INFO")
     secret = load_secret(args.secret_file)
     limits = wire.Limits(max_message_bytes=args.max_message_mb * 2**20)
@@ -123,8 +131,6 @@ def main(argv: list[str] | None = None) -> None:
         # SIGTERM that torchrun forwards.
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, lambda *_: stop.set())
-        if args.exit_with_parent:
-            exit_with_parent()
         if args.role in ("serve", "proxy"):
             workers = None if args.role == "serve" else args.workers  # serve: a private IPC socket
             proxy = Proxy(args.frontend, workers, secret, args.insecure, limits).start()
@@ -133,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
             worker = Worker(connect, backend, secret, args.insecure, limits,
                             WorkLimits(max_request_tokens=args.max_request_tokens,
                                        max_generate_prompts=args.max_generate_prompts,
-                                       max_new_tokens=args.max_new_tokens)).start()
+                                       max_new_tokens=args.max_new_tokens,
+                                       max_generate_bytes=args.max_generate_mb << 20)).start()
         elif args.role == "serve":
             replicas = WorkerProcesses(args.num_workers, proxy.backend_address, _worker_args(args))
             replicas.wait_registered(lambda: proxy.num_workers, stop)

@@ -23,6 +23,36 @@ IDENTITY_FIELDS = ("name", "model_digest", "dtype", "vocab_size", "tokenizer_siz
                    "signals", "hidden_size", "supports_temperature", "supports_requested_ids")
 
 
+def _positive_int(value) -> bool:
+    return type(value) is int and value >= 1  # type(), not isinstance: True is an int to Python
+
+
+# What each INFO field must hold: a client bounds the ids it accepts by ``tokenizer_size`` and sends generate requests
+# when ``supports_generate`` says so, so a string or a 1 where a number or a bool belongs must be refused, not used.
+_INFO_TYPES = {
+    "name": ("a string", lambda v: isinstance(v, str)),
+    "vocab_size": ("a positive int", _positive_int),
+    "tokenizer_size": ("a positive int or None", lambda v: v is None or _positive_int(v)),
+    "tokenizer_digest": ("a string or None", lambda v: v is None or isinstance(v, str)),
+    "max_top_k": ("a positive int", _positive_int),
+    "supports_requested_ids": ("a bool", lambda v: type(v) is bool),
+    "supports_temperature": ("a bool", lambda v: type(v) is bool),
+    "supports_generate": ("a bool", lambda v: type(v) is bool),
+    "max_sequence_length": ("a positive int or None", lambda v: v is None or _positive_int(v)),
+    "hidden_size": ("a positive int or None", lambda v: v is None or _positive_int(v)),
+    "signals": ("a list of signal names", lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v)),
+    "model_digest": ("a string or None", lambda v: v is None or isinstance(v, str)),
+    "dtype": ("a string or None", lambda v: v is None or isinstance(v, str)),
+}
+
+
+def info_problems(info: dict) -> list[str]:
+    """``field=value must be ...`` for each field of an INFO (``BackendInfo.to_dict()``) of the wrong type; fields
+    it does not hold (a server older than them) are not checked."""
+    return [f"{field}={info[field]!r} must be {what}" for field, (what, valid) in _INFO_TYPES.items()
+            if field in info and not valid(info[field])]
+
+
 def checkpoint_fingerprint(directory: str | os.PathLike) -> str | None:
     """blake3 over every file of ``directory`` (relative name, size and 16 sampled blocks), sorted by
     name; None when ``directory`` is not a local directory (a model name a backend resolves itself)."""

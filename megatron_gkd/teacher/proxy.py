@@ -61,6 +61,7 @@ class _Request:
     request_id: str
     body: list  # [mac, header, *buffers]
     nbytes: int
+    kind: str = ""  # the message type (wire.SCORE, wire.INFO, ...)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -73,6 +74,7 @@ class _Connection:
     nonce: str = ""  # the challenge this connection must answer
     proven: bool = False  # answered its challenge: a client said HELLO, a worker registered
     busy: _Request | None = None
+    info: dict | None = None  # the INFO a worker registered with: every INFO it answers must equal it
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -333,7 +335,7 @@ class Proxy:
             self._busy(connection, message.request_id, nbytes)
             return
         self._queue.append(_Request(client=connection.identity, request_id=message.request_id, body=body,
-                                    nbytes=nbytes))
+                                    nbytes=nbytes, kind=message.type))
         self._queued_bytes += nbytes
         self._dispatch()
 
@@ -414,9 +416,32 @@ class Proxy:
             self._refusals.refused("a message from a worker that answers no request it holds")
             return
         connection.busy = None
+        if request.kind == wire.INFO and (problem := self._changed_info(connection, frames[2:])):
+            # Clients bound the ids they accept by the INFO: one the proxy did not check against the registration
+            # (which it compared with the other replicas') could widen that bound.
+            logger.error("teacher worker cut off: %s", problem)
+            self._send(self._front, request.client, [b"", *wire.error_frames(
+                request.request_id, ErrorCode.BAD_OUTPUT, problem, self._secret)])
+            self._close(self._back, connection, problem)
+            return
         self._send(self._front, request.client, [b"", *frames[2:]])
         self._idle.append(connection.identity)
         self._dispatch()
+
+    def _changed_info(self, connection: _Connection, body: list) -> str | None:
+        """Why a worker's INFO reply cannot be forwarded (it differs from the INFO it registered), or None."""
+        try:
+            message = wire.decode(body, self._limits, self._secret, expect=(wire.INFO_RESULT,))
+        except wire.WireError:
+            return None  # an error reply, or one that does not verify: the client refuses what it cannot trust
+        registered, answered = connection.info or {}, message.meta
+        differences = [f"{field}: {registered.get(field)!r} -> {answered.get(field)!r}"
+                       for field in sorted(set(registered) | set(answered))
+                       if registered.get(field) != answered.get(field)]
+        if not differences:
+            return None
+        return ("the teacher worker answered an INFO that differs from the one it registered ("
+                + "; ".join(differences) + ")")
 
     def _register(self, connection: _Connection, frames: list) -> None:
         if len(frames) < 3 or frames[1]:
@@ -440,6 +465,8 @@ class Proxy:
         problem = None
         if not isinstance(info, dict):
             problem = "the registration carries no INFO (a worker older than this proxy?)"
+        elif malformed := identity.info_problems(info):
+            problem = "its INFO is malformed: " + "; ".join(malformed)
         elif self._teacher is None:
             self._teacher = info
             logger.info("teacher proxy serves %s", identity.identity(info))
@@ -447,6 +474,7 @@ class Proxy:
             problem = ("it serves another teacher than the first worker registered here ("
                        + "; ".join(differences) + "): replicas behind one proxy must be one model")
         if problem is None:
+            connection.info = info
             return True
         if problem not in self._told:  # once at ERROR; a worker that keeps coming back is rate-limited
             self._told.add(problem)

@@ -21,6 +21,8 @@ import sys
 import threading
 import time
 
+from megatron_gkd.child_process import PARENT_PID_ENV
+
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.2
@@ -53,8 +55,10 @@ class WorkerProcesses:
             raise ValueError(f"num_workers={num_workers} must be >= 1")
         command = [sys.executable, "-m", TEACHER_CLI, "worker", "--connect", connect, "--exit-with-parent",
                    *worker_args]
-        # Output goes where this process's goes (the service log); the secret travels in the environment.
-        self.processes = [subprocess.Popen(command) for _ in range(num_workers)]
+        # Output goes where this process's goes (the service log); the secret travels in the environment, and this
+        # process's pid, so that a replica notices a death of this process before it imported anything.
+        env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+        self.processes = [subprocess.Popen(command, env=env) for _ in range(num_workers)]
         self._reported: set[int] = set()
         logger.info("started %d teacher worker processes (pids %s)", num_workers,
                     ", ".join(str(p.pid) for p in self.processes))

@@ -27,16 +27,10 @@ def row_seeds(batch: GenerateBatch) -> list[int | None]:
             for prompt in range(len(batch.prompts)) for sample in range(batch.num_samples)]
 
 
-def row_generators(batch: GenerateBatch) -> list[torch.Generator]:
-    """One generator per response, in response order, seeded with :func:`row_seeds` (fresh entropy when
-    the batch has no seed)."""
-    return [rollout_sampling.seeded_generator(seed) for seed in row_seeds(batch)]
-
-
 def row_uniforms(batch: GenerateBatch) -> torch.Tensor:
-    """``[num_responses, max_tokens]``: response ``r``'s uniform for each of its tokens, from its
-    :func:`row_generators` stream."""
-    return rollout_sampling.draw_uniforms(row_generators(batch), batch.max_tokens)
+    """``[num_responses, max_tokens]``: response ``r``'s uniform for each of its tokens, from the stream seeded
+    with its :func:`row_seeds` (fresh entropy when the batch has no seed)."""
+    return rollout_sampling.seeded_uniforms(row_seeds(batch), batch.max_tokens)
 
 
 def sample_next(scores: torch.Tensor, batch: GenerateBatch, uniforms: torch.Tensor, *,

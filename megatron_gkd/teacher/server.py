@@ -26,6 +26,12 @@ logger = logging.getLogger(__name__)
 
 POLL_MS = 100  # how often the loop looks at its stop flag
 _RESULT_OVERHEAD = 4096  # bytes of a result besides its rows: MAC, msgpack header, num_rows slack
+# What a generate request holds on the worker's host per response and per token of ``max_tokens``, besides the
+# model's activations (bounded by the backend's own batch limit) and the reply. Measured on the hf backend
+# (issue #48): 1.7 KB a response (its seed, row bookkeeping, the response's array and sample, the allocator's
+# share), rounded up; a token is its float64 uniform, the sampled id and the response's int64 id, with slack.
+GENERATE_RESPONSE_BYTES = 2048
+GENERATE_TOKEN_BYTES = 32
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -40,11 +46,16 @@ class WorkLimits:
             request every response counts as its prompt plus ``max_tokens``.
         max_generate_prompts: prompts of one generate request.
         max_new_tokens: ``max_tokens`` (the longest response) a generate request may ask for.
+        max_generate_bytes: host memory a generate request may hold, as :func:`generate_bytes` estimates it
+            (its responses' bookkeeping, one token's worth per ``max_tokens`` of each, and the reply). The token
+            bound alone let 1,024 prompts x 1,024 one-token samples hold 3.3 GB (issue #48): a million
+            responses cost far more than their two million tokens.
     """
 
     max_request_tokens: int = 2**21
     max_generate_prompts: int = 4096
     max_new_tokens: int = 8192
+    max_generate_bytes: int = 2**30
 
     def __post_init__(self):
         if self.max_request_tokens < 2:
@@ -52,6 +63,8 @@ class WorkLimits:
         if self.max_generate_prompts < 1 or self.max_new_tokens < 1:
             raise ValueError(f"WorkLimits.max_generate_prompts={self.max_generate_prompts} and max_new_tokens="
                              f"{self.max_new_tokens} must be >= 1")
+        if self.max_generate_bytes < 2**20:
+            raise ValueError(f"WorkLimits.max_generate_bytes={self.max_generate_bytes} must be >= 1 MiB")
 
 
 def result_bytes(batch: ScoreBatch, hidden_size: int | None = None) -> int:
@@ -59,6 +72,12 @@ def result_bytes(batch: ScoreBatch, hidden_size: int | None = None) -> int:
     backend's h, for the hidden signal)."""
     rows = sum(s.num_response_tokens for s in batch.sequences)
     return rows * codec.result_row_bytes(batch, hidden_size) + 8 * len(batch.sequences) + _RESULT_OVERHEAD
+
+
+def generate_bytes(batch: GenerateBatch, reply_bytes: int) -> int:
+    """Estimated host memory a worker holds for ``batch`` (see ``GENERATE_RESPONSE_BYTES``), ``reply_bytes``
+    being the bound of its reply."""
+    return batch.num_responses * (GENERATE_RESPONSE_BYTES + batch.max_tokens * GENERATE_TOKEN_BYTES) + reply_bytes
 
 
 def check_work(batch: ScoreBatch, info: BackendInfo, work: WorkLimits, limits: wire.Limits) -> None:
@@ -93,8 +112,8 @@ def check_work(batch: ScoreBatch, info: BackendInfo, work: WorkLimits, limits: w
 def check_generate_work(batch: GenerateBatch, info: BackendInfo, work: WorkLimits, limits: wire.Limits) -> None:
     """Refuses, with a typed TeacherError, a generate request whose work or answer would pass a bound
     (before any token is sampled): too many prompts, too long responses, more tokens than a request may
-    hold, longer than the context, ids outside the vocabulary, a reply over the message limit, or scored
-    rows the backend cannot give."""
+    hold, longer than the context, ids outside the vocabulary, a reply over the message limit, more host memory
+    than ``max_generate_bytes``, or scored rows the backend cannot give."""
     if not info.supports_generate:
         raise TeacherError(ErrorCode.UNSUPPORTED, f"the {info.name} teacher backend cannot generate; serve the "
                            "teacher with the hf, vllm or megatron backend")
@@ -127,6 +146,11 @@ def check_generate_work(batch: GenerateBatch, info: BackendInfo, work: WorkLimit
     if size > limits.max_message_bytes:
         raise TeacherError(ErrorCode.TOO_LARGE, f"the reply may have {size} bytes, over the limit of "
                            f"{limits.max_message_bytes}; send fewer prompts or a smaller max_tokens")
+    memory = generate_bytes(batch, size)
+    if memory > work.max_generate_bytes:
+        raise TeacherError(ErrorCode.TOO_LARGE, f"the request may hold {memory} bytes ({batch.num_responses} "
+                           f"responses of up to {batch.max_tokens} tokens), over this worker's max_generate_bytes="
+                           f"{work.max_generate_bytes}; send fewer prompts or samples")
 
 
 class Worker:

@@ -51,6 +51,22 @@ def _finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def _json_safe(value):
+    """``value`` with every non-finite float (NaN, +-inf: not JSON) as None, and whether it held one (numpy and
+    torch scalars become floats, as ``json.dumps(default=float)`` writes them)."""
+    if not isinstance(value, (int, float, str, list, tuple, dict)) and hasattr(value, "__float__"):
+        value = float(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, True
+    if isinstance(value, (list, tuple)):
+        items = [_json_safe(item) for item in value]
+        return [item for item, _ in items], any(bad for _, bad in items)
+    if isinstance(value, dict):
+        items = {key: _json_safe(item) for key, item in value.items()}
+        return {key: item for key, (item, _) in items.items()}, any(bad for _, bad in items.values())
+    return value, False
+
+
 class MetricsWriter:
     """Writes each step's metrics to ``metrics.jsonl``, TensorBoard and (optionally) wandb (rank 0).
 
@@ -66,6 +82,7 @@ class MetricsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(resume_step)
         self._carried: dict = {}
+        self._warned_non_finite: set[str] = set()
         self._tensorboard = None
         self._wandb = None
         if config.tensorboard:
@@ -95,10 +112,24 @@ class MetricsWriter:
         self._carried.update(metrics)
 
     def write(self, step: int, metrics: dict) -> None:
-        """One record: ``{"step": step, **metrics}`` (non-numbers go to the JSONL file only)."""
+        """One record: ``{"step": step, **metrics}`` (non-numbers go to the JSONL file only).
+
+        A NaN or infinite value is written as null (``json.dumps`` would write ``NaN`` / ``Infinity``, which no
+        strict JSON reader takes) with a warning, once a key; TensorBoard and wandb get the finite scalars only.
+        """
         metrics, self._carried = {**self._carried, **metrics}, {}
+        record, non_finite = {"step": step}, []
+        for key, value in metrics.items():
+            record[key], bad = _json_safe(value)
+            if bad:
+                non_finite.append(key)
+        if fresh := [key for key in non_finite if key not in self._warned_non_finite]:
+            self._warned_non_finite.update(fresh)
+            logger.warning("step %d: %s are not finite; written as null to %s (later steps' non-finite values of "
+                           "these keys too, without a warning)", step,
+                           ", ".join(f"{key}={metrics[key]}" for key in fresh), self.path)
         with self.path.open("a") as handle:
-            handle.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
+            handle.write(json.dumps(record, default=float, allow_nan=False) + "\n")
         scalars = {key: float(value) for key, value in metrics.items() if _finite(value)}
         if self._tensorboard is not None:
             # One event holding every scalar of the step (what add_scalar writes, one key at a time): 0.2 ms against

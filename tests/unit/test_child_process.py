@@ -5,6 +5,8 @@ import subprocess
 import sys
 import time
 
+from megatron_gkd import child_process
+
 # The child imports the module, says so, then "loads" for 2 s; its parent exits as soon as it has heard.
 CHILD = ("import sys, time, megatron_gkd.child_process as c; print('imported', flush=True); sys.stdout.close(); "
          "time.sleep(2); c.exit_with_parent(); time.sleep(30)")
@@ -64,3 +66,29 @@ def test_a_parent_that_dies_before_the_child_imports_anything_still_stops_it():
     done = subprocess.run([sys.executable, "-c", parent, child], capture_output=True, text=True, check=True,
                           env=dict(os.environ, PYTHONPATH=os.getcwd()))
     assert _stops(int(done.stdout.split()[0])), "the child outlived a parent that died before it imported the module"
+
+
+# A subreaper that starts a shell, which leaves an orphan in a session of its own and waits: the orphan is re-parented
+# to the subreaper, not to init.
+SUBREAPER = ("import subprocess, sys, time, megatron_gkd.child_process as c; c.become_subreaper(); "
+             "subprocess.Popen(['sh', '-c', '(setsid sleep 300 &); sleep 300']); print('started', flush=True); "
+             "time.sleep(300)")
+
+
+def test_kill_descendants_finds_orphans_in_sessions_of_their_own_and_spares_the_root():
+    root = subprocess.Popen([sys.executable, "-c", SUBREAPER], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    try:
+        root.stdout.readline()
+        deadline = time.monotonic() + 20
+        while len(child_process.descendants(root.pid)) < 3:  # the shell, its sleep, and the orphan
+            assert time.monotonic() < deadline, child_process.descendants(root.pid)
+            time.sleep(0.05)
+        found = child_process.descendants(root.pid)
+        assert any(os.getsid(pid) == pid for pid in found)  # the orphan leads a session of its own
+        assert child_process.kill_descendants(root.pid)
+        assert not child_process.descendants(root.pid) and all(_stops(pid, 5) for pid in found)
+        assert root.poll() is None  # the root itself is spared
+    finally:
+        root.kill()
+        root.wait()

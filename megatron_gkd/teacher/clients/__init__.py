@@ -17,6 +17,7 @@ import threading
 from typing import Any
 
 from megatron_gkd.registry import Registry
+from megatron_gkd.teacher import identity
 from megatron_gkd.teacher.types import (
     ErrorCode,
     GenerateBatch,
@@ -39,8 +40,9 @@ class TeacherInfo:
     what a server that predates the hidden signal is.
 
     Raises:
-        ValueError: ``hidden_size`` is not a positive int or None, ``signals`` is not a list of names,
-            or they disagree (a teacher serving ``hidden`` must say its h).
+        ValueError: a field of the wrong type, naming it (``tokenizer_size='512' must be a positive int or None``:
+            :func:`~megatron_gkd.teacher.identity.info_problems`), or ``signals`` and ``hidden_size`` that disagree
+            (a teacher serving ``hidden`` must say its h).
     """
 
     vocab_size: int
@@ -54,11 +56,10 @@ class TeacherInfo:
     supports_generate: bool = False  # False for a server that predates generate requests
 
     def __post_init__(self):
-        # type() rather than isinstance: True is an int to Python.
-        if not (self.hidden_size is None or (type(self.hidden_size) is int and self.hidden_size >= 1)):
-            raise ValueError(f"hidden_size={self.hidden_size!r} must be a positive int or None")
-        if not (isinstance(self.signals, list) and all(isinstance(s, str) for s in self.signals)):
-            raise ValueError(f"signals={self.signals!r} must be a list of signal names")
+        # The client bounds ids by tokenizer_size and generates when supports_generate says so: a "512" or a 1
+        # from a server must be refused, not used.
+        if problems := identity.info_problems(dataclasses.asdict(self)):
+            raise ValueError(problems[0])
         if (Signal.HIDDEN in self.signals) != (self.hidden_size is not None):
             raise ValueError(f"signals={self.signals} and hidden_size={self.hidden_size} disagree: a teacher "
                              "serving the hidden signal must report its hidden_size")

@@ -55,6 +55,18 @@ def test_advantage_errors_name_the_problem():
         group_advantages(torch.tensor([[1.0, float("nan")]]), "grpo")
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "dr_grpo", "reinforce"])
+def test_finite_rewards_whose_advantages_overflow_are_refused_not_turned_into_nan(estimator):
+    """1e308 is finite, but a group's sum of two is inf: GRPO gave NaN, RLOO and Dr. GRPO +-inf, silently."""
+    rewards = torch.tensor([[0.0, 1.0], [1e308, 1.7e308]], dtype=torch.float64)
+    if estimator == "reinforce":  # no arithmetic on the group: the rewards themselves, finite
+        torch.testing.assert_close(group_advantages(rewards, estimator), rewards)
+        return
+    with pytest.raises(ValueError, match=rf"advantage estimator {estimator!r} gave a non-finite advantage for "
+                                         r"prompt group 1 of 2 \(rewards \[1e\+308, 1\.7e\+308\]\)"):
+        group_advantages(rewards, estimator)
+
+
 LENGTHS = [3, 7, 1, 5, 4, 4, 2, 6]  # 8 responses: 2 groups of n = 4
 LOSSES = [torch.linspace(-1.0, 2.0, length, dtype=torch.float64) * (i + 1) for i, length in enumerate(LENGTHS)]
 

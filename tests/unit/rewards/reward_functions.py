@@ -50,6 +50,11 @@ def inf_values(prompts, responses, records):
     return [math.inf] * len(responses)
 
 
+def absurd_on_second(prompts, responses, records):
+    """Finite, but past any reward's scale: GRPO's mean of two such rewards overflows."""
+    return [1e308 if i == 1 else 0.0 for i in range(len(responses))]
+
+
 def one_short(prompts, responses, records):
     return [0.0] * (len(responses) - 1)
 
@@ -87,3 +92,23 @@ class PluginKind(PerResponse):
 
     def score(self, response, record):
         return float(len(response))
+
+
+def _start_in_own_session() -> int:
+    """A process in a session of its own, as code-execution graders start their sandboxes: out of the worker's
+    process group, so killing that group misses it."""
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
+    with open(os.environ["REWARD_TEST_PID_FILE"], "w") as out:
+        out.write(f"{os.getpid()} {grandchild.pid}")
+    return grandchild.pid
+
+
+def hangs_beside_its_own_session(prompts, responses, records):
+    _start_in_own_session()
+    time.sleep(3600)
+
+
+def leaves_its_own_session(prompts, responses, records):
+    """Returns, leaving its process running (a grader's server kept between calls)."""
+    _start_in_own_session()
+    return [1.0] * len(responses)

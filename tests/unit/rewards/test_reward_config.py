@@ -35,6 +35,8 @@ def test_defaults_compute_no_reward_and_the_section_loads_as_a_structured_config
     ({"kind": "math_answer", "tolerance": float("nan")}, "reward.tolerance=nan"),
     ({"kind": "final_answer", "format_coef": float("inf")}, "reward.format_coef=inf must be finite"),
     ({"kind": "final_answer", "timeout_s": 0}, "reward.timeout_s=0 must be > 0 seconds"),
+    ({"kind": "final_answer", "max_abs": 0.0}, "reward.max_abs=0.0 must be a finite number > 0"),
+    ({"kind": "final_answer", "max_abs": float("inf")}, "reward.max_abs=inf must be a finite number > 0"),
     ({"kind": "final_answer", "start_timeout_s": -1}, "reward.start_timeout_s=-1 must be > 0 seconds"),
 ])
 def test_invalid_sections_name_the_key_and_the_fix(settings, words):

@@ -88,6 +88,8 @@ def test_numpy_results_and_prints_on_stdout_do_not_disturb_the_replies(start):
     ("nan_on_second", ("ok",) * 4, "returned nan for record 1 of 4 (id 101, prompt '1 7 + 3 8 5 ='); rewards must "
                                    "be finite", 1),
     ("inf_values", ("ok",) * 4, "returned inf for record 0 of 4 (id 100", 0),
+    ("absurd_on_second", ("ok",) * 4, "returned 1e+308 for record 1 of 4 (id 101, prompt '1 7 + 3 8 5 ='); rewards "
+                                      "must be within +-reward.max_abs=1000000.0", 1),
     ("one_short", ("ok",) * 4, "returned 3 values for a batch of 4 records (ids 100, 101, 102, 103; first prompt "
                                "'0 7 + 3 8 5 ='); it must return one per response", None),
     ("strings", ("ok",) * 4, "returned a str ('1.0') for record 0 of 4 (id 100", 0),
@@ -121,6 +123,48 @@ def test_a_hang_past_the_timeout_kills_the_worker_and_its_children(start, tmp_pa
                                  "worker was killed")
     worker, child = map(int, pid_file.read_text().split())
     assert _gone([worker, child])
+
+
+def test_processes_in_sessions_of_their_own_die_with_the_worker(start, tmp_path, monkeypatch):
+    """Issue #48: the runner killed only the worker's process group; a grader's process that left it (a session of
+    its own) outlived the call's timeout, the runner's close and the trainer."""
+    pid_file = tmp_path / "pids"
+    monkeypatch.setenv("REWARD_TEST_PID_FILE", str(pid_file))
+    runner = start("hangs_beside_its_own_session", timeout_s=1.0)
+    with pytest.raises(RewardFailed, match="gave no rewards within reward.timeout_s=1.0 s"):
+        runner.compute(batch())
+    assert _gone(map(int, pid_file.read_text().split())), "the timeout's kill left a process behind"
+
+    pid_file.unlink()
+    runner = start("leaves_its_own_session")
+    assert runner.compute(batch()).values == [1.0] * 4
+    worker, grandchild = map(int, pid_file.read_text().split())
+    assert _alive(grandchild)  # kept between calls: a grader may hold a server
+    runner.close()
+    assert _gone([worker, grandchild]), "closing the runner left a process behind"
+
+
+def test_processes_in_sessions_of_their_own_die_with_a_killed_trainer(tmp_path):
+    pid_file = tmp_path / "pids"
+    script = textwrap.dedent(f"""
+        import os, time
+        from megatron_gkd.rewards import RewardBatch, RewardConfig, RewardRunner
+        runner = RewardRunner(RewardConfig(kind="function", function="{FUNCTIONS}:hangs_beside_its_own_session",
+                                           timeout_s=600))
+        future = runner.submit(RewardBatch(["p"], ["r"], [{{}}]))
+        time.sleep(3600)
+    """)
+    env = {**os.environ, "REWARD_TEST_PID_FILE": str(pid_file), "PYTHONPATH": str(ROOT)}
+    trainer = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < deadline and trainer.poll() is None
+            time.sleep(0.05)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    assert _gone(map(int, pid_file.read_text().split())), "a killed trainer's reward left a process behind"
 
 
 def test_after_a_failure_the_next_call_gets_a_fresh_worker(start):
@@ -178,10 +222,13 @@ def test_a_hung_reward_does_not_hang_the_process_at_exit(tmp_path):
     assert _gone(map(int, pid_file.read_text().split()))
 
 
-def test_check_values_accepts_finite_numbers_only():
+def test_check_values_accepts_finite_numbers_within_the_bound_only():
     four = batch(("ok",) * 4)
-    assert check_values("r", ("sequence", [0.0, 1.0, -2.5, 1e300]), four) == [0.0, 1.0, -2.5, 1e300]
+    assert check_values("r", ("sequence", [0.0, 1.0, -2.5, 1e6]), four) == [0.0, 1.0, -2.5, 1e6]
+    assert check_values("r", ("sequence", [0.0, 1.0, -2.5, 1e300]), four, max_abs=1e300) == [0.0, 1.0, -2.5, 1e300]
     for reply, words in [(("sequence", [0.0, 1.0, 2.0, -math.inf]), "returned -inf for record 3 of 4"),
+                         (("sequence", [0.0, 1.0, -1e300, 0.0]), "returned -1e+300 for record 2 of 4"),
+                         (("sequence", [0.0, 1.0, 2.0, 1000000.5]), "returned 1000000.5 for record 3 of 4"),
                          (("sequence", [0.0, ("list", "[1.0]"), 0.0, 0.0]), "returned a list ([1.0]) for record 1"),
                          (("sequence", [0.0] * 5), "returned 5 values for a batch of 4 records"),
                          (("not a sequence", "dict", "{}"), "returned a dict ({}) for a batch of 4 records")]:

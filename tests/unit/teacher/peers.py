@@ -78,11 +78,13 @@ def proven_raw(address: str, secret: bytes | None, timeout_s: float = 10.0) -> s
 
 
 class FakeWorker:
-    """A worker on a real proxy's backend that registers with ``secret`` and answers every request
-    with ``answer(request body) -> reply body`` (a stand-in for a teacher that lies, holding the secret)."""
+    """A worker on a real proxy's backend that registers with ``secret`` and ``info`` (the INFO it registers: the
+    proxy forwards only INFO replies that equal it) and answers every request with ``answer(request body) -> reply
+    body`` (a stand-in for a teacher that lies, holding the secret)."""
 
-    def __init__(self, address: str, secret: bytes | None, answer):
+    def __init__(self, address: str, secret: bytes | None, answer, info: dict | None = None):
         self._secret, self._answer, self._stop = secret, answer, threading.Event()
+        self._info = info if info is not None else {"name": "fake"}
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.connect(address)
@@ -96,7 +98,7 @@ class FakeWorker:
             route, _, *body = self._socket.recv_multipart()
             if wire.peek_type(body) == wire.CHALLENGE:
                 self._socket.send_multipart([route, b"", *wire.encode(wire.REGISTER, "register", {
-                    "nonce": wire.peek_meta(body).get("nonce"), "name": "fake", "info": {"name": "fake"}},
+                    "nonce": wire.peek_meta(body).get("nonce"), "name": "fake", "info": self._info},
                     secret=self._secret)])
             else:
                 self._socket.send_multipart([route, b"", *self._answer(body)])

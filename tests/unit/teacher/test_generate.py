@@ -23,7 +23,7 @@ from megatron_gkd.teacher import (
     wire,
 )
 from megatron_gkd.teacher.backends import TeacherBackend, build_backend
-from megatron_gkd.teacher.server import Proxy, Worker, WorkLimits
+from megatron_gkd.teacher.server import Proxy, Worker, WorkLimits, check_generate_work
 from megatron_gkd.teacher.types import ErrorCode
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher
 from tests.unit.teacher import peers
@@ -101,6 +101,24 @@ def test_samples_do_not_depend_on_how_the_backend_groups_rows(hf_backend, teache
     assert all(np.array_equal(a.response_ids, b.response_ids) for a, b in zip(together, apart))
 
 
+def test_responses_streams_come_from_one_generator_not_one_each(monkeypatch):
+    """Issue #48: a generator a response (2.7 KB each) made one request of 1,024 prompts x 1,024 one-token samples
+    hold 2.7 GB before sampling anything."""
+    batch = GenerateBatch(prompts=_prompts(8), num_samples=16, max_tokens=3, seed=11)
+    expected = torch.stack([torch.rand(3, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+                            for seed in sampling.row_seeds(batch)])
+    made = []
+
+    class Counted(torch.Generator):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self)
+
+    monkeypatch.setattr(torch, "Generator", Counted)
+    torch.testing.assert_close(sampling.row_uniforms(batch), expected, rtol=0, atol=0)
+    assert len(made) <= 1, f"{len(made)} generators for {batch.num_responses} responses"
+
+
 def test_sampling_policy_top_k_top_p_and_temperature():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -torch.inf]] * 4000)
     uniforms = rollout_sampling.draw_uniforms([torch.Generator().manual_seed(i) for i in range(len(logits))], 1)[:, 0]
@@ -142,7 +160,7 @@ class CountingBackend(TeacherBackend):
 def bounded(hf_backend):
     backend = CountingBackend(hf_backend)
     proxy = Proxy("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", secret=SECRET, limits=LIMITS).start()
-    work = WorkLimits(max_request_tokens=4096, max_generate_prompts=8, max_new_tokens=64)
+    work = WorkLimits(max_request_tokens=4096, max_generate_prompts=8, max_new_tokens=64, max_generate_bytes=2**20)
     worker = Worker(proxy.backend_address, backend, secret=SECRET, limits=LIMITS, work=work).start()
     yield proxy, backend
     worker.close()
@@ -157,6 +175,8 @@ def bounded(hf_backend):
     ("prompt_outside_vocab", ErrorCode.BAD_REQUEST, "vocabulary of 512"),
     ("reply_too_large", ErrorCode.TOO_LARGE, "bytes"),
     ("score_k_too_large", ErrorCode.UNSUPPORTED, "max"),
+    ("too_many_responses", ErrorCode.TOO_LARGE, r"1024 responses of up to 1 tokens\), over this worker's "
+                                                r"max_generate_bytes=1048576"),
 ])
 def test_oversized_generate_requests_are_refused_before_sampling(bounded, case, code, match):
     proxy, backend = bounded
@@ -168,6 +188,8 @@ def test_oversized_generate_requests_are_refused_before_sampling(bounded, case, 
         "prompt_outside_vocab": GenerateBatch(prompts=[np.array([3, VOCAB])], max_tokens=4),
         "reply_too_large": GenerateBatch(prompts=_prompts(2), num_samples=3, max_tokens=60, score_top_k=128),
         "score_k_too_large": GenerateBatch(prompts=_prompts(1), max_tokens=4, score_top_k=VOCAB + 1),
+        # 2,048 tokens, within max_request_tokens: a million of such responses held 3.3 GB.
+        "too_many_responses": GenerateBatch(prompts=[np.array([5])], num_samples=1024, max_tokens=1),
     }[case]
     calls = backend.calls
     roomy = wire.Limits(max_message_bytes=2**26)  # so that the client does not refuse it first
@@ -184,6 +206,19 @@ def test_generation_bounds_of_the_command_line_reach_worker_processes():
                                           "--max-new-tokens", "7"])
     worker = cli.build_parser().parse_args(["worker", *cli._worker_args(args)])
     assert (worker.max_generate_prompts, worker.max_new_tokens) == (3, 7)
+    args = cli.build_parser().parse_args(["serve", "--model", "m", "--max-generate-mb", "64"])
+    assert cli.build_parser().parse_args(["worker", *cli._worker_args(args)]).max_generate_mb == 64
+
+
+def test_the_default_budget_refuses_the_million_response_request_before_sampling(hf_backend):
+    """Issue #48: within every other default bound, 1,024 prompts x 1,024 one-token samples held 3.3 GB."""
+    batch = GenerateBatch(prompts=[np.array([5])] * 1024, num_samples=1024, max_tokens=1)
+    with pytest.raises(TeacherError, match=r"1048576 responses of up to 1 tokens\), over this worker's "
+                                           r"max_generate_bytes=1073741824") as caught:
+        check_generate_work(batch, hf_backend.info(), WorkLimits(), wire.Limits())
+    assert caught.value.code == ErrorCode.TOO_LARGE
+    batch = GenerateBatch(prompts=[np.array([5])] * 1024, num_samples=64, max_tokens=16)
+    check_generate_work(batch, hf_backend.info(), WorkLimits(), wire.Limits())  # 65,536 responses: 0.2 GB
 
 
 def test_client_refuses_a_reply_that_cannot_fit_before_sending(client):
@@ -328,7 +363,7 @@ def test_a_worker_whose_responses_break_the_contract_is_refused_by_the_client(hf
         return _lie(case, request, truth)
 
     proxy = Proxy("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", secret=SECRET, limits=LIMITS).start()
-    liar = peers.FakeWorker(proxy.backend_address, SECRET, answer)
+    liar = peers.FakeWorker(proxy.backend_address, SECRET, answer, info=hf_backend.info().to_dict())
     try:
         with build_client("zmq", address=proxy.frontend_address, secret=SECRET, limits=LIMITS,
                           retry=QUICK) as client:

@@ -186,7 +186,7 @@ def test_a_lying_teacher_is_refused_by_the_client(backend, case, code, match):
     # oversized result reaches the client, whose 256 KiB limit drops it.
     proxy = Proxy("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", secret=SECRET,
                   limits=wire.Limits(max_message_bytes=2**26)).start()
-    liar = peers.FakeWorker(proxy.backend_address, SECRET, answer)
+    liar = peers.FakeWorker(proxy.backend_address, SECRET, answer, info=backend.info().to_dict())
     try:
         with build_client("zmq", address=proxy.frontend_address, secret=SECRET, limits=LIMITS,
                           retry=QUICK) as client:

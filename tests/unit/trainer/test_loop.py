@@ -20,6 +20,7 @@ from megatron_gkd.trainer import run_dir
 from megatron_gkd.trainer.checkpoint_dirs import find_checkpoint
 from megatron_gkd.trainer.loop import Trainer
 from megatron_gkd.trainer.preemption import PREEMPTION_SIGNALS
+from megatron_gkd.trainer.teacher_exchange import TeacherFailed
 
 pytestmark = pytest.mark.usefixtures("gloo_world")  # conftest.py: a gloo world of one process
 VOCAB = 64
@@ -116,3 +117,35 @@ def test_the_start_makes_the_dry_runs_checkpoint_checks_first(assets, tmp_path):
     build_tokenizer(student, VOCAB + 16)
     with pytest.raises(ValueError, match=f"has {VOCAB + 16} ids but Qwen3ForCausalLM's table has {VOCAB} rows"):
         Trainer(load_config(None, [*sft_overrides(assets, tmp_path / "run", 1), f"student.checkpoint={student}"]))
+
+
+def test_a_batch_whose_teacher_failed_is_the_first_trained_after_the_resume(assets, tmp_path, signal_handlers):
+    """Issue #48 item 1, for a teacher's failure (the save-after-failure path that a reward's failure shares): the
+    checkpoint records the failed batch's data position, so the same command trains that batch first, not the next."""
+    out = tmp_path / "run"
+    config = load_config(None, [*sft_overrides(assets, out, num_steps=3), "checkpoint.save_interval=1"])
+    seen: list[list[int]] = []
+
+    def run(fail_at: int | None) -> None:
+        trainer = Trainer(config)
+        update = trainer._update
+
+        def recorded(batch):
+            seen.append(list(batch.prompt_indices))
+            if len(seen) == fail_at:
+                raise TeacherFailed("teacher", TimeoutError("no answer within its deadline"))
+            return update(batch)
+
+        trainer._update = recorded
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+
+    with pytest.raises(TeacherFailed, match="no answer within its deadline"):
+        run(fail_at=2)
+    assert find_checkpoint(run_dir.checkpoints(out)).step == 1 and trained_steps(out) == [1]
+    failed = seen[1]
+    run(fail_at=None)  # the same command again
+    assert seen[2] == failed, "the resumed run skipped the batch whose teacher failed"
+    assert trained_steps(out) == [1, 2, 3]

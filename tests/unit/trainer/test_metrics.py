@@ -1,11 +1,13 @@
 """The rank-0 progress output: a bar at a sane rate off a terminal, step lines every N steps, the summary table."""
 
 import io
+import json
 import logging
+import math
 import re
 
 from megatron_gkd.config import LoggingConfig
-from megatron_gkd.trainer.metrics import Progress, summary_table
+from megatron_gkd.trainer.metrics import MetricsWriter, Progress, summary_table
 
 
 def _run(progress: Progress, num_steps: int) -> None:
@@ -57,3 +59,31 @@ def test_summary_table_shows_before_and_after_and_where_outputs_are():
     assert rows["eval/kl_to_teacher"] == "0.9380 -> n/a"
     assert rows["HF export"] == "none" and rows["checkpoints"] == "/run/checkpoints"
     assert rows["peak RSS per rank"] == "1.23 1.50 GiB"
+
+
+def _strict(line: str) -> dict:
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_non_finite_metrics_are_written_as_null_with_a_warning_so_the_file_stays_json(tmp_path, caplog):
+    writer = MetricsWriter(tmp_path, LoggingConfig(tensorboard=False))
+    with caplog.at_level(logging.WARNING, logger="megatron_gkd.trainer.metrics"):
+        writer.write(1, {"reward/mean": math.inf, "train/loss": math.nan, "train/lr": 1e-3,
+                         "teacher/rows": [1.0, -math.inf], "count": 3})
+        writer.write(2, {"reward/mean": -math.inf, "train/loss": 0.5, "eval/kl": math.nan})
+        writer.write(3, {"reward/mean": math.nan})
+    writer.close()
+    records = [_strict(line) for line in writer.path.read_text().splitlines()]
+    assert records == [{"step": 1, "reward/mean": None, "train/loss": None, "train/lr": 1e-3,
+                        "teacher/rows": [1.0, None], "count": 3},
+                       {"step": 2, "reward/mean": None, "train/loss": 0.5, "eval/kl": None},
+                       {"step": 3, "reward/mean": None}]
+    # Once a key: a diverged run does not log a warning every step.
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        "step 1: reward/mean=inf, train/loss=nan, teacher/rows=[1.0, -inf] are not finite; written as null to "
+        f"{writer.path} (later steps' non-finite values of these keys too, without a warning)",
+        f"step 2: eval/kl=nan are not finite; written as null to {writer.path} (later steps' non-finite values of "
+        "these keys too, without a warning)"]
