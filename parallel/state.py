@@ -215,6 +215,26 @@ class ParallelState:
 
 _state: ParallelState | None = None
 
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""What torchrun's own environment needs for ``--max-restarts`` to work. By default (torch 2.4 to at least 2.13)
+the ranks of every attempt share the rendezvous's one TCP store, which still holds the dead attempt's keys: a
+restarted rank reads a dead peer's address and the default group fails to connect (pytorch/pytorch#135712; seen
+here as gloo's "connectFullMesh failed ... Connection refused"). With it, every attempt gets a store of its own."""
+
+
+def check_restartable(environ=os.environ) -> None:
+    """Refuses torchrun restarts (``--max-restarts`` > 0) that would restart into the dead attempt's store.
+
+    Raises:
+        ValueError: restarts are on and torchrun shares its rendezvous store with the ranks.
+    """
+    restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts > 0 and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        setting = " ".join(f"{key}={value}" for key, value in RESTART_ENV.items())
+        raise ValueError(f"torchrun --max-restarts={restarts} restarts the ranks into the rendezvous store the failed "
+                         f"attempt used, where they read dead peers' addresses (pytorch/pytorch#135712): run torchrun "
+                         f"with {setting} in its environment (the launcher sets it), or --max-restarts=0")
+
 
 def _init_default_group() -> None:
     if dist.is_initialized():
@@ -224,6 +244,7 @@ def _init_default_group() -> None:
             "torch.distributed is not initialised and RANK/WORLD_SIZE are not set; launch with "
             "torchrun (e.g. torchrun --nproc_per_node 2 ...) or initialise the default group first"
         )
+    check_restartable()
     platform.set_local_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=platform.dist_backend())
 

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = parser.add_argument_group("run")
     run.add_argument("--health-timeout", type=float, default=1800.0, help="seconds to wait for the teacher")
     run.add_argument("--no-requeue", action="store_true", help="after a preemption, exit instead of requeueing")
+    run.add_argument("--max-restarts", type=int, default=3,
+                     help="torchrun restarts of the student's ranks after one dies, each resuming from the newest "
+                          "complete checkpoint (0: fail with the first)")
     return parser
 
 
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             device=planning.get_device(args.device) if args.device else None, kernels=args.kernels,
             teacher_nodes=args.teacher_nodes, rdzv_port=args.rdzv_port, teacher_port=args.teacher_port,
             teacher_rdzv_port=args.teacher_rdzv_port, ray_port=args.ray_port,
-            health_timeout_s=args.health_timeout, requeue=not args.no_requeue)
+            health_timeout_s=args.health_timeout, requeue=not args.no_requeue, max_restarts=args.max_restarts)
         plan = build_plan(options, config, allocation)
     except ValueError as error:
         sys.stderr.write(f"config error: {error}\n")

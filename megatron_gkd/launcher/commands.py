@@ -47,7 +47,7 @@ def python_module(module: str, *args: str) -> list[str]:
 
 
 def torchrun(allocation: Allocation, module: str, args: list[str], *, port: int,
-             rdzv_backend: str = "c10d", node_rank: int | None = None) -> list[str]:
+             rdzv_backend: str = "c10d", node_rank: int | None = None, max_restarts: int = 0) -> list[str]:
     """``torchrun -m module`` for ``allocation``'s nodes, its rendezvous on the first node.
 
     Args:
@@ -55,16 +55,21 @@ def torchrun(allocation: Allocation, module: str, args: list[str], *, port: int,
             rendezvous) or ``static`` (``node_rank`` fixes which node holds rank 0: services that must
             listen on a known node use it).
         node_rank: the node's index (``static`` only).
+        max_restarts: ``c10d`` only: how often torchrun stops every rank and starts them again after one fails
+            (the trainer resumes from its newest complete checkpoint); its environment then needs
+            :data:`megatron_gkd.parallel.state.RESTART_ENV`.
     """
     endpoint = f"{allocation.head.address}:{port}"
     args_ = [f"--nnodes={allocation.num_nodes}", f"--nproc-per-node={allocation.nproc_per_node}"]
     if rdzv_backend == "c10d":
         run_id = allocation.job_id or "gkd"
-        args_ += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", "--max-restarts=0"]
+        args_ += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}", f"--max-restarts={max_restarts}"]
     elif rdzv_backend == "static":
         if node_rank is None:
             raise ValueError("a static rendezvous needs the node's rank")
         args_ += [f"--node-rank={node_rank}", f"--master-addr={allocation.head.address}", f"--master-port={port}"]
+        if max_restarts:
+            raise ValueError("a static rendezvous cannot restart its ranks; use c10d")
     else:
         raise ValueError(f"unknown rendezvous backend {rdzv_backend!r}; use 'c10d' or 'static'")
     return python_module("torch.distributed.run", *args_, "-m", module, *args)

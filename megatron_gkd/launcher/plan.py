@@ -15,6 +15,7 @@ from megatron_gkd.launcher import commands, memory
 from megatron_gkd.launcher.commands import Step
 from megatron_gkd.launcher.nodes import Allocation
 from megatron_gkd.launcher.teacher import TeacherDeployment, plan_teacher
+from megatron_gkd.parallel.state import RESTART_ENV
 from megatron_gkd.teacher.replicas import backend_arg_flags
 
 ROLES = ("student", "teacher", "combined")
@@ -39,6 +40,9 @@ class JobOptions:
     ray_port: int = 6379
     health_timeout_s: float = 1800.0
     requeue: bool = True
+    max_restarts: int = 3
+    """How often torchrun restarts the student's ranks after one dies (each restart resumes from the newest
+    complete checkpoint); 0: the job fails with the first rank."""
 
     @property
     def secret_file(self) -> pathlib.Path:
@@ -137,8 +141,9 @@ def build_plan(options: JobOptions, config, allocation: Allocation) -> JobPlan:
             options.config_path, student_overrides)
         command = commands.torchrun(student_allocation, commands.TRAINER_CLI,
                                     commands.trainer_args(options.config_path, student_overrides),
-                                    port=options.rdzv_port)
-        student = Step(name="student", nodes=student_allocation.nodes, command=command, signal_target=True)
+                                    port=options.rdzv_port, max_restarts=options.max_restarts)
+        student = Step(name="student", nodes=student_allocation.nodes, command=command, signal_target=True,
+                       env=dict(RESTART_ENV) if options.max_restarts else {})
         sections.append((f"student on {student_allocation.describe()}", _student_text(
             student_config, student_allocation, "c10d")))
     plan = JobPlan(options=options, allocation=allocation, teacher=teacher, teacher_allocation=teacher_allocation,
@@ -186,7 +191,17 @@ def dry_run_text(plan: JobPlan) -> str:
     if plan.teacher is not None and plan.student is not None:
         lines.append("[stop] the teacher's steps when the student ends, fails or is preempted")
     lines += ["", "== preemption", _preemption_text(plan)]
+    if plan.student is not None:
+        lines += ["", "== a rank that dies", _restart_text(plan.options.max_restarts)]
     return "\n".join(lines)
+
+
+def _restart_text(max_restarts: int) -> str:
+    if not max_restarts:
+        return "the job fails with it (--max-restarts 0)"
+    return (f"torchrun stops every rank of the student and starts them again, at most {max_restarts} time(s) "
+            "(--max-restarts); they resume from the newest complete checkpoint (checkpoint.resume=auto): the steps "
+            "after it are trained again, the data position and RNG as saved")
 
 
 def _preemption_text(plan: JobPlan) -> str:

@@ -16,6 +16,7 @@ import sys
 import time
 
 from megatron_gkd.launcher.commands import TRAINER_CLI
+from megatron_gkd.parallel.state import RESTART_ENV
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "cpu_tiny.yaml"
@@ -41,24 +42,25 @@ def asset_overrides(assets: pathlib.Path) -> list[str]:
 
 
 def command(out: pathlib.Path, overrides: list[str], nproc: int = 2, config: pathlib.Path = CONFIG,
-            module: str = TRAINER_CLI) -> list[str]:
+            module: str = TRAINER_CLI, max_restarts: int = 0) -> list[str]:
     """The torchrun command of a run; ``module``: the trainer's CLI, or a test's module that wraps it (run from the
-    repository root, e.g. ``tests.e2e.trainer.stale_engine``)."""
+    repository root, e.g. ``tests.e2e.trainer.stale_engine``); ``max_restarts``: torchrun's restarts of the ranks."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            "-m", module, "--config", str(config), f"trainer.output_dir={out}",
+            f"--max-restarts={max_restarts}", "-m", module, "--config", str(config), f"trainer.output_dir={out}",
             "logging.progress_bar=false", *overrides]
 
 
 def start(out: pathlib.Path, overrides: list[str], nproc: int = 2, log_name: str = "run.log", env: dict | None = None,
-          config: pathlib.Path = CONFIG, module: str = TRAINER_CLI):
+          config: pathlib.Path = CONFIG, module: str = TRAINER_CLI, max_restarts: int = 0):
     """Starts a run of ``config``; its output goes to ``out/../<out name>-<log_name>``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     log_path = out.parent / f"{out.name}-{log_name}"
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    # Restarts need torchrun's environment to give every attempt its own store, as the launcher's does.
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(RESTART_ENV if max_restarts else {}), **(env or {})}
     environment.pop("PYTEST_CURRENT_TEST", None)
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command(out, overrides, nproc, config, module), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                   env=environment, start_new_session=True, text=True)
+        process = subprocess.Popen(command(out, overrides, nproc, config, module, max_restarts), cwd=REPO, stdout=log,
+                                   stderr=subprocess.STDOUT, env=environment, start_new_session=True, text=True)
     process.log_path = log_path
     return process
 
@@ -72,9 +74,9 @@ def wait(process, timeout_s: float = 900) -> int:
 
 
 def run(out: pathlib.Path, overrides: list[str], nproc: int = 2, timeout_s: float = 900, log_name: str = "run.log",
-        config: pathlib.Path = CONFIG, env: dict | None = None, module: str = TRAINER_CLI):
+        config: pathlib.Path = CONFIG, env: dict | None = None, module: str = TRAINER_CLI, max_restarts: int = 0):
     """Runs to the end; returns ``(exit code, log text)``."""
-    process = start(out, overrides, nproc, log_name, env=env, config=config, module=module)
+    process = start(out, overrides, nproc, log_name, env=env, config=config, module=module, max_restarts=max_restarts)
     code = wait(process, timeout_s)
     return code, process.log_path.read_text(errors="replace")
 

@@ -6,7 +6,8 @@
 
 A bad config exits with status 2 and one line naming the key and the fix. SIGTERM / SIGUSR1 (Slurm
 preemption) make the run checkpoint after the current step and exit 0; rerunning the same command
-resumes from the run directory.
+resumes from the run directory. So does torchrun when a rank dies, given ``--max-restarts N`` and
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in its environment (docs/running.md, "A rank that dies").
 """
 
 from __future__ import annotations

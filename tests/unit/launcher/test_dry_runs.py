@@ -61,8 +61,20 @@ def test_student_sbatch_dry_run_has_the_c10d_rendezvous_ranks_and_memory_plan():
     student = next(line for line in out.splitlines() if line.startswith("[student] on node0,node1:"))
     assert "--rdzv-backend=c10d --rdzv-endpoint=node0:29400" in student
     assert f"--config={TINY}" in student and "rollout.tensor_parallel_size=4" in student
+    # A rank that dies: torchrun restarts the ranks (issue #48 item 3), each attempt with a store of its own.
+    assert "--max-restarts=3" in student and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in student
+    assert "at most 3 time(s)" in out.split("== a rank that dies")[1]
     assert "layout: TP2 PP1 DP4" in out and "fullest rank" in out
     assert "[teacher]" not in out
+
+
+def test_max_restarts_0_fails_the_job_with_its_first_rank():
+    result = dry_run("launch/slurm/student.sbatch", "--nodes", "1", "--nproc-per-node", "2", "--max-restarts", "0",
+                     "--config", str(TINY), *PLANNABLE, "teacher.serve.model=teacher_dir")
+    assert result.returncode == 0, result.stderr
+    student = next(line for line in result.stdout.splitlines() if line.startswith("[student]"))
+    assert "--max-restarts=0" in student and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in student
+    assert "the job fails with it" in result.stdout.split("== a rank that dies")[1]
 
 
 def test_teacher_sbatch_dry_run_puts_megatron_rank_0_on_the_first_node():
