@@ -1,0 +1,80 @@
+"""``self`` client: the student's own model as its teacher, reading privileged context (issue #50 item 1, OPSD).
+
+The teacher is the student's model chunks on this rank, with their current weights, on the trainer's own shards and
+process groups: no copy, no service, no gather of the vocabulary. Each sequence's prompt is replaced by its
+privileged prompt (:class:`~megatron_gkd.teacher.privileged.PrivilegedPrompts`; the response ids are unchanged) and
+scored by the same per-rank function as the ``local`` client and the ``megatron`` backend
+(:class:`~megatron_gkd.teacher.megatron_scoring.MegatronScorer`: log-partition and top-k vocab-parallel over TP,
+through the model's own pipeline schedule), without gradient and in eval mode (the chunks' modes are restored after).
+
+``score`` is a collective, as the ``local`` client's: every rank of a model-parallel group calls it with the same
+batch and every one of them gets the outputs. The teacher serves the top-k signal; k may be the whole vocabulary
+(the student's own log-probs are exact, so the top-V is the full distribution). The hidden signal is refused: the
+teacher's head would be the student's own output layer, which moves with every step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import torch
+
+from megatron_gkd import platform
+from megatron_gkd.teacher.clients import TeacherClient, TeacherInfo
+from megatron_gkd.teacher.megatron_scoring import MegatronScorer, TeacherVocab
+from megatron_gkd.teacher.privileged import PrivilegedPrompts
+from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, Signal, TeacherError, TeacherOutput
+
+
+class SelfTeacherClient(TeacherClient):
+    """Scores with the student's own chunks (current weights, no gradient) on privileged prompts.
+
+    Args:
+        chunks: the student's model chunks on this rank (wrapped or not), as the trainer trains them.
+        vocab: the student's vocabulary sizes (its output rows, its tokenizer's size and digest).
+        prompts: the privileged prompt of each student prompt.
+    """
+
+    def __init__(self, chunks: list[torch.nn.Module], vocab: TeacherVocab, prompts: PrivilegedPrompts):
+        super().__init__(max_inflight=1)
+        self._chunks, self._prompts = chunks, prompts
+        self._scorer = MegatronScorer(chunks, vocab, platform.device())
+
+    def info(self) -> TeacherInfo:
+        vocab = self._scorer.vocab
+        return TeacherInfo(vocab_size=vocab.vocab_size, tokenizer_size=vocab.tokenizer_size,
+                           tokenizer_digest=vocab.tokenizer_digest, max_top_k=vocab.tokenizer_size,
+                           supports_requested_ids=True, supports_temperature=True, signals=[Signal.TOPK.value])
+
+    def _score(self, batch: ScoreBatch) -> list[TeacherOutput]:
+        if batch.is_hidden:
+            raise TeacherError(ErrorCode.UNSUPPORTED, "the self teacher serves the top-k signal only (its head would be "
+                               "the student's own, moving output layer); set teacher.signal=topk")
+        try:
+            privileged = [self._prompts.sequence(sequence) for sequence in batch.sequences]
+        except KeyError as error:
+            raise TeacherError(ErrorCode.BAD_REQUEST, str(error.args[0])) from error
+        asked = ScoreBatch(sequences=privileged, top_k=batch.top_k, temperature=batch.temperature)
+        self._scorer.check(asked, self._scorer.vocab.tokenizer_size)
+        modes = [chunk.training for chunk in self._chunks]
+        try:
+            for chunk in self._chunks:
+                chunk.eval()
+            outputs = self._scorer.score(asked)  # under torch.no_grad
+        finally:
+            for chunk, mode in zip(self._chunks, modes, strict=True):
+                chunk.train(mode)
+        for index, (output, sequence) in enumerate(zip(outputs, batch.sequences, strict=True)):
+            output.validate(sequence.num_response_tokens, batch.top_k, batch.num_requested,
+                            name=f"sequence {index} (self teacher)", sequence=sequence)
+        return outputs
+
+    def score_async(self, batch: ScoreBatch) -> concurrent.futures.Future:
+        """Scores now, on the calling thread, and returns a completed Future: the teacher is the training ranks' own
+        model and process groups (as the ``local`` client's, a background thread could interleave collectives)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(self.score(batch))
+        except Exception as error:  # noqa: BLE001 - delivered through the future, as other clients do
+            future.set_exception(error)
+        return future
