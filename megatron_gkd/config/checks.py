@@ -415,6 +415,10 @@ def _check_teacher(config, teacher, key: str) -> None:
     if loss.tail_bucket and teacher.signal.sends_hidden and not teacher.cross_tokenizer.enabled:
         logger.warning("loss.tail_bucket has no effect with %s.signal=hidden (the divergence is over the teacher's "
                        "whole distribution, with no mass left outside)", key)
+    if traits is not None and traits.reads_student and config.parallel.pipeline_model_parallel_size > 1:
+        _fail(f"{key}.client={teacher.client} scores with the student's own chunks, which is not built or tested with "
+              "pipeline parallelism; set parallel.pipeline_model_parallel_size=1, or use a separate teacher "
+              f"({key}.client=local with {key}.checkpoint=DIR of the student's checkpoint)")
     if teacher.enabled and teacher.cross_tokenizer.enabled:
         _check_cross_tokenizer(config, teacher, key)
     elif teacher.enabled and teacher.cross_tokenizer.hidden_support.whole_vocabulary:

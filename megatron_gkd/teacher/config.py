@@ -9,6 +9,7 @@ from typing import Any
 
 from megatron_gkd.teacher.backends import DEFAULT_DTYPE
 from megatron_gkd.teacher.clients import CLIENT_TRAITS, CLIENTS, RetryPolicy, TeacherClient, client_traits
+from megatron_gkd.teacher.privileged import template_fields
 from megatron_gkd.teacher.types import HIDDEN_DTYPES, TEACHER_SIGNALS, Signal
 from megatron_gkd.xtok.config import CrossTokenizerConfig
 
@@ -110,6 +111,12 @@ class TeacherConfig:
             with its logits scaled up to 58 and 116 (bf16 rounding grows with ``|logit| / temperature``); the head
             of the same model with another seed 5.5-16.6, a hidden row scaled by 1e4 2.6e4-1.4e5
             (:mod:`megatron_gkd.trainer.head_check`).
+        privileged_template: self: the teacher's prompt, a format string over the record's fields (``prompt``: the
+            prompt's text, ``response``: the reference response, ``answer``), e.g. ``"Reference solution:
+            {response}\\n\\n{prompt}"``; with a chat template it is the content of the last user message
+            (:mod:`megatron_gkd.teacher.privileged`).
+        self_weights: self: the weights the teacher reads; ``current`` (the default, null: the student's weights of
+            the step, without gradient) is the only one built.
         cross_tokenizer: a teacher of another tokenizer (:class:`~megatron_gkd.xtok.config.CrossTokenizerConfig`):
             ``cross_tokenizer.method`` (``projected`` or ``hybrid``) enables cross-tokenizer distillation; unset, a
             teacher whose tokenizer differs from the student's is refused at start-up.
@@ -145,8 +152,16 @@ class TeacherConfig:
     head_check_interval: int = 10
     head_check_tolerance: float = 1.0
     cross_tokenizer: CrossTokenizerConfig = dataclasses.field(default_factory=CrossTokenizerConfig)
+    privileged_template: str | None = None
+    self_weights: str | None = None
 
     def __post_init__(self):
+        if self.self_weights not in (None, "current"):
+            raise ValueError(f"teacher.self_weights={self.self_weights!r}: only 'current' (the student's weights of the "
+                             "step) is built; a frozen copy of the initial weights or an EMA is not: set "
+                             "teacher.self_weights=current")
+        if self.privileged_template is not None:
+            template_fields(self.privileged_template)  # a malformed template fails now, not at the first record
         if self.signal not in TEACHER_SIGNALS:
             raise ValueError(f"teacher.signal={self.signal!r} must be one of {', '.join(TEACHER_SIGNALS)}")
         self.signal = Signal(self.signal)  # the field stays a str for OmegaConf: its messages and YAML are unchanged
@@ -178,6 +193,10 @@ class TeacherConfig:
 
     def _check_client_options(self, traits) -> None:
         """The options the client needs are set, and those it does not read are not (a warning)."""
+        if traits.reads_student and self.signal.needs_head:
+            raise ValueError(f"teacher.client={self.client} serves the top-k signal only (the head of the hidden signal "
+                             "would be the student's own, moving output layer); set teacher.signal=topk (teacher.top_k "
+                             "up to the vocabulary's size gives the whole distribution)")
         if self.serve.model is not None:
             if traits.served_option is None:
                 raise ValueError(f"teacher.serve.model starts a teacher service, which client {self.client!r} does not "
@@ -270,18 +289,22 @@ class TeacherMixConfig:
                          f"teacher_mix.routes.{group}=NAME or set teacher_mix.default=NAME")
 
 
-def build_client_from_config(config: TeacherConfig, secret: bytes | None = None, *, state=None) -> TeacherClient:
+def build_client_from_config(config: TeacherConfig, secret: bytes | None = None, *, state=None,
+                             student=None) -> TeacherClient:
     """The client ``config`` describes, connected and ready to score (``teacher.address`` set; a
     trainer that serves the teacher itself fills it in, with the service's ``secret``). A collective client
     (``ClientTraits.collective``: sharded on the training ranks) is built on ``state``, the trainer's
-    :class:`~megatron_gkd.parallel.ParallelState`."""
+    :class:`~megatron_gkd.parallel.ParallelState`; a client that reads the student (``ClientTraits.reads_student``)
+    gets ``student`` too: ``(chunks, vocab)``, this rank's chunks and a
+    :class:`~megatron_gkd.teacher.megatron_scoring.TeacherVocab`."""
     if not config.enabled:
         raise ValueError("teacher.client=none: this run has no teacher")
     client_class = CLIENTS.get(config.client)
     from_config = getattr(client_class, "from_config", None)
-    if client_traits(config.client).collective:
-        if state is None:
+    traits = client_traits(config.client)
+    if traits.collective:
+        if state is None or (traits.reads_student and student is None):
             raise ValueError(f"teacher.client={config.client} runs on the training ranks, sharded like the student: "
                              "it is built by the trainer, with its parallel state")
-        return from_config(config, secret, state=state)
+        return from_config(config, secret, state=state, **({"student": student} if traits.reads_student else {}))
     return from_config(config, secret) if from_config is not None else client_class()

@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import hashlib
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
+from megatron_gkd.data import PromptRecord
+from megatron_gkd.data.readers import Malformed
+from megatron_gkd.data.tokenization import render_messages, tokenize_texts
 from megatron_gkd.teacher.types import SequenceRequest
 
 TEMPLATE_KEY = "teacher.privileged_template"
@@ -124,3 +128,54 @@ class PrivilegedPrompts:
                            "the loaded datasets' records, and this one is in none")
         return SequenceRequest(token_ids=np.concatenate([teacher, sequence.token_ids[start:]]),
                                response_start=len(teacher), requested_ids=sequence.requested_ids)
+
+
+def record_fields(record: PromptRecord, tokenizer: Any) -> dict[str, str | None]:
+    """The fields a template reads of ``record`` (loaded with ``keep_conversations``): ``prompt``, the prompt's text
+    (a conversation's last user message); ``response``, the reference response decoded from its ids (its EOS
+    dropped), or None; ``answer``, or None.
+
+    Raises:
+        ValueError: the record has no conversation (the data was loaded without ``keep_conversations``).
+    """
+    conversation = record.conversation
+    if conversation is None:
+        raise ValueError(f"prompt row {record.index} has no conversation: the self teacher needs the data loaded with "
+                         "keep_conversations=True")
+    if isinstance(conversation, str):
+        prompt = conversation
+    else:
+        prompt = next((m["content"] for m in reversed(conversation) if m.get("role") == "user"), None)
+    response = None
+    if record.response_ids is not None:
+        response = tokenizer.decode(list(record.response_ids[:-1]), skip_special_tokens=False)
+    return {"prompt": prompt, "response": response, "answer": record.answer}
+
+
+def learn_privileged(prompts: PrivilegedPrompts, records: Iterable[PromptRecord], template: str, tokenizer: Any,
+                     chat_template: str | None) -> None:
+    """Adds the privileged prompt of each of ``records`` to ``prompts``: ``template`` over the record's fields
+    (:func:`record_fields`), in place of the prompt's text, rendered as the student's prompt was (``chat_template``:
+    the student's, or None for raw text) and tokenized by the student's tokenizer.
+
+    Raises:
+        ValueError: a record lacks a field the template reads, or the chat template cannot render one (the row named).
+    """
+    keys, texts = [], []
+    for record in records:
+        try:
+            text = render_privileged(template, record_fields(record, tokenizer))
+            conversation = privileged_conversation(record.conversation, text)
+        except ValueError as error:
+            raise ValueError(f"prompt row {record.index}: {error}") from error
+        if chat_template is not None:
+            conversation = render_messages(conversation, chat_template, tokenizer)
+            if isinstance(conversation, Malformed):
+                raise ValueError(f"prompt row {record.index}: the chat template cannot render the privileged prompt "
+                                 f"({conversation.detail or conversation.reason})")
+        keys.append(record.prompt_ids)
+        texts.append(conversation)
+    # A chat template writes its own special tokens; raw text gets the tokenizer's, as the student's prompt did.
+    for student_ids, teacher_ids in zip(keys, tokenize_texts(tokenizer, texts, add_special_tokens=chat_template is None),
+                                        strict=True):
+        prompts.add(student_ids, teacher_ids)

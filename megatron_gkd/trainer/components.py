@@ -15,7 +15,7 @@ import torch
 from megatron_gkd import platform
 from megatron_gkd.config import GKDConfig, needs_rollout
 from megatron_gkd.config.checks import generating_teacher
-from megatron_gkd.data.tokenization import pad_id
+from megatron_gkd.data.tokenization import pad_id, tokenizer_digest
 from megatron_gkd.models import load_hf, resolve_checkpoint, unwrap
 from megatron_gkd.models.teacher_head import load_teacher_head
 from megatron_gkd.parallel import ParallelState
@@ -24,6 +24,7 @@ from megatron_gkd.rollout import build_engine, engine_traits
 from megatron_gkd.teacher.clients import client_traits
 from megatron_gkd.teacher.config import build_client_from_config
 from megatron_gkd.teacher.cross_request import CrossTokenizer
+from megatron_gkd.teacher.megatron_scoring import TeacherVocab
 from megatron_gkd.teacher.types import Signal
 from megatron_gkd.trainer.cache_check import check_cache_run
 from megatron_gkd.trainer.optim import build_lr_scheduler, build_optimizer, wrap_for_training
@@ -161,14 +162,20 @@ def build_reward_runner(config: GKDConfig, *, asks: bool) -> RewardRunner | None
     return RewardRunner(config.reward) if config.reward.enabled and asks else None
 
 
-def build_teacher_client(teacher, address: str | None, secret: bytes | None, state: ParallelState):
+def build_teacher_client(teacher, address: str | None, secret: bytes | None, state: ParallelState,
+                         student: Student | None = None, tokenizer=None):
     """The client of ``teacher`` (a teacher config section; ``address``/``secret``: of a service this run started,
-    else its ``address`` and secret file; ``state``: the trainer's, which a colocated teacher is sharded on)."""
+    else its ``address`` and secret file; ``state``: the trainer's, which a colocated teacher is sharded on;
+    ``student`` and its ``tokenizer``: the model a teacher that reads the student (``self``) scores with)."""
     if address is not None:
         # The client talks to the service; the head (hidden signal) still comes from the served checkpoint.
         teacher = dataclasses.replace(teacher, address=address, serve=dataclasses.replace(teacher.serve, model=None),
                                       head_checkpoint=teacher.head_source if teacher.signal.needs_head else None)
-    return build_client_from_config(teacher, secret, state=state)
+    own = None
+    if client_traits(teacher.client).reads_student:
+        own = (student.chunks, TeacherVocab(vocab_size=student.vocab_size, tokenizer_size=len(tokenizer),
+                                            tokenizer_digest=tokenizer_digest(tokenizer)))
+    return build_client_from_config(teacher, secret, state=state, student=own)
 
 
 def teacher_check(config: GKDConfig, tokenizer, student_vocab_size: int, tcad: dict):

@@ -22,6 +22,7 @@ from typing import Sequence
 import torch
 
 from megatron_gkd.config.checks import teacher_configs, teacher_key
+from megatron_gkd.data.tokenization import resolve_chat_template
 from megatron_gkd.parallel.comm import agree, broadcast_msgpack
 from megatron_gkd.teacher.clients import client_traits
 from megatron_gkd.teacher.local_service import TeacherService
@@ -96,6 +97,9 @@ class Teachers:
             name: Teacher(name, teacher, weight=1.0 if self.routed else mix.weights.get(name, 1.0))
             for name, teacher in teacher_configs(config).items()}
         self._keys = {name: teacher_key(config, name) for name in self.by_name}
+        self._data = config.data
+        self._student = self._tokenizer = None  # build_local_parts: what a teacher that reads the student scores with
+        self._records: list = []  # learn_prompts: the records whose privileged prompts such a teacher learns
 
     def __iter__(self):
         return iter(self.by_name.values())
@@ -134,15 +138,18 @@ class Teachers:
     def keep_conversations(self) -> bool:
         """Whether the datasets keep each record's conversation: a teacher of another tokenizer reads it through its
         own chat template (``cross_tokenizer.prompt=template``, :mod:`megatron_gkd.teacher.cross_prompt`)."""
-        return any(t.config.enabled and t.config.cross_tokenizer.enabled and t.config.cross_tokenizer.prompt == "template"
-                   for t in self)
+        return any(t.config.enabled and (t.config.cross_tokenizer.enabled and t.config.cross_tokenizer.prompt == "template"
+                                         or client_traits(t.config.client).reads_student) for t in self)
 
     def learn_prompts(self, datasets, asks) -> None:
         """Every teacher of another tokenizer learns its own prompt of each record of ``datasets`` (loaded with
-        :attr:`keep_conversations`), on the ranks that ask it (``asks(teacher)``): their samples carry ids only."""
+        :attr:`keep_conversations`), and a teacher that is the student learns each record's privileged prompt, on the
+        ranks that ask it (``asks(teacher)``): their samples carry ids only."""
         for teacher in self:
             if teacher.cross is not None and asks(teacher):
                 teacher.cross.prompts.learn(record for dataset in datasets for record in dataset)
+            elif teacher.config.enabled and client_traits(teacher.config.client).reads_student:  # its client, built later, learns them
+                self._records = [record for dataset in datasets for record in dataset]
 
     def suffix(self, name: str) -> str:
         """What a per-teacher metric name ends with (nothing for a single teacher)."""
@@ -166,6 +173,7 @@ class Teachers:
         """What each teacher needs on this rank besides its client: the tokenizer pair of a teacher of another tokenizer
         and this rank's rows of its map ``W`` (``cross``, ``projection``), and the shard of its output layer (``head``,
         the hidden signal; a cross-tokenizer teacher's split by its own vocabulary)."""
+        self._student, self._tokenizer = student, tokenizer
         for teacher in self:
             teacher.cross, teacher.projection = build_cross_tokenizer(teacher.config, state, student, tokenizer)
             teacher.head = build_teacher_head(teacher.config, state, student, tokenizer, teacher.cross)
@@ -192,7 +200,11 @@ class Teachers:
             if asks(teacher):
                 try:
                     teacher.client = build_teacher_client(teacher.config, address,
-                                                          secret.encode() if secret is not None else None, state)
+                                                          secret.encode() if secret is not None else None, state,
+                                                          self._student, self._tokenizer)
+                    if client_traits(teacher.config.client).reads_student:
+                        teacher.client.learn(self._records, self._tokenizer,
+                                             resolve_chat_template(self._data, self._tokenizer))
                     check(teacher)
                 except Exception as caught:  # noqa: BLE001
                     error = caught if not self.several else ValueError(f"{self.key(teacher.name)}: {caught}")

@@ -224,6 +224,8 @@ class ClientTraits:
         generates: it can ask its teacher for responses (``generate``; GKD's teacher-written data).
         from_files: it answers from a teacher cache's files: only what the cache's build asked the teacher (the
             dataset's responses scored, or responses the teacher wrote, scored), never the student's own samples.
+        reads_student: the teacher is the student's own model (``self``): built with the student's chunks, it scores
+            the privileged prompt of each record (``teacher.privileged_template``), learnt from the loaded datasets.
         any_temperature: it gets the teacher's log-probs at any ``teacher.temperature``; False: at 1.0 only (an
             OpenAI-compatible server returns the raw distribution's top-k). A service's backend has its own traits
             (``BackendTraits``).
@@ -241,6 +243,7 @@ class ClientTraits:
     generates: bool = False
     from_files: bool = False
     any_temperature: bool = True
+    reads_student: bool = False
 
 
 CLIENTS: Registry[type[TeacherClient]] = Registry("teacher client", config_key="teacher.client")
@@ -278,6 +281,11 @@ register_client("openai", "megatron_gkd.teacher.clients.openai_client:OpenAITeac
 register_client("local", "megatron_gkd.teacher.clients.local:LocalTeacherClient", ClientTraits(
     "the colocated Megatron teacher", required=(("checkpoint", "a HF checkpoint directory"),),
     options=("checkpoint", "offload"), collective=True))
+register_client("self", "megatron_gkd.teacher.clients.self_client:SelfTeacherClient", ClientTraits(
+    "the student itself reading privileged context",
+    required=(("privileged_template", "the teacher's prompt over the record's fields, e.g. \"Reference solution: "
+               "{response}\\n\\n{prompt}\""),),
+    options=("privileged_template", "self_weights"), signals=(Signal.TOPK,), collective=True, reads_student=True))
 register_client("cache", "megatron_gkd.teacher.clients.cache:CacheTeacherClient", ClientTraits(
     "a teacher cache", required=(("cache_dir", "build one with python -m megatron_gkd.teacher.cache build "
                                                "--config CONFIG.yaml --out DIR"),),

@@ -16,14 +16,17 @@ teacher's head would be the student's own output layer, which moves with every s
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 
 import torch
 
 from megatron_gkd import platform
 from megatron_gkd.teacher.clients import TeacherClient, TeacherInfo
 from megatron_gkd.teacher.megatron_scoring import MegatronScorer, TeacherVocab
-from megatron_gkd.teacher.privileged import PrivilegedPrompts
+from megatron_gkd.teacher.privileged import PrivilegedPrompts, learn_privileged
 from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, Signal, TeacherError, TeacherOutput
+
+logger = logging.getLogger(__name__)
 
 
 class SelfTeacherClient(TeacherClient):
@@ -35,10 +38,27 @@ class SelfTeacherClient(TeacherClient):
         prompts: the privileged prompt of each student prompt.
     """
 
-    def __init__(self, chunks: list[torch.nn.Module], vocab: TeacherVocab, prompts: PrivilegedPrompts):
+    @classmethod
+    def from_config(cls, config, secret: bytes | None = None, *, state, student):
+        """Built from the ``teacher`` section on the student's ``(chunks, vocab)`` (``state``: the trainer's, which the
+        chunks were built on); the privileged prompts are learnt after (:meth:`learn`)."""
+        chunks, vocab = student
+        return cls(chunks, vocab, PrivilegedPrompts(), template=config.privileged_template)
+
+    def __init__(self, chunks: list[torch.nn.Module], vocab: TeacherVocab, prompts: PrivilegedPrompts,
+                 template: str | None = None):
         super().__init__(max_inflight=1)
-        self._chunks, self._prompts = chunks, prompts
+        self._chunks, self._prompts, self._template = chunks, prompts, template
         self._scorer = MegatronScorer(chunks, vocab, platform.device())
+
+    def learn(self, records, tokenizer, chat_template: str | None) -> None:
+        """Learns the privileged prompt of each of ``records`` (loaded with ``keep_conversations``) with this client's
+        template (:func:`~megatron_gkd.teacher.privileged.learn_privileged`)."""
+        assert self._template is not None, "a self teacher built without teacher.privileged_template"
+        records = list(records)
+        learn_privileged(self._prompts, records, self._template, tokenizer, chat_template)
+        logger.info("self teacher: %d privileged prompts learnt from %d records (%s)", len(self._prompts), len(records),
+                    "through the chat template" if chat_template is not None else "raw text")
 
     def info(self) -> TeacherInfo:
         vocab = self._scorer.vocab

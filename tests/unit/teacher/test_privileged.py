@@ -69,3 +69,44 @@ def test_an_unknown_prompt_is_refused_not_scored_on_its_own_prompt():
         prompts.sequence(SequenceRequest(token_ids=[5, 6, 8, 30], response_start=3))
     with pytest.raises(ValueError, match="empty prompt"):
         prompts.add([1], [])
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from megatron_gkd.recipes.tiny import CHAT_TEMPLATE, build_tokenizer
+
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"), vocab_size=64, chat_template=CHAT_TEMPLATE)
+
+
+def _record(index, conversation, prompt_ids, response_ids=None, answer=None):
+    from megatron_gkd.data import PromptRecord
+
+    return PromptRecord(index=index, prompt_ids=tuple(prompt_ids), response_ids=response_ids, answer=answer,
+                        conversation=conversation)
+
+
+def test_learnt_prompts_go_through_the_students_chat_template(tokenizer):
+    from megatron_gkd.recipes.tiny import CHAT_TEMPLATE
+    from megatron_gkd.teacher.privileged import learn_privileged
+
+    def ids(text, specials=False):
+        return tokenizer(text, add_special_tokens=specials)["input_ids"]
+
+    chat = [{"role": "user", "content": "w5 w6"}]
+    student = ids("<s> w5 w6 </s> <s>")
+    response = (*ids("w9 w10"), tokenizer.eos_token_id)
+    prompts = PrivilegedPrompts()
+    learn_privileged(prompts, [_record(0, chat, student, response)], "w7 {response} w8 {prompt}", tokenizer,
+                     CHAT_TEMPLATE)
+    got = prompts.sequence(SequenceRequest(token_ids=[*student, *response], response_start=len(student)))
+    # The reference is the user's text; the markup and the generation prompt are the template's, as the student's.
+    np.testing.assert_array_equal(got.token_ids, [*ids("<s> w7 w9 w10 w8 w5 w6 </s> <s>"), *response])
+    with pytest.raises(ValueError, match=r"prompt row 1: .*reads \{response\}.*it has answer, prompt"):
+        learn_privileged(PrivilegedPrompts(), [_record(1, "w3", ids("w3", True), None, "w4")],
+                         "{response} {prompt}", tokenizer, None)
+    raw = PrivilegedPrompts()
+    learn_privileged(raw, [_record(1, "w3", ids("w3", True), None, "w4")], "{answer} {prompt}", tokenizer, None)
+    np.testing.assert_array_equal(raw.sequence(SequenceRequest(token_ids=[*ids("w3", True), 9],
+                                                               response_start=1)).token_ids, [*ids("w4 w3", True), 9])
+    with pytest.raises(ValueError, match="no conversation"):
+        learn_privileged(PrivilegedPrompts(), [_record(2, None, [5])], "{prompt}", tokenizer, None)

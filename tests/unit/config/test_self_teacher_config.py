@@ -1,0 +1,44 @@
+"""``teacher.client=self`` (issue #50 item 1): what it needs, and what it refuses naming the key and the fix
+(pipeline parallelism, the hidden signal, weights other than the current ones, a template that reads nothing)."""
+
+import logging
+import pathlib
+
+import pytest
+
+from megatron_gkd.config import load_config
+from megatron_gkd.teacher.clients import client_traits
+
+BASE = pathlib.Path(__file__).resolve().parents[3] / "configs" / "cpu_tiny.yaml"
+SELF = ["teacher.client=self", "teacher.serve.model=null"]
+TEMPLATE = 'teacher.privileged_template="Reference solution: {response}\\n\\n{prompt}"'
+
+
+def test_a_self_teacher_is_a_collective_top_k_client_that_reads_the_student():
+    config = load_config(BASE, [*SELF, TEMPLATE])
+    assert config.teacher.privileged_template == "Reference solution: {response}\n\n{prompt}"
+    assert config.teacher.self_weights is None
+    traits = client_traits("self")
+    assert traits.collective and traits.reads_student and not traits.generates and traits.signals == ("topk",)
+    load_config(BASE, [*SELF, TEMPLATE, "teacher.self_weights=current", "teacher.top_k=512"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([], "teacher.privileged_template is required for client 'self'"),
+    ([TEMPLATE, "parallel.pipeline_model_parallel_size=2"], "set parallel.pipeline_model_parallel_size=1"),
+    ([TEMPLATE, "teacher.signal=hidden"], "serves the top-k signal only.*set teacher.signal=topk"),
+    ([TEMPLATE, "teacher.self_weights=initial"], "only 'current'.*set teacher.self_weights=current"),
+    ([TEMPLATE, "teacher.self_weights=ema"], "only 'current'"),
+    (['teacher.privileged_template="no field"'], "teacher.privileged_template='no field' reads no field"),
+    (['teacher.privileged_template="{response"'], "teacher.privileged_template=.* is not a format string"),
+    ([TEMPLATE, "sample_mix.source=teacher", "sample_mix.lmbda=0.5"], "teacher.client='self' cannot do"),
+])
+def test_refusals_name_the_key_and_the_fix(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(BASE, [*SELF, *overrides])
+
+
+def test_the_template_is_inert_with_another_client(caplog):
+    with caplog.at_level(logging.WARNING):
+        load_config(BASE, [TEMPLATE])
+    assert "teacher.privileged_template has no effect with client 'zmq' (only 'self' reads it)" in caplog.text
