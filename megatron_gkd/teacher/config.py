@@ -54,6 +54,9 @@ class TeacherServeConfig:
             raise ValueError(f"teacher.serve.num_workers={self.num_workers} must be >= 1")
 
 
+SELF_WEIGHTS = (None, "current", "initial")
+
+
 @dataclasses.dataclass(kw_only=True, slots=True)
 class TeacherConfig:
     """How the trainer reaches its teacher.
@@ -115,8 +118,9 @@ class TeacherConfig:
             prompt's text, ``response``: the reference response, ``answer``), e.g. ``"Reference solution:
             {response}\\n\\n{prompt}"``; with a chat template it is the content of the last user message
             (:mod:`megatron_gkd.teacher.privileged`).
-        self_weights: self: the weights the teacher reads; ``current`` (the default, null: the student's weights of
-            the step, without gradient) is the only one built.
+        self_weights: self: the weights the teacher reads: ``current`` (the default, null: the student's weights of
+            the step, without gradient) or ``initial`` (a frozen copy of the student's checkpoint, sharded like the
+            student: its parameters once more on each rank). An EMA is not built.
         cross_tokenizer: a teacher of another tokenizer (:class:`~megatron_gkd.xtok.config.CrossTokenizerConfig`):
             ``cross_tokenizer.method`` (``projected`` or ``hybrid``) enables cross-tokenizer distillation; unset, a
             teacher whose tokenizer differs from the student's is refused at start-up.
@@ -156,10 +160,10 @@ class TeacherConfig:
     self_weights: str | None = None
 
     def __post_init__(self):
-        if self.self_weights not in (None, "current"):
-            raise ValueError(f"teacher.self_weights={self.self_weights!r}: only 'current' (the student's weights of the "
-                             "step) is built; a frozen copy of the initial weights or an EMA is not: set "
-                             "teacher.self_weights=current")
+        if self.self_weights not in SELF_WEIGHTS:
+            raise ValueError(f"teacher.self_weights={self.self_weights!r} must be one of {', '.join(SELF_WEIGHTS[1:])} "
+                             "(the student's weights of the step, or a frozen copy of its initial weights); an EMA "
+                             "of the weights is not built")
         if self.privileged_template is not None:
             template_fields(self.privileged_template)  # a malformed template fails now, not at the first record
         if self.signal not in TEACHER_SIGNALS:

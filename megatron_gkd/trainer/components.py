@@ -46,6 +46,8 @@ class Student:
     hf_config: dict
     dtype: torch.dtype
     state: ParallelState
+    checkpoint: str | None = None  # the HF checkpoint it was loaded from (a self teacher's initial weights)
+    use_transformer_engine: bool | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -74,7 +76,24 @@ def build_student(config: GKDConfig, state: ParallelState) -> Student:
     optimizer = build_optimizer(config.optim, chunks, dtype=dtype)
     lr_scheduler = build_lr_scheduler(config.optim, optimizer, config.trainer.num_steps)
     return Student(chunks=chunks, optimizer=optimizer, lr_scheduler=lr_scheduler, hf_config=hf_config, dtype=dtype,
-                   state=state)
+                   state=state, checkpoint=config.student.checkpoint,
+                   use_transformer_engine=config.student.use_transformer_engine)
+
+
+def frozen_initial_copy(student: Student) -> list[torch.nn.Module]:
+    """A frozen copy of the student's initial weights (a self teacher's ``self_weights=initial``): its HF checkpoint
+    loaded again on the same layout, so sharded as the student is (TP, PP, EP), in eval mode without gradient. It
+    costs the student's parameters once more on each rank (no gradients, no optimizer state); the size is logged.
+    After a resume it is still the checkpoint the run started from, not the resumed weights."""
+    chunks = load_hf(student.checkpoint, dtype=student.dtype, state=student.state,
+                     use_transformer_engine=student.use_transformer_engine)
+    for chunk in chunks:
+        chunk.eval()
+        chunk.requires_grad_(False)
+    size = sum(p.numel() * p.element_size() for chunk in chunks for p in chunk.parameters())
+    logger.info("self teacher: a frozen copy of the initial weights (%s), %.1f MiB on this rank", student.checkpoint,
+                size / 2**20)
+    return chunks
 
 
 def build_teacher_head(teacher, state, student: Student, tokenizer, cross=None) -> torch.Tensor | None:
@@ -173,7 +192,8 @@ def build_teacher_client(teacher, address: str | None, secret: bytes | None, sta
                                       head_checkpoint=teacher.head_source if teacher.signal.needs_head else None)
     own = None
     if client_traits(teacher.client).reads_student:
-        own = (student.chunks, TeacherVocab(vocab_size=student.vocab_size, tokenizer_size=len(tokenizer),
+        chunks = frozen_initial_copy(student) if teacher.self_weights == "initial" else student.chunks
+        own = (chunks, TeacherVocab(vocab_size=student.vocab_size, tokenizer_size=len(tokenizer),
                                             tokenizer_digest=tokenizer_digest(tokenizer)))
     return build_client_from_config(teacher, secret, state=state, student=own)
 

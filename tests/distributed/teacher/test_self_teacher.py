@@ -6,13 +6,15 @@ requested ids, and k = the whole vocabulary at temperature 2 (the full distribut
 with float64 transformers on the *privileged* sequence (privileged prompt + the same response ids): top-k ids
 identical, log-probs within the reference's float32 tolerance, row 0 and the last included. The same rows are far from
 the reference on the student's own prompt, so the prompt was replaced. The chunks stay in train mode and no gradient
-is made; the hidden signal and unknown prompts are refused on every rank alike.
+is made; the hidden signal and unknown prompts are refused on every rank alike. A frozen copy of the initial weights
+(``self_weights=initial``) still scores as the checkpoint after the student's weights are halved.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_gkd.teacher import ScoreBatch, SequenceRequest
 from megatron_gkd.testing.distributed import run_distributed
@@ -65,6 +67,7 @@ def _score_as_self(path: str) -> dict:
     from megatron_gkd.teacher.clients.self_client import SelfTeacherClient
     from megatron_gkd.teacher.megatron_scoring import TeacherVocab
     from megatron_gkd.teacher.privileged import PrivilegedPrompts
+    from megatron_gkd.trainer.components import Student, frozen_initial_copy
 
     prompts = PrivilegedPrompts()
     for student, privileged, _ in _cases():
@@ -72,7 +75,7 @@ def _score_as_self(path: str) -> dict:
     vocab = TeacherVocab(vocab_size=VOCAB, tokenizer_size=VOCAB, tokenizer_digest="tiny")
     results = {}
     for name, layout in LAYOUTS.items():
-        parallel.initialize(**layout)
+        state = parallel.initialize(**layout)
         chunks = load_hf(path)
         for chunk in chunks:
             chunk.train()
@@ -85,6 +88,18 @@ def _score_as_self(path: str) -> dict:
         results[name + "-training"] = [m.training for chunk in chunks for m in chunk.modules()]
         results[name + "-grads"] = [p.grad is not None for chunk in chunks for p in chunk.parameters()]
         results[name + "-requires-grad"] = all(p.requires_grad for chunk in chunks for p in chunk.parameters())
+        # self_weights=initial: a frozen copy of the checkpoint, which the student's updates do not move.
+        student = Student(chunks=chunks, optimizer=None, lr_scheduler=None, hf_config={"vocab_size": VOCAB},
+                          dtype=torch.float32, state=state, checkpoint=path)
+        frozen = frozen_initial_copy(student)
+        with torch.no_grad():
+            for parameter in (p for chunk in chunks for p in chunk.parameters()):
+                parameter.mul_(0.5)  # an "update" of the student
+        with SelfTeacherClient(frozen, vocab, prompts) as initial, SelfTeacherClient(chunks, vocab, prompts) as moved:
+            results[name + "-initial"] = [initial.score(batch) for batch in _batches()[:1]]
+            results[name + "-moved"] = [moved.score(batch) for batch in _batches()[:1]]
+        results[name + "-frozen"] = not any(p.requires_grad for chunk in frozen for p in chunk.parameters()) \
+            and not any(m.training for chunk in frozen for m in chunk.modules())
         parallel.destroy()
     return results
 
@@ -144,3 +159,20 @@ def test_the_student_is_left_as_it_was(results, layout):
 def test_unknown_prompts_and_the_hidden_signal_are_refused_on_every_rank(results, layout):
     for rank_results in results:
         assert rank_results[layout + "-refused"] == ["bad_request", "unsupported"]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_the_initial_weights_stay_when_the_student_moves(results, student, layout):
+    """``self_weights=initial``: the frozen copy still scores as the checkpoint after the student's weights moved;
+    the current weights' teacher follows the student."""
+    reference = ReferenceTeacher(student)
+    batch = _batches()[0]
+    for rank_results in results:
+        assert rank_results[layout + "-frozen"]
+        for initial, moved, sequence, (_, privileged, _) in zip(rank_results[layout + "-initial"][0],
+                                                                rank_results[layout + "-moved"][0], batch.sequences,
+                                                                _cases(), strict=True):
+            teacher_ids = np.concatenate([privileged, sequence.token_ids[sequence.response_start:]])
+            reference.assert_matches(initial, teacher_ids, len(privileged), batch.top_k, batch.temperature,
+                                     sequence.requested_ids)
+            assert np.abs(moved.token_logprobs - initial.token_logprobs).max() > 1e-2

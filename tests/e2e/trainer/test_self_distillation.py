@@ -1,6 +1,7 @@
 """On-policy self-distillation with privileged context through the real entry point (issue #50 item 1): the tiny
 student at TP=2 is its own teacher (``teacher.client=self``, no teacher model, no service), reading the record's
-reference response before its prompt through the student's chat template, top-16, forward KL.
+reference response before its prompt, top-16, forward KL; with the current weights and with a frozen copy of the
+initial ones.
 
 The run finishes its steps with a finite loss that is not 0 (a teacher that read the student's own prompt with the
 same weights would give a divergence of exactly 0 on every token), starts no teacher service and says how many
@@ -22,9 +23,11 @@ OVERRIDES = ["teacher.client=self", "teacher.serve.model=null",
              "checkpoint.hf_at_end=false", "optim.lr_warmup_steps=0"]
 
 
-def test_the_student_distils_from_itself_reading_the_reference(assets, tmp_path):
+@pytest.mark.parametrize("weights", ["current", "initial"])
+def test_the_student_distils_from_itself_reading_the_reference(assets, tmp_path, weights):
     out = tmp_path / "run"
     overrides = [o for o in harness.asset_overrides(assets) if not o.startswith("teacher.serve.model")] + OVERRIDES
+    overrides.append(f"teacher.self_weights={weights}")
     code, log = harness.run(out, overrides)
     assert code == 0, log[-4000:]
     losses = [row["train/loss"] for row in harness.steps(out)]
@@ -32,3 +35,5 @@ def test_the_student_distils_from_itself_reading_the_reference(assets, tmp_path)
     assert not (out / "teacher_service.log").exists()
     learnt = re.search(r"self teacher: (\d+) privileged prompts learnt from (\d+) records \(raw text\)", log)
     assert learnt and int(learnt[1]) >= 256 and int(learnt[2]) >= 256, log[-4000:]  # train.jsonl's 256, eval's
+    copies = re.findall(r"self teacher: a frozen copy of the initial weights \(.*\), ([0-9.]+) MiB on this rank", log)
+    assert bool(copies) == (weights == "initial"), log[-4000:]  # the ranks' INFO lines: rank 0's at least
