@@ -69,7 +69,10 @@ def layout_plan(config: GKDConfig, world_size: int | None = None) -> str:
     if needs_teacher(config) or eval_enabled(config) and config.teacher.enabled:
         teacher = config.teacher
         where = (f"service started on loopback ({teacher.serve.backend} backend, {teacher.serve.model})"
-                 if teacher.serve.model else teacher.address or teacher.base_url or teacher.checkpoint)
+                 if teacher.serve.model else
+                 f"the student's {teacher.self_weights or 'current'} weights on {teacher.privileged_template!r}"
+                 if client_traits(teacher.client).reads_student else
+                 teacher.address or teacher.base_url or teacher.checkpoint)
         lines.append(f"teacher: {teacher.client} client, {where}, "
                      + (f"top-k {teacher.top_k}" if teacher.signal.sends_topk else f"{teacher.signal} signal"))
         if teacher.signal.needs_head:

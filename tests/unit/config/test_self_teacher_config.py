@@ -42,3 +42,11 @@ def test_the_template_is_inert_with_another_client(caplog):
     with caplog.at_level(logging.WARNING):
         load_config(BASE, [TEMPLATE])
     assert "teacher.privileged_template has no effect with client 'zmq' (only 'self' reads it)" in caplog.text
+
+
+def test_the_dry_run_plan_names_the_weights_and_the_template():
+    from megatron_gkd.config.dry_run import layout_plan
+
+    plan = layout_plan(load_config(BASE, [*SELF, 'teacher.privileged_template="Hint: {answer} {prompt}"',
+                                          "teacher.self_weights=initial"]))
+    assert "teacher: self client, the student's initial weights on 'Hint: {answer} {prompt}', top-k 16" in plan
