@@ -203,6 +203,20 @@ class TeacherClient(abc.ABC):
         self.close()
 
 
+class CollectiveTeacherClient(TeacherClient):
+    """A client whose teacher runs on the training ranks with their process groups (``local``, ``self``):
+    :meth:`score_async` scores on the calling thread and returns a completed Future, since scoring on a background
+    thread would interleave the teacher's collectives with the trainer's and could deadlock."""
+
+    def score_async(self, batch: ScoreBatch) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(self.score(batch))
+        except Exception as error:  # noqa: BLE001 - delivered through the future, as other clients do
+            future.set_exception(error)
+        return future
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ClientTraits:
     """What a teacher client reads from the ``teacher`` section and what it can do, declared where it is

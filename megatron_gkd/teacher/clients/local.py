@@ -13,14 +13,13 @@ platform the weights are already in host memory: the option is accepted and iner
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 
 import torch
 
 from megatron_gkd import platform
 from megatron_gkd.teacher import wire
-from megatron_gkd.teacher.clients import TeacherClient, TeacherInfo
+from megatron_gkd.teacher.clients import CollectiveTeacherClient, TeacherInfo
 from megatron_gkd.teacher.megatron_scoring import MegatronScorer, load_teacher
 from megatron_gkd.teacher.types import ScoreBatch, TeacherOutput
 
@@ -68,7 +67,7 @@ class WeightOffload:
             tensor.data = tensor.data.to(self._device, non_blocking=True)
 
 
-class LocalTeacherClient(TeacherClient):
+class LocalTeacherClient(CollectiveTeacherClient):
     """Scores with a colocated Megatron-Core teacher on this rank's share of the trainer's layout.
 
     Args:
@@ -120,16 +119,3 @@ class LocalTeacherClient(TeacherClient):
                             name=f"sequence {index} (local teacher)", sequence=sequence,
                             hidden_size=hidden_size)
         return outputs
-
-    def score_async(self, batch: ScoreBatch) -> concurrent.futures.Future:
-        """Scores now, on the calling thread, and returns a completed Future.
-
-        The teacher shares the training ranks' devices and process groups: scoring on a background
-        thread would interleave its collectives with the trainer's and could deadlock.
-        """
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            future.set_result(self.score(batch))
-        except Exception as error:  # noqa: BLE001 - delivered through the future, as other clients do
-            future.set_exception(error)
-        return future

@@ -15,13 +15,12 @@ teacher's head would be the student's own output layer, which moves with every s
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 
 import torch
 
 from megatron_gkd import platform
-from megatron_gkd.teacher.clients import TeacherClient, TeacherInfo
+from megatron_gkd.teacher.clients import CollectiveTeacherClient, TeacherInfo
 from megatron_gkd.teacher.megatron_scoring import MegatronScorer, TeacherVocab
 from megatron_gkd.teacher.privileged import PrivilegedPrompts, learn_privileged
 from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, Signal, TeacherError, TeacherOutput
@@ -29,7 +28,7 @@ from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, Signal, TeacherErr
 logger = logging.getLogger(__name__)
 
 
-class SelfTeacherClient(TeacherClient):
+class SelfTeacherClient(CollectiveTeacherClient):
     """Scores with the student's own chunks (current weights, no gradient) on privileged prompts.
 
     Args:
@@ -88,13 +87,3 @@ class SelfTeacherClient(TeacherClient):
             output.validate(sequence.num_response_tokens, batch.top_k, batch.num_requested,
                             name=f"sequence {index} (self teacher)", sequence=sequence)
         return outputs
-
-    def score_async(self, batch: ScoreBatch) -> concurrent.futures.Future:
-        """Scores now, on the calling thread, and returns a completed Future: the teacher is the training ranks' own
-        model and process groups (as the ``local`` client's, a background thread could interleave collectives)."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            future.set_result(self.score(batch))
-        except Exception as error:  # noqa: BLE001 - delivered through the future, as other clients do
-            future.set_exception(error)
-        return future
