@@ -149,13 +149,12 @@ class VLLMEngine(RolloutEngine):
         if current_platform.is_cpu():
             # vLLM's CPU platform stores SSM state in float32 and, asked for its default, resets it with a warning
             # at every start (vllm/platforms/cpu.py); asking for float32 is the same engine without the warning.
-            engine_kwargs = {"mamba_ssm_cache_dtype": "float32", **engine_kwargs}
             # A batch with more prompt tokens than one engine step takes is split over steps (chunked prefill), and
             # vLLM then rewinds the seeded generator of each request whose prefill was cut: a CPU generator has no
             # offset to rewind ("CPU Generator does not use offset"), so any seeded rollout of long or many prompts
             # would fail. Whole prompts a step, as vLLM's CPU platform does itself for MLA models.
-            engine_kwargs = {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 4096),
-                             **engine_kwargs}
+            engine_kwargs = {"mamba_ssm_cache_dtype": "float32", "enable_chunked_prefill": False,
+                             "max_num_batched_tokens": max(max_model_len, 4096), **engine_kwargs}
         self.llm = vllm.LLM(model=model, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                             max_model_len=max_model_len, max_logprobs=max_logprobs,
                             gpu_memory_utilization=gpu_memory_utilization, seed=seed,

@@ -108,20 +108,13 @@ def test_the_nucleus_found_among_the_top_columns_is_the_sorted_rows():
     assert nucleus[::2].max() < 1024 < nucleus[1::2].min()  # both ways of finding it were taken
 
 
-def test_seeded_uniforms_are_each_seeds_stream_from_one_generator(monkeypatch):
+def test_seeded_uniforms_are_each_seeds_stream_from_one_generator(generators_made):
     """Issue #48: one generator a row (2.7 KB each) made a million one-token responses hold 2.7 GB."""
     seeds = [7, 0, 2**62 + 5, 7]
     expected = draw_uniforms([torch.Generator().manual_seed(seed) for seed in seeds], 5)
-    made = []
-
-    class Counted(torch.Generator):
-        def __init__(self, *args):
-            super().__init__(*args)
-            made.append(self)
-
-    monkeypatch.setattr(torch, "Generator", Counted)
+    generators_made.clear()  # the expected streams' own
     found = seeded_uniforms(seeds, 5)
-    assert len(made) == 1
+    assert len(generators_made) == 1
     torch.testing.assert_close(found, expected, rtol=0, atol=0)
     fresh = seeded_uniforms([None, None], 3)
     assert fresh.shape == (2, 3) and not torch.equal(fresh[0], fresh[1])

@@ -101,22 +101,15 @@ def test_samples_do_not_depend_on_how_the_backend_groups_rows(hf_backend, teache
     assert all(np.array_equal(a.response_ids, b.response_ids) for a, b in zip(together, apart))
 
 
-def test_responses_streams_come_from_one_generator_not_one_each(monkeypatch):
+def test_responses_streams_come_from_one_generator_not_one_each(generators_made):
     """Issue #48: a generator a response (2.7 KB each) made one request of 1,024 prompts x 1,024 one-token samples
     hold 2.7 GB before sampling anything."""
     batch = GenerateBatch(prompts=_prompts(8), num_samples=16, max_tokens=3, seed=11)
     expected = torch.stack([torch.rand(3, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
                             for seed in sampling.row_seeds(batch)])
-    made = []
-
-    class Counted(torch.Generator):
-        def __init__(self, *args):
-            super().__init__(*args)
-            made.append(self)
-
-    monkeypatch.setattr(torch, "Generator", Counted)
+    generators_made.clear()  # the expected streams' own
     torch.testing.assert_close(sampling.row_uniforms(batch), expected, rtol=0, atol=0)
-    assert len(made) <= 1, f"{len(made)} generators for {batch.num_responses} responses"
+    assert len(generators_made) <= 1, f"{len(generators_made)} generators for {batch.num_responses} responses"
 
 
 def test_sampling_policy_top_k_top_p_and_temperature():
