@@ -142,9 +142,15 @@ class RolloutConfig(SamplingConfig):
     """Further ``vllm.LLM`` keyword arguments (``hf``: ``from_pretrained``'s, e.g. ``attn_implementation``)."""
     partial: PartialRolloutConfig = dataclasses.field(default_factory=PartialRolloutConfig)
     """Partial rollouts' chunk and staleness bound (``trainer.scheduler=partial``)."""
+    max_restarts: int = 3
+    """``disaggregated``: how many times in one run a rollout server that died is replaced by a new one with the
+    student's current weights (its unanswered requests asked again); 0 makes its death stop the run."""
 
     def __post_init__(self):
         SamplingConfig.__post_init__(self)
+        if self.max_restarts < 0:
+            raise ValueError(f"rollout.max_restarts={self.max_restarts} must be >= 0 (0: a dead rollout server stops "
+                             "the run)")
         if self.layout not in Layout.values():
             raise ValueError(f"rollout.layout={self.layout!r}; choose 'colocated' or 'disaggregated'")
         self.layout = Layout(self.layout)  # the field stays a str for OmegaConf: its messages and YAML are unchanged

@@ -115,11 +115,21 @@ class RolloutClient(RolloutEngine):
         super().__init__(max_model_len)  # weight_version: that of the last batch received
         self._closed = False
 
+    @property
+    def _connection(self):
+        if self._group is None:
+            raise ConnectionError("this rank dropped its connection to the rollout server after a failure on it")
+        return self._group
+
+    def abandon(self) -> None:
+        """Drops the group (after a failure on it; the caller drops its other references): requests then raise."""
+        self._group = None
+
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutBatch:
         request = {"op": "generate", "prompts": [[int(t) for t in p] for p in prompts],
                    "sampling": dataclasses.asdict(sampling)}
-        _broadcast(request, self._trainer_rank, self._group)
-        reply = _broadcast(None, self._server_rank, self._group)
+        _broadcast(request, self._trainer_rank, self._connection)
+        reply = _broadcast(None, self._server_rank, self._connection)
         if reply.get("stale"):
             raise StaleWeightsError(f"rollout server: {reply['error']}")
         if "error" in reply:
@@ -131,12 +141,12 @@ class RolloutClient(RolloutEngine):
     def update_weights(self, version: int, check: float | None = None) -> None:
         """Tells the server to receive weights ``version`` now; the trainers' sender must send them next (``check``:
         the server verifies the engine with this tolerance, the periodic engine check)."""
-        _broadcast({"op": "update", "version": int(version), "check": check}, self._trainer_rank, self._group)
+        _broadcast({"op": "update", "version": int(version), "check": check}, self._trainer_rank, self._connection)
 
     def close(self) -> None:
         """Stops the server (collective over the trainer ranks and the serving rank)."""
         if not self._closed:
-            _broadcast({"op": "stop"}, self._trainer_rank, self._group)
+            _broadcast({"op": "stop"}, self._trainer_rank, self._connection)
             self._closed = True
 
 

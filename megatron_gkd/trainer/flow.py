@@ -298,8 +298,10 @@ class BatchFlow:
         return samples_from_rollout(rollout, rows, prompt_indices, prompt_groups, sources)
 
     def annotation_metrics(self, batch: InFlight) -> dict:
-        """The teachers', the rewards' and the mixture's metrics of a trained batch (collective over every rank)."""
+        """The teachers', the rewards', the rollout server's and the mixture's metrics of a trained batch (collective over every rank)."""
         metrics = {**self.exchange.metrics(batch.teacher, batch.samples), **self.rewards.metrics(batch.rewards)}
+        if self.rollout is not None and self.rollout.in_background:  # the rollout server's restarts
+            metrics.update(self.rollout.metrics())
         rl = self.config.rl
         if rl.enabled and rl.kd_coef_end is not None:  # the teacher's weight on its schedule
             metrics["rl/kd_coef"] = rl.kd_coef_at(batch.index)

@@ -78,10 +78,11 @@ class Rollout:
         return concat_batches([decode_batch(gathered[r * tp]) for r in range(self.replicas) if gathered[r * tp]])
 
     def generate_then(self, prompts: list[list[int]], sampling, then):
-        """Rollout server only: a future of ``then(batch)``, sampled and run on the rollout thread, after what was
-        asked before it (weight updates included)."""
+        """Rollout server only: ``then(batch)``, sampled and run on the rollout thread, after what was asked before it
+        (weight updates included); a :class:`~megatron_gkd.trainer.rollout_server.ServerCall`, whose ``result()``
+        asks again if the server dies first."""
         sampling = self._with_stop_ids(sampling)
-        return self.remote.submit(lambda: then(self.remote.client.generate(prompts, sampling)))
+        return self.remote.call(lambda: self.remote.client.generate(prompts, sampling), then)
 
     def sync(self, chunks, version: int, *, force: bool = False) -> None:
         """Puts weights ``version`` into the engine: every step while the student samples; otherwise only when
@@ -108,6 +109,10 @@ class Rollout:
                                                 receiver=self._receiver, check=check)
         self.version = version
         self._syncs += 1
+
+    def metrics(self) -> dict:
+        """``rollout/server_restarts``: the rollout servers that died and were replaced so far (the same on every rank)."""
+        return {"rollout/server_restarts": self.remote.epoch} if self.remote is not None else {}
 
     def close(self) -> None:
         """Stops the engine or the rollout server (every rank)."""

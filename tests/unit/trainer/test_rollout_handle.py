@@ -48,7 +48,9 @@ class Engine:
 
 
 class Remote:
-    """A rollout server's trainer side: generate, submit (its thread, here run at once) and sync."""
+    """A rollout server's trainer side: generate, call (its thread, here run at once) and sync."""
+
+    epoch = 0  # servers replaced so far
 
     def __init__(self):
         self.asked, self.syncs, self.checks, self.client = [], [], [], self
@@ -57,9 +59,9 @@ class Remote:
         self.asked.append((prompts, sampling))
         return _batch(prompts, sampling, version=len(self.syncs))
 
-    def submit(self, work):
+    def call(self, fn, then=None):
         future = concurrent.futures.Future()
-        future.set_result(work())
+        future.set_result(then(fn()) if then is not None else fn())
         return future
 
     def sync(self, chunks, version: int, check: float | None = None):
@@ -120,6 +122,7 @@ def test_a_rollout_server_is_asked_on_its_thread_and_synced_through_it():
     assert rollout.generate([[5]], sampling).num_samples == 1
     future = rollout.generate_then([[6], [8]], sampling, lambda batch: batch.num_samples)
     assert future.result() == 2
+    assert rollout.metrics() == {"rollout/server_restarts": 0}
     assert [asked.stop_token_ids for _, asked in remote.asked] == [(2, 7), (2, 7)]
     rollout.sync(["chunk"], 3)
     assert remote.syncs == [3] and rollout.version == 3
