@@ -190,7 +190,8 @@ class BatchFlow:
     # -------------------------------------------------------------------------------------- sampling
     def produce_batch(self, index: int, draw, data_state: dict, version: int) -> InFlight:
         """Batch ``index`` from the prompts ``draw(count)`` returns (``count=None``: one step's): partial rollouts
-        draw as many as their buffer has room for, round by round; otherwise :meth:`produce` one step's."""
+        draw as many as their buffer has room for, round by round; ``rl.dynamic_sampling`` draws until the batch holds
+        a step's groups whose rewards differ; otherwise :meth:`produce` one step's."""
         if self.partial is None and self.config.rl.enabled and self.config.rl.dynamic_sampling:
             return self._produce_informative(index, draw, data_state)
         if self.partial is None:
@@ -271,9 +272,10 @@ class BatchFlow:
         """Every sample's reward of ``rollout`` on every rank (each share's computed by its reward worker, waited for)."""
         prompt_indices = [record.index for record in records]
         samples = self.my_samples(rollout, prompt_indices, [record.group for record in records])
+        future = self.rewards.send(samples, {record.index: record_fields(record) for record in records})
         try:
-            values = self.rewards.receive(self.rewards.send(samples, {r.index: record_fields(r) for r in records}))
-        except Exception as error:  # noqa: BLE001 - raised on every rank alike; kept for the update
+            values = self.rewards.receive(future)
+        except Exception as error:  # noqa: BLE001 - raised on every rank alike (receive agrees); kept for the update
             raise _RewardsFailed(error) from error
         rows = [self.share_rows(rollout, len(records), share) for share in range(self.state.data_parallel_size)]
         return self.rewards.gather(values, rows, self.state.dp_rank)
