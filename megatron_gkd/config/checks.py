@@ -150,6 +150,8 @@ def _check_rl(config, teachers: dict) -> None:
                            "takes one optimizer step per batch)")
         if rl.kd_coef_end is not None:
             logger.warning("rl.kd_coef_end has no effect without rl.combine (the divergence alone is the loss)")
+        if rl.dynamic_sampling:
+            logger.warning("rl.dynamic_sampling has no effect without rl.combine (nothing trains on the rewards)")
         return
     if rl.num_updates == 1 and (rl.clip_ratio_c is not None or rl.clip_low != _default(rl, "clip_low")
                                 or rl.clip_high != _default(rl, "clip_high")):
@@ -191,6 +193,29 @@ def _check_rl(config, teachers: dict) -> None:
     if rl.tis_cap is not None and config.rollout.temperature != 1.0:
         _fail(f"rl.tis_cap weighs by pi_train / pi_rollout with the rollout engine's raw (temperature 1) log-probs, "
               f"but rollout.temperature={config.rollout.temperature}: set rollout.temperature=1 or rl.tis_cap=null")
+    _check_dynamic_sampling(config)
+
+
+def _check_dynamic_sampling(config) -> None:
+    """DAPO's dynamic sampling against the combination, the advantage estimator and the rollout's layout (partial
+    rollouts and GKD's mixture refuse ``rl.combine`` altogether)."""
+    rl = config.rl
+    if not rl.dynamic_sampling:
+        if rl.dynamic_sampling_max_rounds != _default(rl, "dynamic_sampling_max_rounds"):
+            logger.warning("rl.dynamic_sampling_max_rounds has no effect without rl.dynamic_sampling=true")
+        return
+    fix = "or set rl.dynamic_sampling=false"
+    if not rl.combination.uses_reward:
+        _fail(f"rl.dynamic_sampling drops prompt groups whose rewards are all equal, but rl.combine={rl.combine!r} "
+              f"trains on no reward: use rl.combine=loss or rl.combine=advantage with reward.kind, {fix}")
+    if get_advantage_estimator(rl.advantage).min_group_size < 2:
+        _fail(f"rl.dynamic_sampling drops groups whose advantages are 0 because their rewards are all equal, which "
+              f"holds for estimators with a group baseline; rl.advantage={rl.advantage!r} has none (its advantage is "
+              f"the reward itself): use rl.advantage=grpo, rloo or dr_grpo, {fix}")
+    if not config.rollout.layout.in_trainer:
+        _fail(f"rl.dynamic_sampling samples and rewards a batch round by round before the teacher is asked, which the "
+              f"rollout server's background sampling (rollout.layout={config.rollout.layout.value}) does not do: use "
+              f"rollout.layout=colocated, {fix}")
 
 
 def _check_sample_mix(config, teachers: dict) -> None:

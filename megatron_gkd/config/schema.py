@@ -274,6 +274,15 @@ class RLConfig:
     at the same position (0 where none reaches it), from the sampler's log-probs (needs ``rollout.temperature=1`` and
     ``rollout.n >= 2``): ``A_t = A_reward - kd_coef x (k1(y_t) - b_t)``. The others' samples do not depend on this
     token, so the expected gradient is unchanged; the variance falls where ``k1`` is large at every position."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (:mod:`megatron_gkd.trainer.dynamic_sampling`): prompt groups whose ``rollout.n`` rewards
+    are all equal (no reward advantage under ``grpo``, ``rloo``, ``dr_grpo``) are dropped before the teacher is asked,
+    and more prompts are drawn and sampled until the batch holds ``global_batch_size / rollout.n`` groups whose rewards
+    differ, or ``dynamic_sampling_max_rounds`` extra rounds are spent (the rest of the batch is then groups of equal
+    rewards, in the order drawn, logged as ``rl/dynamic_groups_short``)."""
+    dynamic_sampling_max_rounds: int = 4
+    """Extra sampling rounds a batch may take after its first (``dynamic_sampling``); 0: no refill, the batch is its
+    first draw's groups and only the metrics say how many carried no reward advantage."""
     ppo_epochs: int = 1
     """Passes over each batch (PPO's epochs), each of ``mini_batches`` optimizer steps. With more than one update per
     batch the trainer first records the sampled tokens' log-probs (``pi_old``: a forward pass without gradients, as
@@ -308,6 +317,9 @@ class RLConfig:
                              "at the end of the ramp) or rl.kd_coef_steps=null")
         if not self.advantage_eps >= 0:
             raise ValueError(f"rl.advantage_eps={self.advantage_eps} must be >= 0")
+        if self.dynamic_sampling_max_rounds < 0:
+            raise ValueError(f"rl.dynamic_sampling_max_rounds={self.dynamic_sampling_max_rounds} must be >= 0 (extra "
+                             "sampling rounds after a batch's first; 0: none)")
         for key in ("ppo_epochs", "mini_batches"):
             if getattr(self, key) < 1:
                 raise ValueError(f"rl.{key}={getattr(self, key)} must be >= 1 (1: one update per batch)")

@@ -15,6 +15,7 @@ rank at the same point (:func:`megatron_gkd.parallel.comm.agree`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ from megatron_gkd.trainer.batch import (
     token_coefficients,
 )
 from megatron_gkd.trainer.components import build_reward_runner
+from megatron_gkd.trainer.dynamic_sampling import round_seed, sample_informative
 from megatron_gkd.trainer.eval import Scorer, record_fields
 from megatron_gkd.trainer.partial import PartialRollout, groups_batch, staleness_metrics, token_staleness
 from megatron_gkd.trainer.policy import policy_share, tp_rewards
@@ -54,8 +56,18 @@ from megatron_gkd.trainer.sample_mix import (
 from megatron_gkd.trainer.teacher_exchange import TeacherExchange, TeacherFailed
 from megatron_gkd.trainer.teachers import Teachers
 
+logger = logging.getLogger(__name__)
+
 PARTIAL_STATE_KEY = "partial"
 """Where a checkpoint's data position keeps partial rollouts' buffer (beside the sampler's state)."""
+
+
+class _RewardsFailed(Exception):
+    """A round's rewards failed on some rank (``error``: this rank's :meth:`RewardExchange.receive` error)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 @dataclasses.dataclass
@@ -78,6 +90,9 @@ class InFlight:
         sources: each prompt's source (``student``, ``dataset`` or ``teacher``) with ``sample_mix``, else None.
         answers: each prompt's answer (None where it has none) with ``sample_mix``, else None.
         partial: partial rollouts' ``rollout/partial/*`` metrics of the step that sampled it, else None.
+        dynamic: ``rl/dynamic_*`` metrics of the rounds that made it (``rl.dynamic_sampling``), else None.
+        failure: the error of a round's rewards (``rl.dynamic_sampling``; raised on every rank), kept for the update:
+            the trainer saves the last complete step with this batch's data position, as for a reward that fails there.
     """
 
     index: int
@@ -93,9 +108,14 @@ class InFlight:
     sources: list[str] | None = None
     answers: list[str | None] | None = None
     partial: dict | None = None
+    dynamic: dict | None = None
+    failure: BaseException | None = None
 
     def resolve(self) -> None:
-        """Waits for a rollout still running on the rollout server (a no-op otherwise)."""
+        """Waits for a rollout still running on the rollout server (a no-op otherwise); raises the failure a batch
+        kept for its update."""
+        if self.failure is not None:
+            raise self.failure
         if self.pending is not None:
             self.rollout, self.samples, self.assignment, self.teacher, self.reward = self.pending.result()
             self.pending = None
@@ -170,7 +190,10 @@ class BatchFlow:
     # -------------------------------------------------------------------------------------- sampling
     def produce_batch(self, index: int, draw, data_state: dict, version: int) -> InFlight:
         """Batch ``index`` from the prompts ``draw(count)`` returns (``count=None``: one step's): partial rollouts
-        draw as many as their buffer has room for, round by round; otherwise :meth:`produce` one step's."""
+        draw as many as their buffer has room for, round by round; ``rl.dynamic_sampling`` draws until the batch holds
+        a step's groups whose rewards differ; otherwise :meth:`produce` one step's."""
+        if self.partial is None and self.config.rl.enabled and self.config.rl.dynamic_sampling:
+            return self._produce_informative(index, draw, data_state)
         if self.partial is None:
             return self.produce(index, draw(), data_state, version)
         with self.timers("rollout"):
@@ -221,9 +244,46 @@ class BatchFlow:
             rollout = dataset_batch(records, version, self.pad_id)
         return self._send(index, data_state, records, rollout, sources, answers)
 
+    def _produce_informative(self, index: int, draw, data_state: dict) -> InFlight:
+        """``rl.dynamic_sampling``: batch ``index`` of prompt groups whose rewards differ, drawn and sampled round by
+        round (:mod:`.dynamic_sampling`; collective over every rank each round: the rollout and the rewards)."""
+        rl = self.config.rl
+
+        def sample(records, round_index: int) -> tuple[RolloutBatch, list[float]]:
+            sampling = self.config.rollout.sampling(round_seed(self._seed(index), round_index))
+            with self.timers("rollout"):
+                rollout = self.rollout.generate([list(record.prompt_ids) for record in records], sampling)
+            return rollout, self._batch_rewards(rollout, records)
+
+        try:
+            made = sample_informative(draw, sample, num_prompts=self.config.trainer.global_batch_size // self.config.rollout.n,
+                                      max_rounds=rl.dynamic_sampling_max_rounds, pad_id=self.pad_id)
+        except _RewardsFailed as failed:  # every rank has it (RewardExchange.receive agrees): the update raises it
+            return InFlight(index, data_state, [], None, None, failure=failed.error)
+        short = int(made.metrics["rl/dynamic_groups_short"])
+        if short and self.rank == 0:
+            logger.warning("batch %d: %d of its %d prompt groups have rewards that differ after %d sampling rounds; %d "
+                           "groups of equal rewards (no reward advantage) fill the rest: raise "
+                           "rl.dynamic_sampling_max_rounds, or use prompts the student solves some of the time", index,
+                           len(made.records) - short, len(made.records), int(made.metrics["rl/dynamic_rounds"]), short)
+        return self._send(index, data_state, made.records, made.rollout, rewards=made.rewards, dynamic=made.metrics)
+
+    def _batch_rewards(self, rollout: RolloutBatch, records) -> list[float]:
+        """Every sample's reward of ``rollout`` on every rank (each share's computed by its reward worker, waited for)."""
+        prompt_indices = [record.index for record in records]
+        samples = self.my_samples(rollout, prompt_indices, [record.group for record in records])
+        future = self.rewards.send(samples, {record.index: record_fields(record) for record in records})
+        try:
+            values = self.rewards.receive(future)
+        except Exception as error:  # noqa: BLE001 - raised on every rank alike (receive agrees); kept for the update
+            raise _RewardsFailed(error) from error
+        rows = [self.share_rows(rollout, len(records), share) for share in range(self.state.data_parallel_size)]
+        return self.rewards.gather(values, rows, self.state.dp_rank)
+
     def _send(self, index: int, data_state: dict, records, rollout: RolloutBatch, sources=None, answers=None,
-              partial=None) -> InFlight:
-        """This rank's share of ``rollout``, its teachers' requests and its rewards' (sent now, answered meanwhile)."""
+              partial=None, rewards: list[float] | None = None, dynamic: dict | None = None) -> InFlight:
+        """This rank's share of ``rollout``, its teachers' requests and its rewards' (sent now, answered meanwhile;
+        ``rewards``: every sample's, already known)."""
         prompt_indices = [record.index for record in records]
         fields = {record.index: record_fields(record) for record in records}
         samples = self.my_samples(rollout, prompt_indices, [record.group for record in records], sources)
@@ -232,9 +292,12 @@ class BatchFlow:
         if needs_teacher(self.config):
             with self.timers("teacher_send"):
                 teacher = self.exchange.request(samples, assignment)
-        reward = self.rewards.send(samples, fields)  # decoded here, computed in the reward worker meanwhile
+        if rewards is None:
+            reward = self.rewards.send(samples, fields)  # decoded here, computed in the reward worker meanwhile
+        else:
+            reward = self.rewards.known([rewards[row] for row in self.share_rows(rollout, len(records))])
         return InFlight(index, data_state, prompt_indices, rollout, samples, assignment, teacher, reward=reward,
-                        sources=sources, answers=answers, partial=partial)
+                        sources=sources, answers=answers, partial=partial, dynamic=dynamic)
 
     def _background_share(self, rollout, prompt_indices, prompt_groups, fields, sources=None):
         """On the rollout thread: the server's batch and this rank's teacher and reward requests for its share (a
@@ -289,12 +352,17 @@ class BatchFlow:
         seed = self.config.rollout.seed
         return None if seed is None else seed + index * 1_000_003
 
+    def share_rows(self, rollout: RolloutBatch, num_prompts: int, share: int | None = None) -> list[int]:
+        """The rows of ``rollout`` in data-parallel share ``share`` (default this rank's): a contiguous block of whole
+        prompt groups."""
+        groups = np.array_split(np.arange(num_prompts), self.state.data_parallel_size)
+        mine = set(groups[self.state.dp_rank if share is None else share].tolist())
+        return [i for i in range(rollout.num_samples) if int(rollout.group_ids[i]) in mine]
+
     def my_samples(self, rollout: RolloutBatch, prompt_indices: list[int], prompt_groups: list | None = None,
                    sources: list[str] | None = None) -> list:
         """This data-parallel rank's samples: a contiguous block of whole prompt groups."""
-        groups = np.array_split(np.arange(len(prompt_indices)), self.state.data_parallel_size)
-        mine = set(groups[self.state.dp_rank].tolist())
-        rows = [i for i in range(rollout.num_samples) if int(rollout.group_ids[i]) in mine]
+        rows = self.share_rows(rollout, len(prompt_indices))
         return samples_from_rollout(rollout, rows, prompt_indices, prompt_groups, sources)
 
     def annotation_metrics(self, batch: InFlight) -> dict:
@@ -305,6 +373,8 @@ class BatchFlow:
         rl = self.config.rl
         if rl.enabled and rl.kd_coef_end is not None:  # the teacher's weight on its schedule
             metrics["rl/kd_coef"] = rl.kd_coef_at(batch.index)
+        if batch.dynamic is not None:  # from the global batch's rewards, the same on every rank
+            metrics.update(batch.dynamic)
         if batch.partial is not None:  # from the global batch, the same on every rank
             metrics.update({**batch.partial, **staleness_metrics(batch.rollout, batch.index,
                                                                  self.config.rollout.partial.max_staleness)})

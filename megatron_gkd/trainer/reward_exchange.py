@@ -6,6 +6,7 @@ before the step trains, and measured over the global batch.
 | start-up | :meth:`wait_ready`: the worker has built the reward (a user module that does not import fails here) | every rank |
 | sampling | :meth:`send`: the decoded prompts, responses and records of this rank's share go to the worker | no |
 | update | :meth:`receive`: waits (timer ``reward_wait``); a ``RewardFailed`` on any rank stops every rank | every rank |
+| sampling | ``rl.dynamic_sampling``: per round :meth:`send`, :meth:`receive`, :meth:`gather`; then :meth:`known` | every rank |
 | update | :meth:`metrics`: ``reward/mean``, ``reward/min``, ``reward/max`` over every data-parallel share | every rank |
 
 Rewards are computed on the ranks that ask the teacher (one per data-parallel share: the last pipeline stage's
@@ -24,8 +25,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_gkd.parallel.comm import agree
-from megatron_gkd.rewards import RewardBatch, RewardRunner
+from megatron_gkd.parallel.comm import agree, all_gather_msgpack
+from megatron_gkd.rewards import RewardBatch, RewardOutput, RewardRunner
 from megatron_gkd.trainer.eval import response_text
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,35 @@ class RewardExchange:
         if self.runner is None:
             return None
         return self.runner.submit(self.batch(samples, records))
+
+    def known(self, values: Sequence[float]) -> concurrent.futures.Future | None:
+        """Rewards already computed (``rl.dynamic_sampling`` needs them before the batch is made) as :meth:`send`'s
+        Future, answered at once: None on a rank without a runner, as :meth:`send`."""
+        if self.runner is None:
+            return None
+        future = concurrent.futures.Future()
+        future.set_result(RewardOutput(list(values), 0.0, 0.0))
+        return future
+
+    def gather(self, values: list[float] | None, rows: Sequence[Sequence[int]], share: int) -> list[float]:
+        """Collective over every rank: each sample's reward of the whole batch, on every rank.
+
+        Args:
+            values: this rank's rewards (:meth:`receive`), or None on a rank without a runner.
+            rows: the batch's rows of each data-parallel share, in the order its rewards were computed.
+            share: this rank's data-parallel share.
+        """
+        found: dict[int, list[float]] = {}
+        for item in all_gather_msgpack(None if values is None else [share, list(values)], self.control):
+            if item is not None:
+                found[item[0]] = item[1]
+        assert sorted(found) == list(range(len(rows))), f"rewards of shares {sorted(found)} of {len(rows)}"
+        rewards = [0.0] * sum(len(indices) for indices in rows)
+        for share_index, indices in enumerate(rows):
+            assert len(found[share_index]) == len(indices), "a share's rewards do not match its samples"
+            for row, value in zip(indices, found[share_index]):
+                rewards[row] = value
+        return rewards
 
     def receive(self, future: concurrent.futures.Future | None) -> list[float] | None:
         """Collective when rewards are on: this rank's rewards (None on a rank without a runner); raises on every

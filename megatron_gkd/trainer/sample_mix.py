@@ -67,13 +67,15 @@ def merge_by_prompt(parts: Sequence[tuple[Sequence[int], RolloutBatch]], version
     """One batch of every part's samples, ordered by prompt position (each part's own order kept within a prompt).
 
     Args:
-        parts: ``(positions, batch)``: group ``g`` of ``batch`` answers the prompt at ``positions[g]`` of the step.
+        parts: ``(positions, batch)``: group ``g`` of ``batch`` answers the prompt at ``positions[g]`` of the step
+            (None: the group is left out).
         version: the weight version of the merged batch (the student's, which sampled what is on-policy).
         pad_id: padding id.
     """
     rows = []  # (position, part, row)
     for part, (positions, batch) in enumerate(parts):
-        rows += [(int(positions[int(batch.group_ids[i])]), part, i) for i in range(batch.num_samples)]
+        rows += [(int(positions[int(batch.group_ids[i])]), part, i) for i in range(batch.num_samples)
+                 if positions[int(batch.group_ids[i])] is not None]
     rows.sort(key=lambda row: (row[0], row[1], row[2]))
     topk_width = max((batch.topk_ids.shape[-1] for _, batch in parts if batch.topk_ids is not None), default=0)
     prompts, responses, logprobs, groups, reasons, topk = [], [], [], [], [], []

@@ -72,6 +72,16 @@ BAD = [
     (["rl.combine=teacher", "rl.kl_estimator=k3"], None, "rl.kl_estimator=k3 with rl.combine='teacher'"),
     (["rl.combine=advantage", "reward.kind=final_answer", "rl.kl_estimator=k3"], None, "set rl.kl_estimator=k1"),
     (["rl.aggregation=token_sum"], None, "rl.aggregation='token_sum'"),
+    # DAPO's dynamic sampling: where groups of equal rewards have no advantage, and a batch can be made round by round
+    (["rl.combine=teacher", "rl.dynamic_sampling=true"], None,
+     "rl.combine='teacher' trains on no reward: use rl.combine=loss or rl.combine=advantage"),
+    (["rl.combine=loss", "reward.kind=final_answer", "rl.advantage=reinforce", "rl.dynamic_sampling=true"], None,
+     "use rl.advantage=grpo, rloo or dr_grpo, or set rl.dynamic_sampling=false"),
+    (["rl.combine=loss", "reward.kind=final_answer", "rollout.n=1", "trainer.global_batch_size=4",
+      "rl.dynamic_sampling=true"], None, "so it needs rollout.n >= 2, got rollout.n=1"),
+    (["rl.combine=loss", "reward.kind=final_answer", "rl.dynamic_sampling=true", "rollout.layout=disaggregated",
+      "weight_sync.transport=distributed"], None, "use rollout.layout=colocated, or set rl.dynamic_sampling=false"),
+    (["rl.dynamic_sampling_max_rounds=-1"], None, "rl.dynamic_sampling_max_rounds=-1 must be >= 0"),
 ]
 
 
@@ -164,6 +174,10 @@ def test_the_clip_and_the_teacher_baseline_say_where_they_are_inert(caplog):
     assert "rl.ppo_epochs / rl.mini_batches have no effect without rl.combine" in caplog.text
     load_config(BASE, ["rl.combine=loss", "reward.kind=final_answer", "rl.teacher_baseline=true"])
     assert "rl.teacher_baseline has no effect with rl.combine=loss" in caplog.text
+    load_config(BASE, ["rl.dynamic_sampling=true"])
+    assert "rl.dynamic_sampling has no effect without rl.combine" in caplog.text
+    load_config(BASE, ["rl.combine=loss", "reward.kind=final_answer", "rl.dynamic_sampling_max_rounds=8"])
+    assert "rl.dynamic_sampling_max_rounds has no effect without rl.dynamic_sampling=true" in caplog.text
 
 
 def test_each_mode_says_what_it_does():

@@ -2,7 +2,8 @@
 the dataset's responses of a tiny random student, so no torchrun, no teacher service and no rollout engine. A run trains
 its steps and leaves its summary, metrics (metrics.jsonl and TensorBoard) and checkpoint; a preemption signal makes it
 checkpoint after the step it is in and stop; the same config run again resumes at the saved step and goes on from there.
-``Trainer.close()`` destroys Megatron's model-parallel state, so one process builds one trainer after another."""
+``Trainer.close()`` destroys Megatron's model-parallel state, so one process builds one trainer after another. One
+on-policy run (the ``megatron`` rollout engine, a colocated teacher) checks ``rl.dynamic_sampling``'s resume."""
 
 import math
 import os
@@ -19,10 +20,9 @@ from megatron_gkd.testing import runs
 from megatron_gkd.trainer import run_dir
 from megatron_gkd.trainer.checkpoint_dirs import find_checkpoint
 from megatron_gkd.trainer.loop import Trainer
-from megatron_gkd.trainer.preemption import PREEMPTION_SIGNALS
 from megatron_gkd.trainer.teacher_exchange import TeacherFailed
 
-pytestmark = pytest.mark.usefixtures("gloo_world")  # conftest.py: a gloo world of one process
+pytestmark = pytest.mark.usefixtures("gloo_world")  # conftest.py: a gloo world of one process (and signal_handlers)
 VOCAB = 64
 
 
@@ -35,15 +35,6 @@ def assets(tmp_path_factory):
     build_tokenizer(out / "student", VOCAB)
     write_prompts(out / "train.jsonl", 16, vocab_size=VOCAB, seed=3)
     return out
-
-
-@pytest.fixture
-def signal_handlers():
-    """The Trainer installs its preemption handlers in this process; the test session gets its own back after."""
-    previous = {signum: signal.getsignal(signum) for signum in PREEMPTION_SIGNALS}
-    yield
-    for signum, handler in previous.items():
-        signal.signal(signum, handler)
 
 
 def sft_overrides(assets, out, num_steps: int) -> list[str]:
@@ -149,3 +140,36 @@ def test_a_batch_whose_teacher_failed_is_the_first_trained_after_the_resume(asse
     run(fail_at=None)  # the same command again
     assert seen[2] == failed, "the resumed run skipped the batch whose teacher failed"
     assert trained_steps(out) == [1, 2, 3]
+
+
+def test_dynamic_sampling_resumes_at_the_prompts_an_uninterrupted_run_trains(assets, tmp_path, signal_handlers,
+                                                                             one_thread):
+    """``rl.dynamic_sampling`` in the trainer (a colocated teacher, the ``megatron`` rollout engine, a regex reward):
+    batches that drop groups of equal rewards draw more prompts, and a run preempted after its first step resumes at
+    the prompts the uninterrupted run trains next, whatever the extra rounds drew."""
+    def overrides(out):
+        return [*sft_overrides(assets, out, num_steps=4), "trainer.mode=on_policy", f"teacher.checkpoint={assets / 'student'}",
+                "teacher.client=local", "teacher.serve.model=null", "teacher.top_k=4", "rollout.engine=megatron",
+                "rollout.n=4", "rollout.max_tokens=4", "rollout.seed=3", "trainer.global_batch_size=8",
+                "trainer.micro_batch_size=8", "reward.kind=regex", r"reward.pattern='\bw[0-2]\b'", "rl.combine=loss",
+                "rl.dynamic_sampling=true", "checkpoint.save_interval=1", "logging.tensorboard=false"]
+
+    def run(out, preempt: bool = False) -> None:
+        trainer = Trainer(load_config(None, overrides(out)))
+        try:
+            if preempt:  # as if during the first step: it checkpoints after it and stops
+                os.kill(os.getpid(), signal.SIGUSR1)
+            trainer.train()
+        finally:
+            trainer.close()
+
+    run(tmp_path / "whole")
+    whole = runs.steps(tmp_path / "whole")
+    assert whole[0]["rl/dynamic_rounds"] > 1  # the first batch refilled: the resume starts past its extra draws
+    assert all(record["rl/dynamic_groups_short"] == 0 for record in whole)
+    run(tmp_path / "resumed", preempt=True)
+    assert trained_steps(tmp_path / "resumed") == [1]
+    run(tmp_path / "resumed")  # the same command again
+    resumed = runs.steps(tmp_path / "resumed")
+    same = ("prompts", "reward/mean", "train/loss", *(key for key in whole[0] if key.startswith("rl/dynamic")))
+    assert [[record[key] for key in same] for record in resumed] == [[record[key] for key in same] for record in whole]

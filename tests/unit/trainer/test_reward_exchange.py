@@ -3,6 +3,7 @@ runner as text with their records, the rewards come back under the ``reward_wait
 the runner's RewardFailed, and a run without rewards adds nothing."""
 
 import concurrent.futures
+import unittest.mock
 
 import pytest
 import torch
@@ -97,3 +98,24 @@ def test_without_rewards_nothing_is_waited_for_or_logged():
     rewards = exchange(None, enabled=False)
     assert rewards.receive(None) is None and rewards.metrics(None) == {}
     assert rewards.timers.pop() == {}
+
+
+def test_gather_puts_every_share_s_rewards_at_its_rows_on_every_rank():
+    """``rl.dynamic_sampling``'s view of a batch (TP=2 x DP=2: one rank of each share computes its rewards): every rank
+    assembles the same rewards, each at the row it was computed for, whichever share it holds."""
+    rows = [[0, 1, 4], [2, 3, 5]]  # the rows of shares 0 and 1, in the order each share's rewards were computed
+    computed = {0: [0.5, 1.0, 2.0], 1: [0.0, -1.0, 3.0]}
+    gathered = [[0, computed[0]], None, [1, computed[1]], None]  # ranks 0 and 2 compute; 1 and 3 hold no runner
+    with unittest.mock.patch("megatron_gkd.trainer.reward_exchange.all_gather_msgpack", lambda value, group: gathered):
+        found = [exchange(Runner(values=[]) if share in computed else None).gather(computed.get(share), rows, share)
+                 for share in (0, 1, 0, 1)]
+    assert found == [[0.5, 1.0, 0.0, -1.0, 2.0, 3.0]] * 4
+    with unittest.mock.patch("megatron_gkd.trainer.reward_exchange.all_gather_msgpack",
+                             lambda value, group: gathered[:2]), pytest.raises(AssertionError, match="shares"):
+        exchange(None).gather(None, rows, 1)  # a share whose rewards no rank holds: an internal error, not zeros
+
+
+def test_known_rewards_are_answered_at_once_on_the_ranks_that_compute_them():
+    rewards = exchange(Runner(values=[]))
+    assert rewards.receive(rewards.known([1.0, 0.0])) == [1.0, 0.0]
+    assert exchange(None).known([1.0]) is None
