@@ -46,10 +46,15 @@ class TeacherServeConfig:
     a slow or crashed replica holds only itself. Replicas help only when the trainer has that many
     requests in flight: set ``teacher.split_requests`` (one step's request cut into sub-requests) and
     ``teacher.max_inflight``, or use an off-policy scheduler (its steps' requests overlap)."""
+    max_restarts: int = 3
+    """How many times in one run the service is started again on its address when it dies (its clients retry on the
+    new one); 0 leaves a dead service dead (its requests fail after ``teacher.deadline_s``)."""
 
     def __post_init__(self):
         if self.delay_s < 0 or self.startup_timeout_s <= 0:
             raise ValueError("teacher.serve.delay_s must be >= 0 and teacher.serve.startup_timeout_s > 0")
+        if self.max_restarts < 0:
+            raise ValueError(f"teacher.serve.max_restarts={self.max_restarts} must be >= 0")
         if self.num_workers < 1:
             raise ValueError(f"teacher.serve.num_workers={self.num_workers} must be >= 1")
 

@@ -25,7 +25,7 @@ from megatron_gkd.config.checks import teacher_configs, teacher_key
 from megatron_gkd.data.tokenization import resolve_chat_template
 from megatron_gkd.parallel.comm import agree, broadcast_msgpack
 from megatron_gkd.teacher.clients import client_traits
-from megatron_gkd.teacher.local_service import TeacherService
+from megatron_gkd.teacher.local_service import ServiceKeeper, TeacherService
 from megatron_gkd.trainer.components import build_cross_tokenizer, build_teacher_client, build_teacher_head
 from megatron_gkd.trainer.metrics import teacher_suffix
 
@@ -97,6 +97,7 @@ class Teachers:
             name: Teacher(name, teacher, weight=1.0 if self.routed else mix.weights.get(name, 1.0))
             for name, teacher in teacher_configs(config).items()}
         self._keys = {name: teacher_key(config, name) for name in self.by_name}
+        self._keeper: ServiceKeeper | None = None  # rank 0, once the services it started are ready
         self._data = config.data
         self._student = self._tokenizer = None  # build_local_parts: what a teacher that reads the student scores with
         self._records: list = []  # learn_prompts: the records whose privileged prompts such a teacher learns
@@ -184,6 +185,7 @@ class Teachers:
         (``state``: the trainer's :class:`~megatron_gkd.parallel.ParallelState`, its control group and the layout a
         colocated teacher is sharded on)."""
         rank, control = state.rank, state.control_group
+        started = {}
         for teacher in self:
             address = secret = error = None
             served = teacher.config.serve.model is not None
@@ -191,6 +193,7 @@ class Teachers:
                 try:
                     address = teacher.service.wait_ready(teacher.config.serve.startup_timeout_s)
                     secret = teacher.service.secret
+                    started[teacher.name] = (teacher.service, address)
                 except Exception as caught:  # noqa: BLE001
                     error = caught
             agree(error, control)
@@ -209,13 +212,17 @@ class Teachers:
                 except Exception as caught:  # noqa: BLE001
                     error = caught if not self.several else ValueError(f"{self.key(teacher.name)}: {caught}")
             agree(error, control)
+        if started:  # rank 0: a service that dies from now on is replaced
+            self._keeper = ServiceKeeper(started)
 
     def close_clients(self) -> None:
         """Closes every client (each is tried; the first failure is raised after)."""
         _each([teacher.client.close for teacher in self if teacher.client is not None])
 
     def stop_services(self) -> None:
-        """Stops every service this run started."""
+        """Stops every service this run started (and the keeper that replaces the dead ones)."""
+        keeper, self._keeper = self._keeper, None
+        _each([keeper.stop] if keeper is not None else [])
         _each([teacher.service.stop for teacher in self if teacher.service is not None])
 
 

@@ -1,5 +1,6 @@
-"""Faults with real worker processes: behind an in-process proxy (kill, stop all, restart), and the
-replicas of `serve --num-workers 2` (one killed while it holds a request)."""
+"""Faults with real worker processes: behind an in-process proxy (kill, stop all, restart), the
+replicas of `serve --num-workers 2` (one killed while it holds a request), and a run's service killed with a request in
+flight (its keeper starts it again on the same address)."""
 
 import os
 import signal
@@ -9,6 +10,8 @@ import numpy as np
 import pytest
 
 from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client
+from megatron_gkd.teacher.config import TeacherServeConfig
+from megatron_gkd.teacher.local_service import ServiceKeeper, TeacherService
 from megatron_gkd.teacher.types import ErrorCode
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher, build_tiny_teacher
 from tests.e2e.teacher import procs
@@ -139,3 +142,32 @@ def test_serve_with_two_replicas_survives_a_killed_one(tmp_path, teacher_dir):
         _wait_for(lambda: "exited with code -9; 1 of 2 workers serve on" in service.log_path.read_text(), 30)
     finally:
         procs.stop(service)
+
+
+def test_a_run_s_teacher_service_killed_with_a_request_in_flight_is_started_again_on_its_address(tmp_path, teacher_dir):
+    """Issue #48 item 4: the trainer's :class:`ServiceKeeper` replaces a teacher service of the run that dies by a new
+    one on the same address with the same secret; the client's next attempt reaches it and gets the whole answer.
+    Without the keeper the request fails past its deadline (``TeacherError``: unavailable)."""
+    reference = ReferenceTeacher(teacher_dir)
+    serve = TeacherServeConfig(model=str(teacher_dir), delay_s=2.0, max_restarts=1)
+    service = TeacherService(serve, tmp_path / "teacher_service.log")
+    address = service.wait_ready(300)
+    keeper = ServiceKeeper({"teacher": (service, address)})
+    try:
+        batch = _batch()
+        retry = RetryPolicy(attempt_timeout_s=5.0, deadline_s=60.0, max_attempts=10, backoff_s=0.2)
+        with build_client("zmq", address=address, secret=service.secret.encode(), retry=retry) as client:
+            future = client.score_async(batch)  # held 2 s by the service's delay
+            time.sleep(0.5)
+            os.kill(service.process.pid, signal.SIGKILL)
+            outputs = future.result(timeout=150)
+            assert client.num_retries >= 1
+            for output, sequence in zip(outputs, batch.sequences, strict=True):
+                reference.assert_matches(output, sequence.token_ids, sequence.response_start, batch.top_k)
+        assert keeper.restarts == {"teacher": 1}
+        replacement = keeper.service("teacher")
+        assert replacement is not service and replacement.process.poll() is None
+        assert (tmp_path / "teacher_service.1.log").exists()
+    finally:
+        keeper.stop()
+    assert replacement.process.poll() is not None  # the keeper stops the service it started
