@@ -30,7 +30,6 @@ import argparse
 import collections
 import json
 import pathlib
-import re
 import statistics
 import sys
 import tempfile
@@ -84,9 +83,7 @@ def main(argv=None) -> dict:
     got = harness.steps(work / "faulty")
     trained = collections.Counter(p for r in got for p in r["prompts"])
     expected = collections.Counter(p for r in clean for p in r["prompts"])
-    resumed = [int(m) for m in re.findall(r"resumed at step (\d+) ", log)]
-    rank_kills = [k for k in injector.kills if k.part == "trainer_rank"]
-    kills = [{"part": k.part, "step": k.step,
+    kills = [{"part": k.part, "step": k.step, "steps_trained_again": k.steps_trained_again,
               "time_lost_s": None if k.recovered_at is None else round(k.recovered_at - k.at - step_s, 1)}
              for k in injector.kills]
     report = {
@@ -97,8 +94,8 @@ def main(argv=None) -> dict:
         "samples_trained_twice": sum(max(0, trained[p] - expected[p]) for p in trained),
         "samples_lost": sum(max(0, expected[p] - trained[p]) for p in expected),
         "losses_equal_fault_free": [r["train/loss"] for r in got] == [r["train/loss"] for r in clean],
-        "restarts_of_the_ranks": len(resumed),
-        "steps_trained_again": sum(k.step - s for k, s in zip(rank_kills, resumed, strict=False)),
+        "restarts_of_the_ranks": sum(k.resumed_from is not None for k in injector.kills),
+        "steps_trained_again": sum(k.steps_trained_again for k in injector.kills),
         "fault_free_s": round(clean_s, 1), "faulty_s": round(faulty_s, 1), "step_s": round(step_s, 2),
         "overhead_s_per_kill": round((faulty_s - clean_s) / max(1, len(injector.kills)), 1),
     }

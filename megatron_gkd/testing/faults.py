@@ -9,6 +9,7 @@ import dataclasses
 import os
 import pathlib
 import random
+import re
 import signal
 import time
 
@@ -57,7 +58,13 @@ class Kill:
     pid: int
     step: int  # the highest step logged when it was killed
     at: float  # time.monotonic()
+    log_offset: int = 0  # the run log's length then
     recovered_at: float | None = None  # when a step past ``step`` was first logged
+    resumed_from: int | None = None  # where the ranks started again, if they did: their checkpoint's step, or 0
+
+    @property
+    def steps_trained_again(self) -> int:
+        return 0 if self.resumed_from is None else self.step - self.resumed_from
 
 
 class FaultInjector:
@@ -91,16 +98,28 @@ class FaultInjector:
                 steps = [record["step"] for record in runs.steps(self.out)]
             except ValueError:  # a line being written
                 steps = []
-            if steps and max(steps) > high:
-                high = max(steps)
+            logged = max(steps, default=0)
+            if logged > high:
+                high = logged
                 for kill in self.kills:
                     if kill.recovered_at is None and high > kill.step:
                         kill.recovered_at = time.monotonic()
+                        kill.resumed_from = self._restarted_from(kill.log_offset)
             if next_kill <= high < self.num_steps and all(kill.recovered_at is not None for kill in self.kills):
                 self._kill_one(high)
                 next_kill = high + self.every
             time.sleep(0.1)
         return self.process.returncode
+
+    def _restarted_from(self, offset: int) -> int | None:
+        """The step the ranks started again from after log position ``offset`` (a new attempt logs "started in"), or
+        None if they did not start again."""
+        text = self.process.log_path.read_text(errors="replace")[offset:]
+        started = text.find("INFO started in ")
+        if started < 0:
+            return None
+        resumed = re.search(r"resumed at step (\d+) ", text[:started])
+        return int(resumed.group(1)) if resumed else 0
 
     def _kill_one(self, step: int) -> None:
         if self.cycle:
@@ -113,5 +132,6 @@ class FaultInjector:
             if pids:
                 pid = self.random.choice(pids)
                 os.kill(pid, signal.SIGKILL)
-                self.kills.append(Kill(part, pid, step, time.monotonic()))
+                offset = len(self.process.log_path.read_text(errors="replace"))
+                self.kills.append(Kill(part, pid, step, time.monotonic(), offset))
                 return
