@@ -234,6 +234,8 @@ class Trainer:
     def _update(self, batch: InFlight) -> dict:
         """Waits for the batch and its teacher rows, runs forward/backward over its micro-batches, steps the optimizer."""
         prepared = self.flow.prepare(batch)
+        if self.rollout is not None:
+            self.rollout.release()  # the engine may read the weights the optimizer is about to change
         with self.timers("train"):
             stats, optim = self.runner.train_step(self.loss_spec, prepared.microbatches)
         self.tokens_trained += batch.rollout.num_generated_tokens  # the whole global batch, the same on every rank
