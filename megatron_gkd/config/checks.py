@@ -290,6 +290,10 @@ def _check_rollout_engine(config) -> None:
         _fail(f"rollout.tensor_parallel_size={rollout.tensor_parallel_size}: rollout.engine={rollout.engine} holds the "
               "whole model on every rank (each rank is a replica that samples its share of the prompts); set "
               "rollout.tensor_parallel_size=1, or use rollout.engine=vllm to split the model")
+    if rollout.release_weights and not (traits.releases_weights and rollout.layout.in_trainer):
+        _fail(f"rollout.release_weights=true: rollout.engine={rollout.engine} with rollout.layout={rollout.layout} "
+              "cannot release its weights between syncs (only the hf engine, colocated, can); set "
+              "rollout.release_weights=null (or false), or rollout.engine=hf")
     if not traits.serves_remote and rollout.layout.sends_weights:
         _fail(f"rollout.layout=disaggregated: rollout.engine={rollout.engine} runs colocated only (one replica on every "
               "trainer rank); set rollout.layout=colocated, or use rollout.engine=vllm on a rollout server")

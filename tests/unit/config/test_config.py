@@ -40,6 +40,8 @@ BAD = [
     (["rollout.engine=hf"], None, "rollout.tensor_parallel_size=2: rollout.engine=hf holds the whole model on every rank"),
     (["rollout.engine=hf", "rollout.tensor_parallel_size=1", "rollout.layout=disaggregated",
       "weight_sync.transport=distributed"], None, "rollout.engine=hf runs colocated only"),
+    (["rollout.release_weights=true"], None,
+     "rollout.release_weights=true: rollout.engine=vllm with rollout.layout=colocated cannot release its weights"),
     (["trainer.micro_batch_size=3"], 2, "multiple of dp x micro_batch_size"),
     (["parallel.tensor_model_parallel_size=1", "trainer.global_batch_size=4", "rollout.n=4"], 2,
      "does not split over data-parallel size 2"),
@@ -227,9 +229,10 @@ def test_the_hf_engine_gets_no_vllm_options_and_says_the_memory_ones_are_inert(c
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=None, tokenizer_object=_tokenizer(), pad_token="b")
     assert rollout_engine_kwargs(config, tokenizer) == dict(
         model=config.student.checkpoint, tensor_parallel_size=1, max_model_len=128, dtype="float32", pad_token_id=1,
-        vocab_size=3, attn_implementation="eager")
+        vocab_size=3, release_weights=True, attn_implementation="eager")  # release_weights: on by default
+    assert not rollout_engine_kwargs(load_config(BASE, [*hf, "rollout.release_weights=false"]), tokenizer)["release_weights"]
     vllm = rollout_engine_kwargs(load_config(BASE), tokenizer)
-    assert vllm["kv_cache_memory_bytes"] == 64 << 20 and vllm["skip_tokenizer_init"]
+    assert vllm["kv_cache_memory_bytes"] == 64 << 20 and vllm["skip_tokenizer_init"] and "release_weights" not in vllm
 
 
 def _tokenizer():

@@ -166,3 +166,78 @@ def test_padding_rows_past_the_tokenizer_are_never_sampled(checkpoint, reference
     rows = _raw_logprobs(reference, PROMPTS[0], response)[:, :200].log_softmax(dim=-1)
     torch.testing.assert_close(batch.logprobs(0), rows[torch.arange(len(response)), torch.tensor(response)],
                                atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------- release_weights (issue #49)
+def _student_weights(engine) -> dict[str, torch.Tensor]:
+    """What a colocated sync would hand the engine: one tensor a parameter (the "student's"), by HF name."""
+    return {name: param.detach().clone() for name, param in engine._model.named_parameters()}
+
+
+def _plan_of(weights: dict[str, torch.Tensor]):
+    from megatron_gkd.weight_sync import TensorSpec, WeightSyncPlan
+
+    entries = tuple(TensorSpec(name=name, shape=tuple(t.shape), dtype="float32", pp_rank=0, vpp_chunk=0, tp_dim=None,
+                               tp_size=1, expert=None, megatron="m." + name, part=0, fusion={"type": "Identity"},
+                               position=i, owner=0, shards=(0,))
+                    for i, (name, t) in enumerate(weights.items()))
+    return WeightSyncPlan(entries=entries, trainer_world_size=1)
+
+
+def test_after_a_release_and_a_restore_the_engine_samples_exactly_what_it_sampled_before(checkpoint):
+    engine = build_engine("hf", model=checkpoint, max_model_len=64, release_weights=True)
+    student = _student_weights(engine)
+    engine.load_weights(iter(student.items()), version=1)
+    sampling = SamplingConfig(n=2, temperature=1.0, top_p=0.9, max_tokens=6, seed=3, logprobs_k=2)
+    before = engine.generate(PROMPTS, sampling)
+    engine.release_weights()
+    assert engine.stale and all(param.numel() == 0 for param in engine._model.parameters())
+    engine.load_weights(iter(student.items()), version=2)  # the restore is the next sync: every weight
+    after = engine.generate(PROMPTS, sampling)
+    assert after.weight_version == 2 and after.response_ids.equal(before.response_ids)
+    assert after.rollout_logprobs.equal(before.rollout_logprobs) and after.topk_ids.equal(before.topk_ids)
+
+
+def test_a_releasing_engine_reads_the_tensors_it_is_handed_in_place_and_a_copying_one_does_not(checkpoint):
+    student = _student_weights(build_engine("hf", model=checkpoint, max_model_len=64))
+    for releases in (True, False):
+        engine = build_engine("hf", model=checkpoint, max_model_len=64, release_weights=releases)
+        engine.load_weights(iter(student.items()), version=1)
+        shared = [param.data_ptr() == student[name].data_ptr() for name, param in engine._model.named_parameters()]
+        assert all(shared) if releases else not any(shared)
+    # A tensor of another dtype is converted into storage of the engine's own, never written into the handed one.
+    doubles = {name: t.to(torch.float64) for name, t in student.items()}
+    engine = build_engine("hf", model=checkpoint, max_model_len=64, release_weights=True)
+    engine.load_weights(iter(doubles.items()), version=1)
+    assert all(param.dtype == torch.float32 for param in engine._model.parameters())
+
+
+def test_generate_and_scoring_while_released_raise_naming_the_setting_and_the_fix(checkpoint):
+    engine = build_engine("hf", model=checkpoint, max_model_len=64, release_weights=True)
+    engine.release_weights()
+    message = r"version 0\) were released .*rollout.release_weights=true.*weight sync has restored"
+    with pytest.raises(StaleWeightsError, match=message):
+        engine.generate(PROMPTS, SamplingConfig(max_tokens=4))
+    with pytest.raises(StaleWeightsError, match=message):
+        engine.prompt_logprobs([PROMPTS[0]])
+    with pytest.raises(RuntimeError, match="built without release_weights"):
+        build_engine("hf", model=checkpoint, max_model_len=64).release_weights()
+
+
+def test_a_sync_after_a_release_is_verified_and_one_with_other_weights_is_caught(checkpoint):
+    from megatron_gkd.weight_sync import ColocatedReceiver, WeightSyncConfig, WeightSyncMismatch
+
+    engine = build_engine("hf", model=checkpoint, max_model_len=64, release_weights=True)
+    student = _student_weights(engine)
+    config = WeightSyncConfig(transport="colocated", verify_prompts=(tuple(PROMPTS[1]),))
+    expected = engine.prompt_logprobs(config.verify_prompts)  # the student's forward, as the trainer computes it
+    receiver = ColocatedReceiver(_plan_of(student), config)
+    engine.release_weights()
+    receiver.sync(engine, iter(student.items()), version=1)
+    assert receiver.verify(engine, expected, check=1e-6) == 0.0 and not engine.stale
+    engine.release_weights()
+    wrong = {**student, "lm_head.weight": torch.zeros_like(student["lm_head.weight"])}
+    receiver.sync(engine, iter(wrong.items()), version=2)
+    with pytest.raises(WeightSyncMismatch):
+        receiver.verify(engine, expected, check=1e-3)
+    assert engine.stale

@@ -31,9 +31,12 @@ def _batch(prompts, sampling, version: int) -> RolloutBatch:
 class Engine:
     """A colocated engine that records what it was asked and loads nothing but the version."""
 
-    def __init__(self, shares_student_weights: bool = True):
-        self.shares_student_weights = shares_student_weights
-        self.asked, self.loads, self.closed, self.weight_version = [], [], False, 0
+    def __init__(self, shares_student_weights: bool = True, releases_weights: bool = False):
+        self.shares_student_weights, self.releases_weights = shares_student_weights, releases_weights
+        self.asked, self.loads, self.closed, self.weight_version, self.releases = [], [], False, 0, 0
+
+    def release_weights(self):
+        self.releases += 1
 
     def generate(self, prompts, sampling):
         self.asked.append((prompts, sampling))
@@ -99,6 +102,13 @@ def test_weights_are_synced_once_per_version_while_the_student_samples():
     rollout.sync([], 1)  # the version the engine holds: nothing sent
     rollout.sync([], 2)
     assert [version for _, version in engine.loads] == [1, 2] and rollout.version == 2
+
+
+def test_an_engine_that_reads_the_students_weights_releases_them_before_an_update_and_no_other_does():
+    releasing, copying = Engine(releases_weights=True), Engine()
+    for engine in (releasing, copying):
+        _rollout("trainer.mode=on_policy", engine=engine).release()
+    assert (releasing.releases, copying.releases) == (1, 0)
 
 
 @pytest.mark.parametrize("overrides", [
