@@ -27,6 +27,14 @@ def _teacher_head_text(config: GKDConfig) -> str:
     return head.describe()
 
 
+def _self_weights_text(teacher) -> str:
+    """What a self teacher reads: the student's current or initial weights, or their EMA (with its memory)."""
+    if teacher.self_weights == "ema":
+        return (f"an EMA of the student's weights (decay {teacher.ema_decay}, float32, one more copy of the student's "
+                "parameters per rank)")
+    return f"the student's {teacher.self_weights or 'current'} weights"
+
+
 def layout_plan(config: GKDConfig, world_size: int | None = None) -> str:
     """A human-readable plan: layout, ranks and their roles, batch split, rollout and teacher.
 
@@ -70,7 +78,7 @@ def layout_plan(config: GKDConfig, world_size: int | None = None) -> str:
         teacher = config.teacher
         where = (f"service started on loopback ({teacher.serve.backend} backend, {teacher.serve.model})"
                  if teacher.serve.model else
-                 f"the student's {teacher.self_weights or 'current'} weights on {teacher.privileged_template!r}"
+                 f"{_self_weights_text(teacher)} on {teacher.privileged_template!r}"
                  if client_traits(teacher.client).reads_student else
                  teacher.address or teacher.base_url or teacher.checkpoint)
         lines.append(f"teacher: {teacher.client} client, {where}, "

@@ -59,7 +59,8 @@ class TeacherServeConfig:
             raise ValueError(f"teacher.serve.num_workers={self.num_workers} must be >= 1")
 
 
-SELF_WEIGHTS = (None, "current", "initial")
+SELF_WEIGHTS = (None, "current", "initial", "ema")
+EMA_DECAY = 0.99
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -124,8 +125,13 @@ class TeacherConfig:
             {response}\\n\\n{prompt}"``; with a chat template it is the content of the last user message
             (:mod:`megatron_gkd.teacher.privileged`).
         self_weights: self: the weights the teacher reads: ``current`` (the default, null: the student's weights of
-            the step, without gradient) or ``initial`` (a frozen copy of the student's checkpoint, sharded like the
-            student: its parameters once more on each rank). An EMA is not built.
+            the step, without gradient), ``initial`` (a frozen copy of the student's checkpoint, sharded like the
+            student: its parameters once more on each rank) or ``ema``: an exponential moving average of the
+            student's weights, ``ema = ema_decay * ema + (1 - ema_decay) * weights`` after every optimizer step from the
+            initial weights, kept in float32 sharded like the student and saved in the run's checkpoints
+            (:mod:`megatron_gkd.trainer.ema`).
+        ema_decay: self, ``self_weights=ema``: the EMA's decay per optimizer step, in (0, 1); the teacher's weights
+            average over about ``1 / (1 - ema_decay)`` steps (100 at the default 0.99).
         cross_tokenizer: a teacher of another tokenizer (:class:`~megatron_gkd.xtok.config.CrossTokenizerConfig`):
             ``cross_tokenizer.method`` (``projected`` or ``hybrid``) enables cross-tokenizer distillation; unset, a
             teacher whose tokenizer differs from the student's is refused at start-up.
@@ -163,12 +169,18 @@ class TeacherConfig:
     cross_tokenizer: CrossTokenizerConfig = dataclasses.field(default_factory=CrossTokenizerConfig)
     privileged_template: str | None = None
     self_weights: str | None = None
+    ema_decay: float = EMA_DECAY
 
     def __post_init__(self):
         if self.self_weights not in SELF_WEIGHTS:
             raise ValueError(f"teacher.self_weights={self.self_weights!r} must be one of {', '.join(SELF_WEIGHTS[1:])} "
-                             "(the student's weights of the step, or a frozen copy of its initial weights); an EMA "
-                             "of the weights is not built")
+                             "(the student's weights of the step, a frozen copy of its initial weights, or their "
+                             "exponential moving average)")
+        if not 0.0 < self.ema_decay < 1.0:
+            raise ValueError(f"teacher.ema_decay={self.ema_decay} must lie in (0, 1) (the EMA's weight on its past per "
+                             "optimizer step); set e.g. teacher.ema_decay=0.99, an average over about 100 steps")
+        if self.ema_decay != EMA_DECAY and self.self_weights != "ema":
+            logger.warning("teacher.ema_decay has no effect without teacher.self_weights=ema (client 'self')")
         if self.privileged_template is not None:
             template_fields(self.privileged_template)  # a malformed template fails now, not at the first record
         if self.signal not in TEACHER_SIGNALS:
