@@ -184,17 +184,22 @@ def build_reward_runner(config: GKDConfig, *, asks: bool) -> RewardRunner | None
 
 
 def build_teacher_client(teacher, address: str | None, secret: bytes | None, state: ParallelState,
-                         student: Student | None = None, tokenizer=None):
+                         student: Student | None = None, tokenizer=None, ema=None):
     """The client of ``teacher`` (a teacher config section; ``address``/``secret``: of a service this run started,
     else its ``address`` and secret file; ``state``: the trainer's, which a colocated teacher is sharded on;
-    ``student`` and its ``tokenizer``: the model a teacher that reads the student (``self``) scores with)."""
+    ``student`` and its ``tokenizer``: the model a teacher that reads the student (``self``) scores with; ``ema``:
+    its :class:`~megatron_gkd.trainer.ema.WeightsEMA` with ``self_weights=ema``)."""
     if address is not None:
         # The client talks to the service; the head (hidden signal) still comes from the served checkpoint.
         teacher = dataclasses.replace(teacher, address=address, serve=dataclasses.replace(teacher.serve, model=None),
                                       head_checkpoint=teacher.head_source if teacher.signal.needs_head else None)
     own = None
     if client_traits(teacher.client).reads_student:
-        chunks = frozen_initial_copy(student) if teacher.self_weights == "initial" else student.chunks
+        chunks = student.chunks
+        if teacher.self_weights == "initial":
+            chunks = frozen_initial_copy(student)
+        elif teacher.self_weights == "ema":
+            chunks = ema.chunks
         own = (chunks, TeacherVocab(vocab_size=student.vocab_size, tokenizer_size=len(tokenizer),
                                             tokenizer_digest=tokenizer_digest(tokenizer)))
     return build_client_from_config(teacher, secret, state=state, student=own)

@@ -287,16 +287,20 @@ class StepRunner:
         teacher_heads: ``{teacher name: [V/tp, h_t]}`` this rank's shards of the output layers of the teachers that
             send hidden states (``teacher`` for a single teacher).
         policy: the policy-gradient term of micro-batches that carry its inputs (``rl.combine``), or None.
+        averages: the EMAs of the weights (:class:`~megatron_gkd.trainer.ema.WeightsEMA`) to update after every
+            optimizer step.
     """
 
     def __init__(self, chunks, optimizer, lr_scheduler, *, tp_group, dp_group, dp_size: int, is_last_stage: bool,
-                 teacher_heads: dict[str, torch.Tensor] | None = None, policy: PolicySpec | None = None):
+                 teacher_heads: dict[str, torch.Tensor] | None = None, policy: PolicySpec | None = None,
+                 averages: Sequence = ()):
         from megatron.core.distributed import finalize_model_grads
 
         self.chunks, self.optimizer, self.lr_scheduler = chunks, optimizer, lr_scheduler
         self.tp_group, self.dp_group, self.dp_size, self.is_last_stage = tp_group, dp_group, dp_size, is_last_stage
         self.teacher_heads = dict(teacher_heads or {})
         self.policy = policy
+        self.averages = list(averages)
         for chunk in chunks:
             chunk.config.finalize_model_grads_func = finalize_model_grads
             if chunk.config.fp16:
@@ -678,6 +682,8 @@ class StepRunner:
                 raise RuntimeError("the optimizer skipped the step: the gradients are not finite (NaN/inf in the loss "
                                    "or the teacher rows); lower optim.lr or check the teacher's outputs")
             norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+            for average in self.averages:
+                average.update()
         lr = self.optimizer.param_groups[0]["lr"]
         self.lr_scheduler.step(1)
         stats = self._merge(results, recorded) if several else results[0]

@@ -27,6 +27,7 @@ from megatron_gkd.parallel.comm import agree, broadcast_msgpack
 from megatron_gkd.teacher.clients import client_traits
 from megatron_gkd.teacher.local_service import ServiceKeeper, TeacherService
 from megatron_gkd.trainer.components import build_cross_tokenizer, build_teacher_client, build_teacher_head
+from megatron_gkd.trainer.ema import WeightsEMA
 from megatron_gkd.trainer.metrics import teacher_suffix
 
 
@@ -45,6 +46,7 @@ class Teacher:
             :class:`~megatron_gkd.teacher.cross_request.CrossTokenizer` (its requests are translated, its rows moved back to the
             student's positions), else None.
         projection: ``cross``'s map ``W``, this rank's rows (last stage), for the loss.
+        ema: a self teacher's EMA of the student's weights (``self_weights=ema``, every rank), else None.
     """
 
     name: str
@@ -55,6 +57,7 @@ class Teacher:
     head: torch.Tensor | None = None
     cross: object = None
     projection: object = None
+    ema: WeightsEMA | None = None
 
     @property
     def local(self) -> bool:
@@ -178,6 +181,15 @@ class Teachers:
         for teacher in self:
             teacher.cross, teacher.projection = build_cross_tokenizer(teacher.config, state, student, tokenizer)
             teacher.head = build_teacher_head(teacher.config, state, student, tokenizer, teacher.cross)
+            if teacher.config.enabled and client_traits(teacher.config.client).reads_student \
+                    and teacher.config.self_weights == "ema":
+                teacher.ema = WeightsEMA(student, teacher.config.ema_decay, key=f"{self.key(teacher.name)}.ema")
+
+    @property
+    def averages(self) -> list[WeightsEMA]:
+        """The EMAs of the student's weights that self teachers read: updated after every optimizer step, saved in
+        the checkpoints."""
+        return [teacher.ema for teacher in self if teacher.ema is not None]
 
     def connect(self, state, asks, check) -> None:
         """Waits for the services this run started, then builds the client of every teacher on the ranks that ask
@@ -204,7 +216,7 @@ class Teachers:
                 try:
                     teacher.client = build_teacher_client(teacher.config, address,
                                                           secret.encode() if secret is not None else None, state,
-                                                          self._student, self._tokenizer)
+                                                          self._student, self._tokenizer, ema=teacher.ema)
                     if client_traits(teacher.config.client).reads_student:
                         teacher.client.learn(self._records, self._tokenizer,
                                              resolve_chat_template(self._data, self._tokenizer))

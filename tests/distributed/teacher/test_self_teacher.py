@@ -7,7 +7,9 @@ with float64 transformers on the *privileged* sequence (privileged prompt + the 
 identical, log-probs within the reference's float32 tolerance, row 0 and the last included. The same rows are far from
 the reference on the student's own prompt, so the prompt was replaced. The chunks stay in train mode and no gradient
 is made; the hidden signal and unknown prompts are refused on every rank alike. A frozen copy of the initial weights
-(``self_weights=initial``) still scores as the checkpoint after the student's weights are halved.
+(``self_weights=initial``) still scores as the checkpoint after the student's weights are halved. An EMA of the
+weights (``self_weights=ema``) after two more updates of the student scores as float64 transformers on the EMA's
+weights replayed in float64 from the checkpoint (the updates are elementwise, so they commute with Megatron's layout).
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ pytestmark = pytest.mark.distributed
 
 VOCAB = 512
 LAYOUTS = {"tp1": {}, "tp2": dict(tensor_model_parallel_size=2)}
+EMA_DECAY = 0.7  # not 0.5: a decay swapped with 1 - decay would pass there
+# Elementwise updates of the student after its halving (each followed by one of the EMA), so that the float64 replay on
+# the HF tensors is the ranks' on Megatron's (fused, TP-split) ones.
+STUDENT_UPDATES = (lambda p: p + 0.1 * torch.sin(13 * p), lambda p: 0.9 * p - 0.01)
 
 
 def _cases() -> list[tuple[np.ndarray, np.ndarray, int]]:
@@ -68,6 +74,7 @@ def _score_as_self(path: str) -> dict:
     from megatron_gkd.teacher.megatron_scoring import TeacherVocab
     from megatron_gkd.teacher.privileged import PrivilegedPrompts
     from megatron_gkd.trainer.components import Student, frozen_initial_copy
+    from megatron_gkd.trainer.ema import WeightsEMA
 
     prompts = PrivilegedPrompts()
     for student, privileged, _ in _cases():
@@ -100,6 +107,15 @@ def _score_as_self(path: str) -> dict:
             results[name + "-moved"] = [moved.score(batch) for batch in _batches()[:1]]
         results[name + "-frozen"] = not any(p.requires_grad for chunk in frozen for p in chunk.parameters()) \
             and not any(m.training for chunk in frozen for m in chunk.modules())
+        # self_weights=ema: from the checkpoint's weights, one average after each update of the (halved) student.
+        ema = WeightsEMA(student, EMA_DECAY, key="teacher.ema")
+        for update in STUDENT_UPDATES:
+            with torch.no_grad():
+                for parameter in (p for chunk in chunks for p in chunk.parameters()):
+                    parameter.copy_(update(parameter))
+            ema.update()
+        with SelfTeacherClient(ema.chunks, vocab, prompts) as averaged:
+            results[name + "-ema"] = [averaged.score(batch) for batch in _batches()[:1]]
         parallel.destroy()
     return results
 
@@ -176,3 +192,35 @@ def test_the_initial_weights_stay_when_the_student_moves(results, student, layou
             reference.assert_matches(initial, teacher_ids, len(privileged), batch.top_k, batch.temperature,
                                      sequence.requested_ids)
             assert np.abs(moved.token_logprobs - initial.token_logprobs).max() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def ema_reference(student, tmp_path_factory):
+    """The EMA's weights replayed in float64 on the HF tensors, as a checkpoint for float64 transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float64)
+    with torch.no_grad():
+        for average in model.parameters():
+            weights = 0.5 * average  # the student halved (the initial weights' test)
+            for update in STUDENT_UPDATES:
+                weights = update(weights)
+                average.copy_(EMA_DECAY * average + (1 - EMA_DECAY) * weights)
+    out = tmp_path_factory.mktemp("self_teacher_ema") / "ema"
+    model.save_pretrained(out)
+    return ReferenceTeacher(out)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_the_ema_teacher_scores_as_the_model_with_the_averaged_weights(results, student, ema_reference, layout):
+    """``self_weights=ema``: the teacher's rows are the model's with the EMA replayed in float64, and differ from the
+    initial weights' (so the average moved)."""
+    batch = _batches()[0]
+    for rank_results in results:
+        for averaged, initial, sequence, (_, privileged, _) in zip(rank_results[layout + "-ema"][0],
+                                                                   rank_results[layout + "-initial"][0],
+                                                                   batch.sequences, _cases(), strict=True):
+            teacher_ids = np.concatenate([privileged, sequence.token_ids[sequence.response_start:]])
+            ema_reference.assert_matches(averaged, teacher_ids, len(privileged), batch.top_k, batch.temperature,
+                                         sequence.requested_ids)
+            assert np.abs(averaged.token_logprobs - initial.token_logprobs).max() > 1e-2
