@@ -171,12 +171,17 @@ def _rng_sharded_object(parallel_state: ParallelState, state: dict | None):
     )
 
 
-def _sharded_state_dict(model_chunks, optimizer, parallel_state, *, is_loading: bool, rng: bool) -> dict:
+def _sharded_state_dict(model_chunks, optimizer, parallel_state, *, is_loading: bool, rng: bool,
+                        extra_models: dict | None = None) -> dict:
     model_state = {
         key: _unwrap(chunk).sharded_state_dict()
         for key, chunk in zip(_model_keys(len(model_chunks)), model_chunks)
     }
     state = dict(model_state)
+    for name, chunks in (extra_models or {}).items():
+        # The prefix keeps their global tensor keys apart from the student's, which they would otherwise repeat.
+        state[name] = {key: _unwrap(chunk).sharded_state_dict(prefix=f"{name}.")
+                       for key, chunk in zip(_model_keys(len(chunks)), chunks)}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(
             model_state, is_loading=is_loading, metadata=_OPTIMIZER_METADATA
@@ -297,6 +302,7 @@ def save_checkpoint(
     parallel_state: ParallelState,
     keep_last_n: int | None = None,
     content_hashes: bool = False,
+    extra_models: dict[str, list[torch.nn.Module]] | None = None,
 ) -> Path:
     """Saves a checkpoint of ``step`` under the root ``directory`` (collective: every rank calls it).
 
@@ -314,6 +320,8 @@ def save_checkpoint(
             (``None`` keeps all).
         content_hashes: record a blake3 hash of every file in the completion marker (rank 0 reads
             the whole checkpoint once more); resuming then checks them.
+        extra_models: more model chunks by name, saved (and resharded on load) like the student's: a self
+            teacher's EMA of the weights (:mod:`megatron_gkd.trainer.ema`).
 
     Before writing, rank 0 finishes or rolls back a commit a crash interrupted, and moves checkpoints
     newer than ``step`` (a branch this run abandoned by resuming from an older step) into
@@ -341,7 +349,8 @@ def save_checkpoint(
 
     temp_dir = Path(_on_rank0(make_temp_dir))
 
-    state = _sharded_state_dict(model_chunks, optimizer, parallel_state, is_loading=False, rng=rng)
+    state = _sharded_state_dict(model_chunks, optimizer, parallel_state, is_loading=False, rng=rng,
+                                extra_models=extra_models)
     state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
     state["data_state"] = data_state
     state["checkpoint"] = {
@@ -350,6 +359,7 @@ def save_checkpoint(
         "params_dtype": _params_dtype(model_chunks),
         "rng": rng,
         "format_version": FORMAT_VERSION,
+        "extra_models": sorted(extra_models or {}),
     }
     # Ends with a barrier after rank 0 wrote metadata.json: every rank's files are on disk here.
     dist_checkpointing.save(state, str(temp_dir), sharded_strategy=_save_strategy())
@@ -376,6 +386,7 @@ def load_checkpoint(
     step: int | None = None,
     verify_hashes: bool | None = None,
     retire_newer: bool = True,
+    extra_models: dict[str, list[torch.nn.Module]] | None = None,
 ) -> tuple[int, dict] | None:
     """Loads the newest complete checkpoint under ``root`` into the current layout (collective).
 
@@ -393,6 +404,7 @@ def load_checkpoint(
         retire_newer: after loading, move checkpoints newer than the loaded one into
             ``<root>/abandoned/`` and point ``latest`` at the loaded one: the run continues from here,
             so those belong to an abandoned branch (``False`` for read-only uses such as evaluation).
+        extra_models: as for :func:`save_checkpoint`, loaded in place; each must be in the checkpoint.
 
     Checkpoint files are unpickled by torch's loader: ``root`` must be storage that only the job's
     owner can write (a warning names paths that other users can write).
@@ -402,6 +414,7 @@ def load_checkpoint(
 
     Raises:
         FileNotFoundError: ``step`` was given and that checkpoint is missing or incomplete.
+        ValueError: the checkpoint lacks one of ``extra_models`` (e.g. saved before ``teacher.self_weights=ema``).
     """
     from megatron.core import dist_checkpointing
 
@@ -419,6 +432,11 @@ def load_checkpoint(
             f"{FORMAT_VERSION}; convert it or load it with the version that wrote it"
         )
     _check_same_precision(meta, model_chunks, found.path)
+    missing = sorted(set(extra_models or {}) - set(meta.get("extra_models", ())))
+    if missing:
+        raise ValueError(f"{found.path} holds no {', '.join(missing)} (it was saved by a run without them, e.g. without "
+                         "teacher.self_weights=ema): resume with the run's own settings, or start a new run from an HF "
+                         "export of it (student.checkpoint=<output_dir>/hf/step_N)")
     same_layout = meta["layout"] == _layout(parallel_state)
     has_rng = meta["rng"]
     restore_rng = same_layout and has_rng
@@ -436,11 +454,16 @@ def load_checkpoint(
 
     if optimizer is not None:
         _allocate_torch_adam_state(optimizer)
-    state = _sharded_state_dict(model_chunks, optimizer, parallel_state, is_loading=True, rng=restore_rng)
+    state = _sharded_state_dict(model_chunks, optimizer, parallel_state, is_loading=True, rng=restore_rng,
+                                extra_models=extra_models)
     loaded = dist_checkpointing.load(state, str(found.path))
 
     for chunk, key in zip(model_chunks, _model_keys(len(model_chunks))):
         _unwrap(chunk).load_state_dict(loaded[key], strict=True)
+    for name, chunks in (extra_models or {}).items():
+        for chunk, key in zip(chunks, _model_keys(len(chunks))):
+            _unwrap(chunk).load_state_dict({k.removeprefix(f"{name}."): v for k, v in loaded[name][key].items()},
+                                           strict=True)
     if optimizer is not None:
         with _torch_adam_step_kept(optimizer):
             optimizer.load_state_dict(loaded["optimizer"])
@@ -477,10 +500,12 @@ class RunCheckpoints:
         student: the :class:`~megatron_gkd.trainer.components.Student`.
         parallel_state: the parallel state.
         timers: the trainer's phase timers (``checkpoint``, ``hf_export``).
+        extra_models: more model chunks by name, saved and restored with the student (a self teacher's EMA).
     """
 
-    def __init__(self, config, out: Path, student, parallel_state: ParallelState, timers):
+    def __init__(self, config, out: Path, student, parallel_state: ParallelState, timers, extra_models=None):
         self.config, self.student, self.state, self.timers = config, student, parallel_state, timers
+        self.extra_models = extra_models or {}  # a self teacher's EMA by checkpoint key
         self.section = config.checkpoint
         self.out = Path(out)
         self.root = run_dir.checkpoints(self.out)
@@ -497,7 +522,8 @@ class RunCheckpoints:
         if root is None or (setting == "auto" and not root.exists()):
             return None
         loaded = load_checkpoint(root, model_chunks=self.student.chunks, optimizer=self.student.optimizer,
-                                 scheduler=self.student.lr_scheduler, parallel_state=self.state)
+                                 scheduler=self.student.lr_scheduler, parallel_state=self.state,
+                                 extra_models=self.extra_models)
         if loaded is None:
             if setting != "auto":
                 raise FileNotFoundError(f"checkpoint.resume={setting}: no complete checkpoint there")
@@ -511,7 +537,8 @@ class RunCheckpoints:
         with self.timers("checkpoint"):
             save_checkpoint(self.root, step, model_chunks=self.student.chunks, optimizer=self.student.optimizer,
                             scheduler=self.student.lr_scheduler, data_state=data_state, parallel_state=self.state,
-                            keep_last_n=self.section.keep_last_n, content_hashes=self.section.content_hashes)
+                            keep_last_n=self.section.keep_last_n, content_hashes=self.section.content_hashes,
+                            extra_models=self.extra_models)
 
     def save_after_failure(self, step: int, sampler_state: dict, tokens_trained: int) -> None:
         """After a failed step (e.g. the teacher down past its deadline): keeps the last complete step, if the run

@@ -11,6 +11,7 @@ import shutil
 import signal
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_gkd import parallel
@@ -173,3 +174,33 @@ def test_dynamic_sampling_resumes_at_the_prompts_an_uninterrupted_run_trains(ass
     resumed = runs.steps(tmp_path / "resumed")
     same = ("prompts", "reward/mean", "train/loss", *(key for key in whole[0] if key.startswith("rl/dynamic")))
     assert [[record[key] for key in same] for record in resumed] == [[record[key] for key in same] for record in whole]
+
+
+def test_a_self_teachers_ema_resumes_as_the_uninterrupted_run_has_it(assets, tmp_path, signal_handlers):
+    """``teacher.self_weights=ema`` (off-policy self-distillation on the records' responses): the EMA is in the
+    checkpoint, so a run preempted after its first step resumes with the uninterrupted run's EMA: the same teacher rows,
+    hence the same losses, and the same EMA at the end (an EMA restarted from the initial weights differs from step 2)."""
+    def overrides(out):
+        return [*sft_overrides(assets, out, num_steps=3), "trainer.mode=off_policy", "teacher.client=self",
+                "teacher.serve.model=null", 'teacher.privileged_template="{response} {prompt}"', "teacher.top_k=8",
+                "teacher.self_weights=ema", "teacher.ema_decay=0.5", "checkpoint.save_interval=1",
+                "logging.tensorboard=false", "optim.lr=3e-2", "optim.lr_warmup_steps=0"]
+
+    def run(out, preempt: bool = False) -> list:
+        trainer = Trainer(load_config(None, overrides(out)))
+        try:
+            if preempt:  # as if during the first step: it checkpoints after it and stops
+                os.kill(os.getpid(), signal.SIGUSR1)
+            trainer.train()
+            (ema,) = trainer.teachers.averages
+            return [p.detach().clone() for chunk in ema.chunks for p in chunk.parameters()]
+        finally:
+            trainer.close()
+
+    whole = run(tmp_path / "whole")
+    run(tmp_path / "resumed", preempt=True)
+    assert trained_steps(tmp_path / "resumed") == [1]
+    resumed = run(tmp_path / "resumed")  # the same command again
+    losses = [[record["train/loss"] for record in runs.steps(tmp_path / name)] for name in ("whole", "resumed")]
+    assert len(losses[0]) == 3 and losses[0] == losses[1], losses
+    assert all(torch.equal(a, b) for a, b in zip(whole, resumed, strict=True))
