@@ -53,6 +53,19 @@ def trained_steps(out) -> list[int]:
     return [record["step"] for record in runs.steps(out)]
 
 
+def train_once(config, preempt: bool = False, read=None):
+    """Trains a run of ``config`` (``preempt``: as if signalled during the first step: it checkpoints after it and
+    stops); returns ``read(trainer)`` taken before the trainer is closed."""
+    trainer = Trainer(config)
+    try:
+        if preempt:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        trainer.train()
+        return read(trainer) if read is not None else None
+    finally:
+        trainer.close()
+
+
 def test_a_run_trains_its_steps_and_leaves_metrics_and_a_checkpoint(assets, tmp_path, signal_handlers):
     out = tmp_path / "run"
     trainer = Trainer(sft_config(assets, out, num_steps=2))
@@ -156,13 +169,7 @@ def test_dynamic_sampling_resumes_at_the_prompts_an_uninterrupted_run_trains(ass
                 "rl.dynamic_sampling=true", "checkpoint.save_interval=1", "logging.tensorboard=false"]
 
     def run(out, preempt: bool = False) -> None:
-        trainer = Trainer(load_config(None, overrides(out)))
-        try:
-            if preempt:  # as if during the first step: it checkpoints after it and stops
-                os.kill(os.getpid(), signal.SIGUSR1)
-            trainer.train()
-        finally:
-            trainer.close()
+        train_once(load_config(None, overrides(out)), preempt)
 
     run(tmp_path / "whole")
     whole = runs.steps(tmp_path / "whole")
@@ -186,16 +193,12 @@ def test_a_self_teachers_ema_resumes_as_the_uninterrupted_run_has_it(assets, tmp
                 "teacher.self_weights=ema", "teacher.ema_decay=0.5", "checkpoint.save_interval=1",
                 "logging.tensorboard=false", "optim.lr=3e-2", "optim.lr_warmup_steps=0"]
 
+    def averaged(trainer) -> list:
+        (ema,) = trainer.teachers.averages
+        return [p.detach().clone() for chunk in ema.chunks for p in chunk.parameters()]
+
     def run(out, preempt: bool = False) -> list:
-        trainer = Trainer(load_config(None, overrides(out)))
-        try:
-            if preempt:  # as if during the first step: it checkpoints after it and stops
-                os.kill(os.getpid(), signal.SIGUSR1)
-            trainer.train()
-            (ema,) = trainer.teachers.averages
-            return [p.detach().clone() for chunk in ema.chunks for p in chunk.parameters()]
-        finally:
-            trainer.close()
+        return train_once(load_config(None, overrides(out)), preempt, averaged)
 
     whole = run(tmp_path / "whole")
     run(tmp_path / "resumed", preempt=True)
