@@ -207,3 +207,15 @@ def test_a_self_teachers_ema_resumes_as_the_uninterrupted_run_has_it(assets, tmp
     losses = [[record["train/loss"] for record in runs.steps(tmp_path / name)] for name in ("whole", "resumed")]
     assert len(losses[0]) == 3 and losses[0] == losses[1], losses
     assert all(torch.equal(a, b) for a, b in zip(whole, resumed, strict=True))
+
+
+def test_a_checkpoint_without_the_ema_is_refused_by_a_run_that_reads_one(assets, tmp_path, signal_handlers):
+    """Turning ``teacher.self_weights=ema`` on at a resume: the checkpoint has no EMA to restore; the run stops naming it
+    rather than restart the average from the initial weights."""
+    out = tmp_path / "run"
+    common = [*sft_overrides(assets, out, num_steps=2), "trainer.mode=off_policy", "teacher.client=self",
+              "teacher.serve.model=null", 'teacher.privileged_template="{response} {prompt}"', "teacher.top_k=8",
+              "logging.tensorboard=false"]
+    train_once(load_config(None, common), preempt=True)
+    with pytest.raises(ValueError, match=r"holds no teacher.ema .*teacher.self_weights=ema"):
+        train_once(load_config(None, [*common, "teacher.self_weights=ema"]))
