@@ -85,13 +85,11 @@ class Trainer:
                                  tp_group=self.state.tp_group, dp_group=self._dp_gloo, dp_size=self.state.data_parallel_size,
                                  is_last_stage=self.state.is_pipeline_last_stage,
                                  teacher_heads={t.name: t.head for t in self.teachers if t.head is not None},
-                                 policy=PolicySpec.from_config(config, len(self.tokenizer)),
-                                 averages=self.teachers.averages)
+                                 policy=PolicySpec.from_config(config, len(self.tokenizer)), averages=self.teachers.averages)
         self.routing = RoutingStats(self.student.chunks, self.control, data_parallel_size=self.state.data_parallel_size) \
             if self.student.is_moe else None
         self.loss_spec = loss_specs(config.loss, config.trainer.run_mode, self.teachers, len(self.tokenizer))
-        self.checkpoints = RunCheckpoints(config, self.out, self.student, self.state, self.timers,
-                                          extra_models={ema.key: ema.chunks for ema in self.teachers.averages})
+        self.checkpoints = RunCheckpoints(config, self.out, self.student, self.state, self.timers, extra_models=self.teachers.checkpointed)
 
     # ----------------------------------------------------------------------------------------- setup
     def _setup_process(self) -> None:

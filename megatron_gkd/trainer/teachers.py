@@ -191,6 +191,11 @@ class Teachers:
         the checkpoints."""
         return [teacher.ema for teacher in self if teacher.ema is not None]
 
+    @property
+    def checkpointed(self) -> dict:
+        """``{checkpoint key: chunks}`` of the models a checkpoint saves beside the student (the EMAs)."""
+        return {ema.key: ema.chunks for ema in self.averages}
+
     def connect(self, state, asks, check) -> None:
         """Waits for the services this run started, then builds the client of every teacher on the ranks that ask
         it (``asks(teacher)``) and checks it against the run (``check(teacher)``); every rank stops on a failure
