@@ -18,7 +18,10 @@ from megatron_gkd.testing import runs as harness
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
 
-HF_ENGINE = ["rollout.engine=hf", "rollout.tensor_parallel_size=1", "rollout.kv_cache_memory_mb=null",
+# An engine with its own copy of the weights (rollout.release_weights=false): one that reads the student's in place
+# (the hf engine's default) has no copy to keep stale, and one that skips a sync after a release refuses to sample.
+HF_ENGINE = ["rollout.engine=hf", "rollout.release_weights=false", "rollout.tensor_parallel_size=1",
+             "rollout.kv_cache_memory_mb=null",
              "parallel.tensor_model_parallel_size=1", "trainer.num_steps=4", "eval.at_start=false", "eval.at_end=false",
              "checkpoint.save_interval=1", "checkpoint.save_at_end=false", "checkpoint.hf_at_end=false",
              "optim.lr_warmup_steps=0"]
