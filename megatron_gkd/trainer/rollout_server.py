@@ -174,7 +174,7 @@ class RemoteRollout:
         self.version = version
 
     def recover(self, failed: "ServerJobFailed | None", version: int) -> None:
-        """After a request failed on some trainer rank (``error`` on those, None on the others): replaces a dead
+        """After a request failed on some trainer rank (``failed`` on those, None on the others): replaces a dead
         server and gives it ``version``, or raises on every trainer rank when the server lives (the request's own
         error) or has died ``rollout.max_restarts`` times. Collective over the trainer ranks."""
         ended = self.died(lost=failed is not None and failed.lost)
@@ -188,7 +188,7 @@ class RemoteRollout:
             raise AssertionError("agree returned after a rank's request failed")
         if self.service is not None:  # rank 0, which started it
             logger.warning("the rollout server died (%s); starting a new one with the student's weights version %d "
-                       "(restart %d of rollout.max_restarts=%d); requests it had not answered are asked again",
+                           "(restart %d of rollout.max_restarts=%d); requests it had not answered are asked again",
                            ended, version, self.epoch + 1, limit)
         self.restart(version, self._tolerance)
 
