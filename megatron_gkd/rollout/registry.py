@@ -36,7 +36,6 @@ class EngineTraits:
     """The engine is built with vLLM's serving options (``max_logprobs``, an engine seed, a tokenizer-free start, and
     the memory it reserves: ``rollout.gpu_memory_utilization`` / ``rollout.kv_cache_memory_mb``, inert otherwise)."""
 
-
     releases_weights: bool = False
     """The colocated engine can keep no weights of its own between syncs (``rollout.release_weights``; the engine's
     ``release_weights`` argument): it reads the student's tensors in place and drops them while the trainer updates."""

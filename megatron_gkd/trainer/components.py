@@ -85,15 +85,26 @@ def frozen_initial_copy(student: Student) -> list[torch.nn.Module]:
     loaded again on the same layout, so sharded as the student is (TP, PP, EP), in eval mode without gradient. It
     costs the student's parameters once more on each rank (no gradients, no optimizer state); the size is logged.
     After a resume it is still the checkpoint the run started from, not the resumed weights."""
-    chunks = load_hf(student.checkpoint, dtype=student.dtype, state=student.state,
+    chunks = frozen_copy(student, student.dtype)
+    logger.info("self teacher: a frozen copy of the initial weights (%s), %.1f MiB on this rank", student.checkpoint,
+                parameter_mib(chunks))
+    return chunks
+
+
+def frozen_copy(student: Student, dtype) -> list[torch.nn.Module]:
+    """The student's HF checkpoint loaded again in ``dtype`` on the student's layout (sharded as it is: TP, PP, EP), in
+    eval mode without gradient: a self teacher's frozen initial copy, or the start of its EMA."""
+    chunks = load_hf(student.checkpoint, dtype=dtype, state=student.state,
                      use_transformer_engine=student.use_transformer_engine)
     for chunk in chunks:
         chunk.eval()
         chunk.requires_grad_(False)
-    size = sum(p.numel() * p.element_size() for chunk in chunks for p in chunk.parameters())
-    logger.info("self teacher: a frozen copy of the initial weights (%s), %.1f MiB on this rank", student.checkpoint,
-                size / 2**20)
     return chunks
+
+
+def parameter_mib(chunks) -> float:
+    """The MiB of the parameters of ``chunks`` on this rank."""
+    return sum(p.numel() * p.element_size() for chunk in chunks for p in chunk.parameters()) / 2**20
 
 
 def build_teacher_head(teacher, state, student: Student, tokenizer, cross=None) -> torch.Tensor | None:

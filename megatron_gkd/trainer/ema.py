@@ -18,7 +18,8 @@ import logging
 
 import torch
 
-from megatron_gkd.models import load_hf, unwrap
+from megatron_gkd.models import unwrap
+from megatron_gkd.trainer.components import frozen_copy, parameter_mib
 
 logger = logging.getLogger(__name__)
 
@@ -35,15 +36,10 @@ class WeightsEMA:
     def __init__(self, student, decay: float, key: str):
         assert 0.0 < decay < 1.0, decay  # TeacherConfig checks it
         self.decay, self.key = decay, key
-        self.chunks = load_hf(student.checkpoint, dtype=torch.float32, state=student.state,
-                              use_transformer_engine=student.use_transformer_engine)
-        for chunk in self.chunks:
-            chunk.eval()
-            chunk.requires_grad_(False)
+        self.chunks = frozen_copy(student, torch.float32)
         self._averages, self._weights = _paired_parameters(self.chunks, student.chunks)
-        size = sum(p.numel() * p.element_size() for p in self._averages)
         logger.info("self teacher: an EMA of the student's weights (decay %g, from %s), %.1f MiB on this rank", decay,
-                    student.checkpoint, size / 2**20)
+                    student.checkpoint, parameter_mib(self.chunks))
 
     @torch.no_grad()
     def update(self) -> None:
