@@ -40,14 +40,20 @@ MEMBERS: dict[str, tuple[dict, list[str]]] = {
 
 def run_member(name: str, out: pathlib.Path, extra: list[str]) -> dict:
     env_changes, overrides = MEMBERS[name]
+    return run_command(name, out, extra + overrides, env_changes)
+
+
+def run_command(name: str, out: pathlib.Path, overrides: list[str], env_changes: dict | None = None) -> dict:
+    """The README's command with ``overrides``, in ``out/name`` (its log ``out/name.log``, summary ``out/name.json``)."""
+    env_changes = env_changes or {}
     directory = out / name
     env = {**os.environ, **env_changes, "MEGATRON_GKD_OUTPUT_DIR": str(directory),
            "MEGATRON_GKD_TASK_DIR": str(out / f"{name}_task")}
     start = time.perf_counter()
     with open(out / f"{name}.log", "w") as log:
-        code = subprocess.run(["bash", "scripts/run_demo.sh", *extra, *overrides], cwd=ROOT, env=env,
+        code = subprocess.run(["bash", "scripts/run_demo.sh", *overrides], cwd=ROOT, env=env,
                               stdout=log, stderr=subprocess.STDOUT).returncode
-    summary = {"member": name, "code": code, "wall_s": time.perf_counter() - start, "overrides": extra + overrides,
+    summary = {"member": name, "code": code, "wall_s": time.perf_counter() - start, "overrides": overrides,
                "env": env_changes}
     (out / f"{name}.json").write_text(json.dumps(summary, indent=1))
     return summary
