@@ -55,13 +55,14 @@ def plot(run_dir: pathlib.Path, teacher_accuracy: float | None = None, path: pat
 
 def summary(run_dir: pathlib.Path, teacher_accuracy: float | None, wall_time_s: float | None) -> dict:
     """Accuracy before -> after, the teacher's, the share of the gap closed, and where the outputs are."""
-    _, evals = read_metrics(run_dir)
-    before, after = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
+    steps, evals = read_metrics(run_dir)
+    # A run with eval off (eval.at_start, eval.at_end and eval.interval unset) has no accuracy to report.
+    before, after = (evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]) if evals else (None, None)
     exports = sorted((run_dir / "hf").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
     result = {"accuracy_before": before, "accuracy_after": after, "teacher_accuracy": teacher_accuracy,
               "gap_closed": (after - before) / (teacher_accuracy - before)
-              if teacher_accuracy is not None and teacher_accuracy > before else None,
-              "steps": evals[-1]["step"], "wall_time_s": wall_time_s,
+              if evals and teacher_accuracy is not None and teacher_accuracy > before else None,
+              "steps": max((r["step"] for r in steps + evals), default=0), "wall_time_s": wall_time_s,
               "checkpoint": str((run_dir / "checkpoints").resolve()),
               "hf_export": str(exports[-1].resolve()) if exports else None}
     return result
@@ -88,8 +89,9 @@ def main(argv: list[str] | None = None) -> dict:
     teacher = "unknown" if reference is None else f"{reference:.3f}"
     closed = "" if result["gap_closed"] is None else f" ({result['gap_closed']:.0%} of the gap to the teacher closed)"
     wall = "" if args.wall_time is None else f"\n  wall time   {args.wall_time / 60:.1f} min"
-    logger.info(f"distillation demo: eval accuracy {result['accuracy_before']:.3f} -> {result['accuracy_after']:.3f} in "
-          f"{result['steps']} steps{closed}; teacher {teacher}{wall}\n"
+    accuracy = ("no eval ran (eval.at_start, eval.at_end and eval.interval are off)" if result["accuracy_before"] is None
+                else f"eval accuracy {result['accuracy_before']:.3f} -> {result['accuracy_after']:.3f}")
+    logger.info(f"distillation demo: {accuracy} in {result['steps']} steps{closed}; teacher {teacher}{wall}\n"
           f"  checkpoint  {result['checkpoint']}\n  HF export   {result['hf_export']}\n  plot        {result['plot']}")
     return result
 

@@ -33,3 +33,13 @@ def test_main_writes_a_png_and_reads_the_teachers_accuracy(tmp_path, capfd):
     assert result["teacher_accuracy"] == 0.9
     assert (run_dir / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "0.200 -> 0.600" in "".join(capfd.readouterr())
+
+
+def test_a_run_without_eval_is_reported_without_accuracy_not_a_traceback(tmp_path, capfd):
+    run_dir = _run_dir(tmp_path)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records if "train/loss" in r))
+    result = report.main([str(run_dir), "--teacher", str(tmp_path / "none")])
+    assert (result["accuracy_before"], result["accuracy_after"], result["gap_closed"], result["steps"]) == (
+        None, None, None, 10)
+    assert "no eval ran" in "".join(capfd.readouterr())
