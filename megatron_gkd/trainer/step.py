@@ -21,21 +21,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_gkd.config.schema import LossKind
-from megatron_gkd.losses import (
-    cross_vocab_distill_loss,
-    fused_cross_vocab_distill_loss,
-    fused_vocab_parallel_distill_loss,
-    fused_vocab_parallel_token_logprobs,
-    get_divergence,
-    hidden_cross_vocab_distill_loss,
-    hidden_distill_loss,
-    hidden_topk,
-    vocab_parallel_distill_loss,
-    vocab_parallel_token_logprobs,
-)
+from megatron_gkd.losses import get_divergence, hidden_topk
 from megatron_gkd.losses.combinations import token_advantages
 from megatron_gkd.losses.policy_gradient import PolicyGradientOptions, policy_gradient_from_logprobs
 from megatron_gkd.losses.sampled_kl import mismatch_sums
+from megatron_gkd.losses.student_logits import FusedLogits, LogitShard, StudentLogits
 from megatron_gkd.models import unwrap
 from megatron_gkd.parallel import run_schedule
 from megatron_gkd.teacher.types import Signal
@@ -342,11 +332,21 @@ class StepRunner:
             mask = mask[:, rank * width : (rank + 1) * width]
         return {"padding_mask": mask}
 
+    def _source(self, spec: LossSpec, captured, output: torch.Tensor) -> StudentLogits | None:
+        """Where this micro-batch's terms read the student's logits (None: the model computed its own loss)."""
+        if spec.kind.needs_labels:
+            return None
+        tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
+        if spec.fused:  # hidden [b, s, h] as the model returned it
+            return FusedLogits(output, captured.weight, tp_group, captured.sequence_parallel, spec.chunk_size)
+        return LogitShard(captured.logits, tp_group, spec.chunk_size)  # [s, b, V/tp] as the output layer made them
+
     def _loss(self, specs, microbatch: MicroBatch, captured, output: torch.Tensor):
         device = output.device
         mask = microbatch.loss_mask.to(device)
+        source = self._source(spec_for(specs), captured, output)
         if self._pass is Pass.RECORD:
-            return self._record_old_logprobs(spec_for(specs), microbatch, captured, output, mask)
+            return self._record_old_logprobs(spec_for(specs), microbatch, source, mask)
         stats: dict[str, torch.Tensor] = {"tokens": mask.sum().double()}
         if microbatch.token_versions is not None:
             stats.update(self._staleness_stats(microbatch, mask))
@@ -361,7 +361,7 @@ class StepRunner:
             for share in microbatch.teachers:
                 spec = spec_for(specs, share.name)
                 tokens = microbatch.sampled.token_ids.to(device) if riding and sampled is None else None
-                part, part_stats = self._teacher_loss(spec, share.to(device), captured, output, mask, tokens)
+                part, part_stats = self._teacher_loss(spec, share.to(device), source, mask, tokens)
                 sampled = part_stats.pop("token_logprobs", sampled)
                 self._source_stats(stats, microbatch, part_stats.pop("weighted"))
                 contribution = contribution + part
@@ -376,19 +376,19 @@ class StepRunner:
             stats["kd/loss"] = contribution.detach().double()
             part, part_stats = self._policy_loss(self.policy, microbatch.policy.to(device),
                                                  microbatch.sampled.token_ids.to(device), microbatch.sampled.logprobs.to(device),
-                                                 captured, output, mask, sampled)
+                                                 source, mask, sampled)
             policy_logprobs = part_stats.pop("token_logprobs")
             raw = policy_logprobs if self.policy.temperature == 1.0 else None
             contribution = contribution + part
             stats.update(part_stats)
             stats["loss"] = contribution.detach().double()
         if microbatch.sampled is not None and self._pass is Pass.ONLY:  # else the RECORD pass measured them
-            stats.update(self._sampled_stats(spec_for(specs), microbatch, captured, output, mask, raw))
+            stats.update(self._sampled_stats(spec_for(specs), microbatch, source, mask, raw))
         stats.setdefault("loss", contribution.detach().double())
         # Undo the schedule's division by the number of micro-batches and DDP's average over DP ranks.
         return contribution * self._scale, {key: value.detach().cpu() for key, value in stats.items()}
 
-    def _record_old_logprobs(self, spec: LossSpec, microbatch: MicroBatch, captured, output, mask):
+    def _record_old_logprobs(self, spec: LossSpec, microbatch: MicroBatch, source: StudentLogits, mask):
         """Before several updates of one batch: keeps the policy's log-probs of the sampled tokens as ``pi_old``
         (``microbatch.policy.old_logprobs``, ``[b, s]``) and measures the trainer against the rollout engine at the
         weights the batch was meant for (:meth:`_sampled_stats`); no loss."""
@@ -396,10 +396,10 @@ class StepRunner:
         if microbatch.policy is None:  # nothing to record (the batch has no policy-gradient term)
             return torch.zeros((), dtype=torch.float32, device=mask.device), {}
         with torch.no_grad():
-            logprobs = self._token_logprobs(policy, microbatch.sampled.token_ids.to(mask.device), captured, output,
-                                            policy.temperature).detach()
+            logprobs = source.token_logprobs(microbatch.sampled.token_ids.to(mask.device), temperature=policy.temperature,
+                                             real_vocab_size=policy.real_vocab_size).detach()
         microbatch.policy.old_logprobs = logprobs
-        stats = self._sampled_stats(spec, microbatch, captured, output, mask,
+        stats = self._sampled_stats(spec, microbatch, source, mask,
                                     logprobs if policy.temperature == 1.0 else None)
         return torch.zeros((), dtype=torch.float32, device=mask.device), {key: value.detach().cpu()
                                                                           for key, value in stats.items()}
@@ -439,33 +439,21 @@ class StepRunner:
             return spec.temperature == 1.0
         return spec.fused == self.policy.fused and spec.temperature == self.policy.temperature
 
-    def _teacher_loss(self, spec: LossSpec, share, captured, output: torch.Tensor, mask: torch.Tensor,
+    def _teacher_loss(self, spec: LossSpec, share, source: StudentLogits, mask: torch.Tensor,
                       token_ids: torch.Tensor | None = None):
         """One teacher's ``sum(coefficient x divergence)`` over the micro-batch and its statistics (with
         ``token_ids`` ``[b, s]``, also ``stats["token_logprobs"]``: their differentiable log-probs, same pass)."""
-        tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
         if spec.signal.sends_hidden and spec.projection is not None and not spec.hidden_support.whole_vocabulary:
-            share = self._hidden_rows(spec, share, tp_group)  # the cross-tokenizer teacher's exact top-k
+            share = self._hidden_rows(spec, share, source.tp_group)  # the cross-tokenizer teacher's exact top-k
         elif spec.signal.sends_hidden:  # the teacher's whole distribution (its own vocabulary's when cross-tokenizer)
-            return self._hidden_loss(spec, share, captured, output, mask)
+            return self._hidden_loss(spec, share, source, mask)
+        common = dict(loss_type=spec.loss_type, temperature=spec.temperature, real_vocab_size=spec.real_vocab_size,
+                      **spec.options)
         if spec.projection is not None:  # a teacher of another tokenizer: its rows hold its own ids
-            per_token, metrics = self._cross_vocab(spec, share, captured, output, tp_group)
-        elif spec.fused:  # hidden [b, s, h] as the model returned it; teacher rows and results [b, s]
-            riding = {} if token_ids is None else {"token_ids": token_ids}
-            per_token, metrics = fused_vocab_parallel_distill_loss(
-                output, captured.weight, share.ids, share.logprobs, loss_type=spec.loss_type, tp_group=tp_group,
-                temperature=spec.temperature, chunk_size=spec.chunk_size, real_vocab_size=spec.real_vocab_size,
-                all_reduce_hidden_grad=not captured.sequence_parallel, tail_bucket=spec.tail_bucket, **riding,
-                **spec.options)
-        else:  # logits [s, b, V/tp] as the output layer made them; teacher rows and results [b, s]
-            riding = {} if token_ids is None else {"token_ids": token_ids.transpose(0, 1)}
-            per_token, metrics = vocab_parallel_distill_loss(
-                captured.logits, share.ids.transpose(0, 1), share.logprobs.transpose(0, 1),
-                loss_type=spec.loss_type, tp_group=tp_group, temperature=spec.temperature,
-                diagnostics=spec.diagnostics, real_vocab_size=spec.real_vocab_size, tail_bucket=spec.tail_bucket,
-                **riding, **spec.options)
-            per_token = per_token.transpose(0, 1)
-            metrics = {key: value.transpose(0, 1) for key, value in metrics.items()}
+            per_token, metrics = source.cross_vocab(share.ids, share.logprobs, spec.projection, **common)
+        else:
+            per_token, metrics = source.distill(share.ids, share.logprobs, token_ids=token_ids,
+                                                diagnostics=spec.diagnostics, tail_bucket=spec.tail_bucket, **common)
         sampled = metrics.pop("token_logprobs", None)
         per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
         coefficients = share.coefficients.to(dtype=per_token.dtype)
@@ -493,22 +481,8 @@ class StepRunner:
         logprobs = torch.where(present, logprobs.float(), torch.full_like(logprobs, float("-inf"), dtype=torch.float32))
         return dataclasses.replace(share, ids=torch.where(present, ids, torch.zeros_like(ids)), logprobs=logprobs)
 
-    @staticmethod
-    def _cross_vocab(spec: LossSpec, share, captured, output: torch.Tensor, tp_group):
-        """A cross-tokenizer teacher's per-token divergence ``[b, s]`` against the student projected through ``W``."""
-        common = dict(loss_type=spec.loss_type, tp_group=tp_group, temperature=spec.temperature,
-                      real_vocab_size=spec.real_vocab_size, **spec.options)
-        if spec.fused:  # hidden [b, s, h] as the model returned it
-            return fused_cross_vocab_distill_loss(output, captured.weight, share.ids, share.logprobs, spec.projection,
-                                                  chunk_size=spec.chunk_size,
-                                                  all_reduce_hidden_grad=not captured.sequence_parallel, **common)
-        per_token, metrics = cross_vocab_distill_loss(captured.logits, share.ids.transpose(0, 1),
-                                                      share.logprobs.transpose(0, 1), spec.projection, **common)
-        return per_token.transpose(0, 1), {key: value.transpose(0, 1) for key, value in metrics.items()}
-
-    def _hidden_loss(self, spec: LossSpec, share, captured, output, mask):
-        """The exact full-vocabulary loss from the teacher's hidden states (the student's hidden states and
-        output weight when fused, else its ``[s, b, V/tp]`` logits). A teacher of another tokenizer
+    def _hidden_loss(self, spec: LossSpec, share, source: StudentLogits, mask):
+        """The exact full-vocabulary loss from the teacher's hidden states. A teacher of another tokenizer
         (``hidden_support=full``, unfused) is compared with the student projected through ``W``; a position it sent no
         hidden state for (all zero: inside a group, or unaligned) is not compared."""
         head = self.teacher_heads.get(share.name)
@@ -516,47 +490,21 @@ class StepRunner:
         if spec.projection is not None:
             mask = mask & (share.hidden != 0).any(dim=-1)
         weights = torch.where(mask, share.coefficients, torch.zeros_like(share.coefficients))
-        tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
-        common = dict(loss_type=spec.loss_type, tp_group=tp_group, temperature=spec.temperature,
-                      teacher_temperature=spec.teacher_temperature, real_vocab_size=spec.real_vocab_size,
-                      chunk_size=spec.chunk_size, **spec.options)
-        if spec.fused:  # hidden [b, s, h] as the model returned it
-            contribution, per_token, metrics = hidden_distill_loss(
-                output, share.hidden, head, weights, student_weight=captured.weight,
-                all_reduce_hidden_grad=not captured.sequence_parallel, **common)
-        elif spec.projection is not None:  # logits [s, b, V/tp]; the teacher's ids are its own vocabulary's
-            contribution, per_token, metrics = hidden_cross_vocab_distill_loss(
-                captured.logits, share.hidden.transpose(0, 1), head, spec.projection, weights.transpose(0, 1),
-                teacher_real_vocab_size=spec.teacher_real_vocab_size, **common)
-            metrics = {key: value.transpose(0, 1) for key, value in metrics.items()}
-            per_token = per_token.transpose(0, 1)
-        else:  # logits [s, b, V/tp] as the output layer made them; teacher rows and results [b, s]
-            contribution, per_token, metrics = hidden_distill_loss(
-                captured.logits, share.hidden.transpose(0, 1), head, weights.transpose(0, 1), **common)
-            metrics = {key: value.transpose(0, 1) for key, value in metrics.items()}
-            per_token = per_token.transpose(0, 1)
+        contribution, per_token, metrics = source.hidden(
+            share.hidden, head, weights, loss_type=spec.loss_type, projection=spec.projection,
+            teacher_real_vocab_size=spec.teacher_real_vocab_size, temperature=spec.temperature,
+            teacher_temperature=spec.teacher_temperature, real_vocab_size=spec.real_vocab_size, **spec.options)
         return contribution, {"loss": contribution.detach().double(), **self._token_metrics(metrics, weights != 0),
                               "weighted": (per_token * weights.to(per_token.dtype)).detach()}
 
-    def _token_logprobs(self, spec, token_ids: torch.Tensor, captured, output, temperature: float) -> torch.Tensor:
-        """``[b, s]`` log-probs of ``token_ids`` from the same logit shards (or hidden states, ``spec.fused``) as the
-        divergence, no gather (``spec``: a :class:`LossSpec` or :class:`PolicySpec`)."""
-        tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
-        if spec.fused:  # hidden [b, s, h] as the model returned it
-            return fused_vocab_parallel_token_logprobs(
-                output, captured.weight, token_ids, tp_group, temperature=temperature, chunk_size=spec.chunk_size,
-                all_reduce_hidden_grad=not captured.sequence_parallel, real_vocab_size=spec.real_vocab_size)
-        return vocab_parallel_token_logprobs(captured.logits, token_ids.transpose(0, 1), tp_group, temperature=temperature,
-                                             real_vocab_size=spec.real_vocab_size).transpose(0, 1)
-
-    def _policy_loss(self, spec: PolicySpec, policy, token_ids: torch.Tensor, behaviour: torch.Tensor, captured, output,
-                     mask, sampled: torch.Tensor | None = None):
+    def _policy_loss(self, spec: PolicySpec, policy, token_ids: torch.Tensor, behaviour: torch.Tensor,
+                     source: StudentLogits, mask, sampled: torch.Tensor | None = None):
         """The policy-gradient term ``sum(coefficient x pg loss)`` over the micro-batch and its statistics (with
         ``token_logprobs``: the sampled tokens' detached log-probs at the policy's temperature): the sampled tokens'
         log-probs from the same logit shards (or hidden states) as the divergence, no gather (``sampled``: already
         taken in the divergence's pass, ``[b, s]``); ``behaviour``: the rollout engine's."""
-        logprobs = sampled if sampled is not None else self._token_logprobs(spec, token_ids, captured, output,
-                                                                            spec.temperature)
+        logprobs = sampled if sampled is not None else source.token_logprobs(token_ids, temperature=spec.temperature,
+                                                                             real_vocab_size=spec.real_vocab_size)
         # pi_old: recorded before the first of several updates (outside the loss mask: ratio 1); None: this update
         # starts from the weights that pi_old is, the ratio is 1. The advantages read pi_old: fixed over the updates.
         old = None if policy.old_logprobs is None else torch.where(mask, policy.old_logprobs.to(logprobs.dtype),
@@ -588,7 +536,7 @@ class StepRunner:
             stats["pg/tis_weight"] = total(metrics["tis_weight"])
         return contribution, stats
 
-    def _sampled_stats(self, spec: LossSpec, microbatch: MicroBatch, captured, output, mask, raw) -> dict:
+    def _sampled_stats(self, spec: LossSpec, microbatch: MicroBatch, source: StudentLogits | None, mask, raw) -> dict:
         """The trainer's raw log-probs of the sampled tokens against the rollout engine's (:mod:`.engine_check`):
         sums over every sampled token (``mismatch/*``) and over those sampled with the weights being trained
         (``engine/*``). ``raw``: the trainer's, when a pass of the loss gave them at temperature 1; otherwise a no-grad
@@ -598,7 +546,7 @@ class StepRunner:
             if spec.kind.needs_labels or not (sampled.checked or microbatch.policy is not None):
                 return {}
             with torch.no_grad():
-                raw = self._token_logprobs(spec, sampled.token_ids.to(mask.device), captured, output, 1.0)
+                raw = source.token_logprobs(sampled.token_ids.to(mask.device), real_vocab_size=spec.real_vocab_size)
         engine = sampled.logprobs.to(mask.device)
         everything = mismatch_sums(raw, engine, mask & sampled.student.to(mask.device))
         current = mismatch_sums(raw, engine, mask & sampled.current.to(mask.device))

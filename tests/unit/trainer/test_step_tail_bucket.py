@@ -28,7 +28,7 @@ def test_a_teacher_loss_is_the_divergence_the_spec_names(gloo_world, fused, tail
                                      sequence_parallel=False)
     spec = LossSpec(loss_type="reverse_kl", fused=fused, chunk_size=2, real_vocab_size=real, tail_bucket=tail_bucket)
     runner = StepRunner([], None, None, tp_group=gloo_world, dp_group=None, dp_size=1, is_last_stage=True)
-    contribution, _ = runner._teacher_loss(spec, share, captured, hidden, mask)
+    contribution, _ = runner._teacher_loss(spec, share, runner._source(spec, captured, hidden), mask)
     reference = reference_tail_distill_loss if tail_bucket else reference_distill_loss
     per_token = reference(hidden.reshape(-1, hidden_size) @ weight.t(), ids.reshape(-1, k), logprobs.reshape(-1, k),
                           "reverse_kl", real_vocab_size=real).reshape(batch, seq)
