@@ -70,8 +70,10 @@ def _body(args, checkpoint: str):
     from megatron_gkd.losses.combinations import get_combination
     from megatron_gkd.models import load_hf
     from megatron_gkd.testing.memory import LiveTensorPeak
+    from megatron_gkd.trainer.logit_capture import capture_logits
     from megatron_gkd.trainer.optim import OptimizerConfig, build_lr_scheduler, build_optimizer, wrap_for_training
-    from megatron_gkd.trainer.step import LossSpec, PolicySpec, StepRunner, capture_logits
+    from megatron_gkd.trainer.specs import LossSpec, PolicySpec
+    from megatron_gkd.trainer.step import StepRunner
 
     state = parallel.initialize(tensor_model_parallel_size=args.tp)
     config = OptimizerConfig(lr=1e-5)

@@ -121,7 +121,7 @@ class TeacherKL:
     Args:
         flow: the run's :class:`~megatron_gkd.trainer.flow.BatchFlow` (teacher requests and micro-batches).
         runner: the :class:`~megatron_gkd.trainer.step.StepRunner` (forward only).
-        specs: the KL's :class:`~megatron_gkd.trainer.step.LossSpec` per teacher.
+        specs: the KL's :class:`~megatron_gkd.trainer.specs.LossSpec` per teacher.
         groups: each eval prompt's group (``data.group_key``) by dataset index (routes it to its teacher).
         control: a gloo group over every rank.
         source_rank: a last-stage rank (it holds the statistics).

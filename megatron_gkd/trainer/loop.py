@@ -20,7 +20,7 @@ from megatron_gkd.config.schema import MODES
 from megatron_gkd.data import PromptSampler, load_prompts, load_tokenizer
 from megatron_gkd.data.tokenization import stop_token_ids
 from megatron_gkd.parallel.comm import all_gather_msgpack, broadcast_msgpack
-from megatron_gkd.trainer import engine_check, run_dir
+from megatron_gkd.trainer import engine_check, run_dir, specs
 from megatron_gkd.trainer import metrics as run_metrics
 from megatron_gkd.trainer.checkpointing import RunCheckpoints
 from megatron_gkd.trainer.components import build_rollout, build_student, teacher_check
@@ -30,7 +30,7 @@ from megatron_gkd.trainer.metrics import MetricsWriter, Progress, Timers, batch_
 from megatron_gkd.trainer.preemption import Preemption
 from megatron_gkd.trainer.routing import RoutingStats
 from megatron_gkd.trainer.schedulers import BatchPipeline
-from megatron_gkd.trainer.step import PolicySpec, StepRunner, loss_specs
+from megatron_gkd.trainer.step import StepRunner
 from megatron_gkd.trainer.teachers import Teachers
 
 logger = logging.getLogger(__name__)
@@ -85,10 +85,10 @@ class Trainer:
                                  tp_group=self.state.tp_group, dp_group=self._dp_gloo, dp_size=self.state.data_parallel_size,
                                  is_last_stage=self.state.is_pipeline_last_stage,
                                  teacher_heads={t.name: t.head for t in self.teachers if t.head is not None},
-                                 policy=PolicySpec.from_config(config, len(self.tokenizer)), averages=self.teachers.averages)
+                                 policy=specs.PolicySpec.from_config(config, len(self.tokenizer)), averages=self.teachers.averages)
         self.routing = RoutingStats(self.student.chunks, self.control, data_parallel_size=self.state.data_parallel_size) \
             if self.student.is_moe else None
-        self.loss_spec = loss_specs(config.loss, config.trainer.run_mode, self.teachers, len(self.tokenizer))
+        self.loss_spec = specs.loss_specs(config.loss, config.trainer.run_mode, self.teachers, len(self.tokenizer))
         self.checkpoints = RunCheckpoints(config, self.out, self.student, self.state, self.timers, extra_models=self.teachers.checkpointed)
 
     # ----------------------------------------------------------------------------------------- setup
@@ -151,8 +151,8 @@ class Trainer:
         if self.eval_data is not None:
             kl = None
             if config.eval.kl and len(self.teachers):  # scored as the distillation modes score, in every mode
-                specs = loss_specs(config.loss, MODES["off_policy"], self.teachers, len(self.tokenizer))
-                kl = TeacherKL(self.flow, self.runner, {name: spec.eval_kl() for name, spec in specs.items()},
+                scored = specs.loss_specs(config.loss, MODES["off_policy"], self.teachers, len(self.tokenizer))
+                kl = TeacherKL(self.flow, self.runner, {name: spec.eval_kl() for name, spec in scored.items()},
                                self._eval_groups, self.control, self._metrics_rank)
             self.evaluator = Evaluator(self.eval_data, self.tokenizer, self.rollout.generate, kl, config.eval,
                                        self.stop_ids)

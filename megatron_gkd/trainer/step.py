@@ -1,170 +1,35 @@
 """The student's update: micro-batches through Megatron's schedule with the loss on the last stage.
 
-The loss of a micro-batch is ``sum(coefficient x per-token loss)`` (see :mod:`.batch`), computed on the
-``[b, s, V/tp]`` logit shard without gathering the vocabulary (or, fused, from the hidden states and the
-output weight, so that the logits never exist). Megatron divides a micro-batch's loss by the number of
+The loss of a micro-batch is ``sum(coefficient x per-token loss)`` (see :mod:`.batch`) of the terms its
+:mod:`.specs` name, each computed from the student's logits as one source
+(:mod:`megatron_gkd.losses.student_logits`: the ``[s, b, V/tp]`` shard without gathering the vocabulary, or, fused,
+the hidden states and the output weight, so that the logits never exist). Megatron divides a micro-batch's loss by the number of
 micro-batches and DDP averages gradients over data-parallel ranks; the loss handed back is scaled by both
 so that the gradient is exactly that of the global batch's loss.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import math
-import types
 from functools import partial
-from typing import Iterator, Mapping, Sequence, Union
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from megatron_gkd.config.schema import LossKind
-from megatron_gkd.losses import get_divergence, hidden_topk
+from megatron_gkd.losses import hidden_topk
 from megatron_gkd.losses.combinations import token_advantages
 from megatron_gkd.losses.policy_gradient import PolicyGradientOptions, policy_gradient_from_logprobs
 from megatron_gkd.losses.sampled_kl import mismatch_sums
 from megatron_gkd.losses.student_logits import FusedLogits, LogitShard, StudentLogits
 from megatron_gkd.models import unwrap
 from megatron_gkd.parallel import run_schedule
-from megatron_gkd.teacher.types import Signal
 from megatron_gkd.trainer.batch import MicroBatch
+from megatron_gkd.trainer.logit_capture import capture_logits, capture_output_layer
 from megatron_gkd.trainer.metrics import teacher_suffix
-from megatron_gkd.xtok.config import HiddenSupport
-
-
-def spec_for(specs: "LossSpecs", name: str | None = None) -> "LossSpec":
-    """One teacher's spec: ``specs`` is one :class:`LossSpec` for every teacher (and for cross-entropy) or one per
-    teacher by name (:func:`loss_specs`); without ``name``, the first teacher's (what the forward captures is the
-    same for every teacher)."""
-    if isinstance(specs, LossSpec):
-        return specs
-    return specs[name] if name is not None else next(iter(specs.values()))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LossSpec:
-    """What the last stage computes per token.
-
-    Attributes:
-        kind: ``distill`` (a registered divergence against the teacher rows) or ``cross_entropy``.
-        loss_type, options, temperature: the divergence, its options and the student temperature.
-        fused: the fused output layer + loss (no logits).
-        chunk_size: tokens per chunk of the fused path.
-        diagnostics: also measure the top-k overlap (unfused).
-        tail_bucket: top-k rows: the divergence over the teacher's ids and the mass outside them (``loss.tail_bucket``).
-        coverage_coef: tcad's coverage weight, to report the coverage term apart (derived from ``options``).
-        signal: ``topk`` (teacher rows of ids and log-probs) or ``hidden`` (the teacher's hidden states: exact
-            full-vocabulary divergences through the teacher's output layer, :func:`hidden_distill_loss`).
-        teacher_temperature: hidden: the teacher's logits are divided by it.
-        real_vocab_size: ids at or past it are padding rows of the tables (the tokenizer is shorter): no
-            probability on either side, no gradient, never a teacher id.
-        projection: a teacher of another tokenizer: this rank's rows of the map ``W`` (a
-            :class:`~megatron_gkd.losses.projection_map.ProjectionShard`); the teacher rows hold its own vocabulary's
-            ids and the divergence is :func:`~megatron_gkd.losses.cross_vocab_distill_loss`. None: the same tokenizer.
-        teacher_top_k, teacher_real_vocab_size: a cross-tokenizer teacher's hidden signal: its exact top-k
-            (:func:`~megatron_gkd.losses.hidden_topk`, k ids of its vocabulary's first ``teacher_real_vocab_size``) is
-            the row compared through ``W``.
-        hidden_support: a cross-tokenizer teacher's hidden signal: ``topk`` (the row above) or ``full`` (its exact
-            distribution over its whole vocabulary, :func:`~megatron_gkd.losses.hidden_cross_vocab_distill_loss`;
-            unfused only: it reads the student's logit shard).
-    """
-
-    kind: LossKind = LossKind.DISTILL
-    loss_type: str = "forward_kl"
-    options: dict = dataclasses.field(default_factory=dict)
-    temperature: float = 1.0
-    fused: bool = False
-    chunk_size: int = 1024
-    diagnostics: bool = False
-    tail_bucket: bool = False
-    signal: Signal = Signal.TOPK
-    teacher_temperature: float = 1.0
-    real_vocab_size: int | None = None
-    projection: object = dataclasses.field(default=None, compare=False)
-    teacher_top_k: int | None = None
-    teacher_real_vocab_size: int | None = None
-    hidden_support: HiddenSupport = HiddenSupport.TOPK
-    coverage_coef: float | None = dataclasses.field(init=False, default=None)
-
-    def __post_init__(self):
-        for key, choice in (("kind", LossKind), ("signal", Signal), ("hidden_support", HiddenSupport)):
-            object.__setattr__(self, key, choice(getattr(self, key)))  # a string is converted
-        divergence = get_divergence(self.loss_type) if self.kind.needs_teacher and self.signal.sends_topk else None
-        if divergence is not None and divergence.student_support:
-            coverage = divergence.build_options(dict(self.options)).coverage_coef
-            object.__setattr__(self, "coverage_coef", coverage)
-        assert not (self.hidden_support.whole_vocabulary and self.fused), \
-            "hidden_support=full reads the student's logits, which the fused path never builds (config checks refuse it)"
-
-    @classmethod
-    def from_config(cls, loss, mode, teacher=None, real_vocab_size: int | None = None,
-                    projection=None, teacher_real_vocab_size: int | None = None) -> "LossSpec":
-        """The spec of ``loss`` in ``mode`` (a :class:`~megatron_gkd.config.schema.Mode`); ``teacher`` (its
-        config) chooses the signal; ``projection``, ``teacher_real_vocab_size``: a cross-tokenizer teacher's map
-        shard and its tokenizer's size."""
-        if not mode.distills:
-            return cls(kind=LossKind.CROSS_ENTROPY)
-        signal = teacher.signal if teacher is not None else Signal.TOPK
-        return cls(loss_type=loss.type, options=dict(loss.options), temperature=loss.temperature, fused=loss.fused,
-                   chunk_size=loss.chunk_size, diagnostics=loss.diagnostics, tail_bucket=loss.tail_bucket, signal=signal,
-                   teacher_temperature=teacher.temperature if teacher is not None else 1.0,
-                   real_vocab_size=real_vocab_size, projection=projection,
-                   teacher_top_k=teacher.top_k if projection is not None else None,
-                   teacher_real_vocab_size=teacher_real_vocab_size,
-                   hidden_support=teacher.cross_tokenizer.hidden_support if projection is not None
-                   else HiddenSupport.TOPK)
-
-    def eval_kl(self) -> "LossSpec":
-        """The evaluation's forward KL on this spec's teacher signal (top-k rows, or exact from hidden states)."""
-        return LossSpec(loss_type="forward_kl", signal=self.signal, teacher_temperature=self.teacher_temperature,
-                        real_vocab_size=self.real_vocab_size, fused=self.fused and self.signal.sends_hidden,
-                        chunk_size=self.chunk_size, projection=self.projection, teacher_top_k=self.teacher_top_k,
-                        teacher_real_vocab_size=self.teacher_real_vocab_size, hidden_support=self.hidden_support)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PolicySpec:
-    """The policy-gradient term of the step (``rl``; :mod:`megatron_gkd.losses.combinations`).
-
-    Attributes:
-        combination: how the reward and the teacher combine.
-        estimator: ``k1`` (the teacher in the advantage; its weight, ``rl.kd_coef`` on its schedule, is each
-            micro-batch's ``PolicySlice.kd_coef``).
-        options: :class:`~megatron_gkd.losses.PolicyGradientOptions` keywords (clipping, ``tis_cap``).
-        temperature: the policy is ``softmax(logits / temperature)``, the rollout's sampling temperature.
-        fused, chunk_size: the log-probs from the hidden states and the output weight, as the divergence's.
-        real_vocab_size: ids at or past it are padding rows.
-        ppo_epochs, mini_batches: passes over a batch and optimizer steps per pass (``rl.ppo_epochs``,
-            ``rl.mini_batches``); with more than one update the step records ``pi_old`` first.
-    """
-
-    combination: object
-    estimator: str = "k1"
-    options: dict = dataclasses.field(default_factory=dict)
-    temperature: float = 1.0
-    fused: bool = False
-    chunk_size: int = 1024
-    real_vocab_size: int | None = None
-    ppo_epochs: int = 1
-    mini_batches: int = 1
-
-    @classmethod
-    def from_config(cls, config, real_vocab_size: int) -> "PolicySpec | None":
-        """The run's term, or None without ``rl.combine``."""
-        rl = config.rl
-        if not rl.enabled:
-            return None
-        return cls(combination=rl.combination, estimator=rl.kl_estimator, options=rl.options,
-                   temperature=config.rollout.temperature, fused=config.loss.fused, chunk_size=config.loss.chunk_size,
-                   real_vocab_size=real_vocab_size, ppo_epochs=rl.ppo_epochs, mini_batches=rl.mini_batches)
-
-    @property
-    def num_updates(self) -> int:
-        """Optimizer steps per batch."""
-        return self.ppo_epochs * self.mini_batches
-
+from megatron_gkd.trainer.specs import LossSpec, LossSpecs, PolicySpec, spec_for
 
 # Statistics reduced by their maximum (MAX_STATS) or minimum (MIN_STATS) over micro-batches, ranks and the updates
 # of one batch (the others are sums, averaged over a batch's epochs).
@@ -181,87 +46,6 @@ class Pass(enum.Enum):
     ONLY = "the batch's one update (or an evaluation): pi_old is the current policy, the ratio is 1"
     RECORD = "before several updates: no loss, records pi_old and the figures against the rollout engine"
     UPDATE = "one of several updates: the ratio against the recorded pi_old"
-
-
-LossSpecs = Union[LossSpec, Mapping[str, LossSpec]]
-"""What the step runs: one :class:`LossSpec` for every teacher (or cross-entropy), or one per teacher by name."""
-
-
-def loss_specs(loss, mode, teachers, real_vocab_size: int) -> LossSpecs:
-    """The loss of ``mode``: one :class:`LossSpec` per teacher by name (one cross-entropy spec where the mode does
-    not distil)."""
-    if not mode.distills:
-        return LossSpec(kind="cross_entropy")
-    specs = {}
-    for t in teachers:
-        cross = getattr(t, "cross", None)
-        specs[t.name] = LossSpec.from_config(loss, mode, t.config, real_vocab_size, getattr(t, "projection", None),
-                                             None if cross is None else cross.teacher_table.vocab_size)
-    return specs
-
-
-@contextlib.contextmanager
-def _patched_output_layer(model, captured: types.SimpleNamespace, make_forward) -> Iterator[types.SimpleNamespace]:
-    """Replaces the last stage's output-layer ``forward`` by ``make_forward(layer)`` for the block
-    (nothing on other stages) and yields ``captured``."""
-    gpt = unwrap(model)
-    layer = getattr(gpt, "output_layer", None) if getattr(gpt, "post_process", False) else None
-    if layer is None:
-        yield captured
-        return
-    layer.forward = make_forward(layer)
-    try:
-        yield captured
-    finally:
-        del layer.forward
-
-
-def capture_output_layer(model, tp_group):
-    """Makes the last stage's ``GPTModel`` return its final hidden states ``[b, s, h]`` instead of
-    logits; ``captured.weight`` is then the output-layer weight (the shared embedding when tied).
-
-    With sequence parallelism the hidden states are gathered along the sequence (backward:
-    reduce-scatter), as the column-parallel output layer would.
-    """
-    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-    captured = types.SimpleNamespace(weight=None, sequence_parallel=False)
-
-    def make_forward(layer):
-        captured.sequence_parallel = bool(getattr(layer, "sequence_parallel", False))
-
-        def forward(hidden, weight=None, runtime_gather_output=None):
-            captured.weight = layer.weight if weight is None else weight
-            if captured.sequence_parallel:
-                hidden = gather_from_sequence_parallel_region(hidden, group=tp_group)
-            return hidden, None
-
-        return forward
-
-    return _patched_output_layer(model, captured, make_forward)
-
-
-def capture_logits(model):
-    """Keeps the last stage's logits in the output layer's own ``[s, b, V/tp]`` layout
-    (``captured.logits``) and makes ``GPTModel`` return an empty ``[b, s, 0]`` placeholder.
-
-    Without labels ``GPTModel`` returns ``logits.transpose(0, 1).contiguous()``: a copy of the largest
-    tensor of the step, and in the backward a transposed gradient that the output layer copies again
-    before its matmuls (most of the gap between a distillation step and a cross-entropy step).
-    """
-    captured = types.SimpleNamespace(logits=None)
-
-    def make_forward(layer):
-        original = layer.forward
-
-        def forward(*args, **kwargs):
-            logits, bias = original(*args, **kwargs)
-            captured.logits = logits
-            return logits[..., :0], bias
-
-        return forward
-
-    return _patched_output_layer(model, captured, make_forward)
 
 
 class StepRunner:

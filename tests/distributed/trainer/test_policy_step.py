@@ -70,7 +70,8 @@ def _body(checkpoint: str, layout: dict, cuts: tuple):
     from megatron_gkd.trainer.batch import TeacherShare, build_microbatch, teacher_rows, token_coefficients
     from megatron_gkd.trainer.optim import OptimizerConfig, build_optimizer, wrap_for_training
     from megatron_gkd.trainer.policy import policy_share
-    from megatron_gkd.trainer.step import LossSpec, PolicySpec, StepRunner
+    from megatron_gkd.trainer.specs import LossSpec, PolicySpec
+    from megatron_gkd.trainer.step import StepRunner
 
     state = parallel.initialize(**layout)
     parallel.seed(0)
@@ -263,9 +264,11 @@ def _clip_body(checkpoint: str, fused: bool, epochs: int, mini_batches: int, lr:
     from megatron_gkd.config.schema import RLConfig
     from megatron_gkd.models import load_hf, unwrap
     from megatron_gkd.trainer.batch import build_microbatch, teacher_rows, token_coefficients
+    from megatron_gkd.trainer.logit_capture import capture_output_layer
     from megatron_gkd.trainer.optim import OptimizerConfig, build_optimizer, wrap_for_training
     from megatron_gkd.trainer.policy import policy_share
-    from megatron_gkd.trainer.step import LossSpec, PolicySpec, StepRunner, capture_output_layer
+    from megatron_gkd.trainer.specs import LossSpec, PolicySpec
+    from megatron_gkd.trainer.step import StepRunner
 
     state = parallel.initialize()
     parallel.seed(0)
@@ -356,7 +359,8 @@ def _updates_body(checkpoint: str, layout: dict):
     from megatron_gkd.trainer.batch import build_microbatch, teacher_rows, token_coefficients
     from megatron_gkd.trainer.optim import OptimizerConfig, build_optimizer, wrap_for_training
     from megatron_gkd.trainer.policy import policy_share
-    from megatron_gkd.trainer.step import LossSpec, PolicySpec, StepRunner
+    from megatron_gkd.trainer.specs import LossSpec, PolicySpec
+    from megatron_gkd.trainer.step import StepRunner
 
     state = parallel.initialize(**layout)
     parallel.seed(0)

@@ -71,7 +71,8 @@ def _step_loss(case, loss_type: str, options: dict, dtype: torch.dtype, hidden_s
     import torch.distributed as dist
 
     from megatron_gkd.trainer.batch import MicroBatch, TeacherSlice
-    from megatron_gkd.trainer.step import LossSpec, StepRunner
+    from megatron_gkd.trainer.specs import LossSpec
+    from megatron_gkd.trainer.step import StepRunner
 
     rank, tp = dist.get_rank(), dist.get_world_size()
     vocab = case.logits.shape[1]

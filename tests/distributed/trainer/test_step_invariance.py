@@ -48,7 +48,8 @@ def _body(checkpoint: str, layout: dict, plans: dict):
     from megatron_gkd.models import load_hf
     from megatron_gkd.trainer.batch import build_microbatch, teacher_rows, token_coefficients
     from megatron_gkd.trainer.optim import OptimizerConfig, build_lr_scheduler, build_optimizer, wrap_for_training
-    from megatron_gkd.trainer.step import LossSpec, StepRunner
+    from megatron_gkd.trainer.specs import LossSpec
+    from megatron_gkd.trainer.step import StepRunner
 
     state = parallel.initialize(**layout)
     parallel.seed(0)
@@ -168,7 +169,8 @@ def _hidden_body(checkpoint: str, layout: dict, loss_type: str):
     from megatron_gkd.models import load_hf, unwrap
     from megatron_gkd.trainer.batch import build_microbatch, teacher_rows, token_coefficients
     from megatron_gkd.trainer.optim import OptimizerConfig, build_optimizer, wrap_for_training
-    from megatron_gkd.trainer.step import LossSpec, StepRunner
+    from megatron_gkd.trainer.specs import LossSpec
+    from megatron_gkd.trainer.step import StepRunner
 
     state = parallel.initialize(**layout)
     parallel.seed(0)
@@ -229,7 +231,8 @@ def _mixture_body(checkpoint: str, layout: dict, weights: dict):
     from megatron_gkd.models import load_hf, unwrap
     from megatron_gkd.trainer.batch import TeacherShare, build_microbatch, teacher_rows, token_coefficients
     from megatron_gkd.trainer.optim import OptimizerConfig, build_optimizer, wrap_for_training
-    from megatron_gkd.trainer.step import LossSpec, StepRunner
+    from megatron_gkd.trainer.specs import LossSpec
+    from megatron_gkd.trainer.step import StepRunner
 
     state = parallel.initialize(**layout)
     parallel.seed(0)

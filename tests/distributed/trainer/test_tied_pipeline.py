@@ -23,7 +23,8 @@ def _body(checkpoint: str, layout: dict):
     from megatron_gkd.models import load_hf, unwrap
     from megatron_gkd.trainer.batch import Sample, build_microbatch, token_coefficients
     from megatron_gkd.trainer.optim import OptimizerConfig, build_lr_scheduler, build_optimizer, wrap_for_training
-    from megatron_gkd.trainer.step import LossSpec, StepRunner
+    from megatron_gkd.trainer.specs import LossSpec
+    from megatron_gkd.trainer.step import StepRunner
 
     state = parallel.initialize(**layout)
     parallel.seed(0)

@@ -8,7 +8,7 @@ import pytest
 
 from megatron_gkd.config import load_config
 from megatron_gkd.config.schema import MODES, LossConfig
-from megatron_gkd.trainer.step import LossSpec
+from megatron_gkd.trainer.specs import LossSpec
 
 BASE = pathlib.Path(__file__).resolve().parents[3] / "configs" / "cpu_tiny.yaml"
 

@@ -11,7 +11,8 @@ from megatron_gkd.losses.combinations import get_combination, token_advantages
 from megatron_gkd.trainer.batch import PolicyShare, Sample, TeacherRows, build_microbatch
 from megatron_gkd.trainer.metrics import loss_metrics
 from megatron_gkd.trainer.policy import policy_share, sample_advantages, teacher_token_logprobs
-from megatron_gkd.trainer.step import PolicySpec, StepRunner
+from megatron_gkd.trainer.specs import PolicySpec
+from megatron_gkd.trainer.step import StepRunner
 
 
 def _sample(group, prompt, response, logprobs=None):

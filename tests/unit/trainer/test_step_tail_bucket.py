@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_gkd.losses.reference import reference_distill_loss, reference_tail_distill_loss
-from megatron_gkd.trainer.step import LossSpec, StepRunner
+from megatron_gkd.trainer.specs import LossSpec
+from megatron_gkd.trainer.step import StepRunner
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
