@@ -1,6 +1,7 @@
 """The student's logits as the last stage's output layer makes them, kept for the loss: Megatron's ``GPTModel`` would
 otherwise hand back a transposed copy of them (or, fused, never build them). :func:`capture_logits` keeps the
-``[s, b, V/tp]`` shard; :func:`capture_output_layer` keeps the final hidden states and the output weight instead.
+``[s, b, V/tp]`` shard; :func:`capture_output_layer` keeps the final hidden states and the output weight instead;
+:func:`student_logits` makes either the one source every term of the loss reads.
 """
 
 from __future__ import annotations
@@ -9,6 +10,10 @@ import contextlib
 import types
 from typing import Iterator
 
+import torch
+import torch.distributed as dist
+
+from megatron_gkd.losses.student_logits import FusedLogits, LogitShard, StudentLogits
 from megatron_gkd.models import unwrap
 
 
@@ -74,3 +79,12 @@ def capture_logits(model):
         return forward
 
     return _patched_output_layer(model, captured, make_forward)
+
+
+def student_logits(spec, captured: types.SimpleNamespace, output: torch.Tensor, tp_group) -> StudentLogits:
+    """The source the terms of the loss read (:mod:`megatron_gkd.losses.student_logits`) from what the forward under
+    :func:`capture_output_layer` (``spec.fused``) or :func:`capture_logits` kept and the model's ``output``."""
+    tp_group = tp_group if dist.get_world_size(tp_group) > 1 else None
+    if spec.fused:  # hidden [b, s, h] as the model returned it
+        return FusedLogits(output, captured.weight, tp_group, captured.sequence_parallel, spec.chunk_size)
+    return LogitShard(captured.logits, tp_group, spec.chunk_size)  # [s, b, V/tp] as the output layer made them

@@ -10,7 +10,6 @@ so that the gradient is exactly that of the global batch's loss.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 from functools import partial
@@ -19,15 +18,13 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_gkd.losses import hidden_topk
-from megatron_gkd.losses.combinations import token_advantages
-from megatron_gkd.losses.policy_gradient import PolicyGradientOptions, policy_gradient_from_logprobs
 from megatron_gkd.losses.sampled_kl import mismatch_sums
-from megatron_gkd.losses.student_logits import FusedLogits, LogitShard, StudentLogits
+from megatron_gkd.losses.student_logits import StudentLogits
+from megatron_gkd.losses.terms import divergence_term, policy_gradient_term
 from megatron_gkd.models import unwrap
 from megatron_gkd.parallel import run_schedule
 from megatron_gkd.trainer.batch import MicroBatch
-from megatron_gkd.trainer.logit_capture import capture_logits, capture_output_layer
+from megatron_gkd.trainer.logit_capture import capture_logits, capture_output_layer, student_logits
 from megatron_gkd.trainer.metrics import teacher_suffix
 from megatron_gkd.trainer.specs import LossSpec, LossSpecs, PolicySpec, spec_for
 
@@ -116,19 +113,11 @@ class StepRunner:
             mask = mask[:, rank * width : (rank + 1) * width]
         return {"padding_mask": mask}
 
-    def _source(self, spec: LossSpec, captured, output: torch.Tensor) -> StudentLogits | None:
-        """Where this micro-batch's terms read the student's logits (None: the model computed its own loss)."""
-        if spec.kind.needs_labels:
-            return None
-        tp_group = self.tp_group if dist.get_world_size(self.tp_group) > 1 else None
-        if spec.fused:  # hidden [b, s, h] as the model returned it
-            return FusedLogits(output, captured.weight, tp_group, captured.sequence_parallel, spec.chunk_size)
-        return LogitShard(captured.logits, tp_group, spec.chunk_size)  # [s, b, V/tp] as the output layer made them
-
     def _loss(self, specs, microbatch: MicroBatch, captured, output: torch.Tensor):
         device = output.device
         mask = microbatch.loss_mask.to(device)
-        source = self._source(spec_for(specs), captured, output)
+        source = None if spec_for(specs).kind.needs_labels else student_logits(spec_for(specs), captured, output,
+                                                                                self.tp_group)
         if self._pass is Pass.RECORD:
             return self._record_old_logprobs(spec_for(specs), microbatch, source, mask)
         stats: dict[str, torch.Tensor] = {"tokens": mask.sum().double()}
@@ -145,7 +134,8 @@ class StepRunner:
             for share in microbatch.teachers:
                 spec = spec_for(specs, share.name)
                 tokens = microbatch.sampled.token_ids.to(device) if riding and sampled is None else None
-                part, part_stats = self._teacher_loss(spec, share.to(device), source, mask, tokens)
+                part, part_stats = divergence_term(spec, source, share.to(device), mask, token_ids=tokens,
+                                                   head=self.teacher_heads.get(share.name))
                 sampled = part_stats.pop("token_logprobs", sampled)
                 self._source_stats(stats, microbatch, part_stats.pop("weighted"))
                 contribution = contribution + part
@@ -158,9 +148,9 @@ class StepRunner:
         raw = sampled.detach() if sampled is not None and spec_for(specs).temperature == 1.0 else None
         if microbatch.policy is not None and self.policy is not None:
             stats["kd/loss"] = contribution.detach().double()
-            part, part_stats = self._policy_loss(self.policy, microbatch.policy.to(device),
-                                                 microbatch.sampled.token_ids.to(device), microbatch.sampled.logprobs.to(device),
-                                                 source, mask, sampled)
+            part, part_stats = policy_gradient_term(self.policy, source, microbatch.policy.to(device),
+                                                    microbatch.sampled.token_ids.to(device),
+                                                    microbatch.sampled.logprobs.to(device), mask, sampled)
             policy_logprobs = part_stats.pop("token_logprobs")
             raw = policy_logprobs if self.policy.temperature == 1.0 else None
             contribution = contribution + part
@@ -223,103 +213,6 @@ class StepRunner:
             return spec.temperature == 1.0
         return spec.fused == self.policy.fused and spec.temperature == self.policy.temperature
 
-    def _teacher_loss(self, spec: LossSpec, share, source: StudentLogits, mask: torch.Tensor,
-                      token_ids: torch.Tensor | None = None):
-        """One teacher's ``sum(coefficient x divergence)`` over the micro-batch and its statistics (with
-        ``token_ids`` ``[b, s]``, also ``stats["token_logprobs"]``: their differentiable log-probs, same pass)."""
-        if spec.signal.sends_hidden and spec.projection is not None and not spec.hidden_support.whole_vocabulary:
-            share = self._hidden_rows(spec, share, source.tp_group)  # the cross-tokenizer teacher's exact top-k
-        elif spec.signal.sends_hidden:  # the teacher's whole distribution (its own vocabulary's when cross-tokenizer)
-            return self._hidden_loss(spec, share, source, mask)
-        common = dict(loss_type=spec.loss_type, temperature=spec.temperature, real_vocab_size=spec.real_vocab_size,
-                      **spec.options)
-        if spec.projection is not None:  # a teacher of another tokenizer: its rows hold its own ids
-            per_token, metrics = source.cross_vocab(share.ids, share.logprobs, spec.projection, **common)
-        else:
-            per_token, metrics = source.distill(share.ids, share.logprobs, token_ids=token_ids,
-                                                diagnostics=spec.diagnostics, tail_bucket=spec.tail_bucket, **common)
-        sampled = metrics.pop("token_logprobs", None)
-        per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
-        coefficients = share.coefficients.to(dtype=per_token.dtype)
-        contribution = (per_token * coefficients).sum()
-        stats = {"loss": contribution.detach().double(), **self._token_metrics(metrics, mask & (coefficients != 0)),
-                 "weighted": (per_token * coefficients).detach()}
-        if spec.coverage_coef is not None and "student_mass" in metrics:
-            leak = -torch.log(metrics["student_mass"].clamp_min(1e-30))
-            stats["coverage"] = (torch.where(mask, leak, torch.zeros_like(leak)) * coefficients).sum().double() \
-                * spec.coverage_coef
-        if sampled is not None:
-            stats["token_logprobs"] = sampled
-        return contribution, stats
-
-    def _hidden_rows(self, spec: LossSpec, share, tp_group):
-        """A cross-tokenizer teacher's hidden states as top-k rows of its own vocabulary (exact log-probs, computed with
-        its head shard over TP); a position without a teacher row (all-zero hidden state: inside a group, or not
-        aligned) gets an empty row."""
-        head = self.teacher_heads.get(share.name)
-        assert head is not None, f"teacher {share.name!r} sends hidden states but this rank has no head for it"
-        ids, logprobs = hidden_topk(share.hidden, head, spec.teacher_top_k, tp_group=tp_group,
-                                    teacher_temperature=spec.teacher_temperature,
-                                    real_vocab_size=spec.teacher_real_vocab_size, chunk_size=spec.chunk_size)
-        present = (share.hidden != 0).any(dim=-1, keepdim=True)
-        logprobs = torch.where(present, logprobs.float(), torch.full_like(logprobs, float("-inf"), dtype=torch.float32))
-        return dataclasses.replace(share, ids=torch.where(present, ids, torch.zeros_like(ids)), logprobs=logprobs)
-
-    def _hidden_loss(self, spec: LossSpec, share, source: StudentLogits, mask):
-        """The exact full-vocabulary loss from the teacher's hidden states. A teacher of another tokenizer
-        (``hidden_support=full``, unfused) is compared with the student projected through ``W``; a position it sent no
-        hidden state for (all zero: inside a group, or unaligned) is not compared."""
-        head = self.teacher_heads.get(share.name)
-        assert head is not None, f"teacher {share.name!r} sends hidden states but this rank has no head for it"
-        if spec.projection is not None:
-            mask = mask & (share.hidden != 0).any(dim=-1)
-        weights = torch.where(mask, share.coefficients, torch.zeros_like(share.coefficients))
-        contribution, per_token, metrics = source.hidden(
-            share.hidden, head, weights, loss_type=spec.loss_type, projection=spec.projection,
-            teacher_real_vocab_size=spec.teacher_real_vocab_size, temperature=spec.temperature,
-            teacher_temperature=spec.teacher_temperature, real_vocab_size=spec.real_vocab_size, **spec.options)
-        return contribution, {"loss": contribution.detach().double(), **self._token_metrics(metrics, weights != 0),
-                              "weighted": (per_token * weights.to(per_token.dtype)).detach()}
-
-    def _policy_loss(self, spec: PolicySpec, policy, token_ids: torch.Tensor, behaviour: torch.Tensor,
-                     source: StudentLogits, mask, sampled: torch.Tensor | None = None):
-        """The policy-gradient term ``sum(coefficient x pg loss)`` over the micro-batch and its statistics (with
-        ``token_logprobs``: the sampled tokens' detached log-probs at the policy's temperature): the sampled tokens'
-        log-probs from the same logit shards (or hidden states) as the divergence, no gather (``sampled``: already
-        taken in the divergence's pass, ``[b, s]``); ``behaviour``: the rollout engine's."""
-        logprobs = sampled if sampled is not None else source.token_logprobs(token_ids, temperature=spec.temperature,
-                                                                             real_vocab_size=spec.real_vocab_size)
-        # pi_old: recorded before the first of several updates (outside the loss mask: ratio 1); None: this update
-        # starts from the weights that pi_old is, the ratio is 1. The advantages read pi_old: fixed over the updates.
-        old = None if policy.old_logprobs is None else torch.where(mask, policy.old_logprobs.to(logprobs.dtype),
-                                                                    logprobs.detach())
-        advantages, kl = token_advantages(spec.combination, policy.advantages,
-                                          logprobs.detach() if old is None else old, policy.teacher_logprobs,
-                                          kd_coef=policy.kd_coef, estimator=spec.estimator,
-                                          teacher_baseline=policy.teacher_baseline)
-        options = PolicyGradientOptions.of(spec.options)
-        behaviour = behaviour.to(logprobs.dtype) if options.tis_cap is not None else None
-        per_token, metrics = policy_gradient_from_logprobs(logprobs, torch.where(mask, advantages, 0.0), old,
-                                                           behaviour, options)
-        zero = torch.zeros_like(per_token)
-        per_token = torch.where(mask, per_token, zero)
-        contribution = (per_token * policy.coefficients.to(per_token.dtype)).sum()
-
-        def total(value: torch.Tensor) -> torch.Tensor:
-            return torch.where(mask, value.to(zero.dtype), zero).sum().double()
-
-        ratio = metrics["ratio"].to(zero.dtype)
-        stats = {"pg/loss": contribution.detach().double(), "pg/tokens": mask.sum().double(),
-                 "pg/advantage": total(advantages), "pg/clipped": total(metrics["clipped"]),
-                 "pg/ratio": total(ratio), "pg/ratio_max": torch.where(mask, ratio, -math.inf).max().double(),
-                 "pg/ratio_min": torch.where(mask, ratio, math.inf).min().double(),
-                 "token_logprobs": logprobs.detach()}
-        if kl is not None:
-            stats["pg/teacher_kl"] = total(kl)
-        if "tis_weight" in metrics:
-            stats["pg/tis_weight"] = total(metrics["tis_weight"])
-        return contribution, stats
-
     def _sampled_stats(self, spec: LossSpec, microbatch: MicroBatch, source: StudentLogits | None, mask, raw) -> dict:
         """The trainer's raw log-probs of the sampled tokens against the rollout engine's (:mod:`.engine_check`):
         sums over every sampled token (``mismatch/*``) and over those sampled with the weights being trained
@@ -340,10 +233,6 @@ class StepRunner:
                 "mismatch/tokens": everything["num_tokens"], "engine/abs": current["abs"],
                 "engine/tokens": current["num_tokens"],
                 "engine/max_abs": torch.maximum(current["max_log_ratio"], current["max_inverse_log_ratio"])}
-
-    @staticmethod
-    def _token_metrics(metrics: dict, mask: torch.Tensor) -> dict:
-        return {key: torch.where(mask, value, torch.zeros_like(value)).sum().double() for key, value in metrics.items()}
 
     def run(self, spec: "LossSpecs", microbatches: Sequence[MicroBatch], *, forward_only: bool,
             purpose: Pass = Pass.ONLY, weight: float = 1.0) -> dict[str, float] | None:

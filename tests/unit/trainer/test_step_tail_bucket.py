@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from megatron_gkd.losses.reference import reference_distill_loss, reference_tail_distill_loss
+from megatron_gkd.losses.terms import divergence_term
+from megatron_gkd.trainer.logit_capture import student_logits
 from megatron_gkd.trainer.specs import LossSpec
-from megatron_gkd.trainer.step import StepRunner
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
@@ -28,8 +29,7 @@ def test_a_teacher_loss_is_the_divergence_the_spec_names(gloo_world, fused, tail
     captured = types.SimpleNamespace(logits=(hidden @ weight.t()).transpose(0, 1).contiguous(), weight=weight,
                                      sequence_parallel=False)
     spec = LossSpec(loss_type="reverse_kl", fused=fused, chunk_size=2, real_vocab_size=real, tail_bucket=tail_bucket)
-    runner = StepRunner([], None, None, tp_group=gloo_world, dp_group=None, dp_size=1, is_last_stage=True)
-    contribution, _ = runner._teacher_loss(spec, share, runner._source(spec, captured, hidden), mask)
+    contribution, _ = divergence_term(spec, student_logits(spec, captured, hidden, gloo_world), share, mask)
     reference = reference_tail_distill_loss if tail_bucket else reference_distill_loss
     per_token = reference(hidden.reshape(-1, hidden_size) @ weight.t(), ids.reshape(-1, k), logprobs.reshape(-1, k),
                           "reverse_kl", real_vocab_size=real).reshape(batch, seq)
