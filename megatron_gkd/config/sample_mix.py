@@ -22,8 +22,28 @@ from __future__ import annotations
 import dataclasses
 import math
 
-SOURCES = ("dataset", "teacher")
-"""Where the off-policy responses come from."""
+from megatron_gkd.registry import Choice
+
+
+class ResponseSource(Choice):
+    """Where the off-policy responses of the mixture come from (``sample_mix.source``): code asks its traits, and only
+    this module compares its names."""
+
+    DATASET = "dataset"
+    """Each record's own response (supervised KD; TRL's ``seq_kd=False``)."""
+    TEACHER = "teacher"
+    """Responses the teacher writes with ``sample_mix.teacher.*`` (sequence-level KD; TRL's ``seq_kd=True``)."""
+
+    @property
+    def from_records(self) -> bool:
+        """The records carry the responses: the data must have them."""
+        return self is ResponseSource.DATASET
+
+    @property
+    def teacher_writes(self) -> bool:
+        """A teacher of the student's tokenizer that can generate writes them, with ``sample_mix.teacher.*``."""
+        return self is ResponseSource.TEACHER
+
 SCHEDULES = ("constant", "linear", "step")
 GRANULARITIES = ("batch", "prompt")
 
@@ -94,9 +114,10 @@ class SampleMixConfig:
     def __post_init__(self):
         if self.per not in GRANULARITIES:
             raise ValueError(f"sample_mix.per={self.per!r}; choose 'batch' (one source per batch, as GKD) or 'prompt'")
-        if self.source not in SOURCES:
+        if self.source not in ResponseSource.values():
             raise ValueError(f"sample_mix.source={self.source!r}; choose 'dataset' (the records' responses) or "
                              "'teacher' (responses the teacher writes)")
+        self.source = ResponseSource(self.source)  # the field stays a str for OmegaConf: its messages and YAML too
         if self.schedule not in SCHEDULES:
             raise ValueError(f"sample_mix.schedule={self.schedule!r}; choose one of {list(SCHEDULES)}")
         if self.seed is not None and self.seed < 0:
@@ -157,6 +178,6 @@ class SampleMixConfig:
             inert.append("sample_mix.lmbda_end / ramp_steps / ramp_start (schedule=linear only)")
         if self.schedule != "step" and (self.milestones or self.values):
             inert.append("sample_mix.milestones / values (schedule=step only)")
-        if self.source != "teacher" and self.teacher != TeacherSamplingConfig():
+        if not self.source.teacher_writes and self.teacher != TeacherSamplingConfig():
             inert.append("sample_mix.teacher.* (source=teacher only)")
         return inert

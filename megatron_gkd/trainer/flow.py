@@ -322,7 +322,7 @@ class BatchFlow:
         if not off:
             return []
         chosen = [records[i] for i in off]
-        if self.mix.source == "dataset":
+        if self.mix.source.from_records:
             return [(off, dataset_batch(chosen, version, self.pad_id))]
         prompts = [list(record.prompt_ids) for record in chosen]
         with self.timers("teacher_generate"):

@@ -312,6 +312,10 @@ CHECKED_REGISTRIES = {
 CHECKED_BY_FIELD = {
     "megatron_gkd/losses/combinations.py:COMBINATIONS": ("combine", ("megatron_gkd/losses/combinations.py",)),
 }
+# Choices whose names are everyday words, checked against their field as CHECKED_BY_FIELD's registries are.
+CHOICES_BY_FIELD = {
+    "megatron_gkd/config/sample_mix.py:ResponseSource": ("source", ("megatron_gkd/config/sample_mix.py",)),
+}
 # Registries not checked yet, with where their names are still compared (what is left of issue 31 item 3).
 UNCHECKED_REGISTRIES = {
     "megatron_gkd/rewards/kinds.py:REWARDS": "not compared today",
@@ -361,6 +365,13 @@ def _names_by_field() -> dict[str, tuple[str, tuple[str, ...]]]:
             for value in _registry_values(spec, owners)}
 
 
+def _choice_names_by_field() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """``{name: (field, owners)}`` of the choices checked only against their own field (a word of one may also be a
+    word of a registry above, ``teacher``: each set is checked on its own)."""
+    return {value: (field, owners) for spec, (field, owners) in CHOICES_BY_FIELD.items()
+            for value in _choice_values(spec)}
+
+
 def _literals(node) -> list[str]:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return [node.value]
@@ -406,6 +417,10 @@ def test_chosen_names_are_asked_not_compared():
     offenders = [f"{path}:{line}: {value!r}" for path in _python_files() if path.startswith(LIBRARY)
                  for line, value in _name_comparisons((ROOT / path).read_text(), names, by_field)
                  if not path.startswith(owners[value])]
+    choices = _choice_names_by_field()
+    offenders += [f"{path}:{line}: {value!r}" for path in _python_files() if path.startswith(LIBRARY)
+                  for line, value in _name_comparisons((ROOT / path).read_text(), {}, choices)
+                  if not path.startswith(choices[value][1])]
     assert not offenders, ("ask the choice's member or traits what it needs instead of comparing its name:\n"
                            + "\n".join(offenders))
 
