@@ -15,6 +15,12 @@ scorers are all :class:`Registry` instances. An entry is either the object itsel
 
 Registering a name twice is an error (a plugin must choose a new name): nothing is overwritten silently.
 
+A registry built with ``traits=`` (a frozen dataclass of what an entry needs and can do) keeps each entry's
+traits beside it, so code asks ``ENGINES.traits(name).vllm_options`` and never keeps a second table by name::
+
+    ENGINES = Registry("rollout engine", config_key="rollout.engine", traits=EngineTraits)
+    ENGINES.register("vllm", "megatron_gkd.rollout.vllm_engine:VLLMEngine", traits=EngineTraits(vllm_options=True))
+
 A closed set of choices that code branches on (the teacher's signal, the rollout layout, the loss kind) is a
 :class:`Choice`: its members say what each choice needs, so code asks ``signal.needs_head`` instead of comparing
 a name (``tests/unit/test_code_habits.py`` keeps names from being compared outside their owners).
@@ -42,24 +48,30 @@ class Registry(Generic[T]):
     Args:
         kind: what the entries are, for messages (e.g. ``"rollout engine"``).
         config_key: the config key that selects an entry (e.g. ``"rollout.engine"``), for messages.
+        traits: the type of each entry's traits (a frozen dataclass whose defaults are an entry that needs nothing
+            special); None: the entries have none.
     """
 
-    def __init__(self, kind: str, config_key: str | None = None):
+    def __init__(self, kind: str, config_key: str | None = None, traits: type | None = None):
         self.kind = kind
         self.config_key = config_key
+        self._traits_type = traits
         self._entries: dict[str, T | str] = {}
+        self._traits: dict[str, Any] = {}
 
-    def register(self, name: str, target: T | str | None = None) -> Any:
-        """Registers ``target`` (an object, or ``"module:attribute"``) under ``name``.
+    def register(self, name: str, target: T | str | None = None, *, traits: Any = None) -> Any:
+        """Registers ``target`` (an object, or ``"module:attribute"``) under ``name``, with its ``traits`` (default:
+        the traits type's defaults).
 
         Without ``target`` it returns a decorator that registers the decorated object.
 
         Raises:
             ValueError: ``name`` is already registered, or a lazy target is not ``module:attribute``.
+            TypeError: ``traits`` for a registry without a traits type, or of another type.
         """
         if target is None:
             def decorate(obj: T) -> T:
-                self.register(name, obj)
+                self.register(name, obj, traits=traits)
                 return obj
 
             return decorate
@@ -67,8 +79,35 @@ class Registry(Generic[T]):
             raise ValueError(f"{self.kind} {name!r} is already registered; register it under another name")
         if isinstance(target, str) and target.count(":") != 1:
             raise ValueError(f"lazy {self.kind} target {target!r} must look like 'package.module:attribute'")
+        if self._traits_type is None and traits is not None:
+            raise TypeError(f"the {self.kind} registry keeps no traits")
+        if self._traits_type is not None:
+            traits = self._traits_type() if traits is None else traits
+            if not isinstance(traits, self._traits_type):
+                raise TypeError(f"{self.kind} {name!r}: traits must be a {self._traits_type.__name__}, not "
+                                f"{type(traits).__name__}")
+            self._traits[name] = traits
         self._entries[name] = target
         return target
+
+    def unregister(self, name: str) -> None:
+        """Removes ``name`` and its traits (a test's temporary entry)."""
+        del self._entries[name]
+        self._traits.pop(name, None)
+
+    def traits(self, name: str, *, config_key: str | None = None) -> Any:
+        """The traits registered with ``name``, without importing its target.
+
+        Raises:
+            ValueError: ``name`` is not registered (naming the closest).
+        """
+        if name not in self._entries:
+            raise self.unknown(name, config_key)
+        return self._traits[name]
+
+    def all_traits(self) -> dict[str, Any]:
+        """``{name: traits}`` of every entry, sorted by name."""
+        return {name: self._traits[name] for name in self.names()}
 
     def names(self) -> list[str]:
         """Registered names, sorted."""

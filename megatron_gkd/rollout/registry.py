@@ -41,14 +41,12 @@ class EngineTraits:
     ``release_weights`` argument): it reads the student's tensors in place and drops them while the trainer updates."""
 
 
-ENGINES: Registry = Registry("rollout engine", config_key="rollout.engine")
-ENGINE_TRAITS: dict[str, EngineTraits] = {}
+ENGINES: Registry = Registry("rollout engine", config_key="rollout.engine", traits=EngineTraits)
 
 
-def register_engine(name: str, target=None, traits: EngineTraits = EngineTraits()):  # noqa: B008 - frozen
+def register_engine(name: str, target=None, traits: EngineTraits | None = None):
     """Registers an engine class or factory (or a lazy ``"module:attribute"``) under ``name`` with its traits."""
-    ENGINE_TRAITS[name] = traits
-    return ENGINES.register(name, target)
+    return ENGINES.register(name, target, traits=traits)
 
 
 def engine_traits(name: str) -> EngineTraits:
@@ -57,9 +55,7 @@ def engine_traits(name: str) -> EngineTraits:
     Raises:
         ValueError: ``name`` is not registered (naming the closest).
     """
-    if name not in ENGINES:
-        raise ENGINES.unknown(name)
-    return ENGINE_TRAITS[name]
+    return ENGINES.traits(name)
 
 
 register_engine("vllm", "megatron_gkd.rollout.vllm_engine:VLLMEngine", EngineTraits(vllm_options=True))

@@ -8,7 +8,7 @@ import math
 from typing import Any
 
 from megatron_gkd.teacher.backends import DEFAULT_DTYPE
-from megatron_gkd.teacher.clients import CLIENT_TRAITS, CLIENTS, RetryPolicy, TeacherClient, client_traits
+from megatron_gkd.teacher.clients import CLIENTS, RetryPolicy, TeacherClient, client_traits
 from megatron_gkd.teacher.privileged import template_fields
 from megatron_gkd.teacher.types import HIDDEN_DTYPES, TEACHER_SIGNALS, Signal
 from megatron_gkd.xtok.config import CrossTokenizerConfig
@@ -228,10 +228,10 @@ class TeacherConfig:
         for option, hint in traits.required:
             if not getattr(self, option) and not (option == traits.served_option and self.serve.model is not None):
                 raise ValueError(f"teacher.{option} is required for client {self.client!r}: {hint}")
-        for option in sorted({o for t in CLIENT_TRAITS.values() for o in t.options} - set(traits.options)):
+        for option in sorted({o for t in CLIENTS.all_traits().values() for o in t.options} - set(traits.options)):
             value = getattr(self, option)
             if value not in (None, False) and not (option == "split_requests" and value == 1):
-                readers = [name for name, t in CLIENT_TRAITS.items() if option in t.options]
+                readers = [name for name, t in CLIENTS.all_traits().items() if option in t.options]
                 logger.warning("teacher.%s has no effect with client %r (only %s reads it)", option, self.client,
                                " and ".join(repr(reader) for reader in readers))
 

@@ -50,3 +50,29 @@ def test_project_registries_share_the_helper():
 
     for registry in (DIVERGENCES, ARCHITECTURES, ENGINES, BACKENDS, CLIENTS, TRANSPORTS):
         assert isinstance(registry, Registry) and registry.names()
+
+
+def test_a_registry_keeps_each_entry_s_traits_beside_it():
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Traits:
+        fast: bool = False
+
+    registry = Registry("rollout engine", config_key="rollout.engine", traits=Traits)
+    registry.register("vllm", "package.module:Engine", traits=Traits(fast=True))  # lazy: never imported below
+
+    @registry.register("hf")
+    class HF:
+        pass
+
+    assert registry.traits("vllm") == Traits(fast=True) and registry.traits("hf") == Traits()
+    assert registry.all_traits() == {"hf": Traits(), "vllm": Traits(fast=True)}
+    with pytest.raises(ValueError, match=r"rollout.engine='vlm'; did you mean 'vllm'\?"):
+        registry.traits("vlm")
+    with pytest.raises(TypeError, match="traits must be a Traits"):
+        registry.register("other", HF, traits={"fast": True})
+    registry.unregister("hf")
+    assert registry.names() == ["vllm"] and list(registry.all_traits()) == ["vllm"]
+    with pytest.raises(TypeError, match="keeps no traits"):
+        Registry("divergence").register("kl", HF, traits=Traits())

@@ -152,14 +152,12 @@ class BackendTraits:
     signals: tuple[str, ...] = Signal.values()
 
 
-BACKENDS: Registry[type[TeacherBackend]] = Registry("teacher backend", config_key="--backend")
-BACKEND_TRAITS: dict[str, BackendTraits] = {}
+BACKENDS: Registry[type[TeacherBackend]] = Registry("teacher backend", config_key="--backend", traits=BackendTraits)
 
 
-def register_backend(name: str, target: str, traits: BackendTraits = BackendTraits()) -> None:  # noqa: B008 - frozen
+def register_backend(name: str, target: str, traits: BackendTraits | None = None) -> None:
     """Registers ``"module:Class"`` under ``name`` with what it can do (plugins: ``--backend-module`` imports them)."""
-    BACKENDS.register(name, target)
-    BACKEND_TRAITS[name] = traits
+    BACKENDS.register(name, target, traits=traits)
 
 
 register_backend("hf", "megatron_gkd.teacher.backends.hf:HFBackend")
@@ -174,9 +172,7 @@ def backend_traits(name: str) -> BackendTraits:
     Raises:
         ValueError: unknown name (the message lists the registered ones).
     """
-    if name not in BACKEND_TRAITS:
-        raise BACKENDS.unknown(name)
-    return BACKEND_TRAITS[name]
+    return BACKENDS.traits(name)
 
 
 def backend_names() -> list[str]:

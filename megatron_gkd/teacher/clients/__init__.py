@@ -260,16 +260,14 @@ class ClientTraits:
     reads_student: bool = False
 
 
-CLIENTS: Registry[type[TeacherClient]] = Registry("teacher client", config_key="teacher.client")
-CLIENT_TRAITS: dict[str, ClientTraits] = {}
+CLIENTS: Registry[type[TeacherClient]] = Registry("teacher client", config_key="teacher.client", traits=ClientTraits)
 
 
 def register_client(name: str, target: str, traits: ClientTraits) -> None:
     """Registers ``"module:Class"`` under ``name`` with what it reads and can do (plugins add clients this way).
     A class with a ``from_config(teacher_config, secret)`` classmethod is built from the ``teacher`` section;
     otherwise with no arguments."""
-    CLIENTS.register(name, target)
-    CLIENT_TRAITS[name] = traits
+    CLIENTS.register(name, target, traits=traits)
 
 
 def client_traits(name: str) -> ClientTraits:
@@ -278,9 +276,7 @@ def client_traits(name: str) -> ClientTraits:
     Raises:
         ValueError: unknown name (the message lists the registered ones).
     """
-    if name not in CLIENT_TRAITS:
-        raise CLIENTS.unknown(name)
-    return CLIENT_TRAITS[name]
+    return CLIENTS.traits(name)
 
 
 register_client("zmq", "megatron_gkd.teacher.clients.zmq_client:ZmqTeacherClient", ClientTraits(

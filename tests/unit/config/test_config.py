@@ -242,7 +242,7 @@ def _tokenizer():
 
 
 def test_the_advantage_forms_refuse_a_teacher_client_without_token_log_probs():
-    from megatron_gkd.teacher.clients import CLIENT_TRAITS, CLIENTS, ClientTraits, register_client
+    from megatron_gkd.teacher.clients import CLIENTS, ClientTraits, register_client
 
     register_client("no_token_logprobs", "megatron_gkd.teacher.clients.zmq_client:ZmqTeacherClient",
                     ClientTraits("a scorer of top-k rows only", required=(("address", "tcp://HOST:PORT"),),
@@ -254,5 +254,4 @@ def test_the_advantage_forms_refuse_a_teacher_client_without_token_log_probs():
             load_config(BASE, common + ["rl.combine=advantage"])
         load_config(BASE, common + ["rl.combine=loss"])  # the divergence over its rows needs no token log-probs
     finally:
-        CLIENTS._entries.pop("no_token_logprobs")
-        CLIENT_TRAITS.pop("no_token_logprobs")
+        CLIENTS.unregister("no_token_logprobs")

@@ -52,8 +52,9 @@ def test_a_body_cut_short_by_the_server_names_both_lengths(endpoint):
 
 def test_a_body_cut_short_by_the_deadline_names_both_lengths(endpoint):
     CutShort.hold.set()
+    # The deadline must fall after the headers and the first bytes have arrived: 1 s did not on a loaded 2-core machine.
     with pytest.raises(DeadlineExceeded, match=f"{len(SENT)} of the {ANNOUNCED} bytes"):
-        endpoint.request("POST", "/v1/completions", b"{}", timeout_s=1)
+        endpoint.request("POST", "/v1/completions", b"{}", timeout_s=5)
 
 
 def test_a_short_body_is_a_transport_error():
