@@ -367,7 +367,8 @@ class BatchFlow:
 
     def annotation_metrics(self, batch: InFlight) -> dict:
         """The teachers', the rewards', the rollout server's and the mixture's metrics of a trained batch (collective over every rank)."""
-        metrics = {**self.exchange.metrics(batch.teacher, batch.samples), **self.rewards.metrics(batch.rewards)}
+        metrics = {**self.exchange.metrics(batch.teacher, batch.samples),
+                   **self.rewards.metrics(batch.rewards, [sample.group for sample in batch.samples or []])}
         if self.rollout is not None and self.rollout.in_background:  # the rollout server's restarts
             metrics.update(self.rollout.metrics())
         rl = self.config.rl

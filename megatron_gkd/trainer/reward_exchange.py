@@ -127,13 +127,22 @@ class RewardExchange:
             agree(error, self.control)
         return values
 
-    def metrics(self, values: list[float] | None) -> dict[str, float]:
-        """``reward/mean``, ``reward/min``, ``reward/max`` over every rank's rewards (collective when rewards are on)."""
+    def metrics(self, values: list[float] | None, groups: Sequence[int] | None = None) -> dict[str, float]:
+        """``reward/mean``, ``reward/min``, ``reward/max`` over every rank's rewards (collective when rewards are on)
+        and, with ``groups`` (each value's prompt group; a group's samples on one rank) of more than one sample,
+        ``reward/informative_groups``: the fraction of prompt groups whose rewards differ, the only groups from which
+        a group baseline (GRPO, RLOO, Dr. GRPO) learns anything."""
         if not self.enabled:
             return {}
         values = values or []
-        # [sum, count, -min, max]: one MAX-reduce cannot sum, so sums and extremes go in two reductions.
-        sums = torch.tensor([sum(values), float(len(values))], dtype=torch.float64)
+        by_group: dict[int, set[float]] = {}
+        for group, value in zip(groups or [], values):
+            by_group.setdefault(group, set()).add(value)
+        several = groups is not None and len(by_group) < len(values)
+        informative = sum(len(found) > 1 for found in by_group.values()) if several else 0
+        # [sum, count, groups, informative groups, -min, max]: one MAX-reduce cannot sum, so two reductions.
+        sums = torch.tensor([sum(values), float(len(values)), float(len(by_group) if several else 0), float(informative)],
+                            dtype=torch.float64)
         extremes = torch.tensor([-min(values, default=float("inf")), max(values, default=float("-inf"))],
                                 dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size(self.control) > 1:
@@ -141,8 +150,11 @@ class RewardExchange:
             dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.control)
         count = float(sums[1])
         assert count > 0, "rewards are on but no rank computed any"
-        return {"reward/mean": float(sums[0]) / count, "reward/min": -float(extremes[0]),
-                "reward/max": float(extremes[1]), "reward/count": count}
+        result = {"reward/mean": float(sums[0]) / count, "reward/min": -float(extremes[0]),
+                  "reward/max": float(extremes[1]), "reward/count": count}
+        if sums[2] > 0:
+            result["reward/informative_groups"] = float(sums[3] / sums[2])
+        return result
 
     def close(self) -> None:
         if self.runner is not None:
