@@ -43,6 +43,12 @@ FORMS: dict[str, tuple[str, list[str]]] = {
                      [*REWARD, "rl.combine=advantage", "rl.teacher_baseline=true"]),
     "teacher_k1": ("-k1 of the teacher less its group baseline as the advantage, no reward (`rl.combine=teacher`)",
                    [*REWARD, "rl.combine=teacher", "rl.teacher_baseline=true"]),
+    "reward_dynamic": ("GRPO on the reward alone with DAPO's dynamic sampling (`rl.dynamic_sampling=true`: only groups "
+                       "whose rewards differ; more samples drawn)",
+                       [*REWARD, "rl.combine=loss", "rl.kd_coef=0", "rl.dynamic_sampling=true"]),
+    # Not a form: what the records' own worked solutions (always right) teach this student with the same budget.
+    "sft_ceiling": ("SFT on the records' worked solutions (the ground truth; no teacher, no reward)",
+                    ["trainer.mode=sft", "teacher.client=none"]),
 }
 WHY = {"reward/mean": "mean reward", "pg/teacher_kl": "sampled-token KL to the teacher",
        "rollout/response_length_mean": "response length"}
