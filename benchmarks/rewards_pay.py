@@ -3,15 +3,20 @@
     python benchmarks/rewards_pay.py                                  # every form, 3 seeds, two runs at a time
     python benchmarks/rewards_pay.py --forms kd_anneal --seeds 1      # some of it
     python benchmarks/rewards_pay.py --report                         # the table and plots of what has finished
+    python benchmarks/rewards_pay.py --from-start --forms kd_plus_reward --seeds 1  # a form from the demo's start
 
-Every run is the README's command (`scripts/run_demo.sh`: the demo's start at 0.050, its teacher at 0.904, its
-1000 steps of 64 samples, its learning rate, `one_step_off`, colocated vLLM, TP=2) with one form's overrides and
-a seed, so every form spends the same budget: 64,000 sampled responses scored by the teacher. The reward is the
-eval's own scorer (`reward.kind=final_answer`: 1 for the exact answer). The forms with a reward sample 4
-responses a prompt (16 prompts a step) for GRPO's groups; the demo samples one response for each of 64 prompts.
+Every form starts where the demo starts (0.050; its teacher is at 0.904) and spends the same budget of samples.
+Phase 1 is the README's command itself (`scripts/run_demo.sh`: forward KL over the teacher's 16 ids, 1000 steps of
+64 prompts with one sample each, its learning rate, `one_step_off`, colocated vLLM, TP=2), once per seed
+(`distilled_s<n>`). Phase 2 starts from phase 1's exported student and trains 400 more steps of 64 samples with
+each form, at a tenth of the demo's peak learning rate (3e-4 decayed to 3e-5). The reward is the eval's own scorer
+(`reward.kind=final_answer`: 1 for the exact answer); the forms with a reward sample 4 responses for each of 16
+prompts a step (GRPO's groups), `forward_kl` goes on as the demo (one for each of 64). Why two phases:
+`--from-start` trains a form from the demo's start for the demo's 1000 steps instead, where 4 samples of 16 prompts
+teach far less than one of 64 (docs/results.md).
+
 The report gives each run's held-out accuracy at every eval and the figures that say why a form did or did not
-learn: how often a group's rewards differ (the only groups GRPO learns from), the mean reward, the sampled-token
-KL to the teacher, the response length.
+learn: the mean reward, the sampled-token KL to the teacher, the response length (means over the last 200 steps).
 """
 
 from __future__ import annotations
@@ -32,34 +37,38 @@ FORMS: dict[str, tuple[str, list[str]]] = {
     "reward_only": ("GRPO on the reward alone (`rl.combine=loss`, `rl.kd_coef=0`)",
                     [*REWARD, "rl.combine=loss", "rl.kd_coef=0"]),
     "kd_plus_reward": ("GRPO + forward KL (`rl.combine=loss`, `rl.kd_coef=1`)", [*REWARD, "rl.combine=loss"]),
-    "kd_anneal": ("forward KL annealed into GRPO (KDRL: `rl.kd_coef` 1 -> 0 over 600 steps)",
-                  [*REWARD, "rl.combine=loss", "rl.kd_coef_end=0", "rl.kd_coef_steps=600"]),
+    "kd_anneal": ("forward KL annealed into GRPO (KDRL: `rl.kd_coef` 1 -> 0 over 200 steps)",
+                  [*REWARD, "rl.combine=loss", "rl.kd_coef_end=0", "rl.kd_coef_steps=200"]),
     "advantage_k1": ("reward advantage - k1 of the teacher, less its group baseline (`rl.combine=advantage`)",
                      [*REWARD, "rl.combine=advantage", "rl.teacher_baseline=true"]),
     "teacher_k1": ("-k1 of the teacher less its group baseline as the advantage, no reward (`rl.combine=teacher`)",
                    [*REWARD, "rl.combine=teacher", "rl.teacher_baseline=true"]),
+    "reward_dynamic": ("GRPO on the reward alone with DAPO's dynamic sampling (`rl.dynamic_sampling=true`: only groups "
+                       "whose rewards differ; more samples drawn)",
+                       [*REWARD, "rl.combine=loss", "rl.kd_coef=0", "rl.dynamic_sampling=true"]),
+    # Not a form: what the records' own worked solutions (always right) teach this student with the same budget.
+    "sft_ceiling": ("SFT on the records' worked solutions (the ground truth; no teacher, no reward)",
+                    ["trainer.mode=sft", "teacher.client=none"]),
 }
-WHY = {"rl/informative_fraction": "groups whose rewards differ", "reward/mean": "mean reward",
-       "pg/teacher_kl": "sampled-token KL to the teacher", "rollout/response_length_mean": "response length"}
+WHY = {"reward/mean": "mean reward", "pg/teacher_kl": "sampled-token KL to the teacher",
+       "rollout/response_length_mean": "response length"}
+DISTILL_STEPS = 1000  # the demo's
+PHASE_2 = ["trainer.num_steps=400", "optim.lr=3e-4", "optim.min_lr=3e-5"]
 
 
 def member(form: str, seed: int) -> str:
     return f"{form}_s{seed}"
 
 
-def run(form: str, seed: int, out: pathlib.Path, extra: list[str]) -> dict:
-    overrides = [*FORMS[form][1], *[s.format(n=seed) for s in SEED], *extra]
-    return run_command(member(form, seed), out, overrides)
-
-
-def informative_fraction(record: dict) -> float | None:
-    """The fraction of a step's prompt groups whose rewards differ: under GRPO the others' advantages are all 0.
-    From the step's reward range when the run did not log it (a step whose rewards are all equal has none)."""
-    if "rl/informative_fraction" in record:
-        return record["rl/informative_fraction"]
-    if "reward/min" in record:
-        return float(record["reward/max"] > record["reward/min"])
-    return None
+def run(form: str, seed: int, out: pathlib.Path, extra: list[str], from_start: bool = False) -> dict:
+    """Phase 2 of ``form`` from seed ``seed``'s distilled student, or (``from_start``) the form alone from the demo's
+    start; ``form=None``: phase 1."""
+    seeds = [s.format(n=seed) for s in SEED]
+    if form is None:
+        return run_command(member("distilled", seed), out, [*seeds, *extra])
+    start = [] if from_start else [f"student.checkpoint={out / member('distilled', seed)}/hf/step_{DISTILL_STEPS}",
+                                   *PHASE_2]
+    return run_command(member(form, seed), out, [*start, *FORMS[form][1], *seeds, *extra])
 
 
 def summarise(directory: pathlib.Path) -> dict:
@@ -67,14 +76,13 @@ def summarise(directory: pathlib.Path) -> dict:
     last = steps[-200:]
     figures = {}
     for key in WHY:
-        values = [informative_fraction(r) if key == "rl/informative_fraction" else r.get(key) for r in last]
-        values = [v for v in values if v is not None]
+        values = [r[key] for r in last if key in r]
         figures[key] = statistics.fmean(values) if values else None
     return figures
 
 
 def report(out: pathlib.Path, forms: list[str], seeds: list[int]) -> None:
-    rows = [(form, seed, curve(out / member(form, seed))) for form in forms for seed in seeds]
+    rows = [(form, seed, curve(out / member(form, seed))) for form in ["distilled", *forms] for seed in seeds]
     rows = [row for row in rows if row[2]]
     if not rows:
         print(f"nothing finished in {out}")
@@ -88,10 +96,11 @@ def report(out: pathlib.Path, forms: list[str], seeds: list[int]) -> None:
         print(f"| {member(form, seed)} | {cells} | "
               + " | ".join("" if why[k] is None else f"{why[k]:.3f}" for k in WHY) + " |")
     print("\n| form | what trains the student | seeds | final accuracy, mean (min-max) |\n|---|---|---|---|")
-    for form in forms:
-        finals = [points[max(points)] for f, _, points in rows if f == form and max(points) == max(steps)]
+    for form in ["distilled", *forms]:
+        ends = [max(points) for f, _, points in rows if f == form]
+        finals = [points[max(points)] for f, _, points in rows if f == form and max(points) == max(ends)]
         if finals:
-            print(f"| `{form}` | {FORMS[form][0]} | {len(finals)} | {statistics.fmean(finals):.3f} "
+            print(f"| `{form}` | {FORMS[form][0] if form in FORMS else 'phase 1: the demo'} | {len(finals)} | {statistics.fmean(finals):.3f} "
                   f"({min(finals):.3f}-{max(finals):.3f}) |")
     plot(rows, out / "rewards_pay.png")
 
@@ -103,12 +112,13 @@ def plot(rows: list, path: pathlib.Path) -> None:
     matplotlib.use("Agg")  # files only
     import matplotlib.pyplot as plt
 
-    colours = dict(zip(FORMS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    colours = dict(zip(["distilled", *FORMS], plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     figure, axis = plt.subplots(figsize=(8, 4.5))
     labelled = set()
     for form, _, points in rows:
+        offset = 0 if form == "distilled" or max(max(points), 0) >= DISTILL_STEPS else DISTILL_STEPS  # phase 2
         steps = sorted(points)
-        axis.plot(steps, [points[s] for s in steps], marker=".", color=colours[form],
+        axis.plot([s + offset for s in steps], [points[s] for s in steps], marker=".", color=colours[form],
                   label=None if form in labelled else form)
         labelled.add(form)
     axis.axhline(0.904, color="grey", linestyle="--", linewidth=1, label="teacher (0.904)")
@@ -128,15 +138,31 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=2, help="runs at a time")
     parser.add_argument("--out", default="outputs/rewards_pay")
     parser.add_argument("--report", action="store_true", help="only the table of what has finished")
+    parser.add_argument("--from-start", action="store_true", help="each form from the demo's start, no phase 1")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run, after the form's")
     args = parser.parse_args()
     out = ROOT / args.out
     if not args.report:
         out.mkdir(parents=True, exist_ok=True)
-        jobs = [(form, seed) for seed in args.seeds for form in args.forms]  # a seed of every form first
         with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-            for summary in pool.map(lambda job: run(*job, out, args.overrides), jobs):
-                print(f"{summary['member']}: exit {summary['code']}, {summary['wall_s'] / 60:.1f} min", flush=True)
+            def submit(form, seed):
+                return pool.submit(run, form, seed, out, args.overrides, args.from_start)
+
+            if args.from_start:
+                pending = {submit(form, seed) for seed in args.seeds for form in args.forms}
+            else:  # a seed's forms start once its phase 1 has finished (or was finished before)
+                pending = {submit(None, seed) for seed in args.seeds
+                           if not (out / member("distilled", seed) / "hf" / f"step_{DISTILL_STEPS}").exists()}
+                pending |= {submit(form, seed) for seed in args.seeds for form in args.forms
+                            if (out / member("distilled", seed) / "hf" / f"step_{DISTILL_STEPS}").exists()}
+            while pending:
+                done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in done:
+                    summary = future.result()
+                    print(f"{summary['member']}: exit {summary['code']}, {summary['wall_s'] / 60:.1f} min", flush=True)
+                    if summary["member"].startswith("distilled_") and summary["code"] == 0:
+                        seed = int(summary["member"].rsplit("_s", 1)[1])
+                        pending |= {submit(form, seed) for form in args.forms}
     report(out, args.forms, args.seeds)
 
 
