@@ -100,7 +100,8 @@ def report(out: pathlib.Path, forms: list[str], seeds: list[int]) -> None:
         ends = [max(points) for f, _, points in rows if f == form]
         finals = [points[max(points)] for f, _, points in rows if f == form and max(points) == max(ends)]
         if finals:
-            print(f"| `{form}` | {FORMS[form][0] if form in FORMS else 'phase 1: the demo'} | {len(finals)} | {statistics.fmean(finals):.3f} "
+            what = FORMS[form][0] if form in FORMS else "phase 1: the demo"
+            print(f"| `{form}` | {what} | {len(finals)} | {statistics.fmean(finals):.3f} "
                   f"({min(finals):.3f}-{max(finals):.3f}) |")
     plot(rows, out / "rewards_pay.png")
 
