@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from megatron_gkd.losses import tcad_sequence_weights, tcad_support
@@ -548,3 +549,18 @@ def samples_from_rollout(batch, indices: Sequence[int], prompt_indices: Sequence
                               versions=None if batch.token_versions is None else batch.versions(i)))
     return samples
 
+
+def share_rows(batch, num_prompts: int, num_shares: int, share: int) -> list[int]:
+    """The rows of ``batch`` (a rollout batch of ``num_prompts`` prompt groups) in data-parallel share ``share`` of
+    ``num_shares``: a contiguous block of whole prompt groups."""
+    groups = np.array_split(np.arange(num_prompts), num_shares)
+    mine = set(groups[share].tolist())
+    return [i for i in range(batch.num_samples) if int(batch.group_ids[i]) in mine]
+
+
+def rank_samples(batch, state, prompt_indices: Sequence[int], prompt_groups: Sequence | None = None,
+                 prompt_sources: Sequence[str] | None = None) -> list[Sample]:
+    """This data-parallel rank's samples of ``batch`` (``state``: the parallel state): a contiguous block of whole
+    prompt groups (:func:`share_rows`, :func:`samples_from_rollout`)."""
+    rows = share_rows(batch, len(prompt_indices), state.data_parallel_size, state.dp_rank)
+    return samples_from_rollout(batch, rows, prompt_indices, prompt_groups, prompt_sources)

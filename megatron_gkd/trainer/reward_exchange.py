@@ -27,9 +27,19 @@ import torch.distributed as dist
 
 from megatron_gkd.parallel.comm import agree, all_gather_msgpack
 from megatron_gkd.rewards import RewardBatch, RewardOutput, RewardRunner
-from megatron_gkd.trainer.eval import response_text
+from megatron_gkd.trainer.batch import rank_samples, share_rows
+from megatron_gkd.trainer.eval import record_fields, response_text
 
 logger = logging.getLogger(__name__)
+
+
+class RewardsFailed(Exception):
+    """A round's rewards failed on some rank (``error``: this rank's :meth:`RewardExchange.receive` error; every rank
+    raises it alike)."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 class RewardExchange:
@@ -126,6 +136,24 @@ class RewardExchange:
                 error = RuntimeError("a batch reached its update without its rewards (an internal error)")
             agree(error, self.control)
         return values
+
+    def everyone(self, rollout, records, state) -> list[float]:
+        """Every sample's reward of ``rollout`` (the samples of ``records``) on every rank: each data-parallel share's
+        computed by its reward worker, waited for and gathered (collective over every rank).
+
+        Raises:
+            RewardsFailed: on every rank, where any rank's rewards failed.
+        """
+        prompt_indices = [record.index for record in records]
+        samples = rank_samples(rollout, state, prompt_indices, [record.group for record in records])
+        future = self.send(samples, {record.index: record_fields(record) for record in records})
+        try:
+            values = self.receive(future)
+        except Exception as error:  # noqa: BLE001 - raised on every rank alike (receive agrees); kept for the update
+            raise RewardsFailed(error) from error
+        rows = [share_rows(rollout, len(records), state.data_parallel_size, share)
+                for share in range(state.data_parallel_size)]
+        return self.gather(values, rows, state.dp_rank)
 
     def metrics(self, values: list[float] | None, groups: Sequence[int] | None = None) -> dict[str, float]:
         """``reward/mean``, ``reward/min``, ``reward/max`` over every rank's rewards (collective when rewards are on)

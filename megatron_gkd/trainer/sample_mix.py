@@ -1,9 +1,12 @@
 """GKD's mixture in the batch path (``sample_mix``; :mod:`megatron_gkd.config.sample_mix`): which source each prompt
 of a batch takes its responses from, the off-policy parts as rollout batches, and one batch of them all.
 
-Pure code, no collectives: :class:`~megatron_gkd.trainer.flow.BatchFlow` draws, asks the rollout engine and the
-teacher, and merges. Every rank draws the same sources: the draw is a function of ``(seed, step)`` alone (a numpy
-generator seeded with both, never the global RNG), so a resumed run draws what the first one did.
+The functions are pure code, no collectives; :class:`Mixture` is the batch path's side of it
+(:class:`~megatron_gkd.trainer.flow.BatchFlow` asks it for a batch's sources, its off-policy parts and its metrics,
+and asks the rollout engine for the student's part): the one rank that asks the teacher to write responses and
+shares them is a collective over every rank. Every rank draws the same sources: the draw is a function of
+``(seed, step)`` alone (a numpy generator seeded with both, never the global RNG), so a resumed run draws what the
+first one did.
 
 A merged batch keeps the contract of a rollout batch: sample rows ordered by prompt, group id = the prompt's position
 in the batch. The teacher writes ``rollout.n`` responses per prompt, as the student samples; the dataset has one
@@ -15,8 +18,15 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
+from megatron_gkd.config.checks import generating_teacher
+from megatron_gkd.parallel.comm import agree, broadcast_msgpack
 from megatron_gkd.rollout.types import RolloutBatch
+from megatron_gkd.teacher import GenerateBatch
+from megatron_gkd.trainer.eval import Scorer
+from megatron_gkd.trainer.teacher_exchange import TeacherFailed
 
 STUDENT = "student"
 """The on-policy source: the student's own samples through the rollout engine."""
@@ -124,3 +134,87 @@ def source_metrics(rollout: RolloutBatch, sources: Sequence[str], off_policy: st
             metrics[f"mix/accuracy/{source}"] = sum(scored) / len(scored)
     metrics["mix/student_fraction"] = counts[STUDENT] / max(rollout.num_samples, 1)
     return metrics
+
+
+class Mixture:
+    """GKD's mixture of a run (``sample_mix``) as the batch path uses it: each prompt's source in a batch, the
+    off-policy parts of its responses (the records' own, or written by the teacher now) and the ``mix/*`` metrics.
+
+    Args:
+        config: the run's config (``sample_mix`` enabled).
+        state: the parallel state.
+        control: a gloo group over every rank.
+        teachers: the run's :class:`~megatron_gkd.trainer.teachers.Teachers` (the one that writes responses).
+        asks_teacher: whether this rank asks the teacher (the exchange's teacher rank).
+        tokenizer, stop_ids: the student's tokenizer and the ids that end a response.
+        timers: the trainer's phase timers (``teacher_generate``).
+        pad_id: the student's padding id.
+
+    Collective over every rank when the teacher writes responses (which rank asks it is agreed here).
+    """
+
+    def __init__(self, config, state, *, control, teachers, asks_teacher: bool, tokenizer, stop_ids, timers, pad_id: int):
+        self.config, self.mix, self.control, self.teachers = config, config.sample_mix, control, teachers
+        self.stop_ids, self.timers, self.pad_id = tuple(stop_ids), timers, pad_id
+        self.rank = dist.get_rank()
+        # mix/accuracy/<source> scores answers as the eval does
+        self._scorer = Scorer(config.eval, tokenizer, self.stop_ids)
+        self.generator = generating_teacher(config)  # the teacher that writes responses, or None
+        if self.generator is not None:
+            # One rank asks for every teacher-written response of a batch (the teacher rank of the first data-parallel
+            # share): the responses then do not depend on the layout. Collective over every rank.
+            asker = torch.tensor([self.rank if asks_teacher and state.dp_rank == 0 else -1])
+            dist.all_reduce(asker, op=dist.ReduceOp.MAX, group=control)
+            self._generator_rank = int(asker)
+
+    @property
+    def source(self):
+        """Where the off-policy responses come from (a :class:`~megatron_gkd.config.sample_mix.ResponseSource`)."""
+        return self.mix.source
+
+    def sources(self, index: int, num_prompts: int) -> list[str]:
+        """Each prompt's source in batch ``index`` (the same on every rank)."""
+        seed = self.mix.seed if self.mix.seed is not None else self.config.trainer.seed
+        return draw_sources(self.mix, seed=seed, step=index, num_prompts=num_prompts)
+
+    def off_policy_parts(self, records, sources: list[str], version: int, seed: int | None) -> list:
+        """``(positions, batch)`` of the prompts whose responses are not the student's: the records' own, or the
+        teacher's (asked now with ``seed``; collective over every rank when the batch has any)."""
+        off = [i for i in range(len(records)) if sources[i] != STUDENT]
+        if not off:
+            return []
+        chosen = [records[i] for i in off]
+        if self.mix.source.from_records:
+            return [(off, dataset_batch(chosen, version, self.pad_id))]
+        prompts = [list(record.prompt_ids) for record in chosen]
+        with self.timers("teacher_generate"):
+            responses = self.teacher_responses(prompts, seed)
+        return [(off, generated_batch(prompts, responses, self.config.rollout.n, self.stop_ids, version, self.pad_id))]
+
+    def teacher_responses(self, prompts: list[list[int]], seed: int | None) -> list[list[int]]:
+        """The teacher's ``rollout.n`` responses to each of ``prompts`` (prompt by prompt), with its own sampling
+        settings (``sample_mix.teacher.*``) and ``seed`` (the batch's, like the rollout's). One rank asks, every rank
+        gets them; every rank stops if the request failed. Collective over every rank."""
+        settings, responses, error = self.mix.teacher, None, None
+        if self.rank == self._generator_rank:
+            try:
+                batch = GenerateBatch(prompts=[np.asarray(p, dtype=np.int64) for p in prompts],
+                                      num_samples=self.config.rollout.n, temperature=settings.temperature,
+                                      top_p=settings.top_p, top_k=settings.top_k,
+                                      max_tokens=settings.max_tokens or self.config.rollout.max_tokens,
+                                      stop_ids=self.stop_ids, seed=seed)
+                client = self.teachers.by_name[self.generator].client
+                responses = [sample.response_ids.tolist() for sample in client.generate(batch)]
+            except Exception as caught:  # noqa: BLE001 - shared with every rank below
+                error = caught if not self.teachers.several else TeacherFailed(self.generator, caught)
+        agree(error, self.control)
+        return broadcast_msgpack(responses, self._generator_rank, self.control)
+
+    def metrics(self, rollout: RolloutBatch, index: int, sources: list[str], answers) -> dict:
+        """``mix/*`` of batch ``index``'s global batch (:func:`source_metrics`), its samples scored as the eval scores."""
+        return source_metrics(rollout, sources, self.mix.source, self.mix.lmbda_at(index),
+                              sample_scores(rollout, answers, self._score))
+
+    def _score(self, prompt: list[int], response: list[int], answer: str) -> float:
+        """One response's score against its prompt's answer with ``eval.scorer``, as the eval reads an answer."""
+        return self._scorer([prompt], [response], [{"answer": answer}])[0]

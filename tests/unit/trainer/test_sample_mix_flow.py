@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron_gkd.config import load_config
 from megatron_gkd.rollout.types import RolloutBatch
 from megatron_gkd.teacher import GeneratedSample, TeacherError, TeacherOutput
-from megatron_gkd.trainer.flow import BatchFlow
+from megatron_gkd.trainer.flow import BatchFlow, batch_seed
 from megatron_gkd.trainer.metrics import Timers
 from megatron_gkd.trainer.sample_mix import draw_sources
 from megatron_gkd.trainer.teachers import Teachers
@@ -123,7 +123,7 @@ def test_student_prompts_are_sampled_and_the_others_written_by_the_teacher():
     assert [p.tolist() for p in request.prompts] == written
     assert (request.num_samples, request.temperature, request.top_p, request.max_tokens, request.stop_ids) == (
         config.rollout.n, 0.7, 0.9, 12, (EOS,))
-    assert request.seed == flow._seed(0)
+    assert request.seed == batch_seed(config, 0)
     n = config.rollout.n
     rollout_batch = batch.rollout
     assert rollout_batch.group_ids.tolist() == [g for g in range(4) for _ in range(n)]
@@ -180,7 +180,7 @@ def test_a_teacher_that_cannot_write_responses_is_refused_at_start_up(can_genera
             pass
 
     config, flow, _ = _flow(TEACHER, Served())
-    check = teacher_check(config, Tokenizer(), 512, flow.tcad)
+    check = teacher_check(config, Tokenizer(), 512, flow.exchange.tcad)
     teacher = flow.teachers.by_name["teacher"]
     if can_generate:
         check(teacher)
@@ -189,4 +189,4 @@ def test_a_teacher_that_cannot_write_responses_is_refused_at_start_up(can_genera
             check(teacher)
     # without the teacher source nothing asks it to write
     config, flow, _ = _flow([], Served())
-    teacher_check(config, Tokenizer(), 512, flow.tcad)(flow.teachers.by_name["teacher"])
+    teacher_check(config, Tokenizer(), 512, flow.exchange.tcad)(flow.teachers.by_name["teacher"])
