@@ -117,7 +117,7 @@ def plot(rows: list, path: pathlib.Path) -> None:
     figure, axis = plt.subplots(figsize=(8, 4.5))
     labelled = set()
     for form, _, points in rows:
-        offset = 0 if form == "distilled" or max(max(points), 0) >= DISTILL_STEPS else DISTILL_STEPS  # phase 2
+        offset = 0 if form == "distilled" or max(points) >= DISTILL_STEPS else DISTILL_STEPS  # phase 2
         steps = sorted(points)
         axis.plot([s + offset for s in steps], [points[s] for s in steps], marker=".", color=colours[form],
                   label=None if form in labelled else form)

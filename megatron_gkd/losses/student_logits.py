@@ -50,7 +50,6 @@ class LogitShard:
     logits: torch.Tensor
     tp_group: dist.ProcessGroup | None
     chunk_size: int = 1024
-    fused = False
 
     def token_logprobs(self, token_ids: torch.Tensor, *, temperature: float = 1.0,
                        real_vocab_size: int | None = None) -> torch.Tensor:
@@ -112,7 +111,6 @@ class FusedLogits:
     tp_group: dist.ProcessGroup | None
     sequence_parallel: bool = False
     chunk_size: int = 1024
-    fused = True
 
     @property
     def _chunks(self) -> dict:

@@ -135,8 +135,7 @@ class BatchFlow:
 
     def __init__(self, config, state, *, control, dp_group, tokenizer, timers, teachers: Teachers, rollout=None,
                  stop_ids=()):
-        self.config, self.state, self.control, self.dp_group = config, state, control, dp_group
-        self.tokenizer, self.timers, self.rollout, self.stop_ids = tokenizer, timers, rollout, tuple(stop_ids)
+        self.config, self.state, self.control, self.timers, self.rollout = config, state, control, timers, rollout
         self.loss_kind = config.trainer.run_mode.loss_kind
         self.pad_id = pad_id(tokenizer)
         self.rank = dist.get_rank()
