@@ -29,12 +29,9 @@ import pathlib
 import shutil
 import subprocess
 
-from megatron_gkd.data import DataConfig, load_prompts, load_tokenizer
-from megatron_gkd.data.tokenization import eos_token_id
 from megatron_gkd.log_setup import setup_logging
-from megatron_gkd.recipes import arithmetic, demo, tiny
+from megatron_gkd.recipes import arithmetic, demo, greedy, tiny
 from megatron_gkd.rewards.answers import final_answer
-from megatron_gkd.rollout import SamplingConfig, build_engine
 
 logger = logging.getLogger(__name__)
 
@@ -69,23 +66,8 @@ def task_accuracy(model: str | pathlib.Path, task_dir: pathlib.Path, *,
                   max_tokens: int = MAX_TOKENS) -> dict[str, float]:
     """Greedy accuracy of ``model`` on each task's held-out problems under ``task_dir``, as the trainer's
     eval scores it (vLLM, temperature 0, the ``final_answer`` scorer); one process, no torch.distributed."""
-    tokenizer = load_tokenizer(str(model))
-    eos = eos_token_id(tokenizer)
-    engine = build_engine("vllm", model=str(model), tensor_parallel_size=1, max_model_len=64, seed=0,
-                          pad_token_id=tokenizer.pad_token_id or 0)
-    sampling = SamplingConfig(temperature=0.0, max_tokens=max_tokens, stop_token_ids=(eos,), seed=0)
-    accuracy = {}
-    try:
-        for task in arithmetic.TASKS:
-            path = task_dir / task / "eval.jsonl"
-            dataset = load_prompts(str(path), DataConfig(eval_path=str(path)), tokenizer)
-            records = [dataset[i] for i in range(len(dataset))]
-            batch = engine.generate([list(r.prompt_ids) for r in records], sampling)
-            texts = [tokenizer.decode([t for t in batch.response(i) if t != eos], skip_special_tokens=True)
-                     for i in range(batch.num_samples)]
-            accuracy[task] = sum(final_answer(text, r.answer) for text, r in zip(texts, records)) / len(records)
-    finally:
-        engine.close()
+    accuracy = {task: greedy.greedy_accuracy(model, task_dir / task / "eval.jsonl", final_answer,
+                                             max_tokens=max_tokens)[0] for task in arithmetic.TASKS}
     logger.info("%s: held-out accuracy %s", model, ", ".join(f"{t} {a:.3f}" for t, a in accuracy.items()))
     return accuracy
 

@@ -31,14 +31,10 @@ import pathlib
 import subprocess
 import sys
 
-from megatron_gkd.data import DataConfig, load_prompts, load_tokenizer
-from megatron_gkd.data.tokenization import eos_token_id
 from megatron_gkd.log_setup import setup_logging
-from megatron_gkd.recipes import instructions, report
+from megatron_gkd.recipes import greedy, instructions, report
 from megatron_gkd.recipes.smollm2 import smollm2_checkpoint
 from megatron_gkd.rewards.matching import contains
-from megatron_gkd.rollout import SamplingConfig, build_engine
-from megatron_gkd.trainer.eval import response_text
 
 logger = logging.getLogger(__name__)
 
@@ -80,18 +76,7 @@ def prepare(out: pathlib.Path, variant: str = "depth", *, num_samples: int = 64)
 def greedy_accuracy(model: pathlib.Path, eval_path: pathlib.Path) -> tuple[float, list[str]]:
     """``model``'s greedy answers to the held-out prompts through vLLM, scored by ``contains`` as the trainer's eval
     scores the student's (``eval.scorer=contains``, ``eval.max_tokens``); returns the accuracy and the answers."""
-    tokenizer = load_tokenizer(str(model))
-    dataset = load_prompts(str(eval_path), DataConfig(train_path=str(eval_path)), tokenizer)
-    records = [dataset[i] for i in range(len(dataset))]
-    eos = eos_token_id(tokenizer)
-    engine = build_engine("vllm", model=str(model), max_model_len=256, pad_token_id=tokenizer.pad_token_id or 0)
-    try:
-        batch = engine.generate([list(r.prompt_ids) for r in records],
-                                SamplingConfig(temperature=0.0, max_tokens=EVAL_MAX_TOKENS, stop_token_ids=(eos,), seed=0))
-    finally:
-        engine.close()
-    answers = [response_text(tokenizer, batch.response(i), (eos,)) for i in range(batch.num_samples)]
-    return sum(contains(text, record.answer) for text, record in zip(answers, records)) / len(records), answers
+    return greedy.greedy_accuracy(model, eval_path, contains, max_tokens=EVAL_MAX_TOKENS, max_model_len=256)
 
 
 def summarise(run_dir: pathlib.Path, teacher_accuracy_: float, wall_time_s: float | None = None) -> dict:
