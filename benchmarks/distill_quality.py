@@ -2,6 +2,7 @@
 
     python benchmarks/distill_quality.py                            # 25 methods, seeds 1 2 3 (about 4 hours)
     python benchmarks/distill_quality.py --methods forward_kl_hidden reverse_kl_hidden jsd_hidden   # hidden signal
+    python benchmarks/distill_quality.py --methods forward_kl_tail reverse_kl_tail jsd_tail   # top-4 with its tail
     python benchmarks/distill_quality.py --methods reverse_kl_full_vocab jsd_full_vocab --seeds 1   # diagnostics
     python benchmarks/distill_quality.py --report                   # aggregate what has finished
     python benchmarks/distill_quality.py --out outputs/rl_with_teacher --methods grpo forward_kl rl_loss rl_advantage rl_teacher
@@ -44,6 +45,8 @@ teacher, on the arithmetic task, it compares:
                             hybrid (the chain rule inside numbers), or projected at group heads only
                             (``inside_groups=skip``), or read at the text level (``xtok_text``: boundary=text);
                             ``sft_numeral_samples``: SFT on its samples as text
+``forward_kl_tail`` ...     on-policy ``forward_kl``, ``reverse_kl``, ``jsd`` on the top-4 with the tail bucket
+                            (``loss.tail_bucket``): a true divergence over the 4 ids plus the mass outside them
 ``forward_kl_hidden`` ...   on-policy ``forward_kl``, ``reverse_kl``, ``jsd`` from the teacher's hidden
                             states (``teacher.signal=hidden``, bf16 on the wire): exact over the whole
                             vocabulary, the student recomputing the teacher's logits with its head
@@ -120,6 +123,10 @@ METHODS.update({f"{name}_lr3e-4": [*METHODS[name], *SLOW_LR] for name in ("rl_ad
 # The teacher's hidden states instead of its top-k (issue #19): the whole vocabulary at any vocabulary size.
 HIDDEN = ["teacher.signal=hidden", "teacher.hidden_dtype=bfloat16"]
 METHODS.update({f"{loss}_hidden": [*ON_POLICY, f"loss.type={loss}", *HIDDEN] for loss in ("forward_kl", "reverse_kl", "jsd")})
+# The tail bucket (issue #50 item 2): the same top-4 divergences over k + 1 outcomes, the teacher's 4 ids and the mass
+# outside them on each side, instead of truncated (forward KL) or renormalised on the 4 ids (reverse KL, JSD).
+METHODS.update({f"{loss}_tail": [*ON_POLICY, f"loss.type={loss}", "loss.tail_bucket=true"]
+                for loss in ("forward_kl", "reverse_kl", "jsd")})
 # GKD's mixture (issue #30): lambda in {0, 0.5} x source in {dataset, teacher}, drawn per prompt, one sample per
 # prompt as forward_kl_n1 (lambda 1). The budget counts scored response tokens whatever wrote them; the teacher's
 # generation of its own responses is not counted (it is the same order of work as scoring them).
