@@ -14,7 +14,7 @@ from megatron_gkd import platform
 from megatron_gkd.config.partial import check_partial
 from megatron_gkd.config.sample_mix import SampleMixConfig
 from megatron_gkd.losses.advantages import get_advantage_estimator
-from megatron_gkd.losses.registry import cross_tokenizer_divergences
+from megatron_gkd.losses.registry import cross_tokenizer_divergences, dense_divergences
 from megatron_gkd.planning.model import model_shape, read_config
 from megatron_gkd.rewards.config import check_reward_settings
 from megatron_gkd.rollout.registry import ENGINES, engine_traits
@@ -441,6 +441,9 @@ def _check_teacher(config, teacher, key: str) -> None:
               f"{key}.client=local, or {key}.signal=topk")
     if not trainer.run_mode.distills and not eval_enabled(config):
         logger.warning("%s.* has no effect in trainer.mode=sft without eval (it is only used for eval's KL)", key)
+    if teacher.signal.sends_hidden and not teacher.cross_tokenizer.enabled and loss.divergence.dense is None:
+        _fail(f"loss.type={loss.type} has no full-vocabulary form for {key}.signal=hidden; use {key}.signal=topk, or "
+              f"loss.type={' or '.join(dense_divergences())}")
     if loss.tail_bucket and teacher.signal.sends_hidden and not teacher.cross_tokenizer.enabled:
         logger.warning("loss.tail_bucket has no effect with %s.signal=hidden (the divergence is over the teacher's "
                        "whole distribution, with no mass left outside)", key)
@@ -467,7 +470,7 @@ def _check_cross_tokenizer(config, teacher, key: str) -> None:
               "directory)")
     if config.loss.divergence.student_support:
         _fail(f"{where}: loss.type={config.loss.type} has no cross-tokenizer form (its support is the student's own top-k, which the "
-              "teacher would have to score through the inverse map); use forward_kl, reverse_kl, jsd or kl_rkl")
+              f"teacher would have to score through the inverse map); use {', '.join(cross_tokenizer_divergences())}")
     if config.loss.tail_bucket:
         _fail(f"{where}: loss.tail_bucket has no cross-tokenizer form (the student's mass outside the teacher's ids "
               "through the projection is not computed); set loss.tail_bucket=false")

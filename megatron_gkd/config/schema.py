@@ -26,7 +26,7 @@ from megatron_gkd.data.config import DataConfig
 from megatron_gkd.losses import PolicyGradientOptions, get_divergence
 from megatron_gkd.losses.advantages import get_advantage_estimator, get_aggregation
 from megatron_gkd.losses.combinations import get_combination
-from megatron_gkd.losses.registry import Divergence
+from megatron_gkd.losses.registry import Divergence, teacher_support_divergences
 from megatron_gkd.losses.sampled_kl import KL_ESTIMATORS, check_advantage_estimator
 from megatron_gkd.parallel.state import ParallelConfig
 from megatron_gkd.platform.npu import MindSpeedConfig
@@ -221,8 +221,8 @@ class LossConfig:
         if self.tail_bucket and divergence.student_support:
             raise ValueError(f"loss.tail_bucket=true does not apply to loss.type={self.type}: its coverage term "
                              "(loss.options.coverage_coef) already scores the student's mass outside its support; "
-                             "set loss.tail_bucket=false, or a divergence on the teacher's top-k (forward_kl, "
-                             "reverse_kl, jsd, kl_rkl)")
+                             "set loss.tail_bucket=false, or a divergence on the teacher's top-k "
+                             f"({', '.join(teacher_support_divergences())})")
         if self.fused and self.diagnostics:
             raise ValueError("loss.diagnostics needs the full logits, which loss.fused=true never builds; "
                              "turn one of them off")

@@ -10,7 +10,8 @@ all-reduce between them:
    per-token loss and :meth:`DenseDivergence.grad` the exact gradient with respect to the student's
    tempered logits ``z`` (``Q = softmax(z)``), elementwise given the reduced sums.
 
-Definitions (sums over the real vocabulary):
+Each divergence registers its form here with ``dense=`` (:mod:`.registry`); definitions (sums over the real
+vocabulary):
 
 * ``forward_kl``: ``sum P (log P - log Q)``; gradient ``Q - P``.
 * ``reverse_kl``: ``sum Q (log Q - log P)``; gradient ``Q (log Q - log P - KL)``.
@@ -30,7 +31,7 @@ import math
 
 import torch
 
-from megatron_gkd.losses.registry import get_divergence
+from megatron_gkd.losses.registry import dense_divergences, get_divergence
 
 logger = logging.getLogger(__name__)
 
@@ -109,29 +110,22 @@ _warned: set[str] = set()
 
 
 def dense_divergence(loss_type: str, options: dict) -> DenseDivergence:
-    """The full-vocabulary form of the registered divergence ``loss_type`` with its options.
+    """The full-vocabulary form of the registered divergence ``loss_type`` with its options (its registered
+    ``dense``).
 
     Options are validated by the registered divergence's own options class, so a name or option the
     top-k path refuses is refused here with the same message.
 
     Raises:
-        ValueError: unknown ``loss_type`` or option.
+        ValueError: unknown ``loss_type`` or option, or a divergence without a full-vocabulary form.
     """
-    built = get_divergence(loss_type).build_options(dict(options))
-    if loss_type == "forward_kl":
-        return ForwardKL()
-    if loss_type == "reverse_kl":
-        return ReverseKL()
-    if loss_type == "jsd":
-        return JSD(beta=built.beta)
-    if loss_type == "kl_rkl":
-        return KLRKL(ratio=built.rkl_ratio)
-    if loss_type == "tcad":
-        if "coverage_coef" in options and "tcad" not in _warned:
-            _warned.add("tcad")
-            logger.warning("loss.options.coverage_coef has no effect with teacher.signal=hidden: the support is the "
-                           "whole vocabulary, so no student mass leaks outside it")
-        inner = {"forward_kl": {}, "reverse_kl": {}, "jsd": {"beta": built.alpha}}[built.divergence]
-        return dense_divergence(built.divergence, inner)
-    raise ValueError(f"loss_type={loss_type!r} has no full-vocabulary form for teacher.signal=hidden; use forward_kl, "
-                     "reverse_kl, jsd, kl_rkl or tcad")
+    divergence = get_divergence(loss_type)
+    built = divergence.build_options(dict(options))
+    if divergence.dense is None:
+        raise ValueError(f"loss_type={loss_type!r} has no full-vocabulary form for teacher.signal=hidden; use "
+                         f"{', '.join(dense_divergences())}")
+    if divergence.student_support and "coverage_coef" in options and loss_type not in _warned:
+        _warned.add(loss_type)
+        logger.warning("loss.options.coverage_coef has no effect with teacher.signal=hidden: the support is the "
+                       "whole vocabulary, so no student mass leaks outside it")
+    return divergence.dense(built)

@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from megatron_gkd.losses import dense
 from megatron_gkd.losses.registry import SupportInputs, SupportTerms, register_divergence
 
 
@@ -167,14 +168,14 @@ def _support_only(loss: torch.Tensor, grad: torch.Tensor, valid: torch.Tensor) -
     return SupportTerms(loss=loss, grad_support=grad, lse_coef=torch.zeros_like(loss))
 
 
-@register_divergence("forward_kl", options=NoOptions, cross_tokenizer=True)
+@register_divergence("forward_kl", options=NoOptions, cross_tokenizer=True, dense=lambda options: dense.ForwardKL())
 def forward_kl(support: SupportInputs, options: NoOptions) -> SupportTerms:
     """``sum_{j in S} P_j (log P_j - log Q_j)``, teacher not renormalised."""
     del options
     return _forward_kl_terms(support)
 
 
-@register_divergence("reverse_kl", options=NoOptions, cross_tokenizer=True)
+@register_divergence("reverse_kl", options=NoOptions, cross_tokenizer=True, dense=lambda options: dense.ReverseKL())
 def reverse_kl(support: SupportInputs, options: NoOptions) -> SupportTerms:
     """``sum_S Qh (log Qh - log Ph)`` with both distributions renormalised on ``S``."""
     del options
@@ -182,14 +183,15 @@ def reverse_kl(support: SupportInputs, options: NoOptions) -> SupportTerms:
     return _support_only(*_reverse_kl(log_p, log_q, support.valid), support.valid)
 
 
-@register_divergence("jsd", options=JSDOptions, cross_tokenizer=True)
+@register_divergence("jsd", options=JSDOptions, cross_tokenizer=True, dense=lambda options: dense.JSD(beta=options.beta))
 def jsd(support: SupportInputs, options: JSDOptions) -> SupportTerms:
     """Generalised JSD of the renormalised distributions on ``S``."""
     log_p, log_q, _ = _renormalised(support)
     return _support_only(*_jsd(log_p, log_q, support.valid, options.beta), support.valid)
 
 
-@register_divergence("kl_rkl", options=KLRKLOptions, cross_tokenizer=True)
+@register_divergence("kl_rkl", options=KLRKLOptions, cross_tokenizer=True,
+                     dense=lambda options: dense.KLRKL(ratio=options.rkl_ratio))
 def kl_rkl(support: SupportInputs, options: KLRKLOptions) -> SupportTerms:
     """``(1 - r) forward_kl + r reverse_kl``."""
     ratio = options.rkl_ratio
@@ -202,7 +204,13 @@ def kl_rkl(support: SupportInputs, options: KLRKLOptions) -> SupportTerms:
     )
 
 
-@register_divergence("tcad", options=TCADOptions, student_support=True)
+def _tcad_dense(options: TCADOptions) -> dense.DenseDivergence:
+    """Over the whole vocabulary the support is the vocabulary: the renormalised distributions are P and Q
+    themselves and the coverage term is identically 0, so TCAD is its ``divergence`` there."""
+    return dense.dense_divergence(options.divergence, {"beta": options.alpha} if options.divergence == "jsd" else {})
+
+
+@register_divergence("tcad", options=TCADOptions, student_support=True, dense=_tcad_dense)
 def tcad(support: SupportInputs, options: TCADOptions) -> SupportTerms:
     """Confidence-aligned distillation on the support ``U``: divergence plus coverage term."""
     valid = support.valid

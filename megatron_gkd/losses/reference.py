@@ -8,6 +8,8 @@ Written for clarity, not speed, and independently of the analytic gradients in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -32,20 +34,55 @@ def _jsd(log_p: torch.Tensor, log_q: torch.Tensor, valid: torch.Tensor, beta: fl
     return beta * _kl(log_p, log_m, valid) + (1 - beta) * _kl(log_q, log_m, valid)
 
 
+SupportReference = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, dict], torch.Tensor]
+_REFERENCES: dict[str, SupportReference] = {}
+
+
+def reference_divergence(name: str) -> Callable[[SupportReference], SupportReference]:
+    """Registers the float64 reference of the divergence registered as ``name``:
+    ``fn(forward_kl, log_p_hat, log_q_hat, valid, options) -> [N]``, where ``forward_kl`` is ``sum P (log P - log Q)``
+    on the compared ids with the teacher *not* renormalised, ``log_p_hat`` / ``log_q_hat`` both distributions
+    renormalised on them (``-inf`` off ``valid``) and ``options`` the loss's keyword options as given (defaults are the
+    reference's to apply). Every reference here (top-k, tail bucket, whole vocabulary, cross-tokenizer) reads it, and
+    the tests that check each registered divergence against its reference find it by the name."""
+
+    def decorate(fn: SupportReference) -> SupportReference:
+        _REFERENCES[name] = fn
+        return fn
+
+    return decorate
+
+
+def reference_names() -> list[str]:
+    """The divergences with a registered reference, sorted."""
+    return sorted(_REFERENCES)
+
+
+@reference_divergence("forward_kl")
+def _forward_kl(forward_kl, log_p_hat, log_q_hat, valid, options):
+    return forward_kl
+
+
+@reference_divergence("reverse_kl")
+def _reverse_kl(forward_kl, log_p_hat, log_q_hat, valid, options):
+    return _kl(log_q_hat, log_p_hat, valid)
+
+
+@reference_divergence("jsd")
+def _jsd_reference(forward_kl, log_p_hat, log_q_hat, valid, options):
+    return _jsd(log_p_hat, log_q_hat, valid, options.get("beta", 0.5))
+
+
+@reference_divergence("kl_rkl")
+def _kl_rkl(forward_kl, log_p_hat, log_q_hat, valid, options):
+    ratio = options.get("rkl_ratio", 0.1)
+    return (1 - ratio) * forward_kl + ratio * _kl(log_q_hat, log_p_hat, valid)
+
+
 def _support_divergence(loss_type: str, forward_kl, log_p_hat, log_q_hat, valid, options) -> torch.Tensor | None:
-    """The divergences on the teacher's support that the same-tokenizer and cross-tokenizer references share
-    (``forward_kl`` unrenormalised, the others on the renormalised support); None for another ``loss_type``."""
-    if loss_type == "forward_kl":
-        return forward_kl
-    reverse_kl = _kl(log_q_hat, log_p_hat, valid)
-    if loss_type == "reverse_kl":
-        return reverse_kl
-    if loss_type == "jsd":
-        return _jsd(log_p_hat, log_q_hat, valid, options.get("beta", 0.5))
-    if loss_type == "kl_rkl":
-        ratio = options.get("rkl_ratio", 0.1)
-        return (1 - ratio) * forward_kl + ratio * reverse_kl
-    return None
+    """The registered reference of ``loss_type`` (:func:`reference_divergence`); None where it has none."""
+    reference = _REFERENCES.get(loss_type)
+    return None if reference is None else reference(forward_kl, log_p_hat, log_q_hat, valid, options)
 
 
 def reference_distill_loss(
@@ -166,16 +203,10 @@ def reference_full_vocab_loss(
     valid = torch.ones_like(log_p, dtype=torch.bool)
     if loss_type == "tcad":
         loss_type, options = options.get("divergence", "forward_kl"), {"beta": options.get("alpha", 0.5)}
-    if loss_type == "forward_kl":
-        return _kl(log_p, log_q, valid)
-    if loss_type == "reverse_kl":
-        return _kl(log_q, log_p, valid)
-    if loss_type == "jsd":
-        return _jsd(log_p, log_q, valid, options.get("beta", 0.5))
-    if loss_type == "kl_rkl":
-        ratio = options.get("rkl_ratio", 0.1)
-        return (1 - ratio) * _kl(log_p, log_q, valid) + ratio * _kl(log_q, log_p, valid)
-    raise ValueError(f"no reference for loss_type {loss_type!r}")
+    value = _support_divergence(loss_type, _kl(log_p, log_q, valid), log_p, log_q, valid, options)  # nothing to renormalise
+    if value is None:
+        raise ValueError(f"no reference for loss_type {loss_type!r}")
+    return value
 
 
 def reference_token_logprobs(

@@ -15,6 +15,10 @@ Adding a loss::
     @register_divergence("my_loss", options=MyOptions)
     def my_loss(support: SupportInputs, options: MyOptions) -> SupportTerms:
         ...
+
+and its float64 reference (``@reference_divergence("my_loss")`` in :mod:`.reference`): every test that checks the
+divergences against their references picks a registered name up by itself. ``dense=`` (its form over the whole
+vocabulary, :mod:`.dense`) and ``cross_tokenizer=True`` (its cross-tokenizer forms) are optional.
 """
 
 from __future__ import annotations
@@ -84,6 +88,9 @@ class Divergence:
             cross-tokenizer form, and its options carry ``coverage_coef`` (the student's mass outside the support).
         cross_tokenizer: it has a cross-tokenizer form (:mod:`.cross_vocab`, fused and over the whole vocabulary):
             a teacher of another tokenizer can be distilled with it.
+        dense: its form over the whole vocabulary (``teacher.signal=hidden``), one streamed pass over the logit
+            shards: a function of its built options returning a :class:`~megatron_gkd.losses.dense.DenseDivergence`;
+            None where it has none (the hidden signal is refused with it).
     """
 
     name: str
@@ -91,6 +98,7 @@ class Divergence:
     options_cls: type
     student_support: bool = False
     cross_tokenizer: bool = False
+    dense: Callable[[Any], Any] | None = None
 
     def build_options(self, options: dict[str, Any]) -> Any:
         """Instantiates this divergence's options, naming any unknown key and the closest valid one.
@@ -118,19 +126,19 @@ class Divergence:
 DIVERGENCES: Registry[Divergence] = Registry("divergence", config_key="loss_type")
 
 
-def register_divergence(name: str, *, options: type, student_support: bool = False,
-                        cross_tokenizer: bool = False) -> Callable[[DivergenceFn], DivergenceFn]:
+def register_divergence(name: str, *, options: type, student_support: bool = False, cross_tokenizer: bool = False,
+                        dense: Callable[[Any], Any] | None = None) -> Callable[[DivergenceFn], DivergenceFn]:
     """Registers ``fn(support, options) -> SupportTerms`` under ``name``.
 
     Args:
         name: the ``loss_type`` string that selects it.
         options: a dataclass whose fields are the loss's keyword options (with defaults).
-        student_support, cross_tokenizer: what it needs and offers (:class:`Divergence`).
+        student_support, cross_tokenizer, dense: what it needs and offers (:class:`Divergence`).
     """
 
     def decorate(fn: DivergenceFn) -> DivergenceFn:
         DIVERGENCES.register(name, Divergence(name, fn, options, student_support=student_support,
-                                              cross_tokenizer=cross_tokenizer))
+                                              cross_tokenizer=cross_tokenizer, dense=dense))
         return fn
 
     return decorate
@@ -148,6 +156,17 @@ def get_divergence(name: str) -> Divergence:
 def registered_divergences() -> list[str]:
     """Names of all registered divergences, sorted."""
     return DIVERGENCES.names()
+
+
+def teacher_support_divergences() -> list[str]:
+    """Names of the divergences on the teacher's top-k alone (not :attr:`Divergence.student_support`), sorted: those
+    with a tail-bucket form."""
+    return [name for name in DIVERGENCES.names() if not DIVERGENCES.get(name).student_support]
+
+
+def dense_divergences() -> list[str]:
+    """Names of the divergences with a form over the whole vocabulary (:attr:`Divergence.dense`), sorted."""
+    return [name for name in DIVERGENCES.names() if DIVERGENCES.get(name).dense is not None]
 
 
 def cross_tokenizer_divergences() -> list[str]:

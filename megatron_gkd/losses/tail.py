@@ -31,7 +31,7 @@ import dataclasses
 
 import torch
 
-from megatron_gkd.losses.registry import Divergence, SupportInputs, SupportTerms
+from megatron_gkd.losses.registry import Divergence, SupportInputs, SupportTerms, teacher_support_divergences
 from megatron_gkd.losses.shard_ops import LocalSupport, rows_per_chunk
 
 TAIL_MASS_FLOOR = 1e-6
@@ -54,7 +54,7 @@ def check_tail_bucket(divergence: Divergence) -> None:
         raise ValueError(
             f"tail_bucket=True does not apply to loss_type={divergence.name!r}: its support is both models' top-k and "
             "its coverage term (coverage_coef) already scores the student's mass outside it; use coverage_coef, or a "
-            "divergence on the teacher's top-k (forward_kl, reverse_kl, jsd, kl_rkl) with the tail bucket"
+            f"divergence on the teacher's top-k ({', '.join(teacher_support_divergences())}) with the tail bucket"
         )
 
 

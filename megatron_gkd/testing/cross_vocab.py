@@ -18,13 +18,9 @@ from megatron_gkd.losses.cross_vocab_fused import fused_cross_vocab_distill_loss
 from megatron_gkd.losses.cross_vocab_hidden import hidden_cross_vocab_distill_loss
 from megatron_gkd.losses.projection_map import shard_projection
 from megatron_gkd.losses.reference import reference_cross_vocab_loss
+from megatron_gkd.testing.divergence_cases import divergence_cases
 
-LOSS_CONFIGS: list[tuple[str, dict]] = [
-    ("forward_kl", {}),
-    ("reverse_kl", {}),
-    ("jsd", {"beta": 0.3}),
-    ("kl_rkl", {"rkl_ratio": 0.25}),
-]
+LOSS_CONFIGS: list[tuple[str, dict]] = divergence_cases(lambda divergence: divergence.cross_tokenizer)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,16 +18,9 @@ import torch.distributed as dist
 from megatron_gkd.losses import hidden_topk, vocab_parallel_distill_loss
 from megatron_gkd.losses.hidden import hidden_distill_loss, hidden_token_logprobs
 from megatron_gkd.losses.reference import reference_full_vocab_loss
+from megatron_gkd.testing.divergence_cases import divergence_cases
 
-LOSS_CONFIGS: list[tuple[str, dict]] = [
-    ("forward_kl", {}),
-    ("reverse_kl", {}),
-    ("jsd", {"beta": 0.3}),
-    ("kl_rkl", {"rkl_ratio": 0.25}),
-    ("tcad", {}),
-    ("tcad", {"divergence": "reverse_kl"}),
-    ("tcad", {"divergence": "jsd", "alpha": 0.3}),
-]
+LOSS_CONFIGS: list[tuple[str, dict]] = divergence_cases(lambda divergence: divergence.dense is not None)
 TOLERANCES = {torch.float64: 1e-6, torch.float32: 1e-4}
 # Nats between hidden_token_logprobs and the float64 reference, by the head's dtype. bf16: the matmul's bf16
 # output rounds logits of |z| <= ~6 here by up to 2**-8 |z| (measured: 0.019 at most at TP=1).

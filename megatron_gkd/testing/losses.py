@@ -16,16 +16,9 @@ import torch.distributed as dist
 
 from megatron_gkd.losses import fused_vocab_parallel_distill_loss, vocab_parallel_distill_loss, vocab_parallel_topk
 from megatron_gkd.losses.reference import reference_distill_loss
+from megatron_gkd.testing.divergence_cases import divergence_cases
 
-LOSS_CONFIGS: list[tuple[str, dict]] = [
-    ("forward_kl", {}),
-    ("reverse_kl", {}),
-    ("jsd", {"beta": 0.3}),
-    ("kl_rkl", {"rkl_ratio": 0.25}),
-    ("tcad", {}),
-    ("tcad", {"divergence": "reverse_kl", "coverage_coef": 0.5}),
-    ("tcad", {"divergence": "jsd", "alpha": 0.3}),
-]
+LOSS_CONFIGS: list[tuple[str, dict]] = divergence_cases()
 
 # Relative tolerances: values and gradients against the float64 reference.
 TOLERANCES = {torch.float64: 1e-6, torch.float32: 1e-4, torch.bfloat16: 1e-4}

@@ -15,13 +15,9 @@ import torch.distributed as dist
 
 from megatron_gkd.losses import fused_vocab_parallel_distill_loss, vocab_parallel_distill_loss
 from megatron_gkd.losses.reference import reference_tail_distill_loss
+from megatron_gkd.testing.divergence_cases import divergence_cases
 
-TAIL_LOSSES: list[tuple[str, dict]] = [
-    ("forward_kl", {}),
-    ("reverse_kl", {}),
-    ("jsd", {"beta": 0.3}),
-    ("kl_rkl", {"rkl_ratio": 0.25}),
-]
+TAIL_LOSSES: list[tuple[str, dict]] = divergence_cases(lambda divergence: not divergence.student_support)
 NUM_TOKENS, VOCAB, K, HIDDEN, TEMPERATURE = 14, 64, 6, 8, 0.8
 PEAKED_SCALE = 9.0  # row 3's hidden state is scaled by it: its student tail is ~1e-10, below float32's 1 - sum(q)
 # Relative to the largest reference value, for the loss and the gradient. float32: row 3's logits lie ~30 nats apart,

@@ -6,12 +6,13 @@ fused, with sampled tokens that are also teacher ids, padding rows past ``real_v
 import pytest
 import torch
 
+from megatron_gkd.losses import registered_divergences
 from megatron_gkd.testing.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
 
 N, VOCAB, REAL, K, HIDDEN = 12, 64, 61, 6, 8
-LOSSES = ("forward_kl", "reverse_kl", "jsd", "kl_rkl", "tcad")
+LOSSES = tuple(registered_divergences())
 
 
 def _inputs(dtype):
