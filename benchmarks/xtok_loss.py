@@ -13,9 +13,9 @@ cross_vocab.random_map): most student tokens one teacher token, a quarter 2-3 pi
 (the first pieces of split words are common teacher tokens, with a large fan-in), 5% unmapped; the teacher's top-k
 ids are drawn from a Zipf-like law too, so common ids (the large fan-ins) are in most rows, as in real text.
 
-On the host the map entries are read by numba kernels (megatron_gkd.losses.cross_vocab_kernels); --torch-ops adds
+On the host the map entries are read by numba kernels (megatron_gkd.losses.cross_vocab.kernels); --torch-ops adds
 rows with the torch operations instead (the path accelerators take: teacher ids with a large fan-in named by many rows
-projected densely, megatron_gkd.losses.cross_vocab_heavy), --per-entry rows with torch operations and that product
+projected densely, megatron_gkd.losses.cross_vocab.heavy), --per-entry rows with torch operations and that product
 off (every id per map entry), measured in the same run.
 
 Reported per loss: forward+backward seconds (minimum of --repeats, wall and CPU), the ratio to the same-tokenizer
@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 from losses import _limit_heap_reuse, _merge, _timed
 
-from megatron_gkd.losses import cross_vocab_heavy, cross_vocab_kernels
+from megatron_gkd.losses.cross_vocab import heavy as cross_vocab_heavy
+from megatron_gkd.losses.cross_vocab import kernels as cross_vocab_kernels
 from megatron_gkd.losses.shard_ops import ACCELERATOR_CHUNK_ELEMENTS, HOST_CHUNK_ELEMENTS
 from megatron_gkd.testing.distributed import run_distributed
 
@@ -76,7 +77,7 @@ def _variants(torch_ops: bool, per_entry: bool) -> list[tuple[str, bool, float]]
 def _body(num_tokens: int, topks: list[int], repeats: int, skew: float, losses: list[str],
           torch_ops: bool = False, per_entry: bool = False) -> list[dict]:
     from megatron_gkd.losses import vocab_parallel_distill_loss
-    from megatron_gkd.losses.cross_vocab import cross_vocab_distill_loss
+    from megatron_gkd.losses.cross_vocab.loss import cross_vocab_distill_loss
     from megatron_gkd.testing.cross_vocab import random_map
 
     _limit_heap_reuse()
@@ -127,7 +128,7 @@ def _device_body(num_tokens: int, topks: list[int], repeats: int, skew: float, l
     extra device memory of each loss."""
     from megatron_gkd import platform
     from megatron_gkd.losses import vocab_parallel_distill_loss
-    from megatron_gkd.losses.cross_vocab import cross_vocab_distill_loss
+    from megatron_gkd.losses.cross_vocab.loss import cross_vocab_distill_loss
     from megatron_gkd.testing.cross_vocab import random_map
 
     device = platform.device()

@@ -491,7 +491,7 @@ def _check_cross_tokenizer(config, teacher, key: str) -> None:
 
 def _check_full_support(config, teacher, key: str) -> None:
     """``cross_tokenizer.hidden_support=full``: the teacher's whole distribution from its hidden states against the
-    student's logit shard through ``W`` (megatron_gkd.losses.cross_vocab_hidden)."""
+    student's logit shard through ``W`` (megatron_gkd.losses.cross_vocab.hidden)."""
     where = f"{key}.cross_tokenizer.hidden_support=full"
     if not teacher.signal.sends_hidden:
         _fail(f"{where} compares with the teacher's whole distribution, made in the step from its hidden states: set "

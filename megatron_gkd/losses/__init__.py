@@ -27,9 +27,9 @@ token log-probs), :func:`rollout_mismatch` (trainer vs sampler log-probs).
 """
 
 from megatron_gkd.losses.advantages import BatchCounts, aggregation_coefficients, group_advantages
-from megatron_gkd.losses.cross_vocab import cross_vocab_distill_loss
-from megatron_gkd.losses.cross_vocab_fused import fused_cross_vocab_distill_loss
-from megatron_gkd.losses.cross_vocab_hidden import hidden_cross_vocab_distill_loss
+from megatron_gkd.losses.cross_vocab.fused import fused_cross_vocab_distill_loss
+from megatron_gkd.losses.cross_vocab.hidden import hidden_cross_vocab_distill_loss
+from megatron_gkd.losses.cross_vocab.loss import cross_vocab_distill_loss
 from megatron_gkd.losses.fused import fused_vocab_parallel_distill_loss
 from megatron_gkd.losses.hidden import hidden_distill_loss, hidden_token_logprobs, hidden_topk
 from megatron_gkd.losses.policy_gradient import (

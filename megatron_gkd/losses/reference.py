@@ -261,7 +261,7 @@ def reference_cross_vocab_loss(
 ) -> torch.Tensor:
     """Per-token cross-tokenizer loss ``[N]`` (float64, autograd) from the full ``[N, V_s]`` student logits and a
     dense ``[V_s, V_t]`` map: ``q = softmax(logits / T) @ W`` over the real student vocabulary, then the
-    same-tokenizer definitions with ``q`` at the teacher's ids (:mod:`megatron_gkd.losses.cross_vocab`). Teacher ids
+    same-tokenizer definitions with ``q`` at the teacher's ids (:mod:`megatron_gkd.losses.cross_vocab.loss`). Teacher ids
     whose column of ``W`` is empty are left out like padding; rows with nothing to compare get 0."""
     logits = full_logits.double()[:, :real_vocab_size]
     weights = projection.double()[: logits.shape[1]]

@@ -22,9 +22,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from megatron_gkd.losses.cross_vocab import cross_vocab_distill_loss
-from megatron_gkd.losses.cross_vocab_fused import fused_cross_vocab_distill_loss
-from megatron_gkd.losses.cross_vocab_hidden import hidden_cross_vocab_distill_loss
+from megatron_gkd.losses.cross_vocab.fused import fused_cross_vocab_distill_loss
+from megatron_gkd.losses.cross_vocab.hidden import hidden_cross_vocab_distill_loss
+from megatron_gkd.losses.cross_vocab.loss import cross_vocab_distill_loss
 from megatron_gkd.losses.fused import fused_vocab_parallel_distill_loss
 from megatron_gkd.losses.hidden import hidden_distill_loss
 from megatron_gkd.losses.token_logprobs import fused_vocab_parallel_token_logprobs, vocab_parallel_token_logprobs

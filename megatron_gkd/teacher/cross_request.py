@@ -27,7 +27,7 @@ the student's response positions:
   text). At the group's head that is the teacher's probability of each first student token (unnormalised, like any
   top-k row); further in, it is conditioned on the student's tokens before (normalised over the teacher's top-k tokens
   that agree with them: an estimate from a truncated distribution, exact when the top-k holds every such token).
-  These rows hold *student* ids, as ``V_t + s`` (:func:`megatron_gkd.losses.projection_map.with_student_columns`),
+  These rows hold *student* ids, as ``V_t + s`` (:func:`megatron_gkd.losses.cross_vocab.projection_map.with_student_columns`),
   so the same loss compares them with the student's own probabilities, without ``W``. With ``inside_groups=skip``
   the head is projected like a 1:1 head and the rest of the group gets an empty row;
 * every other position (unaligned, or a row no teacher token of the top-k agrees with) gets an empty row (no id,
@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from megatron_gkd.data import load_tokenizer
-from megatron_gkd.losses.projection_map import shard_projection, with_student_columns
+from megatron_gkd.losses.cross_vocab.projection_map import shard_projection, with_student_columns
 from megatron_gkd.teacher.cross_prompt import TeacherPrompts
 from megatron_gkd.teacher.types import SequenceRequest, TeacherOutput
 from megatron_gkd.xtok.align import Alignment, Kind, align_ids, align_spans, align_text

@@ -1,4 +1,4 @@
-"""Maps and cases for the cross-tokenizer loss's tests and benchmark (megatron_gkd.losses.cross_vocab).
+"""Maps and cases for the cross-tokenizer loss's tests and benchmark (megatron_gkd.losses.cross_vocab.loss).
 
 A map here is the map builder's data contract: COO ``student_ids``, ``teacher_ids``, ``weights`` (a mapped student
 token's row sums to 1), the two vocabulary sizes and ``exact`` (student tokens with a one-token teacher match).
@@ -12,11 +12,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_gkd.losses import cross_vocab_heavy
-from megatron_gkd.losses.cross_vocab import cross_vocab_distill_loss
-from megatron_gkd.losses.cross_vocab_fused import fused_cross_vocab_distill_loss
-from megatron_gkd.losses.cross_vocab_hidden import hidden_cross_vocab_distill_loss
-from megatron_gkd.losses.projection_map import shard_projection
+from megatron_gkd.losses.cross_vocab import heavy as cross_vocab_heavy
+from megatron_gkd.losses.cross_vocab.fused import fused_cross_vocab_distill_loss
+from megatron_gkd.losses.cross_vocab.hidden import hidden_cross_vocab_distill_loss
+from megatron_gkd.losses.cross_vocab.loss import cross_vocab_distill_loss
+from megatron_gkd.losses.cross_vocab.projection_map import shard_projection
 from megatron_gkd.losses.reference import reference_cross_vocab_loss
 from megatron_gkd.testing.divergence_cases import divergence_cases
 
@@ -280,7 +280,7 @@ def reference_hidden_cross_vocab_loss(full_logits: torch.Tensor, projection: tor
                                       teacher_head: torch.Tensor, loss_type: str, temperature: float = 1.0,
                                       teacher_temperature: float = 1.0, *, real_vocab_size: int | None = None,
                                       teacher_real_vocab_size: int | None = None, **options) -> torch.Tensor:
-    """Per-token loss ``[N]`` (float64, autograd) of megatron_gkd.losses.cross_vocab_hidden from its definition: the
+    """Per-token loss ``[N]`` (float64, autograd) of megatron_gkd.losses.cross_vocab.hidden from its definition: the
     teacher's exact distribution ``softmax(hidden @ head^T / T_t)`` over its real vocabulary is a top-k row with
     ``K = V_t``, compared by :func:`reference_cross_vocab_loss` with the student projected through the dense ``W``."""
     teacher_logits = (teacher_hidden.double() @ teacher_head.double().t())[:, :teacher_real_vocab_size]
@@ -292,7 +292,7 @@ def reference_hidden_cross_vocab_loss(full_logits: torch.Tensor, projection: tor
 
 @dataclasses.dataclass(frozen=True)
 class HiddenCrossCase:
-    """A cross-tokenizer case with the teacher's hidden states and head (megatron_gkd.losses.cross_vocab_hidden)."""
+    """A cross-tokenizer case with the teacher's hidden states and head (megatron_gkd.losses.cross_vocab.hidden)."""
 
     vocab_map: VocabMap
     logits: torch.Tensor  # [N, V_s] float64, padding rows included
@@ -369,7 +369,7 @@ def check_hidden_tp(dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.floa
 
 def heavy_map(student_vocab_size: int, teacher_vocab_size: int, num_heavy: int, rng: np.random.Generator) -> VocabMap:
     """Teacher ids ``[0, num_heavy)`` reached from most student tokens (each of those splits into a light piece and
-    one of them), the other ids from one or two: the shape megatron_gkd.losses.cross_vocab_heavy projects densely."""
+    one of them), the other ids from one or two: the shape megatron_gkd.losses.cross_vocab.heavy projects densely."""
     students = np.arange(student_vocab_size)
     light = num_heavy + rng.integers(0, teacher_vocab_size - num_heavy, student_vocab_size)
     split = rng.random(student_vocab_size) < 0.75
@@ -402,7 +402,7 @@ def make_heavy_cases(seed: int = 0) -> list[CrossCase]:
 
 def check_heavy_tp(min_fan_in: float, min_row_share: float) -> list[dict]:
     """Body for ``run_distributed``: :func:`check_tp`'s and :func:`check_fused_tp`'s comparisons on the heavy-id maps
-    with these thresholds of megatron_gkd.losses.cross_vocab_heavy (set in each rank)."""
+    with these thresholds of megatron_gkd.losses.cross_vocab.heavy (set in each rank)."""
     cross_vocab_heavy.DENSE_MIN_FAN_IN, cross_vocab_heavy.DENSE_MIN_ROW_SHARE = min_fan_in, min_row_share
     tp_size, rank, group = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
     generator = torch.Generator().manual_seed(7)

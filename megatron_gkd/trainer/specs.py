@@ -39,7 +39,7 @@ class LossSpec:
         real_vocab_size: ids at or past it are padding rows of the tables (the tokenizer is shorter): no
             probability on either side, no gradient, never a teacher id.
         projection: a teacher of another tokenizer: this rank's rows of the map ``W`` (a
-            :class:`~megatron_gkd.losses.projection_map.ProjectionShard`); the teacher rows hold its own vocabulary's
+            :class:`~megatron_gkd.losses.cross_vocab.projection_map.ProjectionShard`); the teacher rows hold its own vocabulary's
             ids and the divergence is :func:`~megatron_gkd.losses.cross_vocab_distill_loss`. None: the same tokenizer.
         teacher_top_k, teacher_real_vocab_size: a cross-tokenizer teacher's hidden signal: its exact top-k
             (:func:`~megatron_gkd.losses.hidden_topk`, k ids of its vocabulary's first ``teacher_real_vocab_size``) is

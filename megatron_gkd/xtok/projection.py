@@ -25,7 +25,7 @@ mass on later pieces is a hedge X-Token keeps (rows of "up to a few teacher toke
 mapping is the first). ``decay=0`` is the strict chain-rule map (first piece only; every row one entry), ``1``
 spreads evenly. ``decay=0.5`` (the default) gives the first piece 8/15 of a 4-piece row.
 
-Contract with the loss (:func:`megatron_gkd.losses.cross_vocab.shard_projection`): COO ``student_ids`` int64,
+Contract with the loss (:func:`megatron_gkd.losses.cross_vocab.loss.shard_projection`): COO ``student_ids`` int64,
 ``teacher_ids`` int64, ``weights`` float32, sorted by (student, teacher), no duplicate pair; each mapped row sums
 to 1 (float32); ``exact`` ``[student_vocab_size]`` bool with one-hot rows. The map is saved as ``.npz`` with a
 blake3 hash of its content and both tokenizers' digests (:func:`megatron_gkd.data.tokenization.tokenizer_digest`,

@@ -300,11 +300,11 @@ CHECKED_REGISTRIES = {
     "megatron_gkd/weight_sync/transports.py:TRANSPORTS": ("megatron_gkd/weight_sync/transports.py",),
     # losses/ writes each divergence in its several forms by name: on the teacher's support and over the whole
     # vocabulary where it is registered (divergences.py, with TCAD's inner divergence), over a cross-tokenizer
-    # teacher's whole vocabulary (cross_vocab_hidden.py), and as the float64 references, written apart from the code
+    # teacher's whole vocabulary (cross_vocab/hidden.py), and as the float64 references, written apart from the code
     # they check (reference.py); the loss tests' non-default options of some (testing/divergence_cases.py). The config
     # checks and the trainer ask the registered Divergence what it needs.
     "megatron_gkd/losses/registry.py:DIVERGENCES": ("megatron_gkd/losses/registry.py", "megatron_gkd/losses/divergences.py",
-                                                    "megatron_gkd/losses/cross_vocab_hidden.py",
+                                                    "megatron_gkd/losses/cross_vocab/hidden.py",
                                                     "megatron_gkd/losses/reference.py",
                                                     "megatron_gkd/testing/divergence_cases.py"),
     "megatron_gkd/config/schedules.py:SCHEDULERS": ("megatron_gkd/config/schedules.py",),

@@ -44,7 +44,7 @@ def test_fused_cross_vocab_loss_matches_reference(tp_size):
 
 @pytest.mark.parametrize("thresholds", [(4, 0.5), (0, 0.0)], ids=["some_heavy", "all_heavy"])
 def test_heavy_ids_match_reference(thresholds):
-    """The heavy teacher ids' dense product (megatron_gkd.losses.cross_vocab_heavy) at TP=2, unfused and fused, on
+    """The heavy teacher ids' dense product (megatron_gkd.losses.cross_vocab.heavy) at TP=2, unfused and fused, on
     maps whose ids 0-2 are reached from most student tokens of both shards."""
     per_rank = run_distributed(cases.check_heavy_tp, 2, args=thresholds)
     for rank, results in enumerate(per_rank):

@@ -16,10 +16,10 @@ def _single_thread():
 @pytest.fixture(params=["host_kernels", "torch_ops"])
 def cross_vocab_paths(request, monkeypatch):
     """Runs a cross-tokenizer test on both ways of reading the map entries on the host: the numba kernels
-    (megatron_gkd.losses.cross_vocab_kernels, used wherever they can be) and the torch operations (used on
+    (megatron_gkd.losses.cross_vocab.kernels, used wherever they can be) and the torch operations (used on
     accelerators, for narrow logits, and without numba). Test modules opt in with
     ``pytestmark = pytest.mark.usefixtures("cross_vocab_paths")``."""
-    from megatron_gkd.losses import cross_vocab_kernels
+    from megatron_gkd.losses.cross_vocab import kernels as cross_vocab_kernels
 
     monkeypatch.setattr(cross_vocab_kernels, "ENABLED", request.param == "host_kernels")
     return request.param

@@ -1,19 +1,20 @@
-"""The cross-tokenizer loss (megatron_gkd.losses.cross_vocab) at TP=1 and at a simulated TP=2: against the dense
+"""The cross-tokenizer loss (megatron_gkd.losses.cross_vocab.loss) at TP=1 and at a simulated TP=2: against the dense
 float64 reference, against the same-tokenizer loss when W is the identity, and padding on either side."""
 
 import numpy as np
 import pytest
 import torch
 
-from megatron_gkd.losses import cross_vocab, shard_ops
-from megatron_gkd.losses.cross_vocab import (
+from megatron_gkd.losses import shard_ops
+from megatron_gkd.losses.cross_vocab import loss as cross_vocab
+from megatron_gkd.losses.cross_vocab.fused import fused_cross_vocab_distill_loss
+from megatron_gkd.losses.cross_vocab.loss import (
     LocalPlan,
     cross_vocab_distill_loss,
     cross_vocab_loss_on_layout,
     local_pass,
 )
-from megatron_gkd.losses.cross_vocab_fused import fused_cross_vocab_distill_loss
-from megatron_gkd.losses.projection_map import shard_projection
+from megatron_gkd.losses.cross_vocab.projection_map import shard_projection
 from megatron_gkd.losses.registry import get_divergence
 from megatron_gkd.losses.shard_ops import ShardLayout
 from megatron_gkd.losses.vocab_parallel import prepare_teacher, vocab_parallel_distill_loss
@@ -321,7 +322,7 @@ def test_student_columns_compare_student_rows_without_the_map(method):
     """The chain rule's rows (megatron_gkd/teacher/cross_request.py) hold student ids as ``V_t + s``: with the student's
     vocabulary appended as columns, a micro-batch mixing such rows with teacher-vocabulary rows gives, row by row,
     the dense reference of ``[W | I]``, and the student rows equal the same-tokenizer loss."""
-    from megatron_gkd.losses.projection_map import with_student_columns
+    from megatron_gkd.losses.cross_vocab.projection_map import with_student_columns
     from megatron_gkd.testing.cross_vocab import random_map, reference_cross_vocab_loss
 
     generator = torch.Generator().manual_seed(11)

@@ -1,4 +1,4 @@
-"""Heavy teacher ids projected densely (megatron_gkd.losses.cross_vocab_heavy): with thresholds that make none, some
+"""Heavy teacher ids projected densely (megatron_gkd.losses.cross_vocab.heavy): with thresholds that make none, some
 or all of a batch's ids heavy, the cross-tokenizer loss (unfused and fused, TP=1) equals the dense float64 reference;
 a dense total too small to trust falls back to the per-entry path. TP=2 is tests/distributed/losses/
 test_cross_vocab_tp.py::test_heavy_ids_match_reference."""
@@ -6,9 +6,10 @@ test_cross_vocab_tp.py::test_heavy_ids_match_reference."""
 import pytest
 import torch
 
-from megatron_gkd.losses import cross_vocab_heavy, shard_ops
-from megatron_gkd.losses.cross_vocab_fused import fused_cross_vocab_distill_loss
-from megatron_gkd.losses.cross_vocab_heavy import HeavyColumns, smallest_total
+from megatron_gkd.losses import shard_ops
+from megatron_gkd.losses.cross_vocab import heavy as cross_vocab_heavy
+from megatron_gkd.losses.cross_vocab.fused import fused_cross_vocab_distill_loss
+from megatron_gkd.losses.cross_vocab.heavy import HeavyColumns, smallest_total
 from megatron_gkd.losses.vocab_parallel import prepare_teacher
 from megatron_gkd.testing.cross_vocab import (
     LOSS_CONFIGS,

@@ -1,4 +1,4 @@
-"""The cross-tokenizer loss from the teacher's hidden states (megatron_gkd.losses.cross_vocab_hidden) at TP=1: against
+"""The cross-tokenizer loss from the teacher's hidden states (megatron_gkd.losses.cross_vocab.hidden) at TP=1: against
 the dense float64 reference (the teacher's full distribution as a K = V_t top-k row), against the same-tokenizer
 hidden loss when W is the identity, and padding on either side. TP=2 is tests/distributed/losses/."""
 

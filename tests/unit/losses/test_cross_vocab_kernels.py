@@ -1,11 +1,11 @@
-"""The host kernels of the cross-tokenizer loss (megatron_gkd.losses.cross_vocab_kernels). Their values are checked
+"""The host kernels of the cross-tokenizer loss (megatron_gkd.losses.cross_vocab.kernels). Their values are checked
 through the loss, on both paths, by test_cross_vocab.py and test_cross_vocab_heavy.py (the cross_vocab_paths
 fixture); here, that the loss takes them where it should."""
 
 import numpy
 import torch
 
-from megatron_gkd.losses import cross_vocab_kernels
+from megatron_gkd.losses.cross_vocab import kernels as cross_vocab_kernels
 
 
 def test_the_host_kernels_serve_cpu_fp32_and_fp64_logits(monkeypatch):
@@ -47,7 +47,7 @@ def test_without_the_prefetch_hint_the_kernels_still_compile(monkeypatch, caplog
     monkeypatch.setattr(cross_vocab_kernels, "_prefetch_intrinsic", broken)
     cross_vocab_kernels._compiled.cache_clear()
     try:
-        with caplog.at_level("WARNING", logger="megatron_gkd.losses.cross_vocab_kernels"):
+        with caplog.at_level("WARNING", logger="megatron_gkd.losses.cross_vocab.kernels"):
             cross_vocab_kernels._compiled()
         assert "no software prefetch (RuntimeError: no llvm.prefetch here)" in caplog.text
         assert cross_vocab_kernels._prefetch.py_func is cross_vocab_kernels._no_prefetch

@@ -4,7 +4,7 @@ special tokens and padding rows, save/load with its hash and tokenizer identitie
 import numpy as np
 import pytest
 
-from megatron_gkd.losses.cross_vocab import shard_projection
+from megatron_gkd.losses.cross_vocab.loss import shard_projection
 from megatron_gkd.testing import xtok_tokenizers as toks
 from megatron_gkd.xtok import ProjectionMap, build_projection, token_table
 
@@ -138,7 +138,7 @@ def test_rank_bytes_add_up(family):
 @pytest.mark.parametrize("method", ["projected", "hybrid"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_the_loss_accepts_the_map(family, method, tp):
-    """The contract with megatron_gkd.losses.cross_vocab: every TP rank's shard builds from the COO triple (its
+    """The contract with megatron_gkd.losses.cross_vocab.loss: every TP rank's shard builds from the COO triple (its
     checks: rows sum to 1, exact rows one entry of weight 1, ids in range)."""
     projection = build_projection(family["numbers"], family["digits"])
     local = -(-projection.student_vocab_size // tp)

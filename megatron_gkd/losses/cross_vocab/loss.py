@@ -31,16 +31,16 @@ the log-partitions and the partial ``y`` by ``logsumexp`` over ranks. The backwa
 ``lse_coef softmax(z)`` densely plus, for each map entry under a compared id, ``g_t W[s,t] exp(z_s - y_t)``.
 The forward reads each row chunk's ``exp(z - m)`` at the map entries while the log-partition pass has it in cache
 (:func:`local_pass`). On the host (CPU fp32/fp64 logits, numba installed) the entries are read by compiled loops over
-the map's CSR (:mod:`.cross_vocab_kernels`), which materialise nothing per entry. Elsewhere torch operations build
+the map's CSR (:mod:`.kernels`), which materialise nothing per entry. Elsewhere torch operations build
 them block by block, and teacher ids with a large fan-in that many rows name are projected instead by one sparse
-product per block of rows over the students they reach (:mod:`.cross_vocab_heavy`; :class:`LocalPlan` records which
+product per block of rows over the students they reach (:mod:`.heavy`; :class:`LocalPlan` records which
 slots took it); besides the same-tokenizer loss that path holds the map entries under the support (the ids' fan-in)
 and the dense product's ``[rows, S]`` factors, one block of rows at a time, at most one ``[c, V/tp]`` chunk's bytes.
 
-The fused output layer (``hidden @ W^T`` recomputed in token chunks) is :mod:`.cross_vocab_fused`. The teacher's
+The fused output layer (``hidden @ W^T`` recomputed in token chunks) is :mod:`.fused`. The teacher's
 ``hidden`` signal is compared as its exact top-k (:func:`megatron_gkd.losses.hidden.hidden_topk`, made in the step from
 its hidden states and its head's rows of its own vocabulary); the comparison over the whole teacher vocabulary is
-:mod:`.cross_vocab_hidden`. docs/performance.md "Cross-tokenizer loss" holds the figures.
+:mod:`.hidden`. docs/performance.md "Cross-tokenizer loss" holds the figures.
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_gkd.losses import cross_vocab_kernels
 from megatron_gkd.losses import divergences as _divergences  # noqa: F401 - registers the losses
-from megatron_gkd.losses.cross_vocab_heavy import BYTES_PER_HEAVY_STUDENT, HeavyColumns, smallest_total
-from megatron_gkd.losses.projection_map import ProjectionShard, shard_projection
+from megatron_gkd.losses.cross_vocab import kernels as cross_vocab_kernels
+from megatron_gkd.losses.cross_vocab.heavy import BYTES_PER_HEAVY_STUDENT, HeavyColumns, smallest_total
+from megatron_gkd.losses.cross_vocab.projection_map import ProjectionShard, shard_projection
 from megatron_gkd.losses.registry import SupportInputs, cross_tokenizer_divergences, get_divergence
 from megatron_gkd.losses.shard_ops import (
     ShardLayout,
@@ -135,13 +135,13 @@ class LocalPlan:
 
     Attributes:
         blocks: row ranges ``[a, b)`` whose scratch fits one ``[c, V/tp]`` chunk (:func:`entry_blocks`).
-        heavy: the teacher ids projected densely (:mod:`.cross_vocab_heavy`), or ``None``.
+        heavy: the teacher ids projected densely (:mod:`.heavy`), or ``None``.
         dense: ``[N, K]`` bool, the slots the forward took from the dense product (filled by it); ``None`` without
             heavy ids.
         local_lse: ``[N]`` this rank's log-partition of each row (filled by the forward).
         row_max: ``[N]`` each row's largest ``z`` on this rank (filled by the forward): the shift of its sums, and of
             the dense slots' gradient.
-        kernel: the map read by the host kernels (:mod:`.cross_vocab_kernels`, NumPy views of the shard's CSR), or
+        kernel: the map read by the host kernels (:mod:`.kernels`, NumPy views of the shard's CSR), or
             ``None`` for torch operations. With them no entry is materialised (one block) and every slot is read per
             entry: no heavy ids (on the host their dense product saved nothing over the kernels' per-entry reads).
     """
@@ -156,7 +156,7 @@ class LocalPlan:
     @classmethod
     def of(cls, teacher: TeacherSupport, shard: ProjectionShard, dtype: torch.dtype,
            kernel: bool = False) -> "LocalPlan":
-        """``kernel``: the host kernels serve this batch (:func:`.cross_vocab_kernels.available`)."""
+        """``kernel``: the host kernels serve this batch (:func:`.kernels.available`)."""
         num_rows, device = teacher.ids.shape[0], teacher.ids.device
         local_lse = torch.empty(num_rows, dtype=dtype, device=device)
         row_max = torch.empty(num_rows, dtype=dtype, device=device)
@@ -243,7 +243,7 @@ class _TorchBlock:
 
 
 class _KernelBlock:
-    """A block's map entries read by the host kernels (:mod:`.cross_vocab_kernels`), every slot per entry: no entry is
+    """A block's map entries read by the host kernels (:mod:`.kernels`), every slot per entry: no entry is
     materialised."""
 
     def __init__(self, teacher: TeacherSupport, shard: ProjectionShard, plan: "LocalPlan", rows: slice, dtype):

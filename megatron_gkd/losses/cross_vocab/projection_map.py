@@ -1,6 +1,6 @@
 """The cross-tokenizer map ``W`` (student vocabulary -> teacher vocabulary) as the loss holds it: each TP rank's rows
 for its student ids, like the output layer, as a CSR over teacher ids (:class:`ProjectionShard`), built from the map
-builder's COO data contract (:func:`shard_projection`). The loss is :mod:`megatron_gkd.losses.cross_vocab`.
+builder's COO data contract (:func:`shard_projection`). The loss is :mod:`megatron_gkd.losses.cross_vocab.loss`.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def shard_projection(
         exact: ``[student_vocab_size]`` bool, student tokens with an exact single-token teacher match (their
             row is that one teacher id with weight 1).
         tp_rank, tp_size, vocab_size_local: the output layer's split (``V_s/tp`` rows on each rank).
-        method: ``projected`` (P-KL) or ``hybrid`` (H-KL: see :mod:`megatron_gkd.losses.cross_vocab`).
+        method: ``projected`` (P-KL) or ``hybrid`` (H-KL: see :mod:`megatron_gkd.losses.cross_vocab.loss`).
 
     Raises:
         ValueError: malformed entries, a mapped row that does not sum to 1, an ``exact`` row that is not one

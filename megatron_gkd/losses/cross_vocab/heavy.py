@@ -1,4 +1,4 @@
-"""Teacher ids with a large fan-in projected densely, for the cross-tokenizer loss (:mod:`.cross_vocab`).
+"""Teacher ids with a large fan-in projected densely, for the cross-tokenizer loss (:mod:`.loss`).
 
 The loss's own cost is the map entries under each row's teacher ids: for each (row, id, student) a gather, an
 ``exp`` and a scatter (:class:`~.cross_vocab.ProjectedEntries`), in the forward and again in the backward. On a real
@@ -25,7 +25,7 @@ Exactness: a (row, id) whose total is below the square root of the compute dtype
 hold almost none of this rank's mass, some factors may have underflowed, and ``exp(m_r - y)`` would be huge) is
 projected per entry instead, where each slot's own maximum is taken out; the rest is the same sum in another order.
 
-On the host the loss reads every entry with numba kernels instead (:mod:`.cross_vocab_kernels`); this module serves
+On the host the loss reads every entry with numba kernels instead (:mod:`.kernels`); this module serves
 accelerators, narrow logits and the fused path.
 """
 
@@ -36,7 +36,7 @@ import warnings
 
 import torch
 
-from megatron_gkd.losses.projection_map import ProjectionShard
+from megatron_gkd.losses.cross_vocab.projection_map import ProjectionShard
 
 # A teacher id is projected densely when this shard holds at least this many of its map entries ...
 DENSE_MIN_FAN_IN = 8

@@ -1,9 +1,9 @@
-"""Host kernels for the map entries of the cross-tokenizer loss (:mod:`.cross_vocab`), compiled by numba.
+"""Host kernels for the map entries of the cross-tokenizer loss (:mod:`.loss`), compiled by numba.
 
 With torch operations, the per-entry projection (:class:`~.cross_vocab.ProjectedEntries`) costs about a dozen passes
 over index arrays for every block of rows. It builds each entry's slot, flat position and weight from the map's CSR,
 then gathers, exponentiates and scatters them, and the backward builds them again. Heavy ids get a sparse product
-(:mod:`.cross_vocab_heavy`), which only trims the cost. On the host, most of the loss's time beyond the
+(:mod:`.heavy`), which only trims the cost. On the host, most of the loss's time beyond the
 same-tokenizer loss went to these passes and to their per-operation overhead (docs/performance.md, "Cross-tokenizer
 loss"). The loops below walk the CSR directly, one row at a time, and build no index array:
 
@@ -17,7 +17,7 @@ loss"). The loops below walk the CSR directly, one row at a time, and build no i
   the logits and writes the gradient at about 2,300 scattered columns a row (the benchmark's Zipf map) from memory,
   and those reads, not the arithmetic, are most of its cost: 36 ns an entry against 8 ns with both rows in cache.
 
-Reading the heavy ids' students in ascending order (:mod:`.cross_vocab_heavy`'s dense product, done here as a loop)
+Reading the heavy ids' students in ascending order (:mod:`.heavy`'s dense product, done here as a loop)
 saved nothing measurable over these per-entry reads, so the kernels take every slot per entry.
 
 They are used on CPU tensors of fp32 or fp64 logits when numba imports (it comes with the ``cpu`` extra, as a

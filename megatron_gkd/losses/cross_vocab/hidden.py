@@ -1,7 +1,7 @@
 """Cross-tokenizer distillation from the teacher's hidden states: the student projected through ``W`` into the
 teacher's vocabulary, compared with the teacher's EXACT full distribution, vocab-parallel on both sides.
 
-Definitions are those of :mod:`.cross_vocab` with the teacher's top-k widened to its whole real vocabulary: with
+Definitions are those of :mod:`.loss` with the teacher's top-k widened to its whole real vocabulary: with
 ``p_t = softmax(teacher_hidden @ head^T / T_t)`` and ``q(t) = sum_s W[s, t] softmax(z)(s)`` (``z = logits / T``)
 the compared support ``C`` is the real teacher ids with ``q(t) > 0``. ``forward_kl`` is ``sum_C p (log p - log q)``
 (nothing renormalised), ``reverse_kl`` and ``jsd`` renormalise both on ``C``, ``kl_rkl`` mixes them. A teacher whose
@@ -24,7 +24,7 @@ As in :mod:`.hidden` the gradient is made in the forward, weighted by each token
 scales it by the upstream scalar. ``q`` is summed in probability space (one summing collective): in fp32 a teacher
 id whose projected probability underflows (below ~1e-38) counts as unreached, and the backward's ``g_t / q(t)``
 (``-p_t / q(t)`` for the forward KL) overflows where ``q(t)`` is that small beside ``p_t``; the top-k form
-(:mod:`.cross_vocab`), in log space, has neither limit. Memory: a few ``[c, V_t]`` and
+(:mod:`.loss`), in log space, has neither limit. Memory: a few ``[c, V_t]`` and
 ``[c, nnz_local]`` buffers per chunk.
 """
 
@@ -36,9 +36,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_gkd.losses.cross_vocab import check_projection
+from megatron_gkd.losses.cross_vocab.loss import check_projection
+from megatron_gkd.losses.cross_vocab.projection_map import ProjectionShard
 from megatron_gkd.losses.hidden import DEFAULT_CHUNK_SIZE, HiddenOptions
-from megatron_gkd.losses.projection_map import ProjectionShard
 from megatron_gkd.losses.registry import cross_tokenizer_divergences, get_divergence
 from megatron_gkd.losses.shard_ops import ShardLayout, all_gather_rows, compute_dtype
 

@@ -1,4 +1,4 @@
-"""Fused output layer + cross-tokenizer loss (:mod:`.cross_vocab`), chunked over tokens: the student's
+"""Fused output layer + cross-tokenizer loss (:mod:`.loss`), chunked over tokens: the student's
 ``[N, V_s/tp]`` logits never exist, as in :mod:`.fused`, whose structure this module follows function for function.
 
 :func:`fused_projection_partials` (``fused_partials``) computes each token chunk's logits ``hidden_c @ W^T``, keeps its
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_gkd.losses.cross_vocab import (
+from megatron_gkd.losses.cross_vocab.loss import (
     LocalPlan,
     ProjectedState,
     check_projection,
@@ -28,8 +28,8 @@ from megatron_gkd.losses.cross_vocab import (
     local_pass,
     projection_grad,
 )
+from megatron_gkd.losses.cross_vocab.projection_map import ProjectionShard
 from megatron_gkd.losses.fused import FusedOptions, check_hidden_and_weight
-from megatron_gkd.losses.projection_map import ProjectionShard
 from megatron_gkd.losses.registry import cross_tokenizer_divergences, get_divergence
 from megatron_gkd.losses.shard_ops import (
     ShardLayout,
@@ -150,14 +150,14 @@ def fused_cross_vocab_distill_loss(
     real_vocab_size: int | None = None,
     **options: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`~megatron_gkd.losses.cross_vocab.cross_vocab_distill_loss` of ``hidden @ output_weight_shard^T``,
+    """:func:`~megatron_gkd.losses.cross_vocab.loss.cross_vocab_distill_loss` of ``hidden @ output_weight_shard^T``,
     chunked over tokens.
 
     Args:
         hidden: ``[N, h]`` or ``[s, b, h]`` last hidden states, the same on every rank of ``tp_group``.
         output_weight_shard: ``[V_s/tp, h]`` this rank's rows of the student's output-layer weight.
         teacher_topk_ids, teacher_topk_logprobs, projection, loss_type, tp_group, temperature, real_vocab_size: as
-            for :func:`~megatron_gkd.losses.cross_vocab.cross_vocab_distill_loss`.
+            for :func:`~megatron_gkd.losses.cross_vocab.loss.cross_vocab_distill_loss`.
         **options: the divergence's options, plus ``chunk_size`` and ``all_reduce_hidden_grad`` of
             :class:`~megatron_gkd.losses.fused.FusedOptions`.
 
