@@ -1,8 +1,12 @@
 """``hf`` backend: a transformers causal LM scored in this process (tests and small teachers).
 
-The hidden signal is the input of the model's output layer (``get_output_embeddings()``), captured by
-a forward pre-hook during the same forward pass that gives the token log-probs: the final hidden state
-after the last norm, whatever the architecture names it.
+Scoring runs the model's decoder (``get_decoder()``) once and applies the output layer
+(``get_output_embeddings()``) to the response rows only, a chunk of rows at a time (:data:`HEAD_CHUNK_BYTES` of
+float32 logits): the working set is the hidden states and one chunk, not the ``[b, L, V]`` logits of every position
+(5 GB for 8,192 tokens of a 151,936-token vocabulary). The hidden signal is that decoder output, the input of the
+output layer: the final hidden state after the last norm, whatever the architecture names it. A model whose logits
+are not its output layer on that state (a soft-capping or scaling after it, found by a probe at start-up) keeps the
+whole-logits forward, the hidden state captured by a forward pre-hook on its output layer.
 
 Generation is a sampling loop over the model's KV cache (:mod:`megatron_gkd.teacher.sampling` picks the
 tokens), not ``model.generate``: the sampling parameters are exactly the request's, never defaults from
@@ -12,6 +16,7 @@ positions, grouped so that rows x (longest prompt + max_tokens) stays within ``m
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -24,6 +29,9 @@ from megatron_gkd.teacher.identity import checkpoint_fingerprint
 from megatron_gkd.teacher.types import ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError, TeacherOutput
 
 logger = logging.getLogger(__name__)
+
+HEAD_CHUNK_BYTES = 16 * 2**20
+"""Float32 logits of one chunk of response rows (27 rows of a 151,936-token vocabulary)."""
 
 
 class HFBackend(TeacherBackend):
@@ -59,6 +67,12 @@ class HFBackend(TeacherBackend):
             max_sequence_length=getattr(self._model.config, "max_position_embeddings", None),
             hidden_size=int(hidden_size), signals=["topk", "hidden"],
             model_digest=checkpoint_fingerprint(model), dtype=dtype, supports_generate=True)
+        self._rows_per_chunk = max(1, HEAD_CHUNK_BYTES // (4 * self._vocab_size))
+        with torch.no_grad():
+            self._head_last = self._head_is_last()
+        if not self._head_last:
+            logger.info("hf teacher: the model's logits are not its output layer on its decoder's last hidden state; "
+                        "scoring computes the logits of every position (max_batch_tokens bounds them)")
         if self._vocab_size != self._tokenizer_size:
             logger.info("hf teacher: %d output rows, %d tokenizer ids; rows past the tokenizer are "
                         "ignored", self._vocab_size, self._tokenizer_size)
@@ -101,6 +115,16 @@ class HFBackend(TeacherBackend):
         if group:
             yield group
 
+    def _head_is_last(self) -> bool:
+        """The model's logits are its output layer applied to its decoder's last hidden state, nothing after (no
+        logit soft-capping or scaling): checked on a probe, so a model that differs keeps the whole-logits path."""
+        try:
+            probe = torch.arange(1, 9).remainder(self._tokenizer_size)[None]
+            hidden = self._model.get_decoder()(input_ids=probe).last_hidden_state
+            return bool(torch.equal(self._head(hidden), self._model(input_ids=probe).logits))
+        except (AttributeError, TypeError, ValueError):  # no get_decoder, or a decoder of another signature
+            return False
+
     def _score_group(self, group, batch: ScoreBatch) -> list[TeacherOutput]:
         # Right padding needs no attention mask: under causal attention real positions never see
         # the pad tokens that follow them.
@@ -108,40 +132,54 @@ class HFBackend(TeacherBackend):
         input_ids = torch.zeros(len(group), longest, dtype=torch.long)
         for row, sequence in enumerate(group):
             input_ids[row, :len(sequence.token_ids)] = torch.from_numpy(np.array(sequence.token_ids))
-        captured = []
-        hook = (self._head.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
-                if batch.is_hidden else None)
-        try:
-            logits = self._model(input_ids=input_ids).logits  # [b, L, V]
-        finally:
-            if hook is not None:
-                hook.remove()
-        hidden = captured[0] if captured else None  # [b, L, h], the output layer's input
-        return [self._output(logits[row], None if hidden is None else hidden[row], sequence, batch)
-                for row, sequence in enumerate(group)]
+        if self._head_last:  # the output layer's input, [b, L, h]; logits only for response rows, a chunk at a time
+            hidden = self._model.get_decoder()(input_ids=input_ids).last_hidden_state
+            logits_of = lambda row, rows: self._head(hidden[row, rows])  # noqa: E731
+        else:
+            captured = []
+            hook = (self._head.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+                    if batch.is_hidden else None)
+            try:
+                logits = self._model(input_ids=input_ids).logits  # [b, L, V]
+            finally:
+                if hook is not None:
+                    hook.remove()
+            hidden = captured[0] if captured else None
+            logits_of = lambda row, rows: logits[row, rows]  # noqa: E731
+        return [self._output(functools.partial(logits_of, row), None if hidden is None else hidden[row], sequence,
+                             batch) for row, sequence in enumerate(group)]
 
-    def _output(self, logits: torch.Tensor, hidden: torch.Tensor | None, sequence,
-                batch: ScoreBatch) -> TeacherOutput:
-        # Row t predicts response token t from position response_start + t - 1.
+    def _output(self, logits_of, hidden: torch.Tensor | None, sequence, batch: ScoreBatch) -> TeacherOutput:
+        """One sequence's rows; ``logits_of(rows)`` gives the logits of a slice of its positions. Row t predicts
+        response token t from position response_start + t - 1; the rows go through log-softmax in chunks of
+        ``self._rows_per_chunk`` (a chunk of ``[rows, V]`` float32 logits at most :data:`HEAD_CHUNK_BYTES`)."""
         start, end = sequence.response_start, len(sequence.token_ids)
-        logits = logits[start - 1:end - 1, :self._tokenizer_size].float() / batch.temperature
-        logprobs = torch.log_softmax(logits, dim=-1)  # [T, V]
         response = torch.from_numpy(np.array(sequence.response_ids, dtype=np.int64))
-        token_logprobs = logprobs.gather(1, response[:, None])[:, 0].numpy()
-        if hidden is not None:
+        requested_ids = (None if sequence.requested_ids is None
+                         else torch.from_numpy(np.array(sequence.requested_ids, dtype=np.int64)))
+        token, top_values, top_ids, requested = [], [], [], []
+        for first in range(0, end - start, self._rows_per_chunk):
+            last = min(first + self._rows_per_chunk, end - start)
+            rows = slice(start - 1 + first, start - 1 + last)
+            logits = logits_of(rows)[:, :self._tokenizer_size].float() / batch.temperature
+            logprobs = torch.log_softmax(logits, dim=-1)  # [rows, V]
+            token.append(logprobs.gather(1, response[first:last, None])[:, 0])
+            if not batch.is_hidden:
+                topk = torch.topk(logprobs, batch.top_k, dim=-1, sorted=True)
+                top_values.append(topk.values)
+                top_ids.append(topk.indices)
+                if requested_ids is not None:
+                    requested.append(logprobs.gather(1, requested_ids[first:last]))
+        token_logprobs = torch.cat(token).numpy()
+        if batch.is_hidden:
             rows = len(token_logprobs)
             return TeacherOutput(topk_ids=np.empty((rows, 0), np.int64),
                                  topk_logprobs=np.empty((rows, 0), np.float32),
                                  token_logprobs=token_logprobs,
                                  hidden=hidden[start - 1:end - 1].float().clone().numpy())
-        topk = torch.topk(logprobs, batch.top_k, dim=-1, sorted=True)
-        requested = None
-        if sequence.requested_ids is not None:
-            ids = torch.from_numpy(np.array(sequence.requested_ids, dtype=np.int64))
-            requested = logprobs.gather(1, ids).numpy()
-        return TeacherOutput(topk_ids=topk.indices.numpy().astype(np.int64),
-                             topk_logprobs=topk.values.numpy(),
-                             token_logprobs=token_logprobs, requested_logprobs=requested)
+        return TeacherOutput(topk_ids=torch.cat(top_ids).numpy().astype(np.int64),
+                             topk_logprobs=torch.cat(top_values).numpy(), token_logprobs=token_logprobs,
+                             requested_logprobs=None if requested_ids is None else torch.cat(requested).numpy())
 
     @torch.no_grad()
     def generate(self, batch: GenerateBatch) -> list[GeneratedSample]:
