@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import itertools
 import pathlib
 import statistics
 
@@ -46,6 +47,12 @@ FORMS: dict[str, tuple[str, list[str]]] = {
     "reward_dynamic": ("GRPO on the reward alone with DAPO's dynamic sampling (`rl.dynamic_sampling=true`: only groups "
                        "whose rewards differ; more samples drawn)",
                        [*REWARD, "rl.combine=loss", "rl.kd_coef=0", "rl.dynamic_sampling=true"]),
+    # The next step after the first table (issue #46 item 4, second round): 8 samples of 8 prompts (more groups with a
+    # right sample among them), two updates per batch (the PPO clip acts on the second).
+    "kd_plus_reward_n8_ppo2": ("GRPO + forward KL, 8 samples x 8 prompts, 2 updates per batch (`rl.ppo_epochs=2`)",
+                               [*REWARD, "rollout.n=8", "rl.combine=loss", "rl.ppo_epochs=2"]),
+    "reward_n8_ppo2": ("GRPO on the reward alone, 8 samples x 8 prompts, 2 updates per batch",
+                       [*REWARD, "rollout.n=8", "rl.combine=loss", "rl.kd_coef=0", "rl.ppo_epochs=2"]),
     # Not a form: what the records' own worked solutions (always right) teach this student with the same budget.
     "sft_ceiling": ("SFT on the records' worked solutions (the ground truth; no teacher, no reward)",
                     ["trainer.mode=sft", "teacher.client=none"]),
@@ -113,7 +120,7 @@ def plot(rows: list, path: pathlib.Path) -> None:
     matplotlib.use("Agg")  # files only
     import matplotlib.pyplot as plt
 
-    colours = dict(zip(["distilled", *FORMS], plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    colours = dict(zip(["distilled", *FORMS], itertools.cycle(plt.rcParams["axes.prop_cycle"].by_key()["color"])))
     figure, axis = plt.subplots(figsize=(8, 4.5))
     labelled = set()
     for form, _, points in rows:

@@ -1,0 +1,117 @@
+"""Where a served teacher's memory goes (issue #49 item 4): the hf backend's peak RSS against its model's size.
+
+    python benchmarks/teacher_memory.py --shape 0.6b           # the 0.6B shape of benchmarks/trl_compare.py
+    python benchmarks/teacher_memory.py --shape 0.1b --batches 16x36 64x128
+
+Each measurement is a fresh process (its peak RSS is its own): import, build the backend (`hf`, float32, as the
+teacher service builds it), score one batch of random sequences twice, then report the peak RSS (`VmHWM`) and the
+peaks of its two parts, sampled every 2 ms: anonymous memory (`RssAnon`: tensors, the allocator) and file-backed
+pages (`RssFile`: the libraries, and the checkpoint's safetensors, which transformers maps and uses in place). Two
+paths: `chunked` (the backend's: the decoder once, the output layer on the response rows a chunk at a time) and
+`whole` (the fallback for models whose logits are not their output layer on the last hidden state: the logits of
+every position at once), forced here by the probe's answer. The floor is the model's parameter bytes plus the
+process before the backend (torch and transformers imported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+KEYS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
+
+
+def status() -> dict[str, float]:
+    """This process's memory figures, GiB."""
+    figures = {}
+    with open("/proc/self/status") as lines:
+        for line in lines:
+            key, value = line.split(":", 1)
+            if key in KEYS:
+                figures[key] = int(value.split()[0]) / 2**20
+    return figures
+
+
+def child(teacher: str, path: str, signal: str, rows: int, length: int) -> dict:
+    peaks = {"RssAnon": 0.0, "RssFile": 0.0}
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            figures = status()
+            for key in peaks:
+                peaks[key] = max(peaks[key], figures[key])
+            time.sleep(0.002)
+
+    import numpy as np
+    import torch
+
+    from megatron_gkd.teacher.backends import hf
+    from megatron_gkd.teacher.types import ScoreBatch, SequenceRequest
+
+    torch.set_num_threads(1)
+    threading.Thread(target=sample, daemon=True).start()
+    before = status()
+    if path == "whole":
+        hf.HFBackend._head_is_last = lambda self: False
+    backend = hf.HFBackend(teacher)
+    rng = np.random.default_rng(0)
+    prompt = max(1, length // 3)
+    batch = ScoreBatch(sequences=[SequenceRequest(token_ids=rng.integers(5, backend.info().tokenizer_size, length),
+                                                  response_start=prompt) for _ in range(rows)],
+                       top_k=16, signal=signal, hidden_dtype="float32")
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        backend.score(batch)
+        times.append(time.perf_counter() - start)
+    time.sleep(0.01)
+    done.set()
+    model = sum(p.numel() * p.element_size() for p in backend._model.parameters()) / 2**30
+    return {"path": path, "signal": signal, "rows": rows, "length": length, "before_gib": before["VmRSS"],
+            "peak_gib": status()["VmHWM"], "anon_peak_gib": peaks["RssAnon"], "file_peak_gib": peaks["RssFile"],
+            "model_gib": model, "score_s": min(times)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="0.6b", choices=["tiny", "0.1b", "0.6b"])
+    parser.add_argument("--batches", nargs="+", default=["16x36", "16x512"],
+                        help="ROWSxLENGTH: sequences and their tokens (a third prompt); 16x36 is trl_compare's")
+    parser.add_argument("--signals", nargs="+", default=["hidden", "topk"])
+    parser.add_argument("--root", default="outputs/trl_compare", help="where trl_compare builds its assets")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(**json.loads(args.child))))
+        return
+    sys.path.insert(0, str(HERE))
+    from trl_compare import build_assets
+
+    teacher = build_assets(pathlib.Path(args.root).resolve(), args.shape, 64) / "teacher"
+    print("| path | signal | batch | peak RSS GiB | anon peak | file-backed peak | before the backend | model | "
+          "peak - model - before | score s |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    for batch in args.batches:
+        rows, length = (int(part) for part in batch.split("x"))
+        for signal in args.signals:
+            for path in ("whole", "chunked"):
+                spec = json.dumps({"teacher": str(teacher), "path": path, "signal": signal, "rows": rows,
+                                   "length": length})
+                result = subprocess.run([sys.executable, __file__, "--child", spec], capture_output=True, text=True)
+                if result.returncode:
+                    print(f"| {path} | {signal} | {batch} | failed: {result.stderr.strip().splitlines()[-1]} |")
+                    continue
+                r = json.loads(result.stdout.strip().splitlines()[-1])
+                print(f"| {path} | {signal} | {batch} | {r['peak_gib']:.2f} | {r['anon_peak_gib']:.2f} | "
+                      f"{r['file_peak_gib']:.2f} | {r['before_gib']:.2f} | {r['model_gib']:.2f} | "
+                      f"{r['peak_gib'] - r['model_gib'] - r['before_gib']:.2f} | {r['score_s']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
