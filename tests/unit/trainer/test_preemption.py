@@ -37,21 +37,53 @@ def test_a_signal_is_reported_by_requested(control, signum):
     assert preemption.requested()  # it stays requested: the run stops after its checkpoint
 
 
-def test_a_second_signal_stops_at_once(tmp_path):
+def _child(body: str) -> subprocess.CompletedProcess:
+    """``body`` run after a Preemption is installed in a gloo world of one, in a child process."""
     script = textwrap.dedent("""
-        import os, signal, socket, sys
+        import os, signal, socket, sys, time
         import torch.distributed as dist
-        from megatron_gkd.trainer.preemption import Preemption
+        from megatron_gkd.trainer.preemption import SAME_REQUEST_S, Preemption
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
         preemption = Preemption(dist.group.WORLD)
+    """) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+
+
+def test_a_second_signal_stops_at_once():
+    done = _child("""
         os.kill(os.getpid(), signal.SIGTERM)
         print("first handled", preemption.requested(), flush=True)
+        time.sleep(SAME_REQUEST_S + 0.2)
         os.kill(os.getpid(), signal.SIGTERM)
         print("still running", flush=True)
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
     assert "first handled True" in done.stdout and "still running" not in done.stdout
+
+
+def test_the_same_request_delivered_twice_is_one():
+    """A kill of the job's processes reaches a rank directly and through torchrun, which forwards SIGTERM to its
+    workers: both within milliseconds. The rank checkpoints once, as for one signal (before, it stopped at once and
+    the run lost its checkpoint)."""
+    done = _child("""
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("still running", preemption.requested(), flush=True)
+    """)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "still running True" in done.stdout
+
+
+def test_a_rank_told_by_another_has_not_received_a_signal():
+    """:meth:`requested` tells every rank of one rank's signal; the rank's own (torchrun's forward, arriving later) is
+    its first, not a second."""
+    done = _child("""
+        preemption.signal = signal.SIGTERM  # what requested() records when another rank was signalled
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("still running", preemption.requested(), flush=True)
+    """)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "still running True" in done.stdout
