@@ -79,12 +79,13 @@ def report(out: pathlib.Path, baseline: pathlib.Path, seeds: list[int]) -> None:
     for form, directory in [("demo", baseline / member("distilled", s)) for s in seeds] + \
                            [(form, out / member(form, s)) for form in FORMS for s in seeds]:
         points = curve(directory)
-        figures = measure(directory, task, privileged)
-        if not points or figures is None:
+        if not points:
             continue
+        figures = measure(directory, task, privileged)  # None for a run stopped before its end (no export)
         finals.setdefault(form, []).append(points[max(points)])
-        evals = ", ".join(f"{points[s]:.3f}" for s in sorted(points))
-        print(f"| {form} ({directory.name}) | {points[max(points)]:.3f} | {figures['privileged']:.3f} | {evals} |")
+        evals = ", ".join(f"{step}: {points[step]:.3f}" for step in sorted(points))
+        reading = "n/a (stopped before its export)" if figures is None else f"{figures['privileged']:.3f}"
+        print(f"| {form} ({directory.name}) | {points[max(points)]:.3f} (step {max(points)}) | {reading} | {evals} |")
     print("\n| form | seeds | final accuracy, mean (min-max) |\n|---|---|---|")
     for form, values in finals.items():
         print(f"| `{form}` | {len(values)} | {statistics.fmean(values):.3f} ({min(values):.3f}-{max(values):.3f}) |")
