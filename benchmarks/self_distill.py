@@ -76,6 +76,7 @@ def report(out: pathlib.Path, baseline: pathlib.Path, seeds: list[int]) -> None:
           f"reading the privileged prompt {start_figures['privileged']:.3f}")
     print("\n| run | final held-out accuracy | the same model reading the privileged prompt | evals |\n|---|---|---|---|")
     finals: dict[str, list[float]] = {}
+    curves: list[tuple[str, dict[int, float]]] = []
     for form, directory in [("demo", baseline / member("distilled", s)) for s in seeds] + \
                            [(form, out / member(form, s)) for form in FORMS for s in seeds]:
         points = curve(directory)
@@ -83,12 +84,41 @@ def report(out: pathlib.Path, baseline: pathlib.Path, seeds: list[int]) -> None:
             continue
         figures = measure(directory, task, privileged)  # None for a run stopped before its end (no export)
         finals.setdefault(form, []).append(points[max(points)])
+        curves.append((form, points))
         evals = ", ".join(f"{step}: {points[step]:.3f}" for step in sorted(points))
         reading = "n/a (stopped before its export)" if figures is None else f"{figures['privileged']:.3f}"
         print(f"| {form} ({directory.name}) | {points[max(points)]:.3f} (step {max(points)}) | {reading} | {evals} |")
     print("\n| form | seeds | final accuracy, mean (min-max) |\n|---|---|---|")
     for form, values in finals.items():
         print(f"| `{form}` | {len(values)} | {statistics.fmean(values):.3f} ({min(values):.3f}-{max(values):.3f}) |")
+    plot(curves, start_figures, out / "self_distill.png")
+
+
+def plot(curves: list[tuple[str, dict[int, float]]], start: dict, path: pathlib.Path) -> None:
+    """Held-out accuracy against steps, one colour a form, with the teacher's 0.904 and the start's privileged
+    reading."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    labelled = set()
+    for form, points in curves:
+        steps = sorted(points)
+        colour = "tab:blue" if form == "demo" else "tab:red"
+        axis.plot(steps, [points[s] for s in steps], marker=".", color=colour,
+                  label=None if form in labelled else {"demo": "the demo (forward KL from the teacher)"}.get(form, form))
+        labelled.add(form)
+    axis.axhline(0.904, color="grey", linestyle="--", linewidth=1, label="teacher (0.904)")
+    axis.axhline(start["privileged"], color="tab:red", linestyle=":", linewidth=1,
+                 label=f"the start reading the privileged prompt ({start['privileged']:.3f})")
+    axis.set(xlabel="step (64 samples each)", ylabel="held-out accuracy", ylim=(-0.02, 1),
+             title="self-distillation with privileged context against the demo")
+    axis.legend(fontsize=7, loc="center right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    print(f"plot: {path}")
 
 
 def main() -> None:
