@@ -134,7 +134,9 @@ class HFBackend(TeacherBackend):
             input_ids[row, :len(sequence.token_ids)] = torch.from_numpy(np.array(sequence.token_ids))
         if self._head_last:  # the output layer's input, [b, L, h]; logits only for response rows, a chunk at a time
             hidden = self._model.get_decoder()(input_ids=input_ids).last_hidden_state
-            logits_of = lambda row, rows: self._head(hidden[row, rows])  # noqa: E731
+
+            def logits_of(row: int, rows: slice) -> torch.Tensor:
+                return self._head(hidden[row, rows])
         else:
             captured = []
             hook = (self._head.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
@@ -145,7 +147,9 @@ class HFBackend(TeacherBackend):
                 if hook is not None:
                     hook.remove()
             hidden = captured[0] if captured else None
-            logits_of = lambda row, rows: logits[row, rows]  # noqa: E731
+
+            def logits_of(row: int, rows: slice) -> torch.Tensor:
+                return logits[row, rows]
         return [self._output(functools.partial(logits_of, row), None if hidden is None else hidden[row], sequence,
                              batch) for row, sequence in enumerate(group)]
 
