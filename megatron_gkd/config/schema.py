@@ -32,6 +32,31 @@ from megatron_gkd.teacher.config import TeacherConfig, TeacherMixConfig
 from megatron_gkd.weight_sync.config import WeightSyncConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+class Recompute(Choice):
+    """Which activations the student's backward recomputes instead of keeping (``student.recompute``; Megatron's
+    ``--recompute-granularity``): memory traded for compute, the gradients unchanged."""
+
+    NONE = "none"
+    """Keep every activation the backward needs: the fastest, the most memory."""
+    SELECTIVE = "selective"
+    """Recompute each layer's core attention (its ``[b, heads, s, s]`` scores and probabilities), the largest
+    activations at long sequences and the cheapest to recompute (Korthikanti et al., 2022)."""
+    FULL = "full"
+    """Keep only each layer's input and run the layer again in the backward: about a third more compute."""
+
+    @property
+    def megatron_options(self) -> dict:
+        """``TransformerConfig`` fields of this choice."""
+        if self is Recompute.NONE:
+            return {}
+        options = {"recompute_granularity": self.value}
+        if self is Recompute.FULL:
+            options.update(recompute_method="uniform", recompute_num_layers=1)
+        return options
+
+
 class LossKind(Choice):
     """What the step's loss compares the student with (``Mode.loss_kind``, ``LossSpec.kind``)."""
 
@@ -95,13 +120,19 @@ class StudentConfig:
     mixed precision (every parameter in that dtype, float32 main weights and gradients in the
     optimizer, distributed or not). It is also what weight sync sends and, unless ``rollout.dtype`` says
     otherwise, what the rollout engine serves. GPU presets use ``bfloat16``; the CPU ones ``float32``."""
-    recompute: bool = False
-    """Recompute every layer's activations in the backward (full, uniform): less memory, ~1/3 more compute."""
+    recompute: str = "none"
+    """Activation recomputation (:class:`Recompute`): ``none``, ``selective`` (core attention) or ``full`` (every
+    layer, uniform): less memory for more compute, the same gradients."""
     use_transformer_engine: bool | None = None
     """Transformer Engine layer specs; default: when TE imports (CUDA)."""
 
     def __post_init__(self):
         check_dtype("student.dtype", self.dtype)
+        if self.recompute not in Recompute.values():
+            old = {"True": " (true was the old spelling of full)", "False": " (false was the old spelling of none)"}
+            raise ValueError(f"student.recompute={self.recompute!r}: choose one of {list(Recompute.values())}"
+                             + old.get(self.recompute, ""))
+        self.recompute = Recompute(self.recompute)
 
     @property
     def tokenizer_path(self) -> str | None:

@@ -60,7 +60,8 @@ def student_plan(config, world_size: int, kernels: str) -> planning.StudentPlan:
     layout = planning.StudentLayout.from_parallel_sizes(
         sizes, world_size, params_dtype=_DTYPES[config.student.dtype],
         use_distributed_optimizer=config.optim.use_distributed_optimizer,
-        recompute_granularity="full" if config.student.recompute else None, kernels=kernels)
+        recompute_granularity=config.student.recompute.megatron_options.get("recompute_granularity"),
+        kernels=kernels)
     batch = planning_batch(config)
     batch = dataclasses.replace(batch, num_microbatches=max(1, plan["samples_per_rank"] // batch.micro_batch_size))
     sync = config.weight_sync

@@ -64,11 +64,9 @@ def build_student(config: GKDConfig, state: ParallelState) -> Student:
     """Loads the student from its HF checkpoint into the layout of ``state``, wraps it for training and builds
     Megatron's optimizer and LR schedule."""
     dtype = getattr(torch, config.student.dtype)
-    overrides = {}
-    if config.student.recompute:
-        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     chunks = load_hf(config.student.checkpoint, dtype=dtype, state=state,
-                     use_transformer_engine=config.student.use_transformer_engine, **overrides)
+                     use_transformer_engine=config.student.use_transformer_engine,
+                     **config.student.recompute.megatron_options)
     hf_config = chunks[0].hf_model_info.hf_config
     chunks = wrap_for_training(chunks, config.optim)
     for chunk in chunks:

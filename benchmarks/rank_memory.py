@@ -1,0 +1,80 @@
+"""Where a rank's memory goes, setting by setting (issue #49 items 1-3): our side of ``benchmarks/trl_compare.py`` run
+once per memory setting at one shape, one after the other::
+
+    python benchmarks/rank_memory.py --shape 0.1b --steps 4 --skip 1                      # copy against release
+    python benchmarks/rank_memory.py --shape 0.6b --settings release fused recompute      # the cuts, one on another
+
+Settings (``SETTINGS``), each its config overrides on top of the shape's layout (``trl_compare.OURS``):
+
+=============  =================================================================================================
+``copy``       the colocated ``hf`` engine keeps its own copy of the model (``rollout.release_weights=false``)
+``release``    the engine reads the student's tensors in place and lets go of them during each update (the default)
+``fused``      ``release`` and the fused loss (``loss.fused=true``: no ``[s, b, V/tp]`` logits or their gradient)
+``recompute``  ``fused`` and full activation recomputation (``student.recompute_granularity=full``)
+``selective``  ``fused`` and Megatron's selective recomputation (core attention only)
+=============  =================================================================================================
+
+Figures per setting: the rank's and the teacher service's peak RSS and their sum (GiB), the median step and weight-sync
+times after ``--skip`` steps, each as a ratio against the first setting of the same invocation. Runs land in
+``<out>/<shape>/<setting>/``; a finished run is read again, not rerun (``--fresh`` reruns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+from trl_compare import median_after  # benchmarks/ is the script's own directory
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RELEASE = ["rollout.release_weights=true"]
+SETTINGS = {
+    "copy": ["rollout.release_weights=false"],
+    "release": RELEASE,
+    "fused": [*RELEASE, "loss.fused=true"],
+    "recompute": [*RELEASE, "loss.fused=true", "student.recompute_granularity=full"],
+    "selective": [*RELEASE, "loss.fused=true", "student.recompute_granularity=selective"],
+}
+
+
+def measure(shape: str, setting: str, args) -> tuple[float, float, float, float]:
+    out = pathlib.Path(args.out) / shape / setting
+    figures = out / "runs" / f"{shape}-{args.length}-ours" / "figures.json"
+    if args.fresh and out.exists():
+        shutil.rmtree(out)
+    if not figures.exists():
+        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trl_compare.py"), "--shapes", shape,
+                        "--lengths", str(args.length), "--steps", str(args.steps), "--skip", str(args.skip),
+                        "--systems", "ours", "--out", str(out), "--ours-override", *SETTINGS[setting]], check=True)
+    run = json.loads(figures.read_text())
+    return (max(run["peak_rss_gib"]), run["teacher_rss_gib"] or 0.0, median_after(run["step_times"], args.skip),
+            median_after(run["phases"]["weight_sync"], args.skip))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="0.1b", choices=["tiny", "0.1b", "0.6b"])
+    parser.add_argument("--settings", nargs="+", default=["copy", "release"], choices=list(SETTINGS))
+    parser.add_argument("--length", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--skip", type=int, default=1)
+    parser.add_argument("--out", default="outputs/rank_memory")
+    parser.add_argument("--fresh", action="store_true", help="rerun settings that have finished before")
+    args = parser.parse_args()
+    rows = {setting: measure(args.shape, setting, args) for setting in args.settings}
+    base = next(iter(rows.values()))
+    print(f"| {args.shape}: setting | rank peak RSS GiB | teacher peak RSS GiB | rank + teacher GiB | step s | "
+          "weight sync s |\n|---|---:|---:|---:|---:|---:|")
+    for setting, (rank, teacher, step, sync) in rows.items():
+        cells = [(rank, base[0]), (teacher, base[1]), (rank + teacher, base[0] + base[1]), (step, base[2]),
+                 (sync, base[3])]
+        print(f"| {setting} | " + " | ".join(f"{v:.3f} ({v / ref:.2f}x)" if ref else f"{v:.3f}" for v, ref in cells)
+              + " |")
+
+
+if __name__ == "__main__":
+    main()
