@@ -4,6 +4,7 @@
     python benchmarks/rewards_pay.py --forms kd_anneal --seeds 1      # some of it
     python benchmarks/rewards_pay.py --report                         # the table and plots of what has finished
     python benchmarks/rewards_pay.py --from-start --forms kd_plus_reward --seeds 1  # a form from the demo's start
+    python benchmarks/rewards_pay.py --errors                         # where the students' errors are, pass@8 on them
 
 Every form starts where the demo starts (0.050; its teacher is at 0.904) and spends the same budget of samples.
 Phase 1 is the README's command itself (`scripts/run_demo.sh`: forward KL over the teacher's 16 ids, 1000 steps of
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import itertools
+import json
 import pathlib
 import statistics
 
@@ -65,6 +67,7 @@ FORMS: dict[str, tuple[str, list[str]]] = {
 WHY = {"reward/mean": "mean reward", "pg/teacher_kl": "sampled-token KL to the teacher",
        "rollout/response_length_mean": "response length"}
 DISTILL_STEPS = 1000  # the demo's
+EVAL_TOKENS = 12  # the demo's eval.max_tokens
 PHASE_2 = ["trainer.num_steps=400", "optim.lr=3e-4", "optim.min_lr=3e-5"]
 
 
@@ -144,6 +147,41 @@ def plot(rows: list, path: pathlib.Path, from_start: bool = False) -> None:
     print(f"plot: {path}")
 
 
+def errors(out: pathlib.Path, seeds: list[int], samples: int = 8) -> None:
+    """Where the student's held-out errors are and whether a reward can reach them: per seed, the phase-1 student's
+    greedy errors, the share the teacher also gets wrong greedily, and how many of them a group of ``samples``
+    responses at T=1 (GRPO's group) answers at least once, the student's samples and the teacher's (pass@n)."""
+    from megatron_gkd.recipes import demo, greedy
+    from megatron_gkd.rewards.answers import final_answer
+
+    print(f"| seed | student's greedy errors | teacher also wrong | student pass@{samples} on them | "
+          f"teacher pass@{samples} on them | teacher's greedy errors |\n|---|---:|---:|---:|---:|---:|")
+    for seed in seeds:
+        cache = out / f"errors_s{seed}.json"
+        if not cache.exists():
+            student = out / member("distilled", seed) / "hf" / f"step_{DISTILL_STEPS}"
+            task = out / f"{member('distilled', seed)}_task" / "eval.jsonl"
+            figures = {}
+            for name, model in (("student", student), ("teacher", demo.ASSETS / "teacher")):
+                greedy_scores, _ = greedy.sampled_scores(model, task, final_answer, max_tokens=EVAL_TOKENS)
+                sampled, _ = greedy.sampled_scores(model, task, final_answer, max_tokens=EVAL_TOKENS, temperature=1.0,
+                                                   n=samples, seed=seed)
+                figures[name] = {"greedy": [row[0] for row in greedy_scores], "sampled": sampled}
+            cache.write_text(json.dumps(figures) + "\n")
+        figures = json.loads(cache.read_text())
+        wrong = [i for i, score in enumerate(figures["student"]["greedy"]) if score < 1]
+        teacher_wrong = [i for i in wrong if figures["teacher"]["greedy"][i] < 1]
+
+        def reached(name: str) -> int:
+            return sum(max(figures[name]["sampled"][i]) >= 1 for i in wrong)
+
+        share = len(wrong) or 1
+        print(f"| {seed} | {len(wrong)} of {len(figures['student']['greedy'])} | {len(teacher_wrong)} "
+              f"({len(teacher_wrong) / share:.2f}) | {reached('student')} ({reached('student') / share:.2f}) | "
+              f"{reached('teacher')} ({reached('teacher') / share:.2f}) | "
+              f"{sum(score < 1 for score in figures['teacher']['greedy'])} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--forms", nargs="+", default=list(FORMS), choices=list(FORMS))
@@ -152,9 +190,14 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/rewards_pay")
     parser.add_argument("--report", action="store_true", help="only the table of what has finished")
     parser.add_argument("--from-start", action="store_true", help="each form from the demo's start, no phase 1")
+    parser.add_argument("--errors", action="store_true",
+                        help="only where the phase-1 students' held-out errors are and whether a group reaches them")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run, after the form's")
     args = parser.parse_args()
     out = ROOT / args.out
+    if args.errors:
+        errors(out, args.seeds)
+        return
     if not args.report:
         out.mkdir(parents=True, exist_ok=True)
         with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:

@@ -16,20 +16,31 @@ from megatron_gkd.rollout import SamplingConfig, build_engine
 from megatron_gkd.trainer.eval import response_text
 
 
-def greedy_accuracy(model: str | pathlib.Path, eval_path: str | pathlib.Path, scorer: Callable[[str, str], float], *,
-                    max_tokens: int, max_model_len: int = 64) -> tuple[float, list[str]]:
-    """``model``'s greedy answers to the prompts of ``eval_path`` (``max_tokens`` each), scored by ``scorer(text,
-    answer)``; returns the mean score and the answers' texts."""
+def sampled_scores(model: str | pathlib.Path, eval_path: str | pathlib.Path, scorer: Callable[[str, str], float], *,
+                   max_tokens: int, max_model_len: int = 64, temperature: float = 0.0, n: int = 1,
+                   seed: int = 0) -> tuple[list[list[float]], list[list[str]]]:
+    """``n`` answers of ``model`` at ``temperature`` (0: greedy) to each prompt of ``eval_path`` (``max_tokens``
+    each), scored by ``scorer(text, answer)``; returns each prompt's scores and texts, in the file's order."""
     tokenizer = load_tokenizer(str(model))
     dataset = load_prompts(str(eval_path), DataConfig(eval_path=str(eval_path)), tokenizer)
     records = [dataset[i] for i in range(len(dataset))]
     eos = eos_token_id(tokenizer)
-    engine = build_engine("vllm", model=str(model), tensor_parallel_size=1, max_model_len=max_model_len, seed=0,
+    engine = build_engine("vllm", model=str(model), tensor_parallel_size=1, max_model_len=max_model_len, seed=seed,
                           pad_token_id=tokenizer.pad_token_id or 0)
     try:
         batch = engine.generate([list(r.prompt_ids) for r in records],
-                                SamplingConfig(temperature=0.0, max_tokens=max_tokens, stop_token_ids=(eos,), seed=0))
+                                SamplingConfig(temperature=temperature, max_tokens=max_tokens, n=n,
+                                               stop_token_ids=(eos,), seed=seed))
     finally:
         engine.close()
-    answers = [response_text(tokenizer, batch.response(i), (eos,)) for i in range(batch.num_samples)]
-    return sum(scorer(text, record.answer) for text, record in zip(answers, records)) / len(records), answers
+    texts = [[response_text(tokenizer, batch.response(i * n + j), (eos,)) for j in range(n)]
+             for i in range(len(records))]
+    return [[scorer(text, record.answer) for text in row] for row, record in zip(texts, records)], texts
+
+
+def greedy_accuracy(model: str | pathlib.Path, eval_path: str | pathlib.Path, scorer: Callable[[str, str], float], *,
+                    max_tokens: int, max_model_len: int = 64) -> tuple[float, list[str]]:
+    """``model``'s greedy answers to the prompts of ``eval_path`` (``max_tokens`` each), scored by ``scorer(text,
+    answer)``; returns the mean score and the answers' texts."""
+    scores, texts = sampled_scores(model, eval_path, scorer, max_tokens=max_tokens, max_model_len=max_model_len)
+    return sum(row[0] for row in scores) / len(scores), [row[0] for row in texts]
