@@ -36,8 +36,8 @@ SETTINGS = {
     "copy": ["rollout.release_weights=false"],
     "release": RELEASE,
     "fused": [*RELEASE, "loss.fused=true"],
-    "recompute": [*RELEASE, "loss.fused=true", "student.recompute_granularity=full"],
-    "selective": [*RELEASE, "loss.fused=true", "student.recompute_granularity=selective"],
+    "recompute": [*RELEASE, "loss.fused=true", "student.recompute=full"],
+    "selective": [*RELEASE, "loss.fused=true", "student.recompute=selective"],
 }
 
 
@@ -46,6 +46,11 @@ def measure(shape: str, setting: str, args) -> tuple[float, float, float, float]
     figures = out / "runs" / f"{shape}-{args.length}-ours" / "figures.json"
     if args.fresh and out.exists():
         shutil.rmtree(out)
+    shared = pathlib.Path(args.out).resolve() / "assets"  # one student and teacher for every setting
+    shared.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "assets").exists():
+        (out / "assets").symlink_to(shared)
     if not figures.exists():
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trl_compare.py"), "--shapes", shape,
                         "--lengths", str(args.length), "--steps", str(args.steps), "--skip", str(args.skip),

@@ -60,6 +60,11 @@ FORMS: dict[str, tuple[str, list[str]]] = {
     "kd_plus_reward_long": ("GRPO + forward KL, 8 samples x 8 prompts, 1000 steps at 1e-4 decayed to 1e-5",
                             [*REWARD, "rollout.n=8", "rl.combine=loss", "trainer.num_steps=1000", "optim.lr=1e-4",
                              "optim.min_lr=1e-5"]),
+    # The fourth round, from the errors' figures (--errors): the teacher writes, the verifier keeps the right answers,
+    # and the student distils the teacher on those (rejection-sampled sequence-level KD; off-policy, both signals).
+    "verified_kd": ("forward KL on the teacher's own responses that the reward accepts (`trainer.mode=off_policy` on "
+                    "responses the teacher wrote: 4 samples at T=1 a training prompt, the first right one kept)",
+                    ["trainer.mode=off_policy", "data.train_path={out}/verified_s{n}.jsonl"]),
     # Not a form: what the records' own worked solutions (always right) teach this student with the same budget.
     "sft_ceiling": ("SFT on the records' worked solutions (the ground truth; no teacher, no reward)",
                     ["trainer.mode=sft", "teacher.client=none"]),
@@ -83,7 +88,34 @@ def run(form: str, seed: int, out: pathlib.Path, extra: list[str], from_start: b
         return run_command(member("distilled", seed), out, [*seeds, *extra])
     start = [] if from_start else [f"student.checkpoint={out / member('distilled', seed)}/hf/step_{DISTILL_STEPS}",
                                    *PHASE_2]
-    return run_command(member(form, seed), out, [*start, *FORMS[form][1], *seeds, *extra])
+    if form in PREPARE:
+        PREPARE[form](out, seed)
+    overrides = [override.format(out=out, n=seed) for override in FORMS[form][1]]
+    return run_command(member(form, seed), out, [*start, *overrides, *seeds, *extra])
+
+
+def write_verified(out: pathlib.Path, seed: int, samples: int = 4) -> pathlib.Path:
+    """``<out>/verified_s<seed>.jsonl``: each training prompt of seed ``seed``'s task with the first of ``samples``
+    responses of the teacher (T=1) that the eval's scorer accepts; prompts with none are left out."""
+    from megatron_gkd.recipes import demo, greedy
+    from megatron_gkd.rewards.answers import final_answer
+
+    path = out / f"verified_s{seed}.jsonl"
+    if path.exists():
+        return path
+    task = out / f"{member('distilled', seed)}_task" / "train.jsonl"
+    records = [json.loads(line) for line in task.read_text().splitlines() if line.strip()]
+    scores, texts = greedy.sampled_scores(demo.ASSETS / "teacher", task, final_answer, max_tokens=EVAL_TOKENS,
+                                          temperature=1.0, n=samples, seed=seed)
+    kept = [{**record, "response": row_texts[row_scores.index(1.0)]}
+            for record, row_scores, row_texts in zip(records, scores, texts, strict=True) if 1.0 in row_scores]
+    path.with_suffix(".tmp").write_text("".join(json.dumps(record) + "\n" for record in kept))
+    path.with_suffix(".tmp").rename(path)
+    print(f"verified_s{seed}: {len(kept)} of {len(records)} prompts with a right teacher response", flush=True)
+    return path
+
+
+PREPARE = {"verified_kd": write_verified}  # forms whose data is made first, once per seed
 
 
 def summarise(directory: pathlib.Path) -> dict:

@@ -99,6 +99,7 @@ def _worker_args(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    platform.limit_malloc_arenas()  # before any thread: the proxy's, the worker's, the backend's
     if args.exit_with_parent:
         # First: a replica of `serve` still loading its model (a minute for a large one, under load) stops when
         # serve dies, by the default SIGTERM; the handler installed below takes over once the model is loaded.
