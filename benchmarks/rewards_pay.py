@@ -65,6 +65,10 @@ FORMS: dict[str, tuple[str, list[str]]] = {
     "verified_kd": ("forward KL on the teacher's own responses that the reward accepts (`trainer.mode=off_policy` on "
                     "responses the teacher wrote: 4 samples at T=1 a training prompt, the first right one kept)",
                     ["trainer.mode=off_policy", "data.train_path={out}/verified_s{n}.jsonl"]),
+    # The same verified responses as targets rather than the teacher's distribution on them: rejection-sampling
+    # fine-tuning on the teacher's samples (RFT). The teacher writes and the verifier chooses; no logits are distilled.
+    "verified_sft": ("SFT on the teacher's own responses that the reward accepts (the same data as `verified_kd`)",
+                     ["trainer.mode=sft", "teacher.client=none", "data.train_path={out}/verified_s{n}.jsonl"]),
     # Not a form: what the records' own worked solutions (always right) teach this student with the same budget.
     "sft_ceiling": ("SFT on the records' worked solutions (the ground truth; no teacher, no reward)",
                     ["trainer.mode=sft", "teacher.client=none"]),
@@ -115,7 +119,7 @@ def write_verified(out: pathlib.Path, seed: int, samples: int = 4) -> pathlib.Pa
     return path
 
 
-PREPARE = {"verified_kd": write_verified}  # forms whose data is made first, once per seed
+PREPARE = {"verified_kd": write_verified, "verified_sft": write_verified}  # forms whose data is made first, once per seed
 
 
 def summarise(directory: pathlib.Path) -> dict:
