@@ -69,6 +69,9 @@ FORMS: dict[str, tuple[str, list[str]]] = {
     # fine-tuning on the teacher's samples (RFT). The teacher writes and the verifier chooses; no logits are distilled.
     "verified_sft": ("SFT on the teacher's own responses that the reward accepts (the same data as `verified_kd`)",
                      ["trainer.mode=sft", "teacher.client=none", "data.train_path={out}/verified_s{n}.jsonl"]),
+    "verified_sft_long": ("`verified_sft` for 1000 steps (3e-4 decayed to 3e-5 over them)",
+                          ["trainer.mode=sft", "teacher.client=none", "data.train_path={out}/verified_s{n}.jsonl",
+                           "trainer.num_steps=1000"]),
     # Not a form: what the records' own worked solutions (always right) teach this student with the same budget.
     "sft_ceiling": ("SFT on the records' worked solutions (the ground truth; no teacher, no reward)",
                     ["trainer.mode=sft", "teacher.client=none"]),
@@ -119,7 +122,8 @@ def write_verified(out: pathlib.Path, seed: int, samples: int = 4) -> pathlib.Pa
     return path
 
 
-PREPARE = {"verified_kd": write_verified, "verified_sft": write_verified}  # forms whose data is made first, once per seed
+# Forms whose data is made first, once per seed.
+PREPARE = dict.fromkeys(("verified_kd", "verified_sft", "verified_sft_long"), write_verified)
 
 
 def summarise(directory: pathlib.Path) -> dict:
