@@ -75,6 +75,8 @@ FORMS: dict[str, tuple[str, list[str]]] = {
     # Not a form: what the records' own worked solutions (always right) teach this student with the same budget.
     "sft_ceiling": ("SFT on the records' worked solutions (the ground truth; no teacher, no reward)",
                     ["trainer.mode=sft", "teacher.client=none"]),
+    "sft_ceiling_long": ("`sft_ceiling` for 1000 steps (beside `verified_sft_long`)",
+                         ["trainer.mode=sft", "teacher.client=none", "trainer.num_steps=1000"]),
 }
 WHY = {"reward/mean": "mean reward", "pg/teacher_kl": "sampled-token KL to the teacher",
        "rollout/response_length_mean": "response length"}
