@@ -16,6 +16,9 @@ prompts a step (GRPO's groups), `forward_kl` goes on as the demo (one for each o
 `--from-start` trains a form from the demo's start for the demo's 1000 steps instead, where 4 samples of 16 prompts
 teach far less than one of 64 (docs/results.md).
 
+The `verified_*` forms first have the teacher write responses to the training prompts and keep those the reward
+accepts (`write_verified`, once per seed), then train on them off-policy.
+
 The report gives each run's held-out accuracy at every eval and the figures that say why a form did or did not
 learn: the mean reward, the sampled-token KL to the teacher, the response length (means over the last 200 steps).
 """
