@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import itertools
 import json
 import pathlib
 import statistics
@@ -167,26 +166,35 @@ def report(out: pathlib.Path, forms: list[str], seeds: list[int], from_start: bo
 
 
 def plot(rows: list, path: pathlib.Path, from_start: bool = False) -> None:
-    """Held-out accuracy against steps, one colour a form, the teacher's 0.904 and the goal's 0.93 as lines."""
+    """Held-out accuracy against steps, one colour a form (the mean over seeds, each seed faint): the whole run on the
+    left, phase 2 close up on the right, the teacher's 0.904 and the goal's 0.93 as lines."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only
     import matplotlib.pyplot as plt
 
-    colours = dict(zip(["distilled", *FORMS], itertools.cycle(plt.rcParams["axes.prop_cycle"].by_key()["color"])))
-    figure, axis = plt.subplots(figsize=(8, 4.5))
-    labelled = set()
-    for form, _, points in rows:
+    forms = list(dict.fromkeys(form for form, _, _ in rows))
+    palette = plt.get_cmap("tab20").colors
+    colours = {form: palette[i % len(palette)] for i, form in enumerate(forms)}
+    figure, axes = plt.subplots(1, 2, figsize=(13, 5), width_ratios=(1, 1.3))
+    for form in forms:
         offset = 0 if form == "distilled" or from_start else DISTILL_STEPS  # phase 2 follows phase 1
-        steps = sorted(points)
-        axis.plot([s + offset for s in steps], [points[s] for s in steps], marker=".", color=colours[form],
-                  label=None if form in labelled else form)
-        labelled.add(form)
-    axis.axhline(0.904, color="grey", linestyle="--", linewidth=1, label="teacher (0.904)")
-    axis.axhline(0.93, color="black", linestyle=":", linewidth=1, label="goal (0.93)")
-    axis.set(xlabel="step (64 samples each)", ylabel="held-out accuracy", ylim=(0, 1),
-             title="the demo's task: the teacher's signal and a verifiable reward")
-    axis.legend(fontsize=7, loc="lower right")
+        runs = [points for f, _, points in rows if f == form]
+        steps = sorted(set.intersection(*(set(points) for points in runs)))
+        mean = [statistics.fmean(points[s] for points in runs) for s in steps]
+        for axis in axes:
+            for points in runs:
+                axis.plot([s + offset for s in sorted(points)], [points[s] for s in sorted(points)],
+                          color=colours[form], alpha=0.25, linewidth=0.8)
+            axis.plot([s + offset for s in steps], mean, marker=".", color=colours[form], label=form)
+    for axis in axes:
+        axis.axhline(0.904, color="grey", linestyle="--", linewidth=1, label="teacher (0.904)")
+        axis.axhline(0.93, color="black", linestyle=":", linewidth=1, label="goal (0.93)")
+        axis.set(xlabel="step (64 samples each)", ylabel="held-out accuracy")
+    axes[0].set(ylim=(0, 1), title="the demo's task: the teacher's signal and a verifiable reward")
+    if not from_start:
+        axes[1].set(xlim=(DISTILL_STEPS - 20, None), ylim=(0.84, 0.96), title="phase 2 (mean of the seeds, each seed faint)")
+    axes[1].legend(fontsize=7, loc="lower right", ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     print(f"plot: {path}")
