@@ -10,8 +10,8 @@ Settings (``SETTINGS``), each its config overrides on top of the shape's layout 
 ``copy``       the colocated ``hf`` engine keeps its own copy of the model (``rollout.release_weights=false``)
 ``release``    the engine reads the student's tensors in place and lets go of them during each update (the default)
 ``fused``      ``release`` and the fused loss (``loss.fused=true``: no ``[s, b, V/tp]`` logits or their gradient)
-``recompute``  ``fused`` and full activation recomputation (``student.recompute_granularity=full``)
-``selective``  ``fused`` and Megatron's selective recomputation (core attention only)
+``recompute``  ``fused`` and full activation recomputation (``student.recompute=full``)
+``selective``  ``fused`` and Megatron's selective recomputation (``student.recompute=selective``)
 =============  =================================================================================================
 
 Figures per setting: the rank's and the teacher service's peak RSS and their sum (GiB), the median step and weight-sync

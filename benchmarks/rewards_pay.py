@@ -37,6 +37,9 @@ from demo_spread import ROOT, SEED, curve, run_command
 from megatron_gkd.recipes.report import read_metrics
 
 REWARD = ["reward.kind=final_answer", "rollout.n=4", "rl.advantage=grpo", "rl.aggregation=token_mean"]
+SFT = ["trainer.mode=sft", "teacher.client=none"]
+VERIFIED = "data.train_path={out}/verified_s{n}.jsonl"  # the teacher's responses the reward accepts (write_verified)
+LONG = "trainer.num_steps=1000"
 FORMS: dict[str, tuple[str, list[str]]] = {
     "forward_kl": ("the demo: forward KL over the teacher's 16 ids, no reward", []),
     "reward_only": ("GRPO on the reward alone (`rl.combine=loss`, `rl.kd_coef=0`)",
@@ -60,25 +63,23 @@ FORMS: dict[str, tuple[str, list[str]]] = {
     # The third round: the same budget a step, a longer phase 2 (1000 steps) at a third of phase 2's learning rate, so
     # the new rate does not first undo what distillation taught (the dip at step 100 of both rounds above).
     "kd_plus_reward_long": ("GRPO + forward KL, 8 samples x 8 prompts, 1000 steps at 1e-4 decayed to 1e-5",
-                            [*REWARD, "rollout.n=8", "rl.combine=loss", "trainer.num_steps=1000", "optim.lr=1e-4",
-                             "optim.min_lr=1e-5"]),
+                            [*REWARD, "rollout.n=8", "rl.combine=loss", LONG, "optim.lr=1e-4", "optim.min_lr=1e-5"]),
     # The fourth round, from the errors' figures (--errors): the teacher writes, the verifier keeps the right answers,
     # and the student distils the teacher on those (rejection-sampled sequence-level KD; off-policy, both signals).
     "verified_kd": ("forward KL on the teacher's own responses that the reward accepts (`trainer.mode=off_policy` on "
                     "responses the teacher wrote: 4 samples at T=1 a training prompt, the first right one kept)",
-                    ["trainer.mode=off_policy", "data.train_path={out}/verified_s{n}.jsonl"]),
+                    ["trainer.mode=off_policy", VERIFIED]),
     # The same verified responses as targets rather than the teacher's distribution on them: rejection-sampling
     # fine-tuning on the teacher's samples (RFT). The teacher writes and the verifier chooses; no logits are distilled.
     "verified_sft": ("SFT on the teacher's own responses that the reward accepts (the same data as `verified_kd`)",
-                     ["trainer.mode=sft", "teacher.client=none", "data.train_path={out}/verified_s{n}.jsonl"]),
+                     [*SFT, VERIFIED]),
     "verified_sft_long": ("`verified_sft` for 1000 steps (3e-4 decayed to 3e-5 over them)",
-                          ["trainer.mode=sft", "teacher.client=none", "data.train_path={out}/verified_s{n}.jsonl",
-                           "trainer.num_steps=1000"]),
+                          [*SFT, VERIFIED, LONG]),
     # Not a form: what the records' own worked solutions (always right) teach this student with the same budget.
     "sft_ceiling": ("SFT on the records' worked solutions (the ground truth; no teacher, no reward)",
-                    ["trainer.mode=sft", "teacher.client=none"]),
+                    SFT),
     "sft_ceiling_long": ("`sft_ceiling` for 1000 steps (beside `verified_sft_long`)",
-                         ["trainer.mode=sft", "teacher.client=none", "trainer.num_steps=1000"]),
+                         [*SFT, LONG]),
 }
 WHY = {"reward/mean": "mean reward", "pg/teacher_kl": "sampled-token KL to the teacher",
        "rollout/response_length_mean": "response length"}
@@ -225,13 +226,11 @@ def errors(out: pathlib.Path, seeds: list[int], samples: int = 8) -> None:
         wrong = [i for i, score in enumerate(figures["student"]["greedy"]) if score < 1]
         teacher_wrong = [i for i in wrong if figures["teacher"]["greedy"][i] < 1]
 
-        def reached(name: str) -> int:
-            return sum(max(figures[name]["sampled"][i]) >= 1 for i in wrong)
-
+        reached = {name: sum(max(figures[name]["sampled"][i]) >= 1 for i in wrong) for name in ("student", "teacher")}
         share = len(wrong) or 1
         print(f"| {seed} | {len(wrong)} of {len(figures['student']['greedy'])} | {len(teacher_wrong)} "
-              f"({len(teacher_wrong) / share:.2f}) | {reached('student')} ({reached('student') / share:.2f}) | "
-              f"{reached('teacher')} ({reached('teacher') / share:.2f}) | "
+              f"({len(teacher_wrong) / share:.2f}) | {reached['student']} ({reached['student'] / share:.2f}) | "
+              f"{reached['teacher']} ({reached['teacher'] / share:.2f}) | "
               f"{sum(score < 1 for score in figures['teacher']['greedy'])} |")
 
 
