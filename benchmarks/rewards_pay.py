@@ -73,8 +73,12 @@ FORMS: dict[str, tuple[str, list[str]]] = {
     # fine-tuning on the teacher's samples (RFT). The teacher writes and the verifier chooses; no logits are distilled.
     "verified_sft": ("SFT on the teacher's own responses that the reward accepts (the same data as `verified_kd`)",
                      [*SFT, VERIFIED]),
-    "verified_sft_long": ("`verified_sft` for 1000 steps (3e-4 decayed to 3e-5 over them)",
+    "verified_sft_long": ("`verified_sft` for 1000 steps (3e-4 decayed to 3e-5 over them): configs/demo_verified_sft.yaml",
                           [*SFT, VERIFIED, LONG]),
+    # The fifth round: more of the teacher's right answers (8 samples a prompt, every right one kept): more prompts
+    # covered and several right solutions of each.
+    "verified_all_sft_long": ("`verified_sft_long` on every right response of 8 teacher samples a prompt",
+                              [*SFT, "data.train_path={out}/verified_all_s{n}.jsonl", LONG]),
     # Not a form: what the records' own worked solutions (always right) teach this student with the same budget.
     "sft_ceiling": ("SFT on the records' worked solutions (the ground truth; no teacher, no reward)",
                     SFT),
@@ -106,29 +110,27 @@ def run(form: str, seed: int, out: pathlib.Path, extra: list[str], from_start: b
     return run_command(member(form, seed), out, [*start, *overrides, *seeds, *extra])
 
 
-def write_verified(out: pathlib.Path, seed: int, samples: int = 4) -> pathlib.Path:
-    """``<out>/verified_s<seed>.jsonl``: each training prompt of seed ``seed``'s task with the first of ``samples``
-    responses of the teacher (T=1) that the eval's scorer accepts; prompts with none are left out."""
-    from megatron_gkd.recipes import demo, greedy
-    from megatron_gkd.rewards.answers import final_answer
+def write_verified(out: pathlib.Path, seed: int, samples: int = 4, keep: int | None = 1,
+                   name: str = "verified") -> pathlib.Path:
+    """``<out>/<name>_s<seed>.jsonl``: for each training prompt of seed ``seed``'s task, the first ``keep`` of
+    ``samples`` responses of the teacher (T=1) that the reward accepts (the library's ``teacher_samples --verify
+    final_answer``, as configs/demo_verified_sft.yaml says; ``keep`` None: every right one); prompts with none are
+    left out."""
+    from megatron_gkd.recipes import demo, teacher_samples
 
-    path = out / f"verified_s{seed}.jsonl"
-    if path.exists():
-        return path
-    task = out / f"{member('distilled', seed)}_task" / "train.jsonl"
-    records = [json.loads(line) for line in task.read_text().splitlines() if line.strip()]
-    scores, texts = greedy.sampled_scores(demo.ASSETS / "teacher", task, final_answer, max_tokens=EVAL_TOKENS,
-                                          temperature=1.0, n=samples, seed=seed)
-    kept = [{**record, "response": row_texts[row_scores.index(1.0)]}
-            for record, row_scores, row_texts in zip(records, scores, texts, strict=True) if 1.0 in row_scores]
-    path.with_suffix(".tmp").write_text("".join(json.dumps(record) + "\n" for record in kept))
-    path.with_suffix(".tmp").rename(path)
-    print(f"verified_s{seed}: {len(kept)} of {len(records)} prompts with a right teacher response", flush=True)
+    path = out / f"{name}_s{seed}.jsonl"
+    if not path.exists():
+        teacher_samples.sample_teacher(demo.ASSETS / "teacher", out / f"{member('distilled', seed)}_task" / "train.jsonl",
+                                       path.with_suffix(".tmp"), n=samples, max_tokens=EVAL_TOKENS, seed=seed,
+                                       verify="final_answer", keep=keep)
+        path.with_suffix(".tmp").rename(path)
     return path
 
 
 # Forms whose data is made first, once per seed.
-PREPARE = dict.fromkeys(("verified_kd", "verified_sft", "verified_sft_long"), write_verified)
+PREPARE = {**dict.fromkeys(("verified_kd", "verified_sft", "verified_sft_long"), write_verified),
+           "verified_all_sft_long": lambda out, seed: write_verified(out, seed, samples=8, keep=None,
+                                                                     name="verified_all")}
 
 
 def summarise(directory: pathlib.Path) -> dict:
