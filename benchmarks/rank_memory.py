@@ -12,6 +12,9 @@ Settings (``SETTINGS``), each its config overrides on top of the shape's layout 
 ``fused``      ``release`` and the fused loss (``loss.fused=true``: no ``[s, b, V/tp]`` logits or their gradient)
 ``recompute``  ``fused`` and full activation recomputation (``student.recompute=full``)
 ``selective``  ``fused`` and Megatron's selective recomputation (``student.recompute=selective``)
+``local``      ``release`` with the teacher on the rank (``teacher.client=local``: one process, as TRL's trainer holds
+               its teacher), scoring its top-k there instead of a teacher service sending hidden states
+``local_full`` ``local`` with ``fused``'s and ``recompute``'s settings
 =============  =================================================================================================
 
 Figures per setting: the rank's and the teacher service's peak RSS and their sum (GiB), the median step and weight-sync
@@ -39,6 +42,8 @@ SETTINGS = {
     "recompute": [*RELEASE, "loss.fused=true", "student.recompute=full"],
     "selective": [*RELEASE, "loss.fused=true", "student.recompute=selective"],
 }
+LOCAL = ["teacher.client=local", "teacher.checkpoint={teacher}", "teacher.serve.model=null", "teacher.signal=topk"]
+SETTINGS.update({"local": [*RELEASE, *LOCAL], "local_full": [*SETTINGS["recompute"], *LOCAL]})
 
 
 def measure(shape: str, setting: str, args) -> tuple[float, float, float, float]:
@@ -54,7 +59,8 @@ def measure(shape: str, setting: str, args) -> tuple[float, float, float, float]
     if not figures.exists():
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trl_compare.py"), "--shapes", shape,
                         "--lengths", str(args.length), "--steps", str(args.steps), "--skip", str(args.skip),
-                        "--systems", "ours", "--out", str(out), "--ours-override", *SETTINGS[setting]], check=True)
+                        "--systems", "ours", "--out", str(out), "--ours-override",
+                        *(o.format(teacher=shared / shape / "teacher") for o in SETTINGS[setting])], check=True)
     run = json.loads(figures.read_text())
     return (max(run["peak_rss_gib"]), run["teacher_rss_gib"] or 0.0, median_after(run["step_times"], args.skip),
             median_after(run["phases"]["weight_sync"], args.skip))
