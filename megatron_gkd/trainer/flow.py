@@ -4,8 +4,9 @@
 token's loss coefficient, the cuts every rank agrees on, the teacher rows each micro-batch carries).
 
 A batch is an :class:`InFlight`: ``produce`` makes its samples, records which teacher scores each one (once) and
-sends the remote teachers' requests; ``prepare`` waits for it, asks a colocated teacher, gets the rows and returns
-:class:`Prepared` (the micro-batches and what the loop logs of them).
+sends the remote teachers' requests and its annotators' (:mod:`.annotations`: the rewards, any other); ``prepare``
+waits for it, asks a colocated teacher, gets the rows and the annotations and returns :class:`Prepared` (the
+micro-batches and what the loop logs of them).
 
 Every rank runs the same calls in the same order (they are collectives on the control group, the TP
 group or the rollout server's group); a failure on one rank (a teacher past its deadline) stops every
@@ -23,13 +24,14 @@ from megatron_gkd.config import needs_teacher
 from megatron_gkd.config.partial import partial_rollouts
 from megatron_gkd.data.tokenization import pad_id
 from megatron_gkd.rollout.types import RolloutBatch
+from megatron_gkd.trainer.annotations import Annotations, Annotator
 from megatron_gkd.trainer.batch import rank_samples, share_rows
 from megatron_gkd.trainer.components import build_reward_runner
 from megatron_gkd.trainer.dynamic_sampling import round_seed, sample_informative
 from megatron_gkd.trainer.eval import record_fields
 from megatron_gkd.trainer.microbatcher import MicroBatcher
 from megatron_gkd.trainer.partial import PartialRollout, groups_batch, staleness_metrics
-from megatron_gkd.trainer.reward_exchange import RewardExchange, RewardsFailed
+from megatron_gkd.trainer.reward_exchange import REWARDS, RewardExchange, RewardsFailed
 from megatron_gkd.trainer.sample_mix import (
     STUDENT,
     Mixture,
@@ -64,10 +66,12 @@ class InFlight:
         assignment: the indices in ``samples`` that each teacher scores ``{teacher name: [index]}``, recorded when the
             samples are made (:meth:`TeacherExchange.assign`); every later use reads it.
         teacher: this rank's requests ``{teacher name: Request}`` (ranks that ask a teacher), or None.
-        pending: disaggregated rollout: the future of ``(rollout, samples, assignment, teacher, reward)`` from the
+        pending: disaggregated rollout: the future of ``(rollout, samples, assignment, teacher, sent)`` from the
             rollout thread.
-        reward: the future of this rank's rewards (:mod:`.reward_exchange`; ranks that compute them), or None.
-        rewards: this rank's rewards, one per sample, once :meth:`BatchFlow.prepare` has them, or None.
+        sent: each annotator's handle by name (:mod:`.annotations`; the rewards' is the future of this rank's rewards
+            on the ranks that compute them, else None).
+        annotations: each annotator's value by name once :meth:`BatchFlow.prepare` has them (``rewards``: this rank's,
+            one per sample, or None).
         sources: each prompt's source (``student``, ``dataset`` or ``teacher``) with ``sample_mix``, else None.
         answers: each prompt's answer (None where it has none) with ``sample_mix``, else None.
         partial: partial rollouts' ``rollout/partial/*`` metrics of the step that sampled it, else None.
@@ -84,8 +88,8 @@ class InFlight:
     assignment: dict[str, list[int]] | None = None
     teacher: object = None
     pending: object = None
-    reward: object = None
-    rewards: list[float] | None = None
+    sent: dict = dataclasses.field(default_factory=dict)
+    annotations: dict = dataclasses.field(default_factory=dict)
     sources: list[str] | None = None
     answers: list[str | None] | None = None
     partial: dict | None = None
@@ -98,7 +102,7 @@ class InFlight:
         if self.failure is not None:
             raise self.failure
         if self.pending is not None:
-            self.rollout, self.samples, self.assignment, self.teacher, self.reward = self.pending.result()
+            self.rollout, self.samples, self.assignment, self.teacher, self.sent = self.pending.result()
             self.pending = None
 
 
@@ -131,10 +135,11 @@ class BatchFlow:
             and loads their heads).
         rollout: the run's :class:`~megatron_gkd.trainer.rollout_handle.Rollout` (None when nothing is sampled).
         stop_ids: ids that end a response (stripped before its reward is computed).
+        annotators: annotators of each batch's samples besides the rewards (:mod:`.annotations`), in order.
     """
 
     def __init__(self, config, state, *, control, dp_group, tokenizer, timers, teachers: Teachers, rollout=None,
-                 stop_ids=()):
+                 stop_ids=(), annotators: tuple[Annotator, ...] = ()):
         self.config, self.state, self.control, self.timers, self.rollout = config, state, control, timers, rollout
         self.loss_kind = config.trainer.run_mode.loss_kind
         self.pad_id = pad_id(tokenizer)
@@ -147,6 +152,7 @@ class BatchFlow:
         self.rewards = RewardExchange(enabled=config.reward.enabled, control=control, timers=timers,
                                       runner=build_reward_runner(config, asks=self.exchange.is_teacher_rank),
                                       tokenizer=tokenizer, stop_token_ids=stop_ids)
+        self.annotations = Annotations([self.rewards, *annotators])
         self.mix = None  # GKD's mixture (sample_mix), or None
         if config.sample_mix.enabled:
             self.mix = Mixture(config, state, control=control, teachers=teachers, asks_teacher=self.exchange.is_teacher_rank,
@@ -249,12 +255,12 @@ class BatchFlow:
         if needs_teacher(self.config):
             with self.timers("teacher_send"):
                 teacher = self.exchange.request(samples, assignment)
-        if rewards is None:
-            reward = self.rewards.send(samples, fields)  # decoded here, computed in the reward worker meanwhile
-        else:
+        known = None
+        if rewards is not None:  # already known (dynamic sampling): this rank's share of them
             rows = share_rows(rollout, len(records), self.state.data_parallel_size, self.state.dp_rank)
-            reward = self.rewards.known([rewards[row] for row in rows])
-        return InFlight(index, data_state, prompt_indices, rollout, samples, assignment, teacher, reward=reward,
+            known = {REWARDS: self.rewards.known([rewards[row] for row in rows])}
+        sent = self.annotations.send(samples, fields, known)  # e.g. the rewards: decoded here, computed in their worker
+        return InFlight(index, data_state, prompt_indices, rollout, samples, assignment, teacher, sent=sent,
                         sources=sources, answers=answers, partial=partial, dynamic=dynamic)
 
     def _background_share(self, rollout, prompt_indices, prompt_groups, fields, sources=None):
@@ -263,12 +269,13 @@ class BatchFlow:
         samples = rank_samples(rollout, self.state, prompt_indices, prompt_groups, sources)
         assignment = self.exchange.assign(samples)
         teacher = self.exchange.request(samples, assignment, local=False) if needs_teacher(self.config) else None
-        return rollout, samples, assignment, teacher, self.rewards.send(samples, fields)
+        return rollout, samples, assignment, teacher, self.annotations.send(samples, fields)
 
     def annotation_metrics(self, batch: InFlight) -> dict:
-        """The teachers', the rewards', the rollout server's and the mixture's metrics of a trained batch (collective over every rank)."""
+        """The teachers', the annotators' (the rewards'), the rollout server's and the mixture's metrics of a trained
+        batch (collective over every rank)."""
         metrics = {**self.exchange.metrics(batch.teacher, batch.samples),
-                   **self.rewards.metrics(batch.rewards, [sample.group for sample in batch.samples or []])}
+                   **self.annotations.metrics(batch.annotations, batch.samples or [])}
         if self.rollout is not None and self.rollout.in_background:  # the rollout server's restarts
             metrics.update(self.rollout.metrics())
         rl = self.config.rl
@@ -300,8 +307,8 @@ class BatchFlow:
                                           tcad=not scoring))
             batch.teacher = asked
         outputs = exchange.outputs(batch.teacher)
-        if not scoring:  # computed meanwhile; waited for after the teacher's rows (a no-op without rewards)
-            batch.rewards = self.rewards.receive(batch.reward)
+        if not scoring:  # computed meanwhile; waited for after the teacher's rows
+            batch.annotations = self.annotations.receive(batch.sent)
         with self.timers("batch"):
             distills = scoring or self.loss_kind.needs_teacher
             rows = exchange.rows(samples, assignment, outputs, tcad=not scoring) if distills else {}

@@ -68,7 +68,7 @@ class Trainer:
             self._build_rollout()
         with phase("teacher_wait"):
             self._connect_teacher()
-            self.flow.rewards.wait_ready()  # the reward worker started with the flow (a no-op without rewards)
+            self.flow.annotations.wait_ready()  # the reward worker started with the flow (a no-op without rewards)
         with phase("resume"):
             self._resume()
         startup = run_metrics.startup_metrics(phase.pop())
@@ -309,7 +309,7 @@ class Trainer:
         for name, action in (("progress", lambda: self.progress and self.progress.close()),
                              ("metrics", lambda: self.writer and self.writer.close()),
                              ("teacher clients", lambda: teachers and teachers.close_clients()),
-                             ("reward runner", lambda: self.flow and self.flow.rewards.close()),
+                             ("annotators", lambda: self.flow and self.flow.annotations.close()),
                              ("rollout", lambda: self.rollout and self.rollout.close()),
                              ("teacher services", lambda: teachers and teachers.stop_services())):
             try:

@@ -21,6 +21,7 @@ from megatron_gkd.trainer.batch import (
 )
 from megatron_gkd.trainer.partial import token_staleness
 from megatron_gkd.trainer.policy import policy_share, tp_rewards
+from megatron_gkd.trainer.reward_exchange import REWARDS
 
 
 class MicroBatcher:
@@ -56,7 +57,8 @@ class MicroBatcher:
         if not rl.enabled or not self.state.is_pipeline_last_stage:
             return None
         samples = batch.samples
-        rewards = tp_rewards(batch.rewards, len(samples), self.state.tp_group) if rl.combination.uses_reward else None
+        rewards = (tp_rewards(batch.annotations[REWARDS], len(samples), self.state.tp_group)
+                   if rl.combination.uses_reward else None)
         weights = {teacher.name: teacher.weight for teacher in self.teachers}
         return policy_share(self.config, samples, rewards, rows, weights, num_tokens=batch.rollout.num_generated_tokens,
                             num_sequences=batch.rollout.num_samples, step=batch.index)

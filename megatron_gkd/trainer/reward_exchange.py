@@ -1,5 +1,5 @@
-"""A batch's rewards, as one more annotation of its samples: sent beside the teacher request, waited for
-before the step trains, and measured over the global batch.
+"""A batch's rewards, the first annotation of its samples (:mod:`.annotations`): sent beside the teacher request,
+waited for before the step trains, and measured over the global batch; the batch keeps them under ``rewards``.
 
 | when | what :class:`RewardExchange` does | collective |
 |---|---|---|
@@ -8,6 +8,7 @@ before the step trains, and measured over the global batch.
 | update | :meth:`receive`: waits (timer ``reward_wait``); a ``RewardFailed`` on any rank stops every rank | every rank |
 | sampling | ``rl.dynamic_sampling``: per round :meth:`send`, :meth:`receive`, :meth:`gather`; then :meth:`known` | every rank |
 | update | :meth:`metrics`: ``reward/mean``, ``reward/min``, ``reward/max`` over every data-parallel share | every rank |
+| shutdown | :meth:`close`: stops the worker | no |
 
 Rewards are computed on the ranks that ask the teacher (one per data-parallel share: the last pipeline stage's
 TP rank 0), each for its own share; the other ranks hold no runner and take part in the collectives only. A
@@ -42,8 +43,13 @@ class RewardsFailed(Exception):
         self.error = error
 
 
+REWARDS = "rewards"
+"""The rewards' name among a batch's annotations."""
+
+
 class RewardExchange:
-    """Sends each batch's rewards to the runner and shares their outcome over the ranks.
+    """Sends each batch's rewards to the runner and shares their outcome over the ranks (an
+    :class:`~megatron_gkd.trainer.annotations.Annotator` named ``rewards``).
 
     Args:
         enabled: rewards are computed in this run (``reward.kind`` is set; the same on every rank).
@@ -58,6 +64,7 @@ class RewardExchange:
                  control, timers):
         assert runner is None or enabled
         self.enabled, self.runner, self.tokenizer, self.control, self.timers = enabled, runner, tokenizer, control, timers
+        self.name = REWARDS
         self._stop = set(stop_token_ids)
         if enabled:
             logger.info("rewards are computed and logged (reward/*)")
@@ -155,14 +162,15 @@ class RewardExchange:
                 for share in range(state.data_parallel_size)]
         return self.gather(values, rows, state.dp_rank)
 
-    def metrics(self, values: list[float] | None, groups: Sequence[int] | None = None) -> dict[str, float]:
+    def metrics(self, values: list[float] | None, samples: Sequence | None = None) -> dict[str, float]:
         """``reward/mean``, ``reward/min``, ``reward/max`` over every rank's rewards (collective when rewards are on)
-        and, with ``groups`` (each value's prompt group; a group's samples on one rank) of more than one sample,
-        ``reward/informative_groups``: the fraction of prompt groups whose rewards differ, the only groups from which
-        a group baseline (GRPO, RLOO, Dr. GRPO) learns anything."""
+        and, where ``samples`` (the rewarded samples; a prompt group's samples on one rank) hold groups of more than one
+        sample, ``reward/informative_groups``: the fraction of prompt groups whose rewards differ, the only groups from
+        which a group baseline (GRPO, RLOO, Dr. GRPO) learns anything."""
         if not self.enabled:
             return {}
         values = values or []
+        groups = None if samples is None else [sample.group for sample in samples]
         by_group: dict[int, set[float]] = {}
         for group, value in zip(groups or [], values):
             by_group.setdefault(group, set()).add(value)

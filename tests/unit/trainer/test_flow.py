@@ -71,7 +71,7 @@ class Tokenizer:
         return " ".join(map(str, ids))
 
 
-def _flow(*overrides, rollout=None, runner=None):
+def _flow(*overrides, rollout=None, runner=None, annotators=()):
     """A flow over the fake engine and teacher (``rollout``: another fake engine; ``runner``: a fake reward runner in
     the reward worker's place)."""
     config = load_config(BASE, list(overrides))
@@ -90,7 +90,7 @@ def _flow(*overrides, rollout=None, runner=None):
     with unittest.mock.patch("megatron_gkd.trainer.flow.build_reward_runner",
                              (lambda config, asks: runner) if runner is not None else build_reward_runner):
         flow = BatchFlow(config, state, control=None, dp_group=None, tokenizer=Tokenizer(), timers=Timers(),
-                         teachers=teachers, rollout=rollout or Rollout(), stop_ids=(EOS,))
+                         teachers=teachers, rollout=rollout or Rollout(), stop_ids=(EOS,), annotators=annotators)
     return config, flow, calls
 
 
@@ -108,6 +108,47 @@ def test_the_teacher_assignment_is_made_once_per_batch():
     scoring = flow.scoring_batch(batch.rollout, batch.prompt_indices, [None] * len(batch.prompt_indices))
     flow.prepare(scoring, scoring=True)
     assert len(calls) == 2  # a scoring batch records its own, once
+
+
+class Lengths:
+    """A new annotator in one class (:mod:`megatron_gkd.trainer.annotations`): each sample's response length, sent when
+    the samples are made, received in the update, its mean logged."""
+
+    name = "lengths"
+
+    def __init__(self):
+        self.sent, self.ready, self.closed = [], False, False
+
+    def wait_ready(self):
+        self.ready = True
+
+    def send(self, samples, records):
+        self.sent.append(sorted(records))
+        future = concurrent.futures.Future()
+        future.set_result([sample.response_len for sample in samples])
+        return future
+
+    def receive(self, handle):
+        return handle.result()
+
+    def metrics(self, value, samples):
+        return {"lengths/mean": sum(value) / len(samples)}
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_new_annotator_is_its_class_passed_to_the_flow():
+    lengths = Lengths()
+    _, flow, _ = _flow(annotators=(lengths,))
+    flow.annotations.wait_ready()
+    batch = flow.produce(0, RECORDS, {}, version=0)
+    assert lengths.ready and lengths.sent == [[r.index for r in RECORDS]] and batch.annotations == {}
+    flow.prepare(batch)
+    assert batch.annotations == {"rewards": None, "lengths": [RESPONSE] * len(batch.samples)}
+    assert flow.annotation_metrics(batch)["lengths/mean"] == RESPONSE
+    flow.annotations.close()
+    assert lengths.closed
 
 
 def test_prepare_returns_the_confidence_metrics_instead_of_keeping_them():
@@ -223,7 +264,7 @@ def test_dynamic_sampling_trains_only_groups_whose_rewards_differ_and_refills_th
     prepared = flow.prepare(batch)
     assert len(runner.batches) == 3  # one reward call per round; the kept ones are not rewarded again
     rewards = [float(int(s.tokens[s.prompt_len + 1]) == 7) for s in batch.samples]
-    assert batch.rewards == rewards and rewards == [1.0, 0.0] * 8  # the rewards follow their samples
+    assert batch.annotations["rewards"] == rewards and rewards == [1.0, 0.0] * 8  # the rewards follow their samples
     assert bool((_advantages(prepared) != 0).all())  # every trained group has a reward advantage
     metrics = flow.annotation_metrics(batch)
     assert {k: v for k, v in metrics.items() if k.startswith("rl/dynamic")} == {

@@ -3,6 +3,7 @@ runner as text with their records, the rewards come back under the ``reward_wait
 the runner's RewardFailed, and a run without rewards adds nothing."""
 
 import concurrent.futures
+import types
 import unittest.mock
 
 import pytest
@@ -121,10 +122,15 @@ def test_known_rewards_are_answered_at_once_on_the_ranks_that_compute_them():
     assert exchange(None).known([1.0]) is None
 
 
+def _grouped(groups: list[int]) -> list:
+    """Samples as the metrics read them: their prompt group."""
+    return [types.SimpleNamespace(group=group) for group in groups]
+
+
 def test_the_share_of_prompt_groups_whose_rewards_differ_is_logged_for_groups_of_several_samples():
     rewards = exchange(object())
     # groups 3 (1, 0: differ), 5 (1, 1) and 8 (0, 0, 0): one of three teaches a group baseline anything
-    metrics = rewards.metrics([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0], groups=[3, 3, 5, 5, 8, 8, 8])
+    metrics = rewards.metrics([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0], _grouped([3, 3, 5, 5, 8, 8, 8]))
     assert metrics["reward/informative_groups"] == pytest.approx(1 / 3)
-    assert "reward/informative_groups" not in rewards.metrics([1.0, 0.0], groups=[0, 1])  # one sample a prompt
+    assert "reward/informative_groups" not in rewards.metrics([1.0, 0.0], _grouped([0, 1]))  # one sample a prompt
     assert "reward/informative_groups" not in rewards.metrics([1.0, 0.0])
