@@ -30,6 +30,7 @@ def prompts(tmp_path_factory):
     return out / "train.jsonl"
 
 
+@pytest.mark.slow  # two vLLM engines (about 30 s); the default suite is at its 30 minutes
 def test_the_verifier_keeps_only_right_responses_at_most_one_a_prompt(prompts, tmp_path):
     everything, verified = tmp_path / "all.jsonl", tmp_path / "verified.jsonl"
     counts = sample_teacher(TEACHER, prompts, everything, n=4, seed=3)
