@@ -30,6 +30,7 @@ import concurrent.futures
 import json
 import pathlib
 import statistics
+import threading
 
 # `python benchmarks/rewards_pay.py` puts benchmarks/ on the path: the demo's runner and its curve reader.
 from demo_spread import ROOT, SEED, curve, run_command
@@ -105,7 +106,8 @@ def run(form: str, seed: int, out: pathlib.Path, extra: list[str], from_start: b
     start = [] if from_start else [f"student.checkpoint={out / member('distilled', seed)}/hf/step_{DISTILL_STEPS}",
                                    *PHASE_2]
     if form in PREPARE:
-        PREPARE[form](out, seed)
+        with PREPARING:  # one vLLM engine at a time in this process: two built at once in two threads hang
+            PREPARE[form](out, seed)
     overrides = [override.format(out=out, n=seed) for override in FORMS[form][1]]
     return run_command(member(form, seed), out, [*start, *overrides, *seeds, *extra])
 
@@ -127,6 +129,7 @@ def write_verified(out: pathlib.Path, seed: int, samples: int = 4, keep: int | N
     return path
 
 
+PREPARING = threading.Lock()
 # Forms whose data is made first, once per seed.
 PREPARE = {**dict.fromkeys(("verified_kd", "verified_sft", "verified_sft_long"), write_verified),
            "verified_all_sft_long": lambda out, seed: write_verified(out, seed, samples=8, keep=None,
