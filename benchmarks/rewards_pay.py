@@ -30,6 +30,8 @@ import concurrent.futures
 import json
 import pathlib
 import statistics
+import subprocess
+import sys
 import threading
 
 # `python benchmarks/rewards_pay.py` puts benchmarks/ on the path: the demo's runner and its curve reader.
@@ -106,7 +108,7 @@ def run(form: str, seed: int, out: pathlib.Path, extra: list[str], from_start: b
     start = [] if from_start else [f"student.checkpoint={out / member('distilled', seed)}/hf/step_{DISTILL_STEPS}",
                                    *PHASE_2]
     if form in PREPARE:
-        with PREPARING:  # one vLLM engine at a time in this process: two built at once in two threads hang
+        with PREPARING:  # one teacher engine at a time (two at once in two threads of one process hung)
             PREPARE[form](out, seed)
     overrides = [override.format(out=out, n=seed) for override in FORMS[form][1]]
     return run_command(member(form, seed), out, [*start, *overrides, *seeds, *extra])
@@ -115,16 +117,19 @@ def run(form: str, seed: int, out: pathlib.Path, extra: list[str], from_start: b
 def write_verified(out: pathlib.Path, seed: int, samples: int = 4, keep: int | None = 1,
                    name: str = "verified") -> pathlib.Path:
     """``<out>/<name>_s<seed>.jsonl``: for each training prompt of seed ``seed``'s task, the first ``keep`` of
-    ``samples`` responses of the teacher (T=1) that the reward accepts (the library's ``teacher_samples --verify
-    final_answer``, as configs/demo_verified_sft.yaml says; ``keep`` None: every right one); prompts with none are
-    left out."""
-    from megatron_gkd.recipes import demo, teacher_samples
+    ``samples`` responses of the teacher (T=1) that the reward accepts, by the recipe's own command
+    (``python -m megatron_gkd.recipes.teacher_samples --verify final_answer``, as configs/demo_verified_sft.yaml says;
+    ``keep`` None: every right one); prompts with none are left out. A process of its own each time: the engines
+    built one after another in this process kept their memory until vLLM refused the next KV cache."""
+    from megatron_gkd.recipes import demo
 
     path = out / f"{name}_s{seed}.jsonl"
     if not path.exists():
-        teacher_samples.sample_teacher(demo.ASSETS / "teacher", out / f"{member('distilled', seed)}_task" / "train.jsonl",
-                                       path.with_suffix(".tmp"), n=samples, max_tokens=EVAL_TOKENS, seed=seed,
-                                       verify="final_answer", keep=keep)
+        subprocess.run([sys.executable, "-m", "megatron_gkd.recipes.teacher_samples", "--teacher",
+                        str(demo.ASSETS / "teacher"), "--prompts", str(out / f"{member('distilled', seed)}_task" / "train.jsonl"),
+                        "--out", str(path.with_suffix(".tmp")), "--n", str(samples), "--max-tokens", str(EVAL_TOKENS),
+                        "--seed", str(seed), "--verify", "final_answer", *(["--keep", str(keep)] if keep else [])],
+                       check=True, cwd=ROOT)
         path.with_suffix(".tmp").rename(path)
     return path
 
