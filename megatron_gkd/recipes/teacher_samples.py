@@ -83,7 +83,8 @@ def sample_teacher(teacher: str | pathlib.Path, prompts_path: str | pathlib.Path
                              "verify")
     engine = build_engine("vllm", model=str(teacher), tensor_parallel_size=1, max_model_len=max_model_len,
                           seed=seed, pad_token_id=tokenizer.pad_token_id or 0)
-    counts = {"prompts": len(records), "samples": 0, "ended": 0, "kept": 0, "prompts_kept": 0, "tokens": 0}
+    counts = {"prompts": len(records), "samples": 0, "ended": 0, "accepted": 0, "kept": 0, "prompts_kept": 0,
+              "tokens": 0}
     try:
         with pathlib.Path(out).open("w") as handle:
             for begin in range(0, len(records), chunk):
@@ -98,6 +99,7 @@ def sample_teacher(teacher: str | pathlib.Path, prompts_path: str | pathlib.Path
                 scores = (scorer([batch.prompt(i) for i in ended], [batch.response(i) for i in ended],
                                  [record_fields(block[g]) for g in groups])
                           if scorer is not None else [math.inf] * len(ended))  # unverified: every ended one
+                counts["accepted"] += sum(score >= min_score for score in scores)
                 ended = [i for i, take in zip(ended, accepted(groups, scores, min_score=min_score, keep=keep)) if take]
                 counts["prompts_kept"] += len({int(batch.group_ids[i]) for i in ended})
                 for i in ended:
@@ -108,9 +110,10 @@ def sample_teacher(teacher: str | pathlib.Path, prompts_path: str | pathlib.Path
                     counts["tokens"] += len(ids)
     finally:
         engine.close()
-    logger.info("teacher samples: %d of %d kept (%d cut by max_tokens%s), %d of %d prompts with one, %d response "
+    logger.info("teacher samples: %d of %d kept (%d cut by max_tokens%s%s), %d of %d prompts with one, %d response "
                 "tokens, in %s", counts["kept"], counts["samples"], counts["samples"] - counts["ended"],
-                f", {counts['ended'] - counts['kept']} left out by {verify}" if verify else "",
+                f", {counts['ended'] - counts['accepted']} refused by {verify}" if verify else "",
+                f", {counts['accepted'] - counts['kept']} past --keep {keep}" if keep else "",
                 counts["prompts_kept"], counts["prompts"], counts["tokens"], out)
     return counts
 

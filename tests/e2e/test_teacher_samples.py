@@ -47,6 +47,7 @@ def test_the_verifier_keeps_only_right_responses_at_most_one_a_prompt(prompts, t
             firsts.setdefault(record["prompt"], record)
     assert chosen == list(firsts.values())
     assert kept["kept"] == kept["prompts_kept"] == len(chosen) and kept["prompts"] == 48
+    assert kept["accepted"] == sum(final_answer(r["response"], r["answer"]) == 1.0 for r in written)
 
 
 def test_a_verifier_needs_the_answers_it_reads(tmp_path):
