@@ -153,8 +153,11 @@ def run_ours(assets: pathlib.Path, out: pathlib.Path, args, shape: str, length: 
     startup = next(r["time/startup/total"] for r in records if "time/startup/total" in r)
     marker = "megatron-gkd summary: "  # the entry point's one-line summary, for scripts
     summary = json.loads(next(line for line in log.splitlines() if line.startswith(marker))[len(marker):])
-    # The teacher service's own line as it stops (TRL's one process holds its teacher; ours is beside the ranks).
-    stopped = re.findall(r"teacher serve stopped: peak RSS ([0-9.]+) GiB", (out / "teacher_service.log").read_text())
+    # The teacher service's own line as it stops (TRL's one process holds its teacher; ours is beside the ranks, unless
+    # it is on them: teacher.client=local starts no service).
+    service_log = out / "teacher_service.log"
+    stopped = re.findall(r"teacher serve stopped: peak RSS ([0-9.]+) GiB",
+                         service_log.read_text() if service_log.exists() else "")
     return {"system": "ours", "steps": len(steps), "step_times": [r["time/step"] for r in steps],
             "phases": {p: [r.get(f"time/{p}", 0.0) for r in steps] for p in PHASES}, "startup_s": startup,
             "command_s": command_s, "peak_rss_gib": summary.get("peak_rss_gib_per_rank"),
