@@ -60,11 +60,12 @@ class RewardExchange:
         timers: the trainer's phase timers.
     """
 
+    name = REWARDS
+
     def __init__(self, *, enabled: bool, runner: RewardRunner | None, tokenizer, stop_token_ids: Sequence[int],
                  control, timers):
         assert runner is None or enabled
         self.enabled, self.runner, self.tokenizer, self.control, self.timers = enabled, runner, tokenizer, control, timers
-        self.name = REWARDS
         self._stop = set(stop_token_ids)
         if enabled:
             logger.info("rewards are computed and logged (reward/*)")
