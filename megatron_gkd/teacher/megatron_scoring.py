@@ -1,9 +1,12 @@
 """Scoring with a sharded Megatron-Core teacher: the per-rank function behind ``megatron`` and ``local``.
 
 Every rank of the teacher's model-parallel group calls :meth:`MegatronScorer.score` with the same
-batch (a collective). Each sequence is one micro-batch of Megatron's forward-only pipeline schedule;
-the last pipeline stage turns its ``[L, V/tp]`` logit shard into the TeacherOutput rows without ever
-gathering the vocabulary:
+batch (a collective). The sequences go through Megatron's forward-only pipeline schedule in micro-batches of several,
+right-padded (invisible to the real positions under causal attention), at most ``max_batch_tokens`` padded tokens each.
+The last stage's output layer is swapped for the forward (:func:`megatron_gkd.models.output_layer.capture_output_layer`):
+the model returns its input, the final hidden states, and the scorer applies the output weight to each sequence's
+response rows only, so the ``[b, L, V/tp]`` logits of every position never exist; each sequence's ``[T, V/tp]``
+logit shard becomes its TeacherOutput rows without ever gathering the vocabulary:
 
 - log-partition: ``logsumexp`` over the shard, all-gathered over TP (``[T]`` per rank) and combined;
 - top-k: :func:`megatron_gkd.losses.vocab_parallel_topk` (local top-k, all-gather of ``[T, k]``);
@@ -15,10 +18,9 @@ The rows (row t predicts response token t, from position ``response_start + t - 
 broadcast from the last stage to the whole model-parallel group, so every rank returns the outputs.
 Output-table rows past the tokenizer (padded embeddings) are masked out before normalising.
 
-The hidden signal is the input of the last stage's output layer (after the final norm), read by a
-forward pre-hook during the same forward that gives the token log-probs. Without sequence parallelism
-it is replicated over TP; with it each TP rank holds a slice of the sequence, which is all-gathered
-(as the column-parallel output layer itself does). ``[T, h]`` per sequence is broadcast like the rows.
+The hidden signal is that same input of the output layer (after the final norm): replicated over TP without sequence
+parallelism, all-gathered along the sequence with it (as the column-parallel output layer itself does). ``[T, h]`` per
+sequence is broadcast like the rows.
 """
 
 from __future__ import annotations
@@ -29,15 +31,22 @@ import logging
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from megatron_gkd.data.tokenization import tokenizer_digest
 from megatron_gkd.losses import vocab_parallel_topk
 from megatron_gkd.losses.shard_ops import LocalSupport, ShardLayout, combine_shards
 from megatron_gkd.models import load_hf, parallel_state_of, resolve_checkpoint, unwrap
+from megatron_gkd.models.output_layer import capture_output_layer
 from megatron_gkd.parallel import run_schedule
+from megatron_gkd.teacher.forward_groups import forward_groups, padded_length
 from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, SequenceRequest, TeacherError, TeacherOutput
 
 logger = logging.getLogger(__name__)
+
+MAX_BATCH_TOKENS = 8192
+"""Padded tokens per micro-batch by default (as the ``hf`` backend's forward passes): the working set is their hidden
+states and attention, and one sequence's response logits at a time."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -79,20 +88,20 @@ def load_teacher(path: str, dtype: str = "float32", *, state,
 def score_rows(logits: torch.Tensor, sequence: SequenceRequest, top_k: int, temperature: float,
                tokenizer_size: int, tp_group: dist.ProcessGroup | None,
                hidden: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """TeacherOutput rows of one sequence from its ``[L, V/tp]`` logit shard (collective over TP).
+    """TeacherOutput rows of one sequence from the ``[T, V/tp]`` logit shard of its response rows (collective over TP):
+    row t is the logits at position ``response_start + t - 1``, which predict response token t.
 
     Args:
-        hidden: the hidden signal: the output layer's input ``[L, h]`` (whole sequence, every TP
-            rank); then no top-k is computed and ``top_k`` is not read.
+        hidden: the hidden signal: the output layer's input at the same rows ``[T, h]`` (every TP rank); then no
+            top-k is computed and ``top_k`` is not read.
 
     Returns:
         ``token_logprobs`` ``[T]`` and either ``topk_ids`` ``[T, k]``, ``topk_logprobs`` ``[T, k]`` and,
         when ids were requested, ``requested_logprobs`` ``[T, m]``, or (hidden) ``hidden`` ``[T, h]``;
         float32 log-probs and hidden states.
     """
-    start, end = sequence.response_start, len(sequence.token_ids)
-    # [T, V/tp]; fp32 so that bf16 teachers normalise without rounding the log-partition.
-    scaled = logits[start - 1:end - 1].float() / temperature
+    # fp32 so that bf16 teachers normalise without rounding the log-partition.
+    scaled = logits.float() / temperature
     layout = ShardLayout.of(tp_group, scaled.shape[-1])
     if layout.vocab_start + layout.vocab_size_local > tokenizer_size:
         padded = torch.arange(layout.vocab_size_local, device=scaled.device) + layout.vocab_start >= tokenizer_size
@@ -106,7 +115,7 @@ def score_rows(logits: torch.Tensor, sequence: SequenceRequest, top_k: int, temp
     support = LocalSupport.of(support_ids, torch.ones_like(support_ids, dtype=torch.bool), layout)
     lse, support_logits = combine_shards(local_lse, support.gather(scaled, torch.float32), layout)
     if hidden is not None:
-        return {"token_logprobs": support_logits[:, 0] - lse, "hidden": hidden[start - 1:end - 1].float()}
+        return {"token_logprobs": support_logits[:, 0] - lse, "hidden": hidden.float()}
     ids, values = vocab_parallel_topk(scaled, top_k, tp_group)
     rows = {"topk_ids": ids, "topk_logprobs": values - lse[:, None],
             "token_logprobs": support_logits[:, 0] - lse}
@@ -122,14 +131,15 @@ class MegatronScorer:
         chunks: this rank's model chunks (one per virtual pipeline stage), e.g. from :func:`load_teacher`.
         vocab: the teacher's vocabulary sizes.
         device: device of the model's activations (:func:`megatron_gkd.platform.device`).
+        max_batch_tokens: padded tokens (sequences x their longest) per micro-batch; a longer sequence is a
+            micro-batch of its own.
     """
 
-    def __init__(self, chunks: list[torch.nn.Module], vocab: TeacherVocab, device: torch.device):
+    def __init__(self, chunks: list[torch.nn.Module], vocab: TeacherVocab, device: torch.device, *,
+                 max_batch_tokens: int = MAX_BATCH_TOKENS):
         self.chunks, self.vocab, self.device = chunks, vocab, device
+        self.max_batch_tokens = max_batch_tokens
         self.hidden_size = int(unwrap(chunks[0]).config.hidden_size)
-        # The last stage's output layer (None elsewhere): its input is the hidden signal.
-        self._output_layer = next((unwrap(c).output_layer for c in chunks
-                                   if getattr(unwrap(c), "output_layer", None) is not None), None)
         state = parallel_state_of(chunks[0])  # the layout the teacher was loaded on
         self._tp_group = state.tp_group
         sequence_parallel = bool(getattr(unwrap(chunks[0]).config, "sequence_parallel", False))
@@ -159,51 +169,48 @@ class MegatronScorer:
         rows = self._forward(batch)
         return self._broadcast(rows, batch)
 
+    def micro_batches(self, lengths: list[int]) -> tuple[list[list[int]], int | None, int]:
+        """The sequences' indices per micro-batch, in order, the rows of every micro-batch (``None``: each its own
+        count) and the padded length of the longest sequence.
+
+        Pipeline stages exchange fixed-shape activations, so there every micro-batch has the same rows (the last one
+        filled with empty rows) at the batch's longest length; a single stage runs
+        :func:`~megatron_gkd.teacher.forward_groups.forward_groups`, each at its own longest length.
+        """
+        longest = padded_length(max(lengths), self._sequence_multiple)
+        if not self._pipelined:
+            return list(forward_groups(lengths, self.max_batch_tokens, self._sequence_multiple)), None, longest
+        rows = max(1, min(len(lengths), self.max_batch_tokens // longest))
+        return [list(range(first, min(first + rows, len(lengths)))) for first in range(0, len(lengths), rows)], \
+            rows, longest
+
     def _forward(self, batch: ScoreBatch) -> list[dict[str, torch.Tensor]]:
-        # Pipeline stages exchange fixed-shape activations, so there every micro-batch has the batch's
-        # longest length; a single stage runs each sequence at its own length. Sequence parallelism
-        # splits the sequence over TP: lengths are rounded up to a multiple of its size. Right padding
-        # is invisible to the real positions under causal attention.
-        multiple = self._sequence_multiple
-        longest = -(-max(len(s.token_ids) for s in batch.sequences) // multiple) * multiple
+        groups, fixed_rows, longest = self.micro_batches([len(s.token_ids) for s in batch.sequences])
         rows: list[dict[str, torch.Tensor]] = []
-        captured: list[torch.Tensor] = []  # the output layer's input of the micro-batch in flight
 
         def forward_step(data_iterator, model):
-            sequence = next(data_iterator)
-            length = longest if self._pipelined else -(-len(sequence.token_ids) // multiple) * multiple
-            tokens = torch.zeros(1, length, dtype=torch.long, device=self.device)
-            tokens[0, :len(sequence.token_ids)] = torch.as_tensor(sequence.token_ids, device=self.device)
-            position_ids = torch.arange(length, device=self.device)[None]
-            output = model(tokens, position_ids, attention_mask=None)
+            group = [batch.sequences[index] for index in next(data_iterator)]
+            length = longest if self._pipelined else padded_length(max(len(s.token_ids) for s in group), self._sequence_multiple)
+            tokens = torch.zeros(fixed_rows or len(group), length, dtype=torch.long, device=self.device)
+            for row, sequence in enumerate(group):  # right-padded; a pipeline's filler rows stay empty
+                tokens[row, :len(sequence.token_ids)] = torch.as_tensor(sequence.token_ids, device=self.device)
+            position_ids = torch.arange(length, device=self.device)[None].expand(len(tokens), -1)
+            with capture_output_layer(model, self._tp_group) as captured:
+                output = model(tokens, position_ids, attention_mask=None)
 
-            def collect(logits):  # last stage only: logits [1, L, V/tp]
-                hidden = self._gather_hidden(captured.pop()) if batch.is_hidden else None
-                rows.append(score_rows(logits[0], sequence, batch.top_k, batch.temperature,
-                                       self.vocab.tokenizer_size, self._tp_group, hidden))
-                return logits.new_zeros(()), {}
+            def collect(hidden):  # last stage only: the output layer's input [b, L, h]
+                for row, sequence in enumerate(group):
+                    response = hidden[row, sequence.response_start - 1:len(sequence.token_ids) - 1]  # [T, h]
+                    rows.append(score_rows(F.linear(response, captured.weight), sequence, batch.top_k,
+                                           batch.temperature, self.vocab.tokenizer_size, self._tp_group,
+                                           response if batch.is_hidden else None))
+                return hidden.new_zeros(()), {}
 
             return output, collect
 
-        hook = None
-        if batch.is_hidden and self._output_layer is not None:
-            hook = self._output_layer.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
-        try:
-            run_schedule(self.chunks, forward_step, batch.sequences, seq_length=longest, micro_batch_size=1,
-                         forward_only=True)
-        finally:
-            if hook is not None:
-                hook.remove()
+        run_schedule(self.chunks, forward_step, groups, seq_length=longest, micro_batch_size=fixed_rows or 1,
+                     forward_only=True)
         return rows
-
-    def _gather_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[L, h]`` of the output layer's input ``[L, 1, h]`` (``[L/tp, 1, h]`` under sequence
-        parallelism: gathered over TP, a collective of the last stage's TP group)."""
-        if getattr(self._output_layer, "sequence_parallel", False):
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-            hidden = gather_from_sequence_parallel_region(hidden, group=self._tp_group)
-        return hidden[:, 0]
 
     def _broadcast(self, rows: list[dict[str, torch.Tensor]], batch: ScoreBatch) -> list[TeacherOutput]:
         lengths = [s.num_response_tokens for s in batch.sequences]

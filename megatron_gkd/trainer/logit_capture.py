@@ -1,61 +1,18 @@
 """The student's logits as the last stage's output layer makes them, kept for the loss: Megatron's ``GPTModel`` would
 otherwise hand back a transposed copy of them (or, fused, never build them). :func:`capture_logits` keeps the
-``[s, b, V/tp]`` shard; :func:`capture_output_layer` keeps the final hidden states and the output weight instead;
-:func:`student_logits` makes either the one source every term of the loss reads.
+``[s, b, V/tp]`` shard; :func:`~megatron_gkd.models.output_layer.capture_output_layer` keeps the final hidden states
+and the output weight instead; :func:`student_logits` makes either the one source every term of the loss reads.
 """
 
 from __future__ import annotations
 
-import contextlib
 import types
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from megatron_gkd.losses.student_logits import FusedLogits, LogitShard, StudentLogits
-from megatron_gkd.models import unwrap
-
-
-@contextlib.contextmanager
-def _patched_output_layer(model, captured: types.SimpleNamespace, make_forward) -> Iterator[types.SimpleNamespace]:
-    """Replaces the last stage's output-layer ``forward`` by ``make_forward(layer)`` for the block
-    (nothing on other stages) and yields ``captured``."""
-    gpt = unwrap(model)
-    layer = getattr(gpt, "output_layer", None) if getattr(gpt, "post_process", False) else None
-    if layer is None:
-        yield captured
-        return
-    layer.forward = make_forward(layer)
-    try:
-        yield captured
-    finally:
-        del layer.forward
-
-
-def capture_output_layer(model, tp_group):
-    """Makes the last stage's ``GPTModel`` return its final hidden states ``[b, s, h]`` instead of
-    logits; ``captured.weight`` is then the output-layer weight (the shared embedding when tied).
-
-    With sequence parallelism the hidden states are gathered along the sequence (backward:
-    reduce-scatter), as the column-parallel output layer would.
-    """
-    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-    captured = types.SimpleNamespace(weight=None, sequence_parallel=False)
-
-    def make_forward(layer):
-        captured.sequence_parallel = bool(getattr(layer, "sequence_parallel", False))
-
-        def forward(hidden, weight=None, runtime_gather_output=None):
-            captured.weight = layer.weight if weight is None else weight
-            if captured.sequence_parallel:
-                hidden = gather_from_sequence_parallel_region(hidden, group=tp_group)
-            return hidden, None
-
-        return forward
-
-    return _patched_output_layer(model, captured, make_forward)
+from megatron_gkd.models.output_layer import patch_output_layer
 
 
 def capture_logits(model):
@@ -78,7 +35,7 @@ def capture_logits(model):
 
         return forward
 
-    return _patched_output_layer(model, captured, make_forward)
+    return patch_output_layer(model, captured, make_forward)
 
 
 def student_logits(spec, captured: types.SimpleNamespace, output: torch.Tensor, tp_group) -> StudentLogits:

@@ -22,9 +22,10 @@ from megatron_gkd.losses.sampled_kl import mismatch_sums
 from megatron_gkd.losses.student_logits import StudentLogits
 from megatron_gkd.losses.terms import divergence_term, policy_gradient_term
 from megatron_gkd.models import unwrap
+from megatron_gkd.models.output_layer import capture_output_layer
 from megatron_gkd.parallel import run_schedule
 from megatron_gkd.trainer.batch import MicroBatch
-from megatron_gkd.trainer.logit_capture import capture_logits, capture_output_layer, student_logits
+from megatron_gkd.trainer.logit_capture import capture_logits, student_logits
 from megatron_gkd.trainer.metrics import teacher_suffix
 from megatron_gkd.trainer.specs import LossSpec, LossSpecs, PolicySpec, spec_for
 

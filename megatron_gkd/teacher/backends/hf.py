@@ -25,6 +25,7 @@ import torch
 from megatron_gkd.data.tokenization import tokenizer_digest
 from megatron_gkd.teacher import sampling
 from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
+from megatron_gkd.teacher.forward_groups import forward_groups
 from megatron_gkd.teacher.identity import checkpoint_fingerprint
 from megatron_gkd.teacher.types import ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError, TeacherOutput
 
@@ -94,7 +95,7 @@ class HFBackend(TeacherBackend):
             if sequence.requested_ids is not None:
                 self._check_ids(sequence.requested_ids, "requested id")
         outputs = []
-        for group in self._groups([len(sequence.token_ids) for sequence in batch.sequences]):
+        for group in forward_groups([len(sequence.token_ids) for sequence in batch.sequences], self._max_batch_tokens):
             outputs += self._score_group([batch.sequences[i] for i in group], batch)
         return outputs
 
@@ -102,18 +103,6 @@ class HFBackend(TeacherBackend):
         if ids.size and (int(ids.max()) >= self._tokenizer_size or int(ids.min()) < 0):
             raise TeacherError(ErrorCode.BAD_REQUEST, f"{what} {int(ids.max())} is outside the "
                                f"teacher's vocabulary of {self._tokenizer_size}")
-
-    def _groups(self, lengths):
-        """Consecutive indices of ``lengths`` whose padded batch (longest x count) stays within ``max_batch_tokens``."""
-        group, longest = [], 0
-        for index, length in enumerate(lengths):
-            if group and max(longest, length) * (len(group) + 1) > self._max_batch_tokens:
-                yield group
-                group, longest = [], 0
-            group.append(index)
-            longest = max(longest, length)
-        if group:
-            yield group
 
     def _head_is_last(self) -> bool:
         """The model's logits are its output layer applied to its decoder's last hidden state, nothing after (no
@@ -196,7 +185,8 @@ class HFBackend(TeacherBackend):
         rows = [(prompt, sample) for prompt in range(len(batch.prompts)) for sample in range(batch.num_samples)]
         uniforms = sampling.row_uniforms(batch)  # [response, token]
         samples = []
-        for group in self._groups([len(batch.prompts[prompt]) + batch.max_tokens for prompt, _ in rows]):
+        for group in forward_groups([len(batch.prompts[prompt]) + batch.max_tokens for prompt, _ in rows],
+                                    self._max_batch_tokens):
             responses = self._generate_group([batch.prompts[rows[r][0]] for r in group], batch,
                                              uniforms[group])
             samples += [GeneratedSample(prompt_index=rows[r][0], response_ids=ids) for r, ids in zip(group, responses)]

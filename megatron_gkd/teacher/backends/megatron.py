@@ -29,7 +29,7 @@ from megatron_gkd import parallel, platform
 from megatron_gkd.teacher import sampling
 from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
 from megatron_gkd.teacher.identity import checkpoint_fingerprint
-from megatron_gkd.teacher.megatron_scoring import MegatronScorer, load_teacher
+from megatron_gkd.teacher.megatron_scoring import MAX_BATCH_TOKENS, MegatronScorer, load_teacher
 from megatron_gkd.teacher.types import (
     TEACHER_SIGNALS,
     ErrorCode,
@@ -64,11 +64,12 @@ class MegatronBackend(TeacherBackend):
         virtual_pipeline_model_parallel_size: VPP size (chunks per pipeline rank).
         expert_model_parallel_size: EP size (MoE teachers).
         max_top_k: largest k served.
+        max_batch_tokens: padded tokens per micro-batch of a score (:class:`MegatronScorer`).
     """
 
     def __init__(self, model: str, dtype: str = "float32", tensor_model_parallel_size: int = 1,
                  pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: int | None = None,
-                 expert_model_parallel_size: int = 1, max_top_k: int = 4096):
+                 expert_model_parallel_size: int = 1, max_top_k: int = 4096, max_batch_tokens: int = MAX_BATCH_TOKENS):
         if not platform.is_set_up():  # the server process: before anything imports Megatron-Core
             platform.setup()
 
@@ -78,7 +79,7 @@ class MegatronBackend(TeacherBackend):
                                     expert_model_parallel_size=expert_model_parallel_size)
         self._device = platform.device()
         chunks, vocab = load_teacher(model, dtype, state=state)
-        self._scorer = MegatronScorer(chunks, vocab, self._device)
+        self._scorer = MegatronScorer(chunks, vocab, self._device, max_batch_tokens=max_batch_tokens)
         self._closed = False
         self._info = BackendInfo(
             name="megatron", vocab_size=vocab.vocab_size, tokenizer_size=vocab.tokenizer_size,

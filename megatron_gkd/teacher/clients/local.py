@@ -20,7 +20,7 @@ import torch
 from megatron_gkd import platform
 from megatron_gkd.teacher import wire
 from megatron_gkd.teacher.clients import CollectiveTeacherClient, TeacherInfo
-from megatron_gkd.teacher.megatron_scoring import MegatronScorer, load_teacher
+from megatron_gkd.teacher.megatron_scoring import MAX_BATCH_TOKENS, MegatronScorer, load_teacher
 from megatron_gkd.teacher.types import ScoreBatch, TeacherOutput
 
 logger = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class LocalTeacherClient(CollectiveTeacherClient):
         dtype: parameter dtype name.
         offload: keep the weights in host memory between calls (no-op with a warning on ``cpu``).
         max_top_k: largest k served.
+        max_batch_tokens: padded tokens per micro-batch of a score (:class:`MegatronScorer`).
     """
 
     @classmethod
@@ -86,10 +87,10 @@ class LocalTeacherClient(CollectiveTeacherClient):
         return cls(model=config.checkpoint, state=state, offload=config.offload)
 
     def __init__(self, model: str, dtype: str = "float32", offload: bool = False, max_top_k: int = 4096, *,
-                 state=None):
+                 max_batch_tokens: int = MAX_BATCH_TOKENS, state=None):
         super().__init__(max_inflight=1)
         chunks, vocab = load_teacher(model, dtype, state=state)
-        self._scorer = MegatronScorer(chunks, vocab, platform.device())
+        self._scorer = MegatronScorer(chunks, vocab, platform.device(), max_batch_tokens=max_batch_tokens)
         self._max_top_k = min(max_top_k, vocab.tokenizer_size)
         self._offload = WeightOffload(chunks, offload)
         self._offload.to_host()

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from megatron_gkd.teacher import ScoreBatch, SequenceRequest
+from megatron_gkd.teacher.forward_groups import forward_groups
 from megatron_gkd.testing.distributed import run_distributed
 from megatron_gkd.testing.hf_models import make_tiny_checkpoint
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher, build_tiny_teacher
@@ -27,10 +28,15 @@ pytestmark = pytest.mark.distributed
 
 VOCAB = 512
 PADDED_VOCAB = VOCAB + 32  # output rows past the tokenizer: never in the top-k, no probability mass
+# Micro-batches of several sequences, right-padded: by default a batch here is one micro-batch; "-micro" layouts cut
+# it into several (test_micro_layouts_cut_batches_into_several), the pipeline's last one filled with an empty row.
+MICRO_TOKENS = 64
 LAYOUTS = {
     "tp1": {},
     "tp2": dict(tensor_model_parallel_size=2),
     "pp2": dict(pipeline_model_parallel_size=2),
+    "tp1-micro": dict(max_batch_tokens=MICRO_TOKENS),
+    "pp2-micro": dict(pipeline_model_parallel_size=2, max_batch_tokens=MICRO_TOKENS),
 }
 
 
@@ -182,12 +188,21 @@ def test_megatron_backend_matches_transformers(results, reference, layout):
     assert leader[layout + "-info"]["supports_requested_ids"]
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "tp1-micro", "pp2-micro"])
 def test_parallel_layouts_equal_tp1(results, layout):
     leader, _ = results
     # Ids identical. Values may differ by float32 rounding: TP=2 sums the row-parallel matmuls in
     # another order, ~2e-5 on this teacher's wide logits; the bound is the reference tolerance.
     _assert_same(leader[layout], leader["tp1"], atol=1e-4)
+
+
+def test_micro_layouts_cut_batches_into_several():
+    """The "-micro" layouts score the first batch (lengths 2, 9, 20, 21, 30) in several micro-batches of several
+    sequences (what MegatronScorer.micro_batches makes of it); the pipeline's in micro-batches of 2 rows, the last
+    one filled with an empty row."""
+    lengths = [len(sequence.token_ids) for sequence in _batches()[0].sequences]
+    assert list(forward_groups(lengths, MICRO_TOKENS)) == [[0, 1, 2], [3, 4]]
+    assert MICRO_TOKENS // max(lengths) == 2 and len(lengths) % 2
 
 
 def test_bad_requests_are_refused_and_the_ranks_stay_in_step(results):

@@ -263,8 +263,8 @@ def _clip_body(checkpoint: str, fused: bool, epochs: int, mini_batches: int, lr:
     from megatron_gkd import parallel
     from megatron_gkd.config.schema import RLConfig
     from megatron_gkd.models import load_hf, unwrap
+    from megatron_gkd.models.output_layer import capture_output_layer
     from megatron_gkd.trainer.batch import build_microbatch, teacher_rows, token_coefficients
-    from megatron_gkd.trainer.logit_capture import capture_output_layer
     from megatron_gkd.trainer.optim import OptimizerConfig, build_optimizer, wrap_for_training
     from megatron_gkd.trainer.policy import policy_share
     from megatron_gkd.trainer.specs import LossSpec, PolicySpec
