@@ -170,27 +170,32 @@ class MegatronScorer:
         return self._broadcast(rows, batch)
 
     def micro_batches(self, lengths: list[int]) -> tuple[list[list[int]], int | None, int]:
-        """The sequences' indices per micro-batch, in order, the rows of every micro-batch (``None``: each its own
-        count) and the padded length of the longest sequence.
+        """The sequences' indices per micro-batch, the rows of every micro-batch (``None``: each its own count) and
+        the padded length of the longest sequence.
 
         Pipeline stages exchange fixed-shape activations, so there every micro-batch has the same rows (the last one
-        filled with empty rows) at the batch's longest length; a single stage runs
-        :func:`~megatron_gkd.teacher.forward_groups.forward_groups`, each at its own longest length.
+        filled with empty rows) at the batch's longest length, the sequences in order. A single stage takes them
+        shortest first (a ragged batch then pads little) in
+        :func:`~megatron_gkd.teacher.forward_groups.forward_groups`, each micro-batch at its own longest length.
         """
         longest = padded_length(max(lengths), self._sequence_multiple)
-        if not self._pipelined:
-            return list(forward_groups(lengths, self.max_batch_tokens, self._sequence_multiple)), None, longest
-        rows = max(1, min(len(lengths), self.max_batch_tokens // longest))
-        return [list(range(first, min(first + rows, len(lengths)))) for first in range(0, len(lengths), rows)], \
-            rows, longest
+        if self._pipelined:
+            rows = max(1, min(len(lengths), self.max_batch_tokens // longest))
+            return [list(range(first, min(first + rows, len(lengths)))) for first in range(0, len(lengths), rows)], \
+                rows, longest
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)
+        groups = forward_groups([lengths[i] for i in order], self.max_batch_tokens, self._sequence_multiple)
+        return [[order[i] for i in group] for group in groups], None, longest
 
     def _forward(self, batch: ScoreBatch) -> list[dict[str, torch.Tensor]]:
         groups, fixed_rows, longest = self.micro_batches([len(s.token_ids) for s in batch.sequences])
-        rows: list[dict[str, torch.Tensor]] = []
+        rows: dict[int, dict[str, torch.Tensor]] = {}  # by the sequence's index in the batch (last stage only)
 
         def forward_step(data_iterator, model):
-            group = [batch.sequences[index] for index in next(data_iterator)]
-            length = longest if self._pipelined else padded_length(max(len(s.token_ids) for s in group), self._sequence_multiple)
+            indices = next(data_iterator)
+            group = [batch.sequences[index] for index in indices]
+            length = longest if self._pipelined else padded_length(max(len(s.token_ids) for s in group),
+                                                                   self._sequence_multiple)
             tokens = torch.zeros(fixed_rows or len(group), length, dtype=torch.long, device=self.device)
             for row, sequence in enumerate(group):  # right-padded; a pipeline's filler rows stay empty
                 tokens[row, :len(sequence.token_ids)] = torch.as_tensor(sequence.token_ids, device=self.device)
@@ -199,18 +204,18 @@ class MegatronScorer:
                 output = model(tokens, position_ids, attention_mask=None)
 
             def collect(hidden):  # last stage only: the output layer's input [b, L, h]
-                for row, sequence in enumerate(group):
+                for row, (index, sequence) in enumerate(zip(indices, group)):
                     response = hidden[row, sequence.response_start - 1:len(sequence.token_ids) - 1]  # [T, h]
-                    rows.append(score_rows(F.linear(response, captured.weight), sequence, batch.top_k,
-                                           batch.temperature, self.vocab.tokenizer_size, self._tp_group,
-                                           response if batch.is_hidden else None))
+                    rows[index] = score_rows(F.linear(response, captured.weight), sequence, batch.top_k,
+                                             batch.temperature, self.vocab.tokenizer_size, self._tp_group,
+                                             response if batch.is_hidden else None)
                 return hidden.new_zeros(()), {}
 
             return output, collect
 
         run_schedule(self.chunks, forward_step, groups, seq_length=longest, micro_batch_size=fixed_rows or 1,
                      forward_only=True)
-        return rows
+        return [rows[index] for index in sorted(rows)]
 
     def _broadcast(self, rows: list[dict[str, torch.Tensor]], batch: ScoreBatch) -> list[TeacherOutput]:
         lengths = [s.num_response_tokens for s in batch.sequences]
