@@ -75,8 +75,17 @@ class SafetensorsCheckpoint:
         self.close()
 
 
-def load_weights(model: torch.nn.Module, checkpoint: SafetensorsCheckpoint) -> int:
-    """Copies this rank's slices of the HF tensors into every parameter of ``model``; returns bytes read.
+def load_weights(model: torch.nn.Module, checkpoint: SafetensorsCheckpoint, *, in_place: bool = False) -> int:
+    """Fills every parameter of ``model`` with this rank's slices of the HF tensors (a copy, or ``in_place`` the file's
+    map); returns bytes read.
+
+    Args:
+        in_place: a host tensor whose shard is one HF tensor's slice as the file stores it (same dtype, contiguous:
+            no fusion, no TP split along a later dim) takes the file's memory map as its storage instead of a copy.
+            For a model that is never trained (a teacher): loading reads nothing, a forward reads the pages it
+            touches (embedding rows of tokens never seen stay on disk), and the pages are the page cache's, which
+            the kernel may drop and read again instead of swapping. The map is private: a write would copy the page,
+            never reach the file.
 
     Raises:
         KeyError: a tensor the mapping needs is missing from the checkpoint.
@@ -97,7 +106,10 @@ def load_weights(model: torch.nn.Module, checkpoint: SafetensorsCheckpoint) -> i
                 f"{tuple(tensor.shape)} on this rank; the config does not match the weights"
             )
         with torch.no_grad():
-            tensor.copy_(value)
+            if in_place and tensor.device.type == "cpu" and value.dtype == tensor.dtype and value.is_contiguous():
+                tensor.data = value  # the build's allocation, never written, is freed
+            else:
+                tensor.copy_(value)
         num_bytes += sum(piece.numel() * piece.element_size() for piece in slices)
         del slices, value
     return num_bytes
@@ -109,6 +121,7 @@ def load_hf(
     dtype: torch.dtype = torch.float32,
     state=None,
     use_transformer_engine: bool | None = None,
+    in_place: bool = False,
     **config_overrides,
 ) -> list[torch.nn.Module]:
     """This rank's ``GPTModel`` chunks with the weights of the HF checkpoint at ``path``.
@@ -122,6 +135,8 @@ def load_hf(
         dtype: parameter dtype (the checkpoint's tensors are converted on copy).
         state: the parallel state (default: the initialised one).
         use_transformer_engine: Transformer Engine layer specs; default: when TE imports.
+        in_place: host parameters the file stores as they are take its memory map instead of a copy
+            (:func:`load_weights`); only for a model that is never trained.
         config_overrides: ``TransformerConfig`` fields to override (e.g. recompute settings).
 
     Returns:
@@ -139,7 +154,7 @@ def load_hf(
         **config_overrides,
     )
     with SafetensorsCheckpoint(path) as checkpoint:
-        num_bytes = sum(load_weights(chunk, checkpoint) for chunk in chunks)
+        num_bytes = sum(load_weights(chunk, checkpoint, in_place=in_place) for chunk in chunks)
     logger.info("loaded %.1f MB of %s from %s", num_bytes / 2**20, chunks[0].hf_model_info.architecture.name, path)
     return chunks
 

@@ -72,7 +72,7 @@ def load_teacher(path: str, dtype: str = "float32", *, state,
     from transformers import AutoTokenizer
 
     path = resolve_checkpoint(path, dtype=dtype)  # a GGUF: weights and tokenizer from one conversion
-    chunks = load_hf(path, dtype=getattr(torch, dtype), state=state, **config_overrides)
+    chunks = load_hf(path, dtype=getattr(torch, dtype), state=state, in_place=True, **config_overrides)
     for chunk in chunks:
         chunk.eval()
         chunk.requires_grad_(False)

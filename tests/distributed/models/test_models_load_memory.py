@@ -48,6 +48,35 @@ def _measure_load(path: str) -> dict:
     return dict(load=load.increase, shard=shard_bytes, control=control.increase)
 
 
+def _load_in_place(path: str) -> dict:
+    """Which parameters of a TP=2 ``load_hf(in_place=True)`` lie in the file's mapping, and which differ from a
+    copying load's."""
+    from megatron_gkd import parallel
+    from megatron_gkd.models import load_hf
+
+    parallel.initialize(tensor_model_parallel_size=2)
+    copied = dict(load_hf(path)[0].named_parameters())
+    mapped = load_hf(path, in_place=True)
+    file_pages = _file_mappings(os.path.join(path, "model.safetensors"))
+    in_file = {name: any(start <= p.data_ptr() < end for start, end in file_pages)
+               for name, p in mapped[0].named_parameters()}
+    unequal = [name for name, p in mapped[0].named_parameters() if not torch.equal(p, copied[name])]
+    parallel.destroy()
+    return dict(in_file=in_file, unequal=unequal)
+
+
+def _file_mappings(path: str) -> list[tuple[int, int]]:
+    """The address ranges this process maps ``path`` at (/proc/self/maps)."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and os.path.realpath(fields[5]) == os.path.realpath(path):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
 def test_tp2_load_stays_within_one_shard(tmp_path):
     path = make_tiny_checkpoint("LlamaForCausalLM", tmp_path / "large", **LARGE_LLAMA)
@@ -65,3 +94,19 @@ def test_tp2_load_stays_within_one_shard(tmp_path):
         assert bound < 0.8 * full_bytes, f"test model too small to tell a shard from the model: {mb}"
         assert result["load"] < bound, f"rank {rank} allocated {mb['load']} loading (bound {bound / 2**20:.0f} MB): {mb}"
         assert result["control"] > 0.9 * full_bytes, f"the meter missed a full materialisation: {mb}"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
+def test_in_place_load_maps_the_file_where_it_stores_a_shard_as_it_is(tmp_path):
+    """``load_hf(in_place=True)`` (the teacher's load): at TP=2 the vocabulary-parallel embedding and output-layer
+    shards (rows of the file's tensors) and the replicated norms are the file's pages; the fused QKV and fc1 and the
+    row-parallel slices (columns: not contiguous in the file) are copies; every value equals the copying load's."""
+    path = make_tiny_checkpoint("LlamaForCausalLM", tmp_path / "llama", seed=4)
+    for result in run_distributed(_load_in_place, 2, args=(path,), timeout=600):
+        assert result["unequal"] == []
+        in_file = result["in_file"]
+        for name in ("embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"):
+            assert in_file[name], name
+        fused = [name for name in in_file if "linear_qkv.weight" in name or "linear_fc1.weight" in name
+                 or "linear_proj.weight" in name or "linear_fc2.weight" in name]
+        assert fused and not any(in_file[name] for name in fused), [name for name in fused if in_file[name]]
