@@ -85,7 +85,9 @@ def load_weights(model: torch.nn.Module, checkpoint: SafetensorsCheckpoint, *, i
             For a model that is never trained (a teacher): loading reads nothing, a forward reads the pages it
             touches (embedding rows of tokens never seen stay on disk), and the pages are the page cache's, which
             the kernel may drop and read again instead of swapping. The map is private: a write would copy the page,
-            never reach the file.
+            never reach the file. The file must then not be rewritten in place while the model lives (reading a
+            truncated page is a SIGBUS, as for any mapped checkpoint, transformers' included); one replaced by a
+            rename is safe.
 
     Raises:
         KeyError: a tensor the mapping needs is missing from the checkpoint.
