@@ -75,19 +75,21 @@ class SafetensorsCheckpoint:
         self.close()
 
 
-def load_weights(model: torch.nn.Module, checkpoint: SafetensorsCheckpoint, *, in_place: bool = False) -> int:
-    """Fills every parameter of ``model`` with this rank's slices of the HF tensors (a copy, or ``in_place`` the file's
-    map); returns bytes read.
+def load_weights(model: torch.nn.Module, checkpoint: SafetensorsCheckpoint, *,
+                 maps: SafetensorsCheckpoint | None = None) -> int:
+    """Fills every parameter of ``model`` with this rank's slices of the HF tensors (a copy, or a slice of ``maps``);
+    returns bytes read.
 
     Args:
-        in_place: a host tensor whose shard is one HF tensor's slice as the file stores it (same dtype, contiguous:
-            no fusion, no TP split along a later dim) takes the file's memory map as its storage instead of a copy.
-            For a model that is never trained (a teacher): loading reads nothing, a forward reads the pages it
-            touches (embedding rows of tokens never seen stay on disk), and the pages are the page cache's, which
-            the kernel may drop and read again instead of swapping. The map is private: a write would copy the page,
-            never reach the file. The file must then not be rewritten in place while the model lives (reading a
-            truncated page is a SIGBUS, as for any mapped checkpoint, transformers' included); one replaced by a
-            rename is safe.
+        maps: another open of the same checkpoint, for a model that is never trained (a teacher): a host tensor whose
+            shard is one HF tensor's slice as the file stores it (same dtype, contiguous: no fusion, no TP split along
+            a later dim) takes that slice of ``maps``'s private memory map as its storage instead of a copy. Loading
+            then reads nothing of it, a forward reads the pages it touches (embedding rows of tokens never seen stay
+            on disk), and the pages are the page cache's, which the kernel may drop and read again instead of
+            swapping. The map lives as long as such a tensor; the copies are read through ``checkpoint``, whose map
+            goes (with the pages they touched) when it is closed. A write would copy the page, never reach the
+            file; the file must not be rewritten in place while the model lives (reading a truncated page is a
+            SIGBUS, as for any mapped checkpoint, transformers' included); one replaced by a rename is safe.
 
     Raises:
         KeyError: a tensor the mapping needs is missing from the checkpoint.
@@ -97,10 +99,9 @@ def load_weights(model: torch.nn.Module, checkpoint: SafetensorsCheckpoint, *, i
     for name, tensor, rule, fields in mapped_tensors(model, model.hf_model_info.rules):
         _, rank, size = shard_coordinates(rule, state)
         hf_names = rule.hf_names(fields)
-        slices = [
-            checkpoint.read(hf_name, tp_slice_index(checkpoint.shape(hf_name), dim, rank, size, hf_name))
-            for hf_name, dim in zip(hf_names, rule.tp_dims)
-        ]
+        indices = [tp_slice_index(checkpoint.shape(hf_name), dim, rank, size, hf_name)
+                   for hf_name, dim in zip(hf_names, rule.tp_dims)]
+        slices = [checkpoint.read(hf_name, index) for hf_name, index in zip(hf_names, indices)]
         value = rule.to_megatron(slices)
         if tuple(value.shape) != tuple(tensor.shape):
             raise ValueError(
@@ -108,8 +109,9 @@ def load_weights(model: torch.nn.Module, checkpoint: SafetensorsCheckpoint, *, i
                 f"{tuple(tensor.shape)} on this rank; the config does not match the weights"
             )
         with torch.no_grad():
-            if in_place and tensor.device.type == "cpu" and value.dtype == tensor.dtype and value.is_contiguous():
-                tensor.data = value  # the build's allocation, never written, is freed
+            if (maps is not None and value is slices[0] and tensor.device.type == "cpu" and value.dtype == tensor.dtype
+                    and value.is_contiguous()):
+                tensor.data = maps.read(hf_names[0], indices[0])  # the build's allocation, never written, is freed
             else:
                 tensor.copy_(value)
         num_bytes += sum(piece.numel() * piece.element_size() for piece in slices)
@@ -155,8 +157,8 @@ def load_hf(
         use_transformer_engine=use_transformer_engine,
         **config_overrides,
     )
-    with SafetensorsCheckpoint(path) as checkpoint:
-        num_bytes = sum(load_weights(chunk, checkpoint, in_place=in_place) for chunk in chunks)
+    with SafetensorsCheckpoint(path) as checkpoint, SafetensorsCheckpoint(path) as maps:
+        num_bytes = sum(load_weights(chunk, checkpoint, maps=maps if in_place else None) for chunk in chunks)
     logger.info("loaded %.1f MB of %s from %s", num_bytes / 2**20, chunks[0].hf_model_info.architecture.name, path)
     return chunks
 
