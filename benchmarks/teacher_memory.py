@@ -2,6 +2,7 @@
 
     python benchmarks/teacher_memory.py --shape 0.6b           # the 0.6B shape of benchmarks/trl_compare.py
     python benchmarks/teacher_memory.py --shape 0.1b --batches 16x36 64x128
+    python benchmarks/teacher_memory.py --backend megatron --batches 16x36 --signals topk    # the Megatron teacher
 
 Each measurement is a fresh process (its peak RSS is its own): import, build the backend (`hf`, float32, as the
 teacher service builds it), score one batch of random sequences twice, then report the peak RSS (`VmHWM`) and the
@@ -11,6 +12,11 @@ paths: `chunked` (the backend's: the decoder once, the output layer on the respo
 `whole` (the fallback for models whose logits are not their output layer on the last hidden state: the logits of
 every position at once), forced here by the probe's answer. The floor is the model's parameter bytes plus the
 process before the backend (torch and transformers imported).
+
+``--backend megatron``: the Megatron-Core teacher of ``teacher.client=local`` and the ``megatron`` backend (one gloo
+rank, ``load_hf`` and ``MegatronScorer``), its two paths `copied` (``load_hf(in_place=False)``: every parameter a
+copy) and `mapped` (``in_place=True``, how the teacher loads: the tensors the checkpoint stores as they are are slices
+of its memory map).
 """
 
 from __future__ import annotations
@@ -38,6 +44,30 @@ def status() -> dict[str, float]:
     return figures
 
 
+def megatron_scorer(teacher: str, in_place: bool):
+    """One gloo rank's Megatron teacher: ``(score(batch), tokenizer size, parameters)``."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_gkd import parallel, platform
+    from megatron_gkd.models import load_hf
+    from megatron_gkd.teacher.megatron_scoring import MegatronScorer, TeacherVocab
+
+    platform.setup()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    chunks = load_hf(teacher, state=parallel.initialize(), in_place=in_place)
+    for chunk in chunks:
+        chunk.eval()
+    size = int(chunks[0].vocab_size)
+    scorer = MegatronScorer(chunks, TeacherVocab(vocab_size=size, tokenizer_size=size, tokenizer_digest=""),
+                            torch.device("cpu"))
+    return scorer.score, size, [p for chunk in chunks for p in chunk.parameters()]
+
+
 def child(teacher: str, path: str, signal: str, rows: int, length: int) -> dict:
     peaks = {"RssAnon": 0.0, "RssFile": 0.0}
     done = threading.Event()
@@ -58,22 +88,26 @@ def child(teacher: str, path: str, signal: str, rows: int, length: int) -> dict:
     torch.set_num_threads(1)
     threading.Thread(target=sample, daemon=True).start()
     before = status()
-    if path == "whole":
-        hf.HFBackend._head_is_last = lambda self: False
-    backend = hf.HFBackend(teacher)
+    if path in ("copied", "mapped"):
+        score, vocab, parameters = megatron_scorer(teacher, in_place=path == "mapped")
+    else:
+        if path == "whole":
+            hf.HFBackend._head_is_last = lambda self: False
+        backend = hf.HFBackend(teacher)
+        score, vocab, parameters = backend.score, backend.info().tokenizer_size, list(backend._model.parameters())
     rng = np.random.default_rng(0)
     prompt = max(1, length // 3)
-    batch = ScoreBatch(sequences=[SequenceRequest(token_ids=rng.integers(5, backend.info().tokenizer_size, length),
+    batch = ScoreBatch(sequences=[SequenceRequest(token_ids=rng.integers(5, vocab, length),
                                                   response_start=prompt) for _ in range(rows)],
                        top_k=16, signal=signal, hidden_dtype="float32")
     times = []
     for _ in range(2):
         start = time.perf_counter()
-        backend.score(batch)
+        score(batch)
         times.append(time.perf_counter() - start)
     time.sleep(0.01)
     done.set()
-    model = sum(p.numel() * p.element_size() for p in backend._model.parameters()) / 2**30
+    model = sum(p.numel() * p.element_size() for p in parameters) / 2**30
     return {"path": path, "signal": signal, "rows": rows, "length": length, "before_gib": before["VmRSS"],
             "peak_gib": status()["VmHWM"], "anon_peak_gib": peaks["RssAnon"], "file_peak_gib": peaks["RssFile"],
             "model_gib": model, "score_s": min(times)}
@@ -85,6 +119,7 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", default=["16x36", "16x512"],
                         help="ROWSxLENGTH: sequences and their tokens (a third prompt); 16x36 is trl_compare's")
     parser.add_argument("--signals", nargs="+", default=["hidden", "topk"])
+    parser.add_argument("--backend", default="hf", choices=["hf", "megatron"])
     parser.add_argument("--root", default="outputs/trl_compare", help="where trl_compare builds its assets")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -100,7 +135,7 @@ def main() -> None:
     for batch in args.batches:
         rows, length = (int(part) for part in batch.split("x"))
         for signal in args.signals:
-            for path in ("whole", "chunked"):
+            for path in ("whole", "chunked") if args.backend == "hf" else ("copied", "mapped"):
                 spec = json.dumps({"teacher": str(teacher), "path": path, "signal": signal, "rows": rows,
                                    "length": length})
                 result = subprocess.run([sys.executable, __file__, "--child", spec], capture_output=True, text=True)
