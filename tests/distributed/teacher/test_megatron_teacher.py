@@ -1,7 +1,8 @@
 """The ``megatron`` backend and the ``local`` client against transformers, and across layouts.
 
 One spawn of two gloo ranks scores the same batches with the backend at TP=1 (two replicas), TP=2 and
-PP=2 (rank 0 leads, rank 1 follows through the tensor broadcast of each request), a padded output
+PP=2 (rank 0 leads, rank 1 follows through the tensor broadcast of each request), TP=1 and PP=2 again in
+micro-batches of at most 64 padded tokens (several micro-batches of several sequences), a padded output
 table at TP=2 and a Qwen3-MoE teacher at EP=2, then with the ``local`` client at TP=2 (offload
 requested: inert on cpu) and at TP=2 with sequence parallelism. The parent compares every layout with
 float64 transformers (top-k ids identical, log-probs within 1e-4, every row: row 0 and the last token
