@@ -48,24 +48,18 @@ def megatron_scorer(teacher: str, in_place: bool):
     """One gloo rank's Megatron teacher: ``(score(batch), tokenizer size, parameters)``."""
     import os
 
-    import torch
     import torch.distributed as dist
 
     from megatron_gkd import parallel, platform
-    from megatron_gkd.models import load_hf
-    from megatron_gkd.teacher.megatron_scoring import MegatronScorer, TeacherVocab
+    from megatron_gkd.teacher.megatron_scoring import MegatronScorer, load_teacher
 
     platform.setup()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    chunks = load_hf(teacher, state=parallel.initialize(), in_place=in_place)
-    for chunk in chunks:
-        chunk.eval()
-    size = int(chunks[0].vocab_size)
-    scorer = MegatronScorer(chunks, TeacherVocab(vocab_size=size, tokenizer_size=size, tokenizer_digest=""),
-                            torch.device("cpu"))
-    return scorer.score, size, [p for chunk in chunks for p in chunk.parameters()]
+    chunks, vocab = load_teacher(teacher, state=parallel.initialize(), in_place=in_place)
+    scorer = MegatronScorer(chunks, vocab, platform.device())
+    return scorer.score, vocab.tokenizer_size, [p for chunk in chunks for p in chunk.parameters()]
 
 
 def child(teacher: str, path: str, signal: str, rows: int, length: int) -> dict:

@@ -64,15 +64,16 @@ class TeacherVocab:
     tokenizer_digest: str
 
 
-def load_teacher(path: str, dtype: str = "float32", *, state,
+def load_teacher(path: str, dtype: str = "float32", *, state, in_place: bool = True,
                  **config_overrides) -> tuple[list[torch.nn.Module], TeacherVocab]:
     """This rank's teacher chunks (``models.load_hf`` on ``state``, the
     :class:`~megatron_gkd.parallel.ParallelState` to shard it with, ``None`` for the process's; in eval mode) and
-    its vocabulary sizes."""
+    its vocabulary sizes. ``in_place``: the weights the checkpoint stores as they are are its memory map, not copies
+    (``load_hf``'s ``in_place``; False only to measure the copy)."""
     from transformers import AutoTokenizer
 
     path = resolve_checkpoint(path, dtype=dtype)  # a GGUF: weights and tokenizer from one conversion
-    chunks = load_hf(path, dtype=getattr(torch, dtype), state=state, in_place=True, **config_overrides)
+    chunks = load_hf(path, dtype=getattr(torch, dtype), state=state, in_place=in_place, **config_overrides)
     for chunk in chunks:
         chunk.eval()
         chunk.requires_grad_(False)
