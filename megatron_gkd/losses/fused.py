@@ -3,8 +3,9 @@
 The forward computes each token chunk's logits ``hidden_c @ W^T``, keeps only its local log-partition
 and the logits at the teacher ids, and drops the chunk; the backward recomputes the chunk's logits,
 turns them in place into the logit gradient, and accumulates the gradients of ``hidden`` and ``W``.
-Peak extra memory is one chunk of logits (plus its compute-dtype copy for narrow inputs), the fp32
-weight-gradient accumulator and the hidden gradient.
+Peak extra memory is one chunk of logits (plus its compute-dtype copy for narrow inputs) and the hidden gradient;
+the weight's gradient is added into the fp32 buffer of Megatron's DDP where it has one (``main_grad``), else into one
+fp32 accumulator the backward returns (:class:`~megatron_gkd.losses.shard_ops.WeightGrad`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from megatron_gkd.losses.registry import get_divergence
 from megatron_gkd.losses.shard_ops import (
     LocalSupport,
     ShardLayout,
+    WeightGrad,
     check_token_ids,
     combine_shards,
     compute_dtype,
@@ -92,14 +94,15 @@ def fused_partials(
 def fused_grads(
     hidden: torch.Tensor, weight: torch.Tensor, state: ForwardState, grad_loss: torch.Tensor, layout: ShardLayout,
     fused: FusedOptions, temperature: float, dtype: torch.dtype, grad_token: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients of ``sum(grad_loss x loss)`` with respect to ``hidden`` and ``weight`` for a term whose logit
     gradient is ``lse_coef x softmax + grad_support`` (the form of :class:`~megatron_gkd.losses.registry.SupportTerms`),
     recomputing each chunk's logits (``grad_token``: a sampled token's log-prob in the support's last column, see
-    :func:`~megatron_gkd.losses.vocab_parallel.backward_scales`)."""
+    :func:`~megatron_gkd.losses.vocab_parallel.backward_scales`). The weight's gradient is None where it went into
+    DDP's ``main_grad`` (:class:`~megatron_gkd.losses.shard_ops.WeightGrad`)."""
     dense_scale, sparse = backward_scales(state, grad_loss, temperature, grad_token)
     grad_hidden = torch.empty_like(hidden)
-    grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+    grad_weight = WeightGrad(weight, dtype)
     rows = rows_per_chunk(weight.shape[0], weight.device)
     shift = (state.student_lse * temperature).unsqueeze(1)
     dense_scale = dense_scale.unsqueeze(1)
@@ -119,11 +122,11 @@ def fused_grads(
             sparse.add_to_rows(out, start + row, start + row_stop)
         grad_logits = grad_logits.to(hidden.dtype)
         torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
-        grad_weight.add_(torch.mm(grad_logits.t(), hidden[start:stop]).to(dtype))
+        grad_weight.add(grad_logits, hidden[start:stop])
         del logits, grad_logits
     if fused.all_reduce_hidden_grad and layout.tp_size > 1:
         dist.all_reduce(grad_hidden, group=layout.tp_group)
-    return grad_hidden, grad_weight.to(weight.dtype)
+    return grad_hidden, grad_weight.result()
 
 
 class _FusedDistill(torch.autograd.Function):

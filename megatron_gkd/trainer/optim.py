@@ -23,8 +23,12 @@ def wrap_for_training(chunks: list[torch.nn.Module], config: OptimizerConfig) ->
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    # Gradients are reduced after the backward, never overlapped with it: the fused loss adds its output-weight
+    # gradient into ``main_grad`` itself and returns none (``losses.shard_ops.WeightGrad``), so DDP's per-parameter
+    # hook, which an overlapped reduction waits for, may not run for that weight.
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=config.use_distributed_optimizer
+        grad_reduce_in_fp32=True, use_distributed_optimizer=config.use_distributed_optimizer,
+        overlap_grad_reduce=False,
     )
     return [
         DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=index > 0)

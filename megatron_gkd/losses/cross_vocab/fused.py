@@ -33,6 +33,7 @@ from megatron_gkd.losses.fused import FusedOptions, check_hidden_and_weight
 from megatron_gkd.losses.registry import cross_tokenizer_divergences, get_divergence
 from megatron_gkd.losses.shard_ops import (
     ShardLayout,
+    WeightGrad,
     compute_dtype,
     rows_per_chunk,
     write_grad_rows,
@@ -81,12 +82,12 @@ def fused_projection_partials(
 def fused_projection_grads(
     hidden: torch.Tensor, weight: torch.Tensor, state: ProjectedState, grad_loss: torch.Tensor,
     projection: ProjectionShard, layout: ShardLayout, fused: FusedOptions, temperature: float, dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients of ``sum(grad_loss x loss)`` with respect to ``hidden`` and ``weight``, recomputing each chunk's
     logits (:func:`megatron_gkd.losses.fused.fused_grads` with the projection's support part)."""
     dense_scale, sparse = projection_grad(state, grad_loss, projection, temperature, dtype)
     grad_hidden = torch.empty_like(hidden)
-    grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+    grad_weight = WeightGrad(weight, dtype)
     rows = rows_per_chunk(weight.shape[0], weight.device)
     shift = (state.student_lse * temperature).unsqueeze(1)
     dense_scale = dense_scale.unsqueeze(1)
@@ -105,11 +106,11 @@ def fused_projection_grads(
             sparse.add_to_rows(out, row, row_stop)
         grad_logits = grad_logits.to(hidden.dtype)
         torch.mm(grad_logits, weight, out=grad_hidden[start:stop])
-        grad_weight.add_(torch.mm(grad_logits.t(), hidden[start:stop]).to(dtype))
+        grad_weight.add(grad_logits, hidden[start:stop])
         del logits, grad_logits
     if fused.all_reduce_hidden_grad and layout.tp_size > 1:
         dist.all_reduce(grad_hidden, group=layout.tp_group)
-    return grad_hidden, grad_weight.to(weight.dtype)
+    return grad_hidden, grad_weight.result()
 
 
 class _FusedCrossVocabDistill(torch.autograd.Function):
