@@ -48,6 +48,8 @@ class TinyGPTSpec:
     """bf16 parameters with fp32 main parameters in the optimizer (Megatron's Float16 optimizer)."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data-parallel ranks (Megatron's DistributedOptimizer)."""
+    tie_embeddings: bool = False
+    """The output layer is the word embedding (``share_embeddings_and_output_weights``), as SmolLM2's and Qwen3-0.6B's."""
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -108,7 +110,7 @@ def build_model_chunks(spec: TinyGPTSpec, state: ParallelState) -> list[torch.nn
             pre_process=state.is_first_stage(stage),
             post_process=state.is_last_stage(stage),
             position_embedding_type="rope",
-            share_embeddings_and_output_weights=False,
+            share_embeddings_and_output_weights=spec.tie_embeddings,
             vp_stage=stage,
         ))
     return wrap_for_training(chunks, optimizer_config(spec))

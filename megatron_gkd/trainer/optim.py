@@ -13,19 +13,24 @@ from __future__ import annotations
 import torch
 
 from megatron_gkd.config.optim import OptimizerConfig
+from megatron_gkd.models import embedding_grad
 
 
 def wrap_for_training(chunks: list[torch.nn.Module], config: OptimizerConfig) -> list[torch.nn.Module]:
     """Wraps each chunk in Megatron's ``DistributedDataParallel`` (fp32 gradient buffers).
 
     Only the first chunk buckets its gradients: with virtual pipeline stages the other chunks' grads
-    are reduced once at the end, as Megatron's own training script does.
+    are reduced once at the end, as Megatron's own training script does. The word embeddings then add their gradient
+    into the buffer row by row (``models.embedding_grad``).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    # Gradients are reduced after the backward, never overlapped with it: the fused loss adds its output-weight
-    # gradient into ``main_grad`` itself and returns none (``losses.shard_ops.WeightGrad``), so DDP's per-parameter
-    # hook, which an overlapped reduction waits for, may not run for that weight.
+    embedding_grad.install()
+
+    # Gradients are reduced after the backward, never overlapped with it: the fused loss and the word embedding add
+    # their gradient into ``main_grad`` themselves and return none (``losses.shard_ops.WeightGrad``,
+    # ``models.embedding_grad``), so DDP's per-parameter hook, which an overlapped reduction waits for, may not run
+    # for those weights.
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=config.use_distributed_optimizer,
         overlap_grad_reduce=False,
