@@ -37,6 +37,17 @@ class StepTimes(TrainerCallback):
         self.times.append(time.perf_counter() - self.begun)
 
 
+def resident_gib() -> dict:
+    """This process's resident memory now (``/proc/self/status``), in GiB: all, anonymous, file-backed."""
+    fields = {}
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile"):
+                fields[key] = int(value.split()[0]) / 2**20
+    return fields
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--student", required=True)
@@ -66,8 +77,10 @@ def main() -> None:
         # configuration, and these shapes fit in memory without it.
         gradient_checkpointing=False)
     timer = StepTimes()
-    trainer = DistillationTrainer(model=AutoModelForCausalLM.from_pretrained(args.student),
-                                  teacher_model=AutoModelForCausalLM.from_pretrained(args.teacher), args=config,
+    student, teacher = (AutoModelForCausalLM.from_pretrained(args.student),
+                        AutoModelForCausalLM.from_pretrained(args.teacher))
+    loaded = resident_gib()  # transformers maps the checkpoints: a weight is read when a step first touches it
+    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=config,
                                   train_dataset=dataset, processing_class=tokenizer, callbacks=[timer])
     trainer.train()
     finished = time.perf_counter()
@@ -75,7 +88,7 @@ def main() -> None:
     result = {"system": "trl", "steps": len(timer.times), "step_times": timer.times,
               "startup_s": timer.first_step_at - STARTED, "train_s": finished - timer.first_step_at,
               "process_s": finished - STARTED, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-              "losses": losses, "threads": args.threads}
+              "losses": losses, "threads": args.threads, "rss_after_load_gib": loaded}
     with open(args.result, "w") as handle:
         handle.write(json.dumps(result) + "\n")
 
