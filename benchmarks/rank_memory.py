@@ -19,7 +19,10 @@ Settings (``SETTINGS``), each its config overrides on top of the shape's layout 
 
 Figures per setting: the rank's and the teacher service's peak RSS and their sum (GiB), the median step and weight-sync
 times after ``--skip`` steps, each as a ratio against the first setting of the same invocation. Runs land in
-``<out>/<shape>/<setting>/``; a finished run is read again, not rerun (``--fresh`` reruns).
+``<out>/<shape>/<setting>/``; a finished run is read again, not rerun (``--fresh`` reruns). ``--timeline`` also samples
+each rank's resident memory (all, anonymous, file-backed: ``/proc/<pid>/status``) every 0.1 s into
+``<out>/<shape>/<setting>/rss_timeline.tsv``, to see in which phase the peak falls (the run's ``train.log`` and
+``metrics.jsonl`` date the phases).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 from trl_compare import median_after  # benchmarks/ is the script's own directory
 
@@ -46,6 +51,26 @@ LOCAL = ["teacher.client=local", "teacher.checkpoint={teacher}", "teacher.serve.
 SETTINGS.update({"local": [*RELEASE, *LOCAL], "local_full": [*SETTINGS["recompute"], *LOCAL]})
 
 
+def sample_ranks(marker: str, path: pathlib.Path, stop: threading.Event, period_s: float = 0.1) -> None:
+    """Writes ``seconds pid rss anon file`` (GiB) of every trainer rank whose command line holds ``marker`` to ``path``
+    every ``period_s`` until ``stop`` is set."""
+    began = time.monotonic()
+    with open(path, "w") as handle:
+        handle.write("seconds\tpid\trss_gib\tanon_gib\tfile_gib\n")
+        while not stop.wait(period_s):
+            for entry in pathlib.Path("/proc").iterdir():
+                try:
+                    command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                    if "-m megatron_gkd.trainer.cli" not in command or marker not in command or "distributed.run" in command:
+                        continue
+                    status = dict(line.split(":", 1) for line in (entry / "status").read_text().splitlines())
+                except (OSError, ValueError):
+                    continue  # not a process, or one that just ended
+                gib = [int(status[key].split()[0]) / 2**20 for key in ("VmRSS", "RssAnon", "RssFile")]
+                handle.write(f"{time.monotonic() - began:.2f}\t{entry.name}\t" + "\t".join(f"{v:.3f}" for v in gib) + "\n")
+            handle.flush()
+
+
 def measure(shape: str, setting: str, args) -> tuple[float, float, float, float]:
     out = pathlib.Path(args.out) / shape / setting
     figures = out / "runs" / f"{shape}-{args.length}-ours" / "figures.json"
@@ -57,10 +82,18 @@ def measure(shape: str, setting: str, args) -> tuple[float, float, float, float]
     if not (out / "assets").exists():
         (out / "assets").symlink_to(shared)
     if not figures.exists():
-        subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trl_compare.py"), "--shapes", shape,
-                        "--lengths", str(args.length), "--steps", str(args.steps), "--skip", str(args.skip),
-                        "--systems", "ours", "--out", str(out), "--ours-override",
-                        *(o.format(teacher=shared / shape / "teacher") for o in SETTINGS[setting])], check=True)
+        stop = threading.Event()
+        sampler = threading.Thread(target=sample_ranks, args=(str(out.resolve()), out / "rss_timeline.tsv", stop),
+                                   daemon=True)
+        if args.timeline:
+            sampler.start()
+        try:
+            subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trl_compare.py"), "--shapes", shape,
+                            "--lengths", str(args.length), "--steps", str(args.steps), "--skip", str(args.skip),
+                            "--systems", "ours", "--out", str(out), "--ours-override",
+                            *(o.format(teacher=shared / shape / "teacher") for o in SETTINGS[setting])], check=True)
+        finally:
+            stop.set()
     run = json.loads(figures.read_text())
     return (max(run["peak_rss_gib"]), run["teacher_rss_gib"] or 0.0, median_after(run["step_times"], args.skip),
             median_after(run["phases"]["weight_sync"], args.skip))
@@ -75,6 +108,8 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=1)
     parser.add_argument("--out", default="outputs/rank_memory")
     parser.add_argument("--fresh", action="store_true", help="rerun settings that have finished before")
+    parser.add_argument("--timeline", action="store_true",
+                        help="sample each rank's resident memory every 0.1 s into <run>/rss_timeline.tsv")
     args = parser.parse_args()
     rows = {setting: measure(args.shape, setting, args) for setting in args.settings}
     base = next(iter(rows.values()))
