@@ -36,7 +36,8 @@ import sys
 import threading
 import time
 
-from trl_compare import median_after  # benchmarks/ is the script's own directory
+from teacher_memory import status  # benchmarks/ is the script's own directory
+from trl_compare import median_after
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RELEASE = ["rollout.release_weights=true"]
@@ -63,10 +64,10 @@ def sample_ranks(marker: str, path: pathlib.Path, stop: threading.Event, period_
                     command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
                     if "-m megatron_gkd.trainer.cli" not in command or marker not in command or "distributed.run" in command:
                         continue
-                    status = dict(line.split(":", 1) for line in (entry / "status").read_text().splitlines())
+                    figures = status(entry.name)
                 except (OSError, ValueError):
                     continue  # not a process, or one that just ended
-                gib = [int(status[key].split()[0]) / 2**20 for key in ("VmRSS", "RssAnon", "RssFile")]
+                gib = [figures[key] for key in ("VmRSS", "RssAnon", "RssFile")]
                 handle.write(f"{time.monotonic() - began:.2f}\t{entry.name}\t" + "\t".join(f"{v:.3f}" for v in gib) + "\n")
             handle.flush()
 

@@ -33,10 +33,12 @@ HERE = pathlib.Path(__file__).resolve().parent
 KEYS = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
 
 
-def status() -> dict[str, float]:
-    """This process's memory figures, GiB."""
+def status(pid: int | str = "self") -> dict[str, float]:
+    """A process's memory figures (``KEYS`` of ``/proc/<pid>/status``), GiB; this process's by default. Imports
+    nothing beyond the standard library: ``rank_memory.py`` samples the ranks with it, ``trl_side.py`` (TRL's own
+    virtualenv) reads itself."""
     figures = {}
-    with open("/proc/self/status") as lines:
+    with open(f"/proc/{pid}/status") as lines:
         for line in lines:
             key, value = line.split(":", 1)
             if key in KEYS:

@@ -18,6 +18,7 @@ STARTED = time.perf_counter()  # before the heavy imports: start-up counts them,
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from teacher_memory import status  # noqa: E402  (the standard library only: benchmarks/ is the script's directory)
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import DistillationConfig, DistillationTrainer  # noqa: E402
 
@@ -35,17 +36,6 @@ class StepTimes(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.times.append(time.perf_counter() - self.begun)
-
-
-def resident_gib() -> dict:
-    """This process's resident memory now (``/proc/self/status``), in GiB: all, anonymous, file-backed."""
-    fields = {}
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile"):
-                fields[key] = int(value.split()[0]) / 2**20
-    return fields
 
 
 def main() -> None:
@@ -79,7 +69,7 @@ def main() -> None:
     timer = StepTimes()
     student, teacher = (AutoModelForCausalLM.from_pretrained(args.student),
                         AutoModelForCausalLM.from_pretrained(args.teacher))
-    loaded = resident_gib()  # transformers maps the checkpoints: a weight is read when a step first touches it
+    loaded = status()  # transformers maps the checkpoints: a weight is read when a step first touches it
     trainer = DistillationTrainer(model=student, teacher_model=teacher, args=config,
                                   train_dataset=dataset, processing_class=tokenizer, callbacks=[timer])
     trainer.train()
