@@ -84,10 +84,9 @@ def measure(shape: str, setting: str, args) -> tuple[float, float, float, float]
         (out / "assets").symlink_to(shared)
     if not figures.exists():
         stop = threading.Event()
-        sampler = threading.Thread(target=sample_ranks, args=(str(out.resolve()), out / "rss_timeline.tsv", stop),
-                                   daemon=True)
         if args.timeline:
-            sampler.start()
+            threading.Thread(target=sample_ranks, args=(str(out.resolve()), out / "rss_timeline.tsv", stop),
+                             daemon=True).start()
         try:
             subprocess.run([sys.executable, str(ROOT / "benchmarks" / "trl_compare.py"), "--shapes", shape,
                             "--lengths", str(args.length), "--steps", str(args.steps), "--skip", str(args.skip),
