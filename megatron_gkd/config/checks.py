@@ -46,7 +46,7 @@ def needs_responses(config) -> bool:
     """The records must carry reference responses: trained on (off_policy, sft) or mixed in (``sample_mix.source=
     dataset``)."""
     mix = config.sample_mix
-    return not config.trainer.run_mode.samples or (mix.enabled and mix.source.from_records)
+    return not config.trainer.run_mode.samples or (mix.enabled and mix.source_traits.from_records)
 
 
 def teacher_response_limit(config) -> int:
@@ -125,7 +125,7 @@ def check_config(config) -> None:
     if trainer.max_tokens_per_microbatch is not None:
         longest = data.max_prompt_length + (rollout.max_tokens if trainer.run_mode.samples else
                                             data.max_response_length or 0)
-        if config.sample_mix.enabled and config.sample_mix.source.teacher_writes:
+        if config.sample_mix.enabled and config.sample_mix.source_traits.teacher_writes:
             longest = max(longest, data.max_prompt_length + teacher_response_limit(config))
         if data.max_response_length is None and not trainer.run_mode.samples:
             longest = 0  # unknown until the data is read; checked per batch
@@ -240,7 +240,7 @@ def _check_sample_mix(config, teachers: dict) -> None:
     if config.loss.divergence.student_support:
         _fail(f"loss.type={config.loss.type} needs the student's top-k ids of each response, which {mix.source} responses "
               "(sample_mix.source) do not have; use another loss.type (e.g. forward_kl) or sample_mix.lmbda=null")
-    if not mix.source.teacher_writes:
+    if not mix.source_traits.teacher_writes:
         return
     name = mix.teacher.teacher
     if name is None and len(teachers) > 1:
@@ -270,7 +270,7 @@ def _check_sample_mix(config, teachers: dict) -> None:
 def generating_teacher(config) -> str | None:
     """The name of the teacher that writes responses (``sample_mix.source=teacher``), else None."""
     mix = config.sample_mix
-    if not mix.enabled or not mix.source.teacher_writes:
+    if not mix.enabled or not mix.source_traits.teacher_writes:
         return None
     return mix.teacher.teacher or next(iter(teacher_configs(config)))
 

@@ -71,7 +71,7 @@ def layout_plan(config: GKDConfig, world_size: int | None = None) -> str:
         schedule = {"constant": "constant", "linear": f"linear to {mix.lmbda_end} over {mix.ramp_steps} steps from step "
                     f"{mix.ramp_start}", "step": f"steps {list(mix.milestones)} -> {list(mix.values)}"}[mix.schedule]
         written = (f"written by teacher {generating_teacher(config)!r} ({rollout.n} a prompt, temperature "
-                   f"{mix.teacher.temperature})" if mix.source.teacher_writes else "the records' own (one a prompt)")
+                   f"{mix.teacher.temperature})" if mix.source_traits.teacher_writes else "the records' own (one a prompt)")
         lines.append(f"GKD's mixture: lmbda {mix.lmbda} ({schedule}) student samples, drawn per {mix.per}; otherwise "
                      f"responses {written}")
     if needs_teacher(config) or eval_enabled(config) and config.teacher.enabled:

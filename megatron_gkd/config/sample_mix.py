@@ -22,27 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megatron_gkd.registry import Choice
-
-
-class ResponseSource(Choice):
-    """Where the off-policy responses of the mixture come from (``sample_mix.source``): code asks its traits, and only
-    this module compares its names."""
-
-    DATASET = "dataset"
-    """Each record's own response (supervised KD; TRL's ``seq_kd=False``)."""
-    TEACHER = "teacher"
-    """Responses the teacher writes with ``sample_mix.teacher.*`` (sequence-level KD; TRL's ``seq_kd=True``)."""
-
-    @property
-    def from_records(self) -> bool:
-        """The records carry the responses: the data must have them."""
-        return self is ResponseSource.DATASET
-
-    @property
-    def teacher_writes(self) -> bool:
-        """A teacher of the student's tokenizer that can generate writes them, with ``sample_mix.teacher.*``."""
-        return self is ResponseSource.TEACHER
+from megatron_gkd.rollout.sources import RESPONSE_SOURCES, SourceTraits
 
 SCHEDULES = ("constant", "linear", "step")
 GRANULARITIES = ("batch", "prompt")
@@ -93,8 +73,9 @@ class SampleMixConfig:
     """``batch``: the whole batch comes from one source, the student's with probability ``lmbda`` (GKD, TRL);
     ``prompt``: each prompt's source is drawn on its own."""
     source: str = "dataset"
-    """The off-policy responses: ``dataset`` (each record's own response; TRL's ``seq_kd=False``) or ``teacher``
-    (the teacher writes them with ``sample_mix.teacher.*``; TRL's ``seq_kd=True``)."""
+    """The off-policy responses, a registered response source (:mod:`megatron_gkd.rollout.sources`): ``dataset``
+    (each record's own response; TRL's ``seq_kd=False``) or ``teacher`` (the teacher writes them with
+    ``sample_mix.teacher.*``; TRL's ``seq_kd=True``)."""
     schedule: str = "constant"
     """How ``lmbda`` moves over the steps: ``constant``, ``linear`` or ``step`` (module docstring)."""
     lmbda_end: float | None = None
@@ -114,10 +95,11 @@ class SampleMixConfig:
     def __post_init__(self):
         if self.per not in GRANULARITIES:
             raise ValueError(f"sample_mix.per={self.per!r}; choose 'batch' (one source per batch, as GKD) or 'prompt'")
-        if self.source not in ResponseSource.values():
-            raise ValueError(f"sample_mix.source={self.source!r}; choose 'dataset' (the records' responses) or "
-                             "'teacher' (responses the teacher writes)")
-        self.source = ResponseSource(self.source)  # the field stays a str for OmegaConf: its messages and YAML too
+        if self.source not in RESPONSE_SOURCES:
+            names = " or ".join(repr(name) for name in RESPONSE_SOURCES.names())
+            raise ValueError(f"sample_mix.source={self.source!r}; choose {names} (registered response sources: "
+                             "megatron_gkd.rollout.sources; the student's own samples are the other part of the "
+                             "mixture, sample_mix.lmbda of it)")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"sample_mix.schedule={self.schedule!r}; choose one of {list(SCHEDULES)}")
         if self.seed is not None and self.seed < 0:
@@ -143,6 +125,11 @@ class SampleMixConfig:
                 raise ValueError(f"sample_mix.milestones={list(self.milestones)} must be increasing steps >= 1")
             for index, value in enumerate(self.values):
                 _check_fraction(f"sample_mix.values[{index}]", value)
+
+    @property
+    def source_traits(self) -> SourceTraits:
+        """What the off-policy source needs (:class:`~megatron_gkd.rollout.sources.SourceTraits`)."""
+        return RESPONSE_SOURCES.traits(self.source)
 
     @property
     def enabled(self) -> bool:
@@ -178,6 +165,6 @@ class SampleMixConfig:
             inert.append("sample_mix.lmbda_end / ramp_steps / ramp_start (schedule=linear only)")
         if self.schedule != "step" and (self.milestones or self.values):
             inert.append("sample_mix.milestones / values (schedule=step only)")
-        if not self.source.teacher_writes and self.teacher != TeacherSamplingConfig():
+        if not self.source_traits.teacher_writes and self.teacher != TeacherSamplingConfig():
             inert.append("sample_mix.teacher.* (source=teacher only)")
         return inert

@@ -96,7 +96,7 @@ def _check_kind(client, config) -> None:
             responses per prompt than the cache holds.
     """
     mix, directory = config.sample_mix, client.reader.directory
-    written = mix.enabled and mix.source.teacher_writes
+    written = mix.enabled and mix.source_traits.teacher_writes
     if config.trainer.run_mode.samples and not written:
         raise ValueError("teacher.client=cache cannot score on-policy samples (they are new every step): use "
                          "trainer.mode=off_policy, or a live teacher (or, for sequence-level KD, a cache of "

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron_gkd.config import needs_teacher
 from megatron_gkd.config.partial import partial_rollouts
 from megatron_gkd.data.tokenization import pad_id
+from megatron_gkd.rollout.sources import dataset_batch
 from megatron_gkd.rollout.types import RolloutBatch
 from megatron_gkd.trainer.annotations import Annotations, Annotator
 from megatron_gkd.trainer.batch import rank_samples, share_rows
@@ -32,12 +33,7 @@ from megatron_gkd.trainer.eval import record_fields
 from megatron_gkd.trainer.microbatcher import MicroBatcher
 from megatron_gkd.trainer.partial import PartialRollout, groups_batch, staleness_metrics
 from megatron_gkd.trainer.reward_exchange import REWARDS, RewardExchange, RewardsFailed
-from megatron_gkd.trainer.sample_mix import (
-    STUDENT,
-    Mixture,
-    dataset_batch,
-    merge_by_prompt,
-)
+from megatron_gkd.trainer.sample_mix import STUDENT, Mixture, merge_by_prompt
 from megatron_gkd.trainer.teacher_exchange import TeacherExchange
 from megatron_gkd.trainer.teachers import Teachers
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_gkd.config.checks import generating_teacher
 from megatron_gkd.parallel.comm import agree, broadcast_msgpack
+from megatron_gkd.rollout.sources import RESPONSE_SOURCES, SourceContext
 from megatron_gkd.rollout.types import RolloutBatch
 from megatron_gkd.teacher import GenerateBatch
 from megatron_gkd.trainer.eval import Scorer
@@ -48,29 +49,6 @@ def draw_sources(mix, *, seed: int, step: int, num_prompts: int) -> list[str]:
     if mix.per == "batch":
         draws = np.repeat(draws, num_prompts)
     return [STUDENT if value < lmbda else mix.source for value in draws]
-
-
-def dataset_batch(records, version: int, pad_id: int) -> RolloutBatch:
-    """The records' own responses as a batch: one sample per record, group = the record's position."""
-    return RolloutBatch.from_samples(
-        prompts=[list(r.prompt_ids) for r in records], responses=[list(r.response_ids) for r in records],
-        logprobs=[[0.0] * len(r.response_ids) for r in records], group_ids=range(len(records)),
-        finish_reasons=["stop"] * len(records), weight_version=version, pad_token_id=pad_id)
-
-
-def generated_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], num_samples: int,
-                    stop_ids: Sequence[int], version: int, pad_id: int) -> RolloutBatch:
-    """The teacher's responses (``num_samples`` per prompt, prompt by prompt, as a generate request returns them)
-    as a batch. Their rollout log-probs are 0: no rollout engine sampled them (only the policy gradient reads
-    them, and it is refused with a mixture)."""
-    assert len(responses) == len(prompts) * num_samples, "the teacher answers every prompt num_samples times"
-    groups = [index // num_samples for index in range(len(responses))]
-    stops = set(int(i) for i in stop_ids)
-    return RolloutBatch.from_samples(
-        prompts=[list(prompts[g]) for g in groups], responses=[list(r) for r in responses],
-        logprobs=[[0.0] * len(r) for r in responses], group_ids=groups,
-        finish_reasons=["stop" if len(r) and int(r[-1]) in stops else "length" for r in responses],
-        weight_version=version, pad_token_id=pad_id)
 
 
 def merge_by_prompt(parts: Sequence[tuple[Sequence[int], RolloutBatch]], version: int, pad_id: int) -> RolloutBatch:
@@ -168,8 +146,8 @@ class Mixture:
             self._generator_rank = int(asker)
 
     @property
-    def source(self):
-        """Where the off-policy responses come from (a :class:`~megatron_gkd.config.sample_mix.ResponseSource`)."""
+    def source(self) -> str:
+        """Where the off-policy responses come from (a registered response source, :mod:`megatron_gkd.rollout.sources`)."""
         return self.mix.source
 
     def sources(self, index: int, num_prompts: int) -> list[str]:
@@ -178,18 +156,19 @@ class Mixture:
         return draw_sources(self.mix, seed=seed, step=index, num_prompts=num_prompts)
 
     def off_policy_parts(self, records, sources: list[str], version: int, seed: int | None) -> list:
-        """``(positions, batch)`` of the prompts whose responses are not the student's: the records' own, or the
-        teacher's (asked now with ``seed``; collective over every rank when the batch has any)."""
+        """``(positions, batch)`` of the prompts whose responses are not the student's, from the registered source
+        (the teacher asked with ``seed`` where it writes them; collective over every rank when the batch has any)."""
         off = [i for i in range(len(records)) if sources[i] != STUDENT]
         if not off:
             return []
-        chosen = [records[i] for i in off]
-        if self.mix.source.from_records:
-            return [(off, dataset_batch(chosen, version, self.pad_id))]
-        prompts = [list(record.prompt_ids) for record in chosen]
-        with self.timers("teacher_generate"):
-            responses = self.teacher_responses(prompts, seed)
-        return [(off, generated_batch(prompts, responses, self.config.rollout.n, self.stop_ids, version, self.pad_id))]
+
+        def write(prompts: list[list[int]]) -> list[list[int]]:
+            with self.timers("teacher_generate"):
+                return self.teacher_responses(prompts, seed)
+
+        context = SourceContext(version=version, pad_id=self.pad_id, num_samples=self.config.rollout.n,
+                                stop_ids=self.stop_ids, write=write if self.generator is not None else None)
+        return [(off, RESPONSE_SOURCES.get(self.source)([records[i] for i in off], context))]
 
     def teacher_responses(self, prompts: list[list[int]], seed: int | None) -> list[list[int]]:
         """The teacher's ``rollout.n`` responses to each of ``prompts`` (prompt by prompt), with its own sampling

@@ -313,11 +313,10 @@ CHECKED_REGISTRIES = {
 # comparison with the field that holds the choice is checked (``rl.combine == "teacher"``), and no table.
 CHECKED_BY_FIELD = {
     "megatron_gkd/losses/combinations.py:COMBINATIONS": ("combine", ("megatron_gkd/losses/combinations.py",)),
+    "megatron_gkd/rollout/sources.py:RESPONSE_SOURCES": ("source", ("megatron_gkd/rollout/sources.py",)),
 }
 # Choices whose names are everyday words, checked against their field as CHECKED_BY_FIELD's registries are.
-CHOICES_BY_FIELD = {
-    "megatron_gkd/config/sample_mix.py:ResponseSource": ("source", ("megatron_gkd/config/sample_mix.py",)),
-}
+CHOICES_BY_FIELD: dict[str, tuple[str, tuple[str, ...]]] = {}
 # Registries not checked yet, with where their names are still compared (what is left of issue 31 item 3).
 UNCHECKED_REGISTRIES = {
     "megatron_gkd/rewards/kinds.py:REWARDS": "not compared today",

@@ -134,7 +134,7 @@ def _generation(config, tokenizer, batch_size: int | None, responses_per_prompt:
             the dataset's responses.
     """
     mix = config.sample_mix
-    if not (mix.enabled and mix.source.teacher_writes):
+    if not (mix.enabled and mix.source_traits.teacher_writes):
         if responses_per_prompt is not None:
             raise ValueError(f"{REBUILD_FLAG} applies to a cache of teacher-written responses (the run's config with "
                              "sample_mix.source=teacher and sample_mix.lmbda=0)")

@@ -9,13 +9,12 @@ import pytest
 import torch
 
 from megatron_gkd.config.sample_mix import SampleMixConfig
+from megatron_gkd.rollout.sources import dataset_batch, generated_batch
 from megatron_gkd.rollout.types import RolloutBatch
 from megatron_gkd.trainer.batch import build_microbatch, plan_microbatches, samples_from_rollout, token_coefficients
 from megatron_gkd.trainer.sample_mix import (
     STUDENT,
-    dataset_batch,
     draw_sources,
-    generated_batch,
     merge_by_prompt,
     sample_scores,
     source_metrics,

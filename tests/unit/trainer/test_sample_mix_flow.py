@@ -190,3 +190,39 @@ def test_a_teacher_that_cannot_write_responses_is_refused_at_start_up(can_genera
     # without the teacher source nothing asks it to write
     config, flow, _ = _flow([], Served())
     teacher_check(config, Tokenizer(), 512, flow.exchange.tcad)(flow.teachers.by_name["teacher"])
+
+
+def test_a_new_response_source_is_its_function_registered():
+    """A new source of off-policy responses in one place (:mod:`megatron_gkd.rollout.sources`): a function of the
+    records registered with its traits; the config accepts it, the mixture asks it for its prompts' responses, the
+    batch holds them beside the student's samples and the teacher scores them, with no change to the flow."""
+    from megatron_gkd.rollout.sources import RESPONSE_SOURCES, SourceTraits, generated_batch
+
+    def echo(records, context):  # each prompt's ids backwards, rollout.n times, then EOS
+        prompts = [list(record.prompt_ids) for record in records]
+        responses = [prompt[::-1] + [EOS] for prompt in prompts for _ in range(context.num_samples)]
+        return generated_batch(prompts, responses, context.num_samples, context.stop_ids, context.version,
+                               context.pad_id)
+
+    RESPONSE_SOURCES.register("echo", echo, traits=SourceTraits())
+    try:
+        client = Client()
+        config, flow, rollout = _flow(["sample_mix.source=echo"], client)
+        batch = flow.produce(0, RECORDS, {}, version=3)
+    finally:
+        RESPONSE_SOURCES.unregister("echo")
+    sources = draw_sources(config.sample_mix, seed=config.trainer.seed, step=0, num_prompts=4)
+    assert batch.sources == sources and sorted(set(sources)) == ["echo", "student"]
+    assert rollout.asked == [[r.prompt_ids for r, source in zip(RECORDS, sources) if source == "student"]]
+    assert client.generated == []  # the teacher writes nothing for this source
+    echoed = [s for s in batch.samples if s.source == "echo"]
+    assert len(echoed) == sources.count("echo") * config.rollout.n
+    for sample in echoed:
+        assert sample.tokens[sample.prompt_len:].tolist() == RECORDS[sample.group].prompt_ids[::-1] + [EOS]
+    [score] = client.scored  # scored with the student's samples
+    assert [s.token_ids.tolist() for s in score.sequences] == [s.tokens.tolist() for s in batch.samples]
+
+
+def test_an_unknown_response_source_names_the_registered_ones():
+    with pytest.raises(ValueError, match=r"sample_mix.source='echo'; choose 'dataset' or 'teacher'"):
+        load_config(BASE, ["sample_mix.lmbda=0.5", "sample_mix.source=echo"])
