@@ -172,16 +172,6 @@ class BatchFlow:
         records = [group.record for group in groups]
         return self._send(index, data_state, records, groups_batch(groups, self.pad_id), partial=metrics)
 
-    def data_state(self, sampler_state: dict) -> dict:
-        """The data position a checkpoint saves: the sampler's, with partial rollouts' buffer."""
-        return sampler_state if self.partial is None else {**sampler_state, PARTIAL_STATE_KEY: self.partial.state_dict()}
-
-    def restore(self, data_state: dict) -> dict:
-        """Reads back what :meth:`data_state` added (the buffer) and returns the sampler's state."""
-        if self.partial is not None and PARTIAL_STATE_KEY in data_state:
-            self.partial.load_state_dict(data_state[PARTIAL_STATE_KEY])
-        return {key: value for key, value in data_state.items() if key != PARTIAL_STATE_KEY}
-
     def produce(self, index: int, records, data_state: dict, version: int) -> InFlight:
         """Samples (or reads, or asks the teacher for) the responses of ``records`` and sends this rank's teacher
         request (and its rewards' request)."""
@@ -267,25 +257,6 @@ class BatchFlow:
         teacher = self.exchange.request(samples, assignment, local=False) if needs_teacher(self.config) else None
         return rollout, samples, assignment, teacher, self.annotations.send(samples, fields)
 
-    def annotation_metrics(self, batch: InFlight) -> dict:
-        """The teachers', the annotators' (the rewards'), the rollout server's and the mixture's metrics of a trained
-        batch (collective over every rank)."""
-        metrics = {**self.exchange.metrics(batch.teacher, batch.samples),
-                   **self.annotations.metrics(batch.annotations, batch.samples or [])}
-        if self.rollout is not None and self.rollout.in_background:  # the rollout server's restarts
-            metrics.update(self.rollout.metrics())
-        rl = self.config.rl
-        if rl.enabled and rl.kd_coef_end is not None:  # the teacher's weight on its schedule
-            metrics["rl/kd_coef"] = rl.kd_coef_at(batch.index)
-        if batch.dynamic is not None:  # from the global batch's rewards, the same on every rank
-            metrics.update(batch.dynamic)
-        if batch.partial is not None:  # from the global batch, the same on every rank
-            metrics.update({**batch.partial, **staleness_metrics(batch.rollout, batch.index,
-                                                                 self.config.rollout.partial.max_staleness)})
-        if batch.sources is not None:  # from the global batch, the same on every rank
-            metrics.update(self.mix.metrics(batch.rollout, batch.index, batch.sources, batch.answers))
-        return metrics
-
     # -------------------------------------------------------------------------------- micro-batches
     def prepare(self, batch: InFlight, *, scoring: bool = False) -> Prepared:
         """Waits for the batch and its teacher rows, and cuts it into micro-batches.
@@ -321,7 +292,37 @@ class BatchFlow:
                                              sampled=None if scoring else self.batcher.sampled(batch))
         return Prepared(microbatches, confidence)
 
+    def annotation_metrics(self, batch: InFlight) -> dict:
+        """The teachers', the annotators' (the rewards'), the rollout server's and the mixture's metrics of a trained
+        batch (collective over every rank)."""
+        metrics = {**self.exchange.metrics(batch.teacher, batch.samples),
+                   **self.annotations.metrics(batch.annotations, batch.samples or [])}
+        if self.rollout is not None and self.rollout.in_background:  # the rollout server's restarts
+            metrics.update(self.rollout.metrics())
+        rl = self.config.rl
+        if rl.enabled and rl.kd_coef_end is not None:  # the teacher's weight on its schedule
+            metrics["rl/kd_coef"] = rl.kd_coef_at(batch.index)
+        if batch.dynamic is not None:  # from the global batch's rewards, the same on every rank
+            metrics.update(batch.dynamic)
+        if batch.partial is not None:  # from the global batch, the same on every rank
+            metrics.update({**batch.partial, **staleness_metrics(batch.rollout, batch.index,
+                                                                 self.config.rollout.partial.max_staleness)})
+        if batch.sources is not None:  # from the global batch, the same on every rank
+            metrics.update(self.mix.metrics(batch.rollout, batch.index, batch.sources, batch.answers))
+        return metrics
+
     def scoring_batch(self, rollout: RolloutBatch, prompt_indices: list[int], prompt_groups: list) -> InFlight:
         """``rollout`` (sampled elsewhere, e.g. eval answers) as a batch for :meth:`prepare` with ``scoring``."""
         samples = rank_samples(rollout, self.state, prompt_indices, prompt_groups)
         return InFlight(-1, {}, prompt_indices, rollout, samples, self.exchange.assign(samples))
+
+    # ------------------------------------------------------------------------------- the data position
+    def data_state(self, sampler_state: dict) -> dict:
+        """The data position a checkpoint saves: the sampler's, with partial rollouts' buffer."""
+        return sampler_state if self.partial is None else {**sampler_state, PARTIAL_STATE_KEY: self.partial.state_dict()}
+
+    def restore(self, data_state: dict) -> dict:
+        """Reads back what :meth:`data_state` added (the buffer) and returns the sampler's state."""
+        if self.partial is not None and PARTIAL_STATE_KEY in data_state:
+            self.partial.load_state_dict(data_state[PARTIAL_STATE_KEY])
+        return {key: value for key, value in data_state.items() if key != PARTIAL_STATE_KEY}

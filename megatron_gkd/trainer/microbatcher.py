@@ -40,30 +40,6 @@ class MicroBatcher:
         self.loss_kind = config.trainer.run_mode.loss_kind
         self._engine_checked = False  # the first training batch of this process checks the engine
 
-    def sampled(self, batch) -> tuple[int, bool] | None:
-        """What :func:`~megatron_gkd.trainer.batch.build_microbatch` needs to place the sampled tokens (the engine
-        check, the policy gradient): the version that sampled the batch and whether the check is due; None where no
-        token was sampled by the student or this rank computes no loss."""
-        if not (self.state.is_pipeline_last_stage and student_samples(self.config)):
-            return None
-        due = engine_check.check_due(self.config.weight_sync.check_interval, batch.index, first=not self._engine_checked)
-        self._engine_checked = True
-        return batch.rollout.weight_version, due
-
-    def policy(self, batch, rows: dict):
-        """The policy-gradient inputs of this rank's share (:mod:`.policy`) on the last stage; None elsewhere or
-        without ``rl.combine``. Collective over the last stage's TP group when it trains on rewards."""
-        rl = self.config.rl
-        if not rl.enabled or not self.state.is_pipeline_last_stage:
-            return None
-        samples = batch.samples
-        rewards = (tp_rewards(batch.annotations[REWARDS], len(samples), self.state.tp_group)
-                   if rl.combination.uses_reward else None)
-        weights = {teacher.name: teacher.weight for teacher in self.teachers}
-        return policy_share(self.config, samples, rewards, rows, weights, num_tokens=batch.rollout.num_generated_tokens,
-                            num_sequences=batch.rollout.num_samples, step=batch.index)
-
-
     def coefficients(self, batch, rows: dict, *, confidence: bool = True) -> tuple[list[torch.Tensor], dict]:
         """Each response token's share of the step's loss (see :mod:`.batch`), on the last stage (``confidence``:
         TCAD's confidence weights where ``loss.confidence_alpha`` asks for them), and the metrics of those weights
@@ -109,6 +85,30 @@ class MicroBatcher:
         return {"train/confidence_weight_mean": 1.0 / self.config.rollout.n,
                 "train/confidence_weight_max": float(totals[0]) / count,
                 "train/confidence_weight_entropy": float(totals[1]) / count}
+
+    def policy(self, batch, rows: dict):
+        """The policy-gradient inputs of this rank's share (:mod:`.policy`) on the last stage; None elsewhere or
+        without ``rl.combine``. Collective over the last stage's TP group when it trains on rewards."""
+        rl = self.config.rl
+        if not rl.enabled or not self.state.is_pipeline_last_stage:
+            return None
+        samples = batch.samples
+        rewards = (tp_rewards(batch.annotations[REWARDS], len(samples), self.state.tp_group)
+                   if rl.combination.uses_reward else None)
+        weights = {teacher.name: teacher.weight for teacher in self.teachers}
+        return policy_share(self.config, samples, rewards, rows, weights, num_tokens=batch.rollout.num_generated_tokens,
+                            num_sequences=batch.rollout.num_samples, step=batch.index)
+
+
+    def sampled(self, batch) -> tuple[int, bool] | None:
+        """What :func:`~megatron_gkd.trainer.batch.build_microbatch` needs to place the sampled tokens (the engine
+        check, the policy gradient): the version that sampled the batch and whether the check is due; None where no
+        token was sampled by the student or this rank computes no loss."""
+        if not (self.state.is_pipeline_last_stage and student_samples(self.config)):
+            return None
+        due = engine_check.check_due(self.config.weight_sync.check_interval, batch.index, first=not self._engine_checked)
+        self._engine_checked = True
+        return batch.rollout.weight_version, due
 
     def shares(self, samples, coefficients, rows: dict) -> list[TeacherShare]:
         """Every teacher's rows and token coefficients over all of ``samples`` (padding and 0 where it does not

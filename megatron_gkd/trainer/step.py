@@ -80,6 +80,114 @@ class StepRunner:
         self._scale = 1.0
         self._pass = Pass.ONLY
 
+    def train_step(self, spec: "LossSpecs", microbatches: Sequence[MicroBatch]) -> tuple[dict[str, float] | None, dict]:
+        """The batch's optimizer steps (one, or ``rl.ppo_epochs x rl.mini_batches``: :meth:`_updates`); returns the loss
+        statistics (last stage) and ``{grad_norm, lr}`` (the mean norm over the steps). The learning-rate schedule
+        steps once per batch.
+
+        Raises:
+            RuntimeError: the optimizer skipped a step (non-finite gradients).
+            ValueError: fewer micro-batches on this rank than ``rl.mini_batches``.
+        """
+        updates = self._updates(microbatches)
+        several = len(updates) > 1
+        recorded = None
+        if several:
+            with torch.no_grad():
+                recorded = self.run(spec, microbatches, forward_only=True, purpose=Pass.RECORD)
+        results, norms = [], []
+        for group in updates:
+            for chunk in self.chunks:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            results.append(self.run(spec, group, forward_only=False, purpose=Pass.UPDATE if several else Pass.ONLY,
+                                    weight=self.policy.mini_batches if several else 1.0))
+            update_successful, grad_norm, _ = self.optimizer.step()
+            if not update_successful:
+                raise RuntimeError("the optimizer skipped the step: the gradients are not finite (NaN/inf in the loss "
+                                   "or the teacher rows); lower optim.lr or check the teacher's outputs")
+            norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+            for average in self.averages:
+                average.update()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.lr_scheduler.step(1)
+        stats = self._merge(results, recorded) if several else results[0]
+        return stats, {"grad_norm": sum(norms) / len(norms), "lr": float(lr)}
+
+    def _updates(self, microbatches: Sequence[MicroBatch]) -> list[Sequence[MicroBatch]]:
+        """The micro-batches of each optimizer step of the batch: all of them once, or ``rl.ppo_epochs`` passes of
+        ``rl.mini_batches`` consecutive groups (sizes differing by one at most, the same cut on every rank that has
+        as many micro-batches)."""
+        if self.policy is None or self.policy.num_updates == 1:
+            return [microbatches]
+        count = self.policy.mini_batches
+        if len(microbatches) < count:
+            raise ValueError(f"rl.mini_batches={count} optimizer steps per pass, but this rank has "
+                             f"{len(microbatches)} micro-batches: lower rl.mini_batches, or trainer.micro_batch_size "
+                             "(or trainer.max_tokens_per_microbatch)")
+        bounds = [len(microbatches) * index // count for index in range(count + 1)]
+        groups = [microbatches[bounds[index]:bounds[index + 1]] for index in range(count)]
+        return groups * self.policy.ppo_epochs
+
+    def run(self, spec: "LossSpecs", microbatches: Sequence[MicroBatch], *, forward_only: bool,
+            purpose: Pass = Pass.ONLY, weight: float = 1.0) -> dict[str, float] | None:
+        """Forward (and backward) of ``microbatches``; the statistics summed over micro-batches and DP
+        ranks on the last stage (``loss``: this step's loss; with several teachers also ``KEY/NAME`` per
+        teacher), ``None`` elsewhere.
+
+        Args:
+            spec: a :class:`LossSpec` for every teacher, or ``{teacher name: LossSpec}``.
+            purpose: what the pass is for (:class:`Pass`).
+            weight: the gradient is that of ``weight x`` the loss (a mini-batch of ``rl.mini_batches``); the statistics
+                are not scaled.
+        """
+        self._scale, self._pass = float(len(microbatches) * self.dp_size) * weight, purpose
+        longest = max(mb.shape[1] for mb in microbatches)
+        try:
+            outputs = run_schedule(self.chunks, partial(self._forward_step, spec), list(microbatches),
+                                   seq_length=longest, micro_batch_size=max(mb.shape[0] for mb in microbatches),
+                                   forward_only=forward_only)
+        finally:
+            self._pass = Pass.ONLY
+        if not self.is_last_stage:
+            return None
+        keys = sorted({key for stats in outputs for key in stats})  # the same on every DP rank
+        summed = [k for k in keys if k not in MAX_STATS and k not in MIN_STATS]
+        extreme = [k for k in keys if k in MAX_STATS or k in MIN_STATS]
+        sign = torch.tensor([-1.0 if k in MIN_STATS else 1.0 for k in extreme], dtype=torch.float64)  # min = -max(-x)
+        totals = torch.zeros(len(summed), dtype=torch.float64)
+        maxima = torch.full((len(extreme),), -torch.inf, dtype=torch.float64)
+        for stats in outputs:
+            for index, key in enumerate(summed):
+                if key in stats:
+                    totals[index] += stats[key]
+            for index, key in enumerate(extreme):
+                if key in stats:
+                    maxima[index] = torch.maximum(maxima[index], sign[index] * stats[key].double())
+        if self.dp_size > 1:
+            dist.all_reduce(totals, group=self.dp_group)
+            if extreme:
+                dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return {**{key: float(totals[index]) for index, key in enumerate(summed)},
+                **{key: float(sign[index] * maxima[index]) for index, key in enumerate(extreme)}}
+
+    def _merge(self, results: list, recorded: dict | None) -> dict | None:
+        """The statistics of a batch's several updates (None off the last stage): sums averaged over the epochs (each
+        epoch's mini-batches cover the batch once), extremes over every update, and the figures against the rollout
+        engine from the pass that recorded ``pi_old``."""
+        if recorded is None:
+            return None
+        merged: dict[str, float] = {}
+        for stats in results:
+            for key, value in stats.items():
+                if key in MAX_STATS:
+                    merged[key] = max(merged.get(key, -math.inf), value)
+                elif key in MIN_STATS:
+                    merged[key] = min(merged.get(key, math.inf), value)
+                else:
+                    merged[key] = merged.get(key, 0.0) + value / self.policy.ppo_epochs
+        merged.update({key: value for key, value in recorded.items() if key.startswith(ENGINE_PREFIXES)})
+        return merged
     def _forward_step(self, specs, data_iterator, model):
         microbatch: MicroBatch = next(data_iterator)
         device = next(model.parameters()).device
@@ -234,112 +342,3 @@ class StepRunner:
                 "mismatch/tokens": everything["num_tokens"], "engine/abs": current["abs"],
                 "engine/tokens": current["num_tokens"],
                 "engine/max_abs": torch.maximum(current["max_log_ratio"], current["max_inverse_log_ratio"])}
-
-    def run(self, spec: "LossSpecs", microbatches: Sequence[MicroBatch], *, forward_only: bool,
-            purpose: Pass = Pass.ONLY, weight: float = 1.0) -> dict[str, float] | None:
-        """Forward (and backward) of ``microbatches``; the statistics summed over micro-batches and DP
-        ranks on the last stage (``loss``: this step's loss; with several teachers also ``KEY/NAME`` per
-        teacher), ``None`` elsewhere.
-
-        Args:
-            spec: a :class:`LossSpec` for every teacher, or ``{teacher name: LossSpec}``.
-            purpose: what the pass is for (:class:`Pass`).
-            weight: the gradient is that of ``weight x`` the loss (a mini-batch of ``rl.mini_batches``); the statistics
-                are not scaled.
-        """
-        self._scale, self._pass = float(len(microbatches) * self.dp_size) * weight, purpose
-        longest = max(mb.shape[1] for mb in microbatches)
-        try:
-            outputs = run_schedule(self.chunks, partial(self._forward_step, spec), list(microbatches),
-                                   seq_length=longest, micro_batch_size=max(mb.shape[0] for mb in microbatches),
-                                   forward_only=forward_only)
-        finally:
-            self._pass = Pass.ONLY
-        if not self.is_last_stage:
-            return None
-        keys = sorted({key for stats in outputs for key in stats})  # the same on every DP rank
-        summed = [k for k in keys if k not in MAX_STATS and k not in MIN_STATS]
-        extreme = [k for k in keys if k in MAX_STATS or k in MIN_STATS]
-        sign = torch.tensor([-1.0 if k in MIN_STATS else 1.0 for k in extreme], dtype=torch.float64)  # min = -max(-x)
-        totals = torch.zeros(len(summed), dtype=torch.float64)
-        maxima = torch.full((len(extreme),), -torch.inf, dtype=torch.float64)
-        for stats in outputs:
-            for index, key in enumerate(summed):
-                if key in stats:
-                    totals[index] += stats[key]
-            for index, key in enumerate(extreme):
-                if key in stats:
-                    maxima[index] = torch.maximum(maxima[index], sign[index] * stats[key].double())
-        if self.dp_size > 1:
-            dist.all_reduce(totals, group=self.dp_group)
-            if extreme:
-                dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.dp_group)
-        return {**{key: float(totals[index]) for index, key in enumerate(summed)},
-                **{key: float(sign[index] * maxima[index]) for index, key in enumerate(extreme)}}
-
-    def train_step(self, spec: "LossSpecs", microbatches: Sequence[MicroBatch]) -> tuple[dict[str, float] | None, dict]:
-        """The batch's optimizer steps (one, or ``rl.ppo_epochs x rl.mini_batches``: :meth:`_updates`); returns the loss
-        statistics (last stage) and ``{grad_norm, lr}`` (the mean norm over the steps). The learning-rate schedule
-        steps once per batch.
-
-        Raises:
-            RuntimeError: the optimizer skipped a step (non-finite gradients).
-            ValueError: fewer micro-batches on this rank than ``rl.mini_batches``.
-        """
-        updates = self._updates(microbatches)
-        several = len(updates) > 1
-        recorded = None
-        if several:
-            with torch.no_grad():
-                recorded = self.run(spec, microbatches, forward_only=True, purpose=Pass.RECORD)
-        results, norms = [], []
-        for group in updates:
-            for chunk in self.chunks:
-                chunk.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            results.append(self.run(spec, group, forward_only=False, purpose=Pass.UPDATE if several else Pass.ONLY,
-                                    weight=self.policy.mini_batches if several else 1.0))
-            update_successful, grad_norm, _ = self.optimizer.step()
-            if not update_successful:
-                raise RuntimeError("the optimizer skipped the step: the gradients are not finite (NaN/inf in the loss "
-                                   "or the teacher rows); lower optim.lr or check the teacher's outputs")
-            norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
-            for average in self.averages:
-                average.update()
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.lr_scheduler.step(1)
-        stats = self._merge(results, recorded) if several else results[0]
-        return stats, {"grad_norm": sum(norms) / len(norms), "lr": float(lr)}
-
-    def _updates(self, microbatches: Sequence[MicroBatch]) -> list[Sequence[MicroBatch]]:
-        """The micro-batches of each optimizer step of the batch: all of them once, or ``rl.ppo_epochs`` passes of
-        ``rl.mini_batches`` consecutive groups (sizes differing by one at most, the same cut on every rank that has
-        as many micro-batches)."""
-        if self.policy is None or self.policy.num_updates == 1:
-            return [microbatches]
-        count = self.policy.mini_batches
-        if len(microbatches) < count:
-            raise ValueError(f"rl.mini_batches={count} optimizer steps per pass, but this rank has "
-                             f"{len(microbatches)} micro-batches: lower rl.mini_batches, or trainer.micro_batch_size "
-                             "(or trainer.max_tokens_per_microbatch)")
-        bounds = [len(microbatches) * index // count for index in range(count + 1)]
-        groups = [microbatches[bounds[index]:bounds[index + 1]] for index in range(count)]
-        return groups * self.policy.ppo_epochs
-
-    def _merge(self, results: list, recorded: dict | None) -> dict | None:
-        """The statistics of a batch's several updates (None off the last stage): sums averaged over the epochs (each
-        epoch's mini-batches cover the batch once), extremes over every update, and the figures against the rollout
-        engine from the pass that recorded ``pi_old``."""
-        if recorded is None:
-            return None
-        merged: dict[str, float] = {}
-        for stats in results:
-            for key, value in stats.items():
-                if key in MAX_STATS:
-                    merged[key] = max(merged.get(key, -math.inf), value)
-                elif key in MIN_STATS:
-                    merged[key] = min(merged.get(key, math.inf), value)
-                else:
-                    merged[key] = merged.get(key, 0.0) + value / self.policy.ppo_epochs
-        merged.update({key: value for key, value in recorded.items() if key.startswith(ENGINE_PREFIXES)})
-        return merged
