@@ -110,10 +110,13 @@ class Prepared:
         microbatches: the batch's micro-batches (:class:`~megatron_gkd.trainer.batch.MicroBatch`), in order.
         confidence: TCAD's confidence-weight metrics of the batch (``train/confidence_weight_*``) where
             ``loss.confidence_alpha`` weighs its tokens, else empty.
+        metrics: the teachers' (:meth:`TeacherExchange.metrics`), the annotators' (the rewards'), the rollout
+            server's and the mixture's metrics of the batch, the same on every rank (empty when ``scoring``).
     """
 
     microbatches: list
     confidence: dict = dataclasses.field(default_factory=dict)
+    metrics: dict = dataclasses.field(default_factory=dict)
 
 
 class BatchFlow:
@@ -178,7 +181,6 @@ class BatchFlow:
         config = self.config
         prompt_indices = [record.index for record in records]
         prompt_groups = [record.group for record in records]
-        fields = {record.index: record_fields(record) for record in records}
         sources = None if self.mix is None else self.mix.sources(index, len(records))
         answers = None if sources is None else [record.answer for record in records]
         if config.trainer.run_mode.samples:
@@ -194,6 +196,7 @@ class BatchFlow:
             if not student:
                 rollout = merge_by_prompt(parts, version, self.pad_id)
             elif self.rollout.in_background:  # sampled on the rollout server while this rank trains
+                fields = {record.index: record_fields(record) for record in records}
                 pending = self.rollout.generate_then(prompts, sampling, lambda batch: self._background_share(
                     merged(batch), prompt_indices, prompt_groups, fields, sources))
                 return InFlight(index, data_state, prompt_indices, None, None, pending=pending, sources=sources,
@@ -274,29 +277,32 @@ class BatchFlow:
                                           tcad=not scoring))
             batch.teacher = asked
         outputs = exchange.outputs(batch.teacher)
-        if not scoring:  # computed meanwhile; waited for after the teacher's rows
-            batch.annotations = self.annotations.receive(batch.sent)
         with self.timers("batch"):
             distills = scoring or self.loss_kind.needs_teacher
             rows = exchange.rows(samples, assignment, outputs, tcad=not scoring) if distills else {}
             exchange.check_heads(batch.index, samples, rows, scoring=scoring)
+        metrics = {}
+        if not scoring:  # the annotations were computed meanwhile: waited for after the teacher's rows
+            metrics = exchange.metrics(batch.teacher, samples)
+            batch.annotations = self.annotations.receive(batch.sent)
+            metrics.update({**self.annotations.metrics(batch.annotations, samples or []), **self._metrics(batch)})
+        sources = (STUDENT, self.mix.source) if self.mix is not None and not scoring else None
+        with self.timers("batch"):
             coefficients, confidence = self.batcher.coefficients(batch, rows, confidence=not scoring)
             policy = None if scoring else self.batcher.policy(batch, rows)
             if policy is not None and not self.config.rl.combination.uses_divergence:
                 rows = {}  # the teacher is in the advantage only: no divergence term
             elif policy is not None:  # rl.combine=loss: the divergence weighs rl.kd_coef beside the policy gradient
                 coefficients = [c * policy.kd_coef for c in coefficients]
-            sources = (STUDENT, self.mix.source) if self.mix is not None and not scoring else None
             microbatches = self.batcher.microbatches(samples, coefficients, rows, labels=False if scoring else None,
                                              policy=policy, sources=sources, version=None if scoring else batch.index,
                                              sampled=None if scoring else self.batcher.sampled(batch))
-        return Prepared(microbatches, confidence)
+        return Prepared(microbatches, confidence, metrics)
 
-    def annotation_metrics(self, batch: InFlight) -> dict:
-        """The teachers', the annotators' (the rewards'), the rollout server's and the mixture's metrics of a trained
-        batch (collective over every rank)."""
-        metrics = {**self.exchange.metrics(batch.teacher, batch.samples),
-                   **self.annotations.metrics(batch.annotations, batch.samples or [])}
+    def _metrics(self, batch: InFlight) -> dict:
+        """The rollout server's, the teacher weight's, dynamic sampling's, partial rollouts' and the mixture's metrics
+        of a batch about to be trained (beside the teachers' and the annotators'; collective over every rank)."""
+        metrics = {}
         if self.rollout is not None and self.rollout.in_background:  # the rollout server's restarts
             metrics.update(self.rollout.metrics())
         rl = self.config.rl

@@ -246,7 +246,7 @@ class Trainer:
         if stats is not None:
             metrics.update(loss_metrics(stats, self.teachers.names if self.teachers.several else None))
             metrics.update(prepared.confidence)
-        metrics.update(self.flow.annotation_metrics(batch))
+        metrics.update(prepared.metrics)
         return metrics
 
     def _sync_weights(self, force: bool = False) -> None:

@@ -102,7 +102,6 @@ def test_the_teacher_assignment_is_made_once_per_batch():
     batch = flow.produce(0, RECORDS, {}, version=0)
     assert len(calls) == 1 and batch.assignment == {"teacher": list(range(len(batch.samples)))}
     prepared = flow.prepare(batch)
-    flow.annotation_metrics(batch)
     assert len(calls) == 1  # the request, the colocated teachers' request in the update, the rows: one record
     assert len(prepared.microbatches) == len(batch.samples) // config.trainer.micro_batch_size
     scoring = flow.scoring_batch(batch.rollout, batch.prompt_indices, [None] * len(batch.prompt_indices))
@@ -144,9 +143,9 @@ def test_a_new_annotator_is_its_class_passed_to_the_flow():
     flow.annotations.wait_ready()
     batch = flow.produce(0, RECORDS, {}, version=0)
     assert lengths.ready and lengths.sent == [[r.index for r in RECORDS]] and batch.annotations == {}
-    flow.prepare(batch)
+    prepared = flow.prepare(batch)
     assert batch.annotations == {"rewards": None, "lengths": [RESPONSE] * len(batch.samples)}
-    assert flow.annotation_metrics(batch)["lengths/mean"] == RESPONSE
+    assert prepared.metrics["lengths/mean"] == RESPONSE
     flow.annotations.close()
     assert lengths.closed
 
@@ -181,7 +180,7 @@ def test_the_teacher_s_weight_follows_its_schedule_by_batch(combine):
         batch = flow.produce(index, records, {}, version=index)
         prepared = flow.prepare(batch)
         assert {mb.policy.kd_coef for mb in prepared.microbatches} == {expected}
-        assert flow.annotation_metrics(batch)["rl/kd_coef"] == expected
+        assert prepared.metrics["rl/kd_coef"] == expected
         if combine == "loss":  # the divergence's coefficients: the token mean times the weight
             coefficients = torch.cat([mb.teachers[0].coefficients[mb.loss_mask] for mb in prepared.microbatches])
             assert float(coefficients.sum()) == pytest.approx(expected)
@@ -266,7 +265,7 @@ def test_dynamic_sampling_trains_only_groups_whose_rewards_differ_and_refills_th
     rewards = [float(int(s.tokens[s.prompt_len + 1]) == 7) for s in batch.samples]
     assert batch.annotations["rewards"] == rewards and rewards == [1.0, 0.0] * 8  # the rewards follow their samples
     assert bool((_advantages(prepared) != 0).all())  # every trained group has a reward advantage
-    metrics = flow.annotation_metrics(batch)
+    metrics = prepared.metrics
     assert {k: v for k, v in metrics.items() if k.startswith("rl/dynamic")} == {
         "rl/dynamic_rounds": 3.0, "rl/dynamic_prompts_drawn": 12.0, "rl/dynamic_groups_dropped": 8.0,
         "rl/dynamic_groups_short": 0.0, "rl/dynamic_groups_surplus": 0.0, "rl/dynamic_informative_fraction": 1 / 3}
@@ -342,3 +341,52 @@ def test_a_round_whose_rewards_fail_fails_the_batch_s_update():
     assert batch.data_state["position"] == 0  # where a resume starts this batch again
     with pytest.raises(RewardFailed, match="timed out"):
         flow.prepare(batch)
+
+
+def _walk(run) -> list[str]:
+    """The batch path's files (``trainer/``) that :mod:`megatron_gkd.trainer.flow` calls into while ``run()`` runs, in
+    order, a file called again at once counted once (the phase timers of ``metrics.py`` left out: they time the walk;
+    the config's answers, ``config.needs_teacher`` and the like, are not steps of it)."""
+    import os
+    import sys
+
+    trainer = os.path.dirname(sys.modules[BatchFlow.__module__].__file__)
+    flow_file = sys.modules[BatchFlow.__module__].__file__
+    library = os.path.dirname(trainer)  # paths are named from it
+    walk = []
+
+    def profile(frame, event, arg):
+        if event != "call" or frame.f_back is None or frame.f_back.f_code.co_filename != flow_file:
+            return
+        called = frame.f_code.co_filename
+        if called.startswith(trainer) and called not in (flow_file, os.path.join(trainer, "metrics.py")):
+            name = os.path.relpath(called, library)
+            if not walk or walk[-1] != name:
+                walk.append(name)
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return walk
+
+
+@pytest.mark.parametrize("overrides", [[], ["reward.kind=final_answer", "rl.combine=loss"], ["sample_mix.lmbda=0.5"]],
+                         ids=["distill", "rewards", "mixture"])
+def test_the_walk_of_one_batch_enters_each_file_once_a_phase(overrides):
+    """Issue #47's walk of one batch: from ``BatchFlow``, sampling (``produce``) and the update's preparation
+    (``prepare``) each go through every file they call once, in order, and never return to one (docs/design.md, "One
+    batch through one step"); the step's own walk is ``step.py`` then ``losses/terms.py``."""
+    _, flow, _ = _flow(*overrides)
+    records = [Record(10 + i) for i in range(4)]
+    for record in records:
+        record.answer, record.response_ids = "7", [300, 301, EOS]  # RESPONSE tokens, as the fake teacher scores
+    made = []
+    produce = _walk(lambda: made.append(flow.produce(0, records, {}, version=0)))
+    prepare = _walk(lambda: flow.prepare(made[0]))
+    for phase in (produce, prepare):
+        assert len(phase) == len(set(phase)), f"the walk returns to a file: {phase}"
+    assert produce[-3:] == ["trainer/batch.py", "trainer/teacher_exchange.py", "trainer/annotations.py"]
+    assert prepare[:3] == ["trainer/teacher_exchange.py", "trainer/annotations.py", *prepare[2:3]]
+    assert prepare[-1] == "trainer/microbatcher.py"

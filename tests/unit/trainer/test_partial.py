@@ -304,7 +304,7 @@ def test_per_token_versions_reach_the_loss(gloo_world, bound):  # conftest.py: a
             stats["token_staleness"] += float(part["token_staleness"])
             stats["token_staleness_max"] = max(stats["token_staleness_max"], float(part["token_staleness_max"]))
         assert float(total) == pytest.approx(1.0)  # the mean over the tokens that train
-        metrics = flow.annotation_metrics(batch)
+        metrics = prepared.metrics
         assert metrics["rollout/partial/token_staleness_max"] == float(step - batch.rollout.weight_version)
         if bound is None:
             assert metrics["rollout/partial/masked_tokens"] == 0
@@ -322,7 +322,7 @@ def test_a_staleness_bound_masks_staler_tokens_out_of_the_loss_and_counts_them(g
     for step in range(8):
         batch = flow.produce_batch(step, data.draw, flow.data_state({"position": step}), version=step)
         prepared = flow.prepare(batch)
-        metrics = flow.annotation_metrics(batch)
+        metrics = prepared.metrics
         # Counted from the versions the buffer recorded for each sample, not from the flow's own staleness.
         staleness = [step - v for i in range(batch.rollout.num_samples) for v in batch.rollout.versions(i).tolist()]
         stale = sum(s > bound for s in staleness)
