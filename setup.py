@@ -49,7 +49,7 @@ setup(
         "megatron-core==0.16.1",
         "numpy",
         "packaging",
-        # The teacher wire protocol (megatron_gkd/teacher/wire.py): msgpack headers over ZMQ frames.
+        # The teacher wire protocol (megatron_gkd/teacher/protocol/wire.py): msgpack headers over ZMQ frames.
         "msgpack>=1.0",
         "pyzmq>=25.0.0",
         "pyyaml",

@@ -18,9 +18,10 @@ import time
 import numpy as np
 
 from megatron_gkd.log_setup import setup_logging
-from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, build_client, codec, wire
+from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, build_client
 from megatron_gkd.teacher.backends import build_backend
-from megatron_gkd.teacher.server import Proxy, Worker
+from megatron_gkd.teacher.protocol import codec, wire
+from megatron_gkd.teacher.service.server import Proxy, Worker
 from megatron_gkd.testing.tiny_teacher import build_tiny_teacher
 
 

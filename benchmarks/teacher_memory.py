@@ -53,7 +53,7 @@ def megatron_scorer(teacher: str, in_place: bool):
     import torch.distributed as dist
 
     from megatron_gkd import parallel, platform
-    from megatron_gkd.teacher.megatron_scoring import MegatronScorer, load_teacher
+    from megatron_gkd.teacher.backends.megatron_scoring import MegatronScorer, load_teacher
 
     platform.setup()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -79,7 +79,7 @@ def child(teacher: str, path: str, signal: str, rows: int, length: int) -> dict:
     import torch
 
     from megatron_gkd.teacher.backends import hf
-    from megatron_gkd.teacher.types import ScoreBatch, SequenceRequest
+    from megatron_gkd.teacher.protocol.types import ScoreBatch, SequenceRequest
 
     torch.set_num_threads(1)
     threading.Thread(target=sample, daemon=True).start()

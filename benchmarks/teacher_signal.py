@@ -41,7 +41,7 @@ MIB = 1 << 20
 def wire_bytes_per_token(num_tokens: int, teacher_hidden: list[int], vocab: int) -> list[dict]:
     """Bytes per token of RESULT messages of each signal (encoded, not estimated)."""
     from megatron_gkd.teacher import TeacherOutput
-    from megatron_gkd.teacher.codec import encode_result
+    from megatron_gkd.teacher.protocol.codec import encode_result
 
     rng = np.random.default_rng(0)
     token_logprobs = -rng.random(num_tokens).astype(np.float32)

@@ -1,6 +1,6 @@
 """The last pipeline stage's output layer, swapped for the length of a forward: the student's loss keeps its logits or
 its input (``megatron_gkd.trainer.logit_capture``), the teacher's scorer its input
-(``megatron_gkd.teacher.megatron_scoring``), so that ``GPTModel`` never builds the ``[s, b, V/tp]`` logits of every
+(``megatron_gkd.teacher.backends.megatron_scoring``), so that ``GPTModel`` never builds the ``[s, b, V/tp]`` logits of every
 position where only some rows are read.
 """
 

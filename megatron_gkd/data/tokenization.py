@@ -85,7 +85,7 @@ def resolve_chat_template(config: DataConfig, tokenizer) -> str | None:
 def prompt_conversation(record: ParsedRecord, template: str | None) -> str | list[dict[str, str]]:
     """What a prompt is rendered from: its raw text when there is no template, else the messages the template reads
     (a text prompt as one user message). A teacher of another tokenizer renders the same conversation its own way
-    (:mod:`megatron_gkd.teacher.cross_prompt`).
+    (:mod:`megatron_gkd.teacher.clients.cross_prompt`).
 
     Raises:
         ValueError: the record holds chat messages and there is no template.

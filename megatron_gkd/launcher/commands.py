@@ -12,7 +12,7 @@ import shlex
 import sys
 
 from megatron_gkd.launcher.nodes import Allocation, Node
-from megatron_gkd.teacher.replicas import backend_arg_flags
+from megatron_gkd.teacher.service.replicas import backend_arg_flags
 
 TRAINER_CLI = "megatron_gkd.trainer.cli"
 """The trainer's command line (``launch/pretrain_gkd.py`` calls it), run with ``python -m`` / ``torchrun -m``."""

@@ -16,7 +16,7 @@ from megatron_gkd.launcher.commands import Step
 from megatron_gkd.launcher.nodes import Allocation
 from megatron_gkd.launcher.teacher import TeacherDeployment, plan_teacher
 from megatron_gkd.parallel.state import RESTART_ENV
-from megatron_gkd.teacher.replicas import backend_arg_flags
+from megatron_gkd.teacher.service.replicas import backend_arg_flags
 
 ROLES = ("student", "teacher", "combined")
 

@@ -15,7 +15,7 @@ from megatron_gkd.launcher.processes import Executor, Running
 from megatron_gkd.launcher.teacher import RayGate
 from megatron_gkd.teacher.clients import RetryPolicy
 from megatron_gkd.teacher.clients.zmq_client import ZmqTeacherClient, load_secret
-from megatron_gkd.teacher.types import TeacherError
+from megatron_gkd.teacher.protocol.types import TeacherError
 
 logger = logging.getLogger(__name__)
 

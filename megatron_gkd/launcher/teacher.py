@@ -17,7 +17,7 @@ import shlex
 from megatron_gkd.launcher import commands
 from megatron_gkd.launcher.commands import Step
 from megatron_gkd.launcher.nodes import Allocation
-from megatron_gkd.teacher.replicas import TEACHER_CLI
+from megatron_gkd.teacher.service.replicas import TEACHER_CLI
 
 
 @dataclasses.dataclass(kw_only=True)

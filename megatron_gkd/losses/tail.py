@@ -6,7 +6,7 @@ and JSD compare distributions renormalised on ``S``, which lets the student put 
 other token":
 
 * the teacher's is ``1 - sum_S p``, from the log-probs it already sends (normalised over its full vocabulary: the
-  teacher response check refuses a row whose top-k sums past 1, :mod:`megatron_gkd.teacher.types`), floored at
+  teacher response check refuses a row whose top-k sums past 1, :mod:`megatron_gkd.teacher.protocol.types`), floored at
   :data:`TAIL_MASS_FLOOR`;
 * the student's is ``1 - sum_S q``, computed as ``logsumexp`` of its logits outside ``S`` on each vocabulary shard
   (padding rows excluded), combined over TP like the log-partition, so it stays exact when ``S`` holds almost all
@@ -36,7 +36,7 @@ from megatron_gkd.losses.shard_ops import LocalSupport, rows_per_chunk
 
 TAIL_MASS_FLOOR = 1e-6
 """The smallest teacher tail mass. The teacher sends float32 log-probs; summing k of them carries rounding of about
-1e-6 (:mod:`megatron_gkd.teacher.types`), so a tail below it, zero or slightly negative, is rounding: it is read as
+1e-6 (:mod:`megatron_gkd.teacher.protocol.types`), so a tail below it, zero or slightly negative, is rounding: it is read as
 the floor, which keeps ``log p_tail`` finite (reverse KL then pushes the student's tail down to about this size)."""
 
 # exp(80) ~ 5.5e34 stays finite in float32. A student tail more than 80 nats below its log-partition is below

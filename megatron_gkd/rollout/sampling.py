@@ -1,5 +1,5 @@
 """The sampling policy of engines that pick tokens themselves (the ``hf`` rollout engine; the ``hf`` and ``megatron``
-teacher backends through :mod:`megatron_gkd.teacher.sampling`).
+teacher backends through :mod:`megatron_gkd.teacher.protocol.sampling`).
 
 One function picks the next token of every row from its scores: scores divided by the temperature, cut to the
 ``top_k`` most likely ids, then to the smallest set whose probability reaches ``top_p``, renormalised (vLLM's order:

@@ -1,4 +1,6 @@
-"""The teacher: wire protocol, server (proxy + workers), backends and clients.
+"""The teacher: what trainer and service say (``protocol/``), the service (``service/``: proxy + workers), what it
+scores with (``backends/``), the trainer's side (``clients/``), the teacher cache (``cache/``) and the ``teacher``
+section (``config.py``).
 
 Trainer-side use::
 
@@ -13,7 +15,7 @@ Server side: ``launch/teacher_server.py`` (see docs/teacher_protocol.md).
 """
 
 from megatron_gkd.teacher.clients import RetryPolicy, TeacherClient, build_client, client_names
-from megatron_gkd.teacher.types import (
+from megatron_gkd.teacher.protocol.types import (
     ErrorCode,
     GenerateBatch,
     GeneratedSample,

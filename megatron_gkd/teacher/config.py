@@ -9,8 +9,8 @@ from typing import Any
 
 from megatron_gkd.teacher.backends import DEFAULT_DTYPE
 from megatron_gkd.teacher.clients import CLIENTS, RetryPolicy, TeacherClient, client_traits
-from megatron_gkd.teacher.privileged import template_fields
-from megatron_gkd.teacher.types import HIDDEN_DTYPES, TEACHER_SIGNALS, Signal
+from megatron_gkd.teacher.clients.privileged import template_fields
+from megatron_gkd.teacher.protocol.types import HIDDEN_DTYPES, TEACHER_SIGNALS, Signal
 from megatron_gkd.xtok.config import CrossTokenizerConfig
 
 logger = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class TeacherConfig:
         signal: ``topk`` (the teacher's top-k log-probs per token) or ``hidden`` (its final hidden
             state per token, after the last norm; the trainer recomputes the teacher's logits over the
             whole vocabulary with the teacher's output layer, sharded over the student's TP ranks); a
-            :class:`~megatron_gkd.teacher.types.Signal` once validated.
+            :class:`~megatron_gkd.teacher.protocol.types.Signal` once validated.
         hidden_dtype: hidden: the dtype of the hidden states on the wire (``bfloat16``, ``float16``
             or ``float32``).
         head_checkpoint: hidden: HF checkpoint directory whose output layer (``lm_head.weight``, or the
@@ -123,7 +123,7 @@ class TeacherConfig:
         privileged_template: self: the teacher's prompt, a format string over the record's fields (``prompt``: the
             prompt's text, ``response``: the reference response, ``answer``), e.g. ``"Reference solution:
             {response}\\n\\n{prompt}"``; with a chat template it is the content of the last user message
-            (:mod:`megatron_gkd.teacher.privileged`).
+            (:mod:`megatron_gkd.teacher.clients.privileged`).
         self_weights: self: the weights the teacher reads: ``current`` (the default, null: the student's weights of
             the step, without gradient), ``initial`` (a frozen copy of the student's checkpoint, sharded like the
             student: its parameters once more on each rank) or ``ema``: an exponential moving average of the
@@ -317,7 +317,7 @@ def build_client_from_config(config: TeacherConfig, secret: bytes | None = None,
     (``ClientTraits.collective``: sharded on the training ranks) is built on ``state``, the trainer's
     :class:`~megatron_gkd.parallel.ParallelState`; a client that reads the student (``ClientTraits.reads_student``)
     gets ``student`` too: ``(chunks, vocab)``, this rank's chunks and a
-    :class:`~megatron_gkd.teacher.megatron_scoring.TeacherVocab`."""
+    :class:`~megatron_gkd.teacher.backends.megatron_scoring.TeacherVocab`."""
     if not config.enabled:
         raise ValueError("teacher.client=none: this run has no teacher")
     client_class = CLIENTS.get(config.client)

@@ -18,8 +18,8 @@ from megatron_gkd.testing import runs
 PARTS = {
     "trainer_rank": ("megatron_gkd.trainer.cli",),
     "rollout_server": ("megatron_gkd.rollout.server",),
-    "teacher_replica": ("megatron_gkd.teacher.cli worker",),
-    "teacher_service": ("megatron_gkd.teacher.cli serve",),
+    "teacher_replica": ("megatron_gkd.teacher.service.cli worker",),
+    "teacher_service": ("megatron_gkd.teacher.service.cli serve",),
 }
 """Each part and what its processes' command lines hold."""
 

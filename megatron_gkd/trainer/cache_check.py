@@ -12,8 +12,8 @@ from megatron_gkd.data import load_prompts, load_tokenizer
 from megatron_gkd.data.tokenization import stop_token_ids, tokenizer_digest
 from megatron_gkd.teacher.cache.generated import REBUILD_FLAG, SAMPLING_KEYS, prompt_records, sampling_settings
 from megatron_gkd.teacher.cache.store import checkpoint_digest, dataset_digest, dataset_records
-from megatron_gkd.teacher.cross_prompt import prompt_rule
-from megatron_gkd.teacher.security import SECRET_ENV
+from megatron_gkd.teacher.clients.cross_prompt import prompt_rule
+from megatron_gkd.teacher.protocol.security import SECRET_ENV
 
 logger = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from megatron_gkd.models.teacher_head import load_teacher_head
 from megatron_gkd.parallel import ParallelState
 from megatron_gkd.rewards import RewardRunner
 from megatron_gkd.rollout import build_engine, engine_traits
+from megatron_gkd.teacher.backends.megatron_scoring import TeacherVocab
 from megatron_gkd.teacher.clients import client_traits
+from megatron_gkd.teacher.clients.cross_request import CrossTokenizer
 from megatron_gkd.teacher.config import build_client_from_config
-from megatron_gkd.teacher.cross_request import CrossTokenizer
-from megatron_gkd.teacher.megatron_scoring import TeacherVocab
-from megatron_gkd.teacher.types import Signal
+from megatron_gkd.teacher.protocol.types import Signal
 from megatron_gkd.trainer.cache_check import check_cache_run
 from megatron_gkd.trainer.optim import build_lr_scheduler, build_optimizer, wrap_for_training
 from megatron_gkd.trainer.rollout_handle import Rollout
@@ -108,7 +108,7 @@ def parameter_mib(chunks) -> float:
 def build_teacher_head(teacher, state, student: Student, tokenizer, cross=None) -> torch.Tensor | None:
     """This rank's shard of ``teacher``'s output layer (a teacher config section with ``signal=hidden``, last
     pipeline stage), split over the TP group like the student's own output layer; None when not needed. A teacher of
-    another tokenizer (``cross``, its :class:`~megatron_gkd.teacher.cross_request.CrossTokenizer`) has its own vocabulary:
+    another tokenizer (``cross``, its :class:`~megatron_gkd.teacher.clients.cross_request.CrossTokenizer`) has its own vocabulary:
     its rows are split over the TP group (padded to a multiple of it)."""
     if not teacher.signal.needs_head or not teacher.enabled or not state.is_pipeline_last_stage:
         return None
@@ -230,7 +230,7 @@ def check_teacher(client, config: GKDConfig, tokenizer, student_vocab_size: int,
     """Start-up checks against a teacher (``teacher``: its config section, default ``config.teacher``): vocabulary
     alignment, k, requested ids, temperature, and whether it can write responses (``generates``: GKD's mixture asks
     it to, ``sample_mix.source=teacher``; checked now rather than at the first batch drawn for it, maybe far in;
-    ``cross``: the teacher's :class:`~megatron_gkd.teacher.cross_request.CrossTokenizer`, whose tokenizer must be the teacher's).
+    ``cross``: the teacher's :class:`~megatron_gkd.teacher.clients.cross_request.CrossTokenizer`, whose tokenizer must be the teacher's).
 
     Raises:
         ValueError: the teacher cannot serve this run (the message names the key and the fix).

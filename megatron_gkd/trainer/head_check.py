@@ -24,7 +24,7 @@ import dataclasses
 import torch
 
 from megatron_gkd.losses import hidden_token_logprobs
-from megatron_gkd.teacher.types import Signal
+from megatron_gkd.teacher.protocol.types import Signal
 from megatron_gkd.trainer.batch import Sample, TeacherRows
 
 HEAD_CHECK_TOKENS = 64

@@ -8,7 +8,7 @@ from typing import Mapping, Union
 
 from megatron_gkd.config.schema import LossKind
 from megatron_gkd.losses import get_divergence
-from megatron_gkd.teacher.types import Signal
+from megatron_gkd.teacher.protocol.types import Signal
 from megatron_gkd.xtok.config import HiddenSupport
 
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron_gkd import platform
 from megatron_gkd.parallel.comm import agree, all_gather_msgpack
 from megatron_gkd.teacher import ScoreBatch
-from megatron_gkd.teacher.types import Signal
+from megatron_gkd.teacher.protocol.types import Signal
 from megatron_gkd.trainer.batch import TCADSpec, TeacherRows, score_batch, teacher_rows
 from megatron_gkd.trainer.head_check import TeacherHeadMismatch, check_due, check_teacher_head, where
 from megatron_gkd.trainer.teachers import Request, Teachers
@@ -115,7 +115,7 @@ class TeacherExchange:
 
     @staticmethod
     def _cross_request(teacher, samples, indices: list[int]) -> Request:
-        """A teacher of another tokenizer is asked the samples' text in its own ids (:mod:`megatron_gkd.teacher.cross_request`);
+        """A teacher of another tokenizer is asked the samples' text in its own ids (:mod:`megatron_gkd.teacher.clients.cross_request`);
         its rows come back on the student's response positions."""
         config, cross = teacher.config, teacher.cross
         translated = [cross.translate(sample.tokens.numpy(), sample.prompt_len) for sample in samples]

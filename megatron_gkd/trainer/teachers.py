@@ -25,7 +25,7 @@ from megatron_gkd.config.checks import teacher_configs, teacher_key
 from megatron_gkd.data.tokenization import resolve_chat_template
 from megatron_gkd.parallel.comm import agree, broadcast_msgpack
 from megatron_gkd.teacher.clients import client_traits
-from megatron_gkd.teacher.local_service import ServiceKeeper, TeacherService
+from megatron_gkd.teacher.service.local import ServiceKeeper, TeacherService
 from megatron_gkd.trainer.components import build_cross_tokenizer, build_teacher_client, build_teacher_head
 from megatron_gkd.trainer.ema import WeightsEMA
 from megatron_gkd.trainer.metrics import teacher_suffix
@@ -43,7 +43,7 @@ class Teacher:
         service: the service this run started for it (rank 0), else None.
         head: its output layer's shard on last-stage ranks (hidden signal), else None.
         cross: a teacher of another tokenizer (``cross_tokenizer.method``): the pair's
-            :class:`~megatron_gkd.teacher.cross_request.CrossTokenizer` (its requests are translated, its rows moved back to the
+            :class:`~megatron_gkd.teacher.clients.cross_request.CrossTokenizer` (its requests are translated, its rows moved back to the
             student's positions), else None.
         projection: ``cross``'s map ``W``, this rank's rows (last stage), for the loss.
         ema: a self teacher's EMA of the student's weights (``self_weights=ema``, every rank), else None.
@@ -68,7 +68,7 @@ class Teacher:
 @dataclasses.dataclass
 class Request:
     """One teacher's part of a step: the samples it scores (indices into the rank's samples) and the future
-    (``translated``: a cross-tokenizer teacher's view of each sample, :class:`~megatron_gkd.teacher.cross_request.Translated`).
+    (``translated``: a cross-tokenizer teacher's view of each sample, :class:`~megatron_gkd.teacher.clients.cross_request.Translated`).
     """
 
     indices: list[int]
@@ -141,7 +141,7 @@ class Teachers:
     @property
     def keep_conversations(self) -> bool:
         """Whether the datasets keep each record's conversation: a teacher of another tokenizer reads it through its
-        own chat template (``cross_tokenizer.prompt=template``, :mod:`megatron_gkd.teacher.cross_prompt`)."""
+        own chat template (``cross_tokenizer.prompt=template``, :mod:`megatron_gkd.teacher.clients.cross_prompt`)."""
         return any(t.config.enabled and (t.config.cross_tokenizer.enabled and t.config.cross_tokenizer.prompt == "template"
                                          or client_traits(t.config.client).reads_student) for t in self)
 

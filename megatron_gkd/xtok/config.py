@@ -9,9 +9,9 @@ meaningless"). It still is, unless the run names a method; the refusal now says 
         tokenizer: null          # the teacher's tokenizer directory; null: teacher.serve.model, teacher.checkpoint or
                                  # teacher.teacher_tokenizer
         prompt: template         # template: a conversation through the teacher's own chat template | text: the
-                                 # student's prompt as text, special tokens kept (megatron_gkd.teacher.cross_prompt)
+                                 # student's prompt as text, special tokens kept (megatron_gkd.teacher.clients.cross_prompt)
         inside_groups: chain     # chain: the student tokens of a group the teacher writes as fewer tokens are compared
-                                 # through the chain rule (megatron_gkd.teacher.cross_request) | skip: only group heads
+                                 # through the chain rule (megatron_gkd.teacher.clients.cross_request) | skip: only group heads
         boundary: teacher        # teacher: group heads compared at the teacher's token boundaries through W | text: every
                                  # position read at the text level (chain rule at heads too, boundary-corrected)
         hidden_support: topk     # teacher.signal=hidden: topk (its exact top-k through W) | full (its whole vocabulary)
@@ -66,7 +66,7 @@ class CrossTokenizerConfig:
             exact string matches compared directly, the projection elsewhere).
         tokenizer: the teacher's tokenizer (an HF directory); ``None``: the teacher's own checkpoint directory
             (``teacher.serve.model`` or ``teacher.checkpoint``) or ``teacher.teacher_tokenizer``.
-        prompt: what the teacher reads before the response (:mod:`megatron_gkd.teacher.cross_prompt`). ``template``
+        prompt: what the teacher reads before the response (:mod:`megatron_gkd.teacher.clients.cross_prompt`). ``template``
             (default): a prompt rendered from a conversation (the student's chat template was used) is that
             conversation through the teacher's OWN chat template, as the teacher would read it if it served the
             conversation itself; raw text stays raw text. ``text``: the student's rendered prompt as text with its
@@ -75,13 +75,13 @@ class CrossTokenizerConfig:
         inside_groups: ``chain`` (default): in a group where the teacher's token is longer than the student's (n:1,
             n:m; the numeral case), every student position is compared with the teacher's distribution over the
             student token its tokens continue with (the chain rule over the teacher's top-k,
-            :mod:`megatron_gkd.teacher.cross_request`); ``skip``: only the group's head is compared, through ``W``.
+            :mod:`megatron_gkd.teacher.clients.cross_request`); ``skip``: only the group's head is compared, through ``W``.
         boundary: ``teacher`` (default): a group's head is compared with the teacher's row at its first token, through
             ``W``. ``text``: every position but a 1:n head (the student's token longer) is compared in the student's
             vocabulary with the teacher's distribution read at the text level: the chain rule at heads too, and at a
             head that follows a teacher token other teacher tokens extend (``"1"`` of ``"1 6 3 8"``), the teacher's
             row there (conditioned on its token having ended) mixed with the previous row's tokens that go on past
-            the boundary, by their probabilities (:mod:`megatron_gkd.teacher.cross_request`). Needs ``inside_groups=chain``.
+            the boundary, by their probabilities (:mod:`megatron_gkd.teacher.clients.cross_request`). Needs ``inside_groups=chain``.
         hidden_support: with ``teacher.signal=hidden``, what the projected student is compared with. ``topk``
             (default): the teacher's exact top-``teacher.top_k`` made in the step from its hidden states
             (:func:`~megatron_gkd.losses.hidden_topk`), through the log-space top-k loss

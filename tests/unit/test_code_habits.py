@@ -289,7 +289,7 @@ def test_teacher_backends_are_asked_not_compared():
 # Names the code chooses by (issue 31 item 3). A name of one of these closed sets is compared (``==``, ``!=``,
 # ``in``, ``not in``, or in a module-level table) only in the modules that own it; elsewhere code asks the
 # member or the traits what the choice needs (``teacher.signal.needs_head``, ``engine_traits(name)``).
-CHOICE_TYPES = ("megatron_gkd/teacher/types.py:Signal", "megatron_gkd/rollout/types.py:Layout",
+CHOICE_TYPES = ("megatron_gkd/teacher/protocol/types.py:Signal", "megatron_gkd/rollout/types.py:Layout",
                 "megatron_gkd/config/schema.py:LossKind", "megatron_gkd/xtok/config.py:HiddenSupport")
 # Registries whose names are checked: (module:REGISTRY, the owners, beyond which its names are not compared).
 CHECKED_REGISTRIES = {

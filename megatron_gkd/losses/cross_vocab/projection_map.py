@@ -152,7 +152,7 @@ def with_student_columns(shard: ProjectionShard, real_vocab_size: int) -> Projec
     (``W[s, V_t + s] = 1`` for the real tokens ``s < real_vocab_size``; padding rows stay empty). A row whose ids all
     lie in that block is the same-tokenizer comparison at those student ids; a row whose ids all lie below ``V_t`` is
     the projection. A cross-tokenizer teacher's rows inside multi-token groups (the chain rule,
-    :mod:`megatron_gkd.teacher.cross_request`) are student-vocabulary rows; a row never mixes the two.
+    :mod:`megatron_gkd.teacher.clients.cross_request`) are student-vocabulary rows; a row never mixes the two.
     """
     start = shard.vocab_start
     stop = max(start, min(start + shard.vocab_size_local, real_vocab_size))

@@ -1,7 +1,7 @@
 """Teacher backends behind the server, chosen by name (``--backend hf|vllm|megatron``).
 
-A backend turns a :class:`~megatron_gkd.teacher.types.ScoreBatch` into one TeacherOutput per sequence and,
-when it can sample (``supports_generate``), a :class:`~megatron_gkd.teacher.types.GenerateBatch` into the
+A backend turns a :class:`~megatron_gkd.teacher.protocol.types.ScoreBatch` into one TeacherOutput per sequence and,
+when it can sample (``supports_generate``), a :class:`~megatron_gkd.teacher.protocol.types.GenerateBatch` into the
 teacher's responses; one that cannot refuses generate requests with a typed UNSUPPORTED naming itself.
 Implementations are imported lazily, so ``vllm`` is only needed when the ``vllm`` backend is chosen.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 from megatron_gkd.models.checkpoints import resolve_checkpoint
 from megatron_gkd.registry import Registry
-from megatron_gkd.teacher.types import (
+from megatron_gkd.teacher.protocol.types import (
     ErrorCode,
     GenerateBatch,
     GeneratedSample,
@@ -46,7 +46,7 @@ class BackendInfo:
         hidden_size: h, the width of the final hidden states the ``hidden`` signal returns, or None
             when the backend cannot return them.
         signals: the signals the backend serves (``"topk"``, ``"hidden"``).
-        model_digest: :func:`~megatron_gkd.teacher.identity.checkpoint_fingerprint` of the checkpoint
+        model_digest: :func:`~megatron_gkd.teacher.protocol.identity.checkpoint_fingerprint` of the checkpoint
             served, or None when it is not a local directory.
         dtype: the dtype the model computes in (e.g. ``"float32"``).
         supports_generate: whether the backend answers generate requests (samples responses itself).

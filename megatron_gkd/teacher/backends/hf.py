@@ -8,7 +8,7 @@ output layer: the final hidden state after the last norm, whatever the architect
 are not its output layer on that state (a soft-capping or scaling after it, found by a probe at start-up) keeps the
 whole-logits forward, the hidden state captured by a forward pre-hook on its output layer.
 
-Generation is a sampling loop over the model's KV cache (:mod:`megatron_gkd.teacher.sampling` picks the
+Generation is a sampling loop over the model's KV cache (:mod:`megatron_gkd.teacher.protocol.sampling` picks the
 tokens), not ``model.generate``: the sampling parameters are exactly the request's, never defaults from
 the checkpoint's ``generation_config``. Rows are left-padded with an attention mask and explicit
 positions, grouped so that rows x (longest prompt + max_tokens) stays within ``max_batch_tokens``.
@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 from megatron_gkd.data.tokenization import tokenizer_digest
-from megatron_gkd.teacher import sampling
 from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
-from megatron_gkd.teacher.forward_groups import forward_groups
-from megatron_gkd.teacher.identity import checkpoint_fingerprint
-from megatron_gkd.teacher.types import ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError, TeacherOutput
+from megatron_gkd.teacher.backends.forward_groups import forward_groups
+from megatron_gkd.teacher.protocol import sampling
+from megatron_gkd.teacher.protocol.identity import checkpoint_fingerprint
+from megatron_gkd.teacher.protocol.types import ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError, TeacherOutput
 
 logger = logging.getLogger(__name__)
 

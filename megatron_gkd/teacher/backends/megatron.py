@@ -5,7 +5,7 @@
 
 Rank 0 is the leader: it talks to the proxy as a worker and, for each batch, broadcasts the request
 to the other ranks (the followers, which run :meth:`MegatronBackend.follow`); then every rank runs
-the forward and the last pipeline stage computes the rows (:mod:`megatron_gkd.teacher.megatron_scoring`).
+the forward and the last pipeline stage computes the rows (:mod:`megatron_gkd.teacher.backends.megatron_scoring`).
 The request crosses ranks as plain tensors (a fixed header, the token ids, the requested ids), never
 as pickled objects. Requests the backend refuses are refused on rank 0 before the broadcast; a failure
 inside the forward after it (e.g. out of memory on one rank) leaves the ranks out of step, and the
@@ -13,7 +13,7 @@ server must be restarted (clients retry on other workers meanwhile).
 
 Generation is a simple loop on the leader: each step scores every unfinished response with one more
 (placeholder) token through :meth:`MegatronBackend.score`, so the followers take part as in any score,
-and samples the next token from that row's top ``max_top_k`` (:mod:`megatron_gkd.teacher.sampling`). It
+and samples the next token from that row's top ``max_top_k`` (:mod:`megatron_gkd.teacher.protocol.sampling`). It
 runs a full forward per token (no KV cache): for tests and small teachers; serve large ones with vllm.
 """
 
@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_gkd import parallel, platform
-from megatron_gkd.teacher import sampling
 from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
-from megatron_gkd.teacher.identity import checkpoint_fingerprint
-from megatron_gkd.teacher.megatron_scoring import MAX_BATCH_TOKENS, MegatronScorer, load_teacher
-from megatron_gkd.teacher.types import (
+from megatron_gkd.teacher.backends.megatron_scoring import MAX_BATCH_TOKENS, MegatronScorer, load_teacher
+from megatron_gkd.teacher.protocol import sampling
+from megatron_gkd.teacher.protocol.identity import checkpoint_fingerprint
+from megatron_gkd.teacher.protocol.types import (
     TEACHER_SIGNALS,
     ErrorCode,
     GenerateBatch,

@@ -18,7 +18,7 @@ signal's token log-probs would need a second engine or a host copy of the output
 (docs/teacher_protocol.md "Backends"). Hidden requests get UNSUPPORTED from the worker.
 
 Generation is vLLM's own sampler: each response is one request with ``n=1`` and its own seed
-(:func:`megatron_gkd.teacher.sampling.row_seeds`), ``stop_token_ids`` the request's stop ids and
+(:func:`megatron_gkd.teacher.protocol.sampling.row_seeds`), ``stop_token_ids`` the request's stop ids and
 ``ignore_eos`` (only the request's stop ids end a response, as on every backend), restricted to the
 tokenizer's ids when the embedding table is padded. Scored rows, when asked, come from :meth:`score`
 (prompt log-probs at temperature 1.0), as for any backend.
@@ -32,10 +32,10 @@ import os
 import numpy as np
 
 from megatron_gkd.data.tokenization import tokenizer_digest
-from megatron_gkd.teacher import sampling
 from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
-from megatron_gkd.teacher.identity import checkpoint_fingerprint
-from megatron_gkd.teacher.types import ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError, TeacherOutput
+from megatron_gkd.teacher.protocol import sampling
+from megatron_gkd.teacher.protocol.identity import checkpoint_fingerprint
+from megatron_gkd.teacher.protocol.types import ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError, TeacherOutput
 
 logger = logging.getLogger(__name__)
 

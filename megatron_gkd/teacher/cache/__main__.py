@@ -33,10 +33,10 @@ from megatron_gkd.teacher.cache.build import build_cache, make_plan
 from megatron_gkd.teacher.cache.generated import REBUILD_FLAG, generation_settings, prompt_records
 from megatron_gkd.teacher.cache.store import CacheRecord, dataset_records
 from megatron_gkd.teacher.clients import client_traits
+from megatron_gkd.teacher.clients.cross_request import CrossTokenizer
 from megatron_gkd.teacher.config import build_client_from_config
-from megatron_gkd.teacher.cross_request import CrossTokenizer
-from megatron_gkd.teacher.local_service import TeacherService
-from megatron_gkd.teacher.security import SECRET_ENV, load_secret
+from megatron_gkd.teacher.protocol.security import SECRET_ENV, load_secret
+from megatron_gkd.teacher.service.local import TeacherService
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def build(config, out: pathlib.Path, *, records_per_shard: int, batch_size: int 
     tokenizer = load_tokenizer(config.student.tokenizer_path)
     generation = _generation(config, tokenizer, batch_size, responses_per_prompt)
     # Loaded as the run loads it: with sample_mix.source=teacher the records need no response; a teacher of another
-    # tokenizer reads each record's conversation through its own chat template (megatron_gkd.teacher.cross_prompt).
+    # tokenizer reads each record's conversation through its own chat template (megatron_gkd.teacher.clients.cross_prompt).
     cross = teacher.cross_tokenizer
     dataset = load_prompts(config.data.train_path, config.data, tokenizer, require_responses=needs_responses(config),
                            show_progress=True, keep_conversations=cross.enabled and cross.prompt == "template")

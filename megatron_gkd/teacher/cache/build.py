@@ -37,8 +37,8 @@ from megatron_gkd.teacher.cache.store import (
     verify_mac,
     write_atomically,
 )
-from megatron_gkd.teacher.security import SECRET_ENV
-from megatron_gkd.teacher.types import ScoreBatch, SequenceRequest, Signal, TeacherOutput
+from megatron_gkd.teacher.protocol.security import SECRET_ENV
+from megatron_gkd.teacher.protocol.types import ScoreBatch, SequenceRequest, Signal, TeacherOutput
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def make_plan(info, identity: dict, *, teacher_checkpoint: str | None, tokenizer
             readable here (runs then cannot compare the cache's teacher with theirs: a warning says so).
         tokenizer: the tokenizer that tokenized ``records`` (the student's); the teacher's must be the same unless
             ``cross`` is given.
-        cross: a cross-tokenizer teacher's :class:`~megatron_gkd.teacher.cross_request.CrossTokenizer`: the records are scored
+        cross: a cross-tokenizer teacher's :class:`~megatron_gkd.teacher.clients.cross_request.CrossTokenizer`: the records are scored
             as the teacher tokenizes their text, and the manifest records the pair and the teacher's prompt rule.
         generation: the teacher writes the responses (:func:`~.generated.generation_settings`); ``records`` are then
             the prompts alone (:func:`~.generated.prompt_records`).

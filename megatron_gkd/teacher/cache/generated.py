@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_gkd.teacher.cache.store import CacheManifest, CacheRecord
-from megatron_gkd.teacher.types import GenerateBatch, ScoreBatch, SequenceRequest, Signal, TeacherOutput
+from megatron_gkd.teacher.protocol.types import GenerateBatch, ScoreBatch, SequenceRequest, Signal, TeacherOutput
 
 SEED_STRIDE = 1_000_003
 """Between the seeds of two consecutive requests (the trainer's stride between two batches, trainer/flow.py)."""

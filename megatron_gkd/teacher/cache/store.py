@@ -42,8 +42,8 @@ import numpy as np
 import torch
 
 from megatron_gkd.planning.gguf_config import gguf_file
-from megatron_gkd.teacher.security import MIN_SECRET_BYTES, SECRET_ENV
-from megatron_gkd.teacher.types import Signal, TeacherOutput
+from megatron_gkd.teacher.protocol.security import MIN_SECRET_BYTES, SECRET_ENV
+from megatron_gkd.teacher.protocol.types import Signal, TeacherOutput
 
 logger = logging.getLogger(__name__)
 
@@ -155,8 +155,8 @@ class CacheManifest:
             :mod:`.generated`); ``dataset`` then describes the prompts. None: the dataset's own responses, scored.
         teacher_tokenizer_digest: a cross-tokenizer teacher's own tokenizer (``teacher.cross_tokenizer``): the cache
             was built for this pair of tokenizers, its rows hold teacher ids of the records' text as the teacher
-            tokenizes it (:mod:`megatron_gkd.teacher.cross_request`). None: the teacher shares the student's tokenizer.
-        teacher_prompt: a cross-tokenizer teacher's prompt rule (:func:`megatron_gkd.teacher.cross_prompt.prompt_rule`:
+            tokenizes it (:mod:`megatron_gkd.teacher.clients.cross_request`). None: the teacher shares the student's tokenizer.
+        teacher_prompt: a cross-tokenizer teacher's prompt rule (:func:`megatron_gkd.teacher.clients.cross_prompt.prompt_rule`:
             ``text``, or ``template:`` and its chat template's digest): the prompts its rows were scored after. None:
             the same tokenizer, or a cache built before the rule was recorded (a run refuses it for a pair).
         shards: per shard ``name``, ``num_records``, ``num_rows``, ``bytes`` and ``blake3``; in a build's plan
@@ -228,7 +228,7 @@ def manifest_mac(manifest: CacheManifest, secret: bytes) -> str:
     each shard's blake3 (so the MAC covers the shards' bytes too).
 
     Raises:
-        ValueError: ``secret`` is shorter than :data:`~megatron_gkd.teacher.security.MIN_SECRET_BYTES`.
+        ValueError: ``secret`` is shorter than :data:`~megatron_gkd.teacher.protocol.security.MIN_SECRET_BYTES`.
     """
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"the run's secret has {len(secret)} bytes; a teacher cache's MAC needs at least "
@@ -324,7 +324,7 @@ class CacheReader:
     Args:
         directory: the cache directory.
         max_open_shards: shards kept open at once (each holds a file descriptor and a memory map).
-        secret: the run's secret (:func:`~megatron_gkd.teacher.security.load_secret`), or None.
+        secret: the run's secret (:func:`~megatron_gkd.teacher.protocol.security.load_secret`), or None.
 
     Attributes:
         manifest: the cache's :class:`CacheManifest`.

@@ -17,8 +17,9 @@ import threading
 from typing import Any
 
 from megatron_gkd.registry import Registry
-from megatron_gkd.teacher import identity
-from megatron_gkd.teacher.types import (
+from megatron_gkd.teacher.clients.vocab import VocabAlignment, check_vocab, restrict_to_vocab
+from megatron_gkd.teacher.protocol import identity
+from megatron_gkd.teacher.protocol.types import (
     ErrorCode,
     GenerateBatch,
     GeneratedSample,
@@ -27,7 +28,6 @@ from megatron_gkd.teacher.types import (
     TeacherError,
     TeacherOutput,
 )
-from megatron_gkd.teacher.vocab import VocabAlignment, check_vocab, restrict_to_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class TeacherInfo:
 
     Raises:
         ValueError: a field of the wrong type, naming it (``tokenizer_size='512' must be a positive int or None``:
-            :func:`~megatron_gkd.teacher.identity.info_problems`), or ``signals`` and ``hidden_size`` that disagree
+            :func:`~megatron_gkd.teacher.protocol.identity.info_problems`), or ``signals`` and ``hidden_size`` that disagree
             (a teacher serving ``hidden`` must say its h).
     """
 
@@ -159,7 +159,7 @@ class TeacherClient(abc.ABC):
 
     def generate(self, batch: GenerateBatch) -> list[GeneratedSample]:
         """The teacher's responses to ``batch``: ``num_samples`` per prompt, prompt by prompt, each checked
-        (:func:`~megatron_gkd.teacher.types.check_generated`: count, order, length, ids in the teacher's
+        (:func:`~megatron_gkd.teacher.protocol.types.check_generated`: count, order, length, ids in the teacher's
         vocabulary, stop ids) and, when ``score_top_k`` is set, with its scored rows.
 
         Raises:

@@ -26,8 +26,8 @@ from megatron_gkd.teacher.cache.generated import (
 )
 from megatron_gkd.teacher.cache.store import CacheReader
 from megatron_gkd.teacher.clients import TeacherClient, TeacherInfo
-from megatron_gkd.teacher.security import load_secret
-from megatron_gkd.teacher.types import (
+from megatron_gkd.teacher.protocol.security import load_secret
+from megatron_gkd.teacher.protocol.types import (
     ErrorCode,
     GenerateBatch,
     GeneratedSample,

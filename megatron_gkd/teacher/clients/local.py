@@ -2,7 +2,7 @@
 
 The teacher is sharded with the trainer's own layout (the trainer's ``ParallelState``, which it is built with)
 and scored by the same per-rank function as the ``megatron`` backend
-(:class:`~megatron_gkd.teacher.megatron_scoring.MegatronScorer`). ``score`` is a collective: every rank
+(:class:`~megatron_gkd.teacher.backends.megatron_scoring.MegatronScorer`). ``score`` is a collective: every rank
 of a model-parallel group calls it with the same batch (as the trainer's ranks hold the same data
 within such a group), and every one of them gets the outputs.
 
@@ -18,10 +18,10 @@ import logging
 import torch
 
 from megatron_gkd import platform
-from megatron_gkd.teacher import wire
+from megatron_gkd.teacher.backends.megatron_scoring import MAX_BATCH_TOKENS, MegatronScorer, load_teacher
 from megatron_gkd.teacher.clients import CollectiveTeacherClient, TeacherInfo
-from megatron_gkd.teacher.megatron_scoring import MAX_BATCH_TOKENS, MegatronScorer, load_teacher
-from megatron_gkd.teacher.types import ScoreBatch, TeacherOutput
+from megatron_gkd.teacher.protocol import wire
+from megatron_gkd.teacher.protocol.types import ScoreBatch, TeacherOutput
 
 logger = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ import time
 import numpy as np
 
 from megatron_gkd.data.tokenization import load_tokenizer, tokenizer_digest
-from megatron_gkd.teacher import sampling
 from megatron_gkd.teacher.clients import RetryPolicy, TeacherClient, TeacherInfo
 from megatron_gkd.teacher.clients.http_call import DeadlineExceeded, HttpEndpoint, Response, ResponseTooLarge
-from megatron_gkd.teacher.types import (
+from megatron_gkd.teacher.protocol import sampling
+from megatron_gkd.teacher.protocol.types import (
     ErrorCode,
     GenerateBatch,
     GeneratedSample,

@@ -2,9 +2,9 @@
 
 The teacher is the student's model chunks on this rank, with their current weights, on the trainer's own shards and
 process groups: no copy, no service, no gather of the vocabulary. Each sequence's prompt is replaced by its
-privileged prompt (:class:`~megatron_gkd.teacher.privileged.PrivilegedPrompts`; the response ids are unchanged) and
+privileged prompt (:class:`~megatron_gkd.teacher.clients.privileged.PrivilegedPrompts`; the response ids are unchanged) and
 scored by the same per-rank function as the ``local`` client and the ``megatron`` backend
-(:class:`~megatron_gkd.teacher.megatron_scoring.MegatronScorer`: log-partition and top-k vocab-parallel over TP,
+(:class:`~megatron_gkd.teacher.backends.megatron_scoring.MegatronScorer`: log-partition and top-k vocab-parallel over TP,
 through the model's own pipeline schedule), without gradient and in eval mode (the chunks' modes are restored after).
 
 ``score`` is a collective, as the ``local`` client's: every rank of a model-parallel group calls it with the same
@@ -20,10 +20,10 @@ import logging
 import torch
 
 from megatron_gkd import platform
+from megatron_gkd.teacher.backends.megatron_scoring import MegatronScorer, TeacherVocab
 from megatron_gkd.teacher.clients import CollectiveTeacherClient, TeacherInfo
-from megatron_gkd.teacher.megatron_scoring import MegatronScorer, TeacherVocab
-from megatron_gkd.teacher.privileged import PrivilegedPrompts, learn_privileged
-from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, Signal, TeacherError, TeacherOutput
+from megatron_gkd.teacher.clients.privileged import PrivilegedPrompts, learn_privileged
+from megatron_gkd.teacher.protocol.types import ErrorCode, ScoreBatch, Signal, TeacherError, TeacherOutput
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class SelfTeacherClient(CollectiveTeacherClient):
 
     def learn(self, records, tokenizer, chat_template: str | None) -> None:
         """Learns the privileged prompt of each of ``records`` (loaded with ``keep_conversations``) with this client's
-        template (:func:`~megatron_gkd.teacher.privileged.learn_privileged`)."""
+        template (:func:`~megatron_gkd.teacher.clients.privileged.learn_privileged`)."""
         assert self._template is not None, "a self teacher built without teacher.privileged_template"
         records = list(records)
         learn_privileged(self._prompts, records, self._template, tokenizer, chat_template)

@@ -29,10 +29,10 @@ import uuid
 import numpy as np
 import zmq
 
-from megatron_gkd.teacher import codec, wire
 from megatron_gkd.teacher.clients import RetryPolicy, TeacherClient, TeacherInfo
-from megatron_gkd.teacher.security import SECRET_ENV, check_exposure, load_secret  # noqa: F401 - re-exported
-from megatron_gkd.teacher.types import ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError, TeacherOutput
+from megatron_gkd.teacher.protocol import codec, wire
+from megatron_gkd.teacher.protocol.security import SECRET_ENV, check_exposure, load_secret  # noqa: F401 - re-exported
+from megatron_gkd.teacher.protocol.types import ErrorCode, GenerateBatch, GeneratedSample, ScoreBatch, TeacherError, TeacherOutput
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from megatron_gkd.teacher import ScoreBatch, SequenceRequest
-from megatron_gkd.teacher.forward_groups import forward_groups
+from megatron_gkd.teacher.backends.forward_groups import forward_groups
 from megatron_gkd.testing.distributed import run_distributed
 from megatron_gkd.testing.hf_models import make_tiny_checkpoint
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher, build_tiny_teacher

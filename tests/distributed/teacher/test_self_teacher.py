@@ -70,9 +70,9 @@ def _score_as_self(path: str) -> dict:
     """Rank body: the self client's outputs per layout, the chunks' modes and gradients after, the refusals."""
     from megatron_gkd import parallel
     from megatron_gkd.models import load_hf
+    from megatron_gkd.teacher.backends.megatron_scoring import TeacherVocab
+    from megatron_gkd.teacher.clients.privileged import PrivilegedPrompts
     from megatron_gkd.teacher.clients.self_client import SelfTeacherClient
-    from megatron_gkd.teacher.megatron_scoring import TeacherVocab
-    from megatron_gkd.teacher.privileged import PrivilegedPrompts
     from megatron_gkd.trainer.components import Student, frozen_initial_copy
     from megatron_gkd.trainer.ema import WeightsEMA
 

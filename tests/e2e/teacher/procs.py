@@ -74,7 +74,7 @@ def proxy_and_workers(tmp_path: pathlib.Path):
     ``start_worker(name, model, delay_s) -> (process, marker_dir)``, which starts a worker process behind it
     (``delay_s``: the slow test backend holding each request that long and leaving a marker file per
     request; ``None``: the plain hf backend). Every worker is killed and the proxy closed at the end."""
-    from megatron_gkd.teacher.server import Proxy
+    from megatron_gkd.teacher.service.server import Proxy
 
     proxy = Proxy("tcp://127.0.0.1:0", "tcp://127.0.0.1:0").start()
     started = []

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import zmq
 
-from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client, codec, wire, zmtp
-from megatron_gkd.teacher.proxy import MAX_UNSIGNED_REFUSALS
-from megatron_gkd.teacher.types import ErrorCode
+from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client
+from megatron_gkd.teacher.protocol import codec, wire, zmtp
+from megatron_gkd.teacher.protocol.types import ErrorCode
+from megatron_gkd.teacher.service.proxy import MAX_UNSIGNED_REFUSALS
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher
 from tests.e2e.teacher import procs
 from tests.unit.teacher import malformed, peers

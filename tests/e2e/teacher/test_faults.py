@@ -11,8 +11,8 @@ import pytest
 
 from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client
 from megatron_gkd.teacher.config import TeacherServeConfig
-from megatron_gkd.teacher.local_service import ServiceKeeper, TeacherService
-from megatron_gkd.teacher.types import ErrorCode
+from megatron_gkd.teacher.protocol.types import ErrorCode
+from megatron_gkd.teacher.service.local import ServiceKeeper, TeacherService
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher, build_tiny_teacher
 from tests.e2e.teacher import procs
 

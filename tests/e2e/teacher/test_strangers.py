@@ -24,8 +24,9 @@ import time
 import numpy as np
 import pytest
 
-from megatron_gkd.teacher import ScoreBatch, SequenceRequest, build_client, wire, zmtp
+from megatron_gkd.teacher import ScoreBatch, SequenceRequest, build_client
 from megatron_gkd.teacher.config import TeacherConfig
+from megatron_gkd.teacher.protocol import wire, zmtp
 from tests.e2e.teacher import procs
 from tests.unit.teacher import peers
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from megatron_gkd.teacher import GenerateBatch, RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client
-from megatron_gkd.teacher.types import ErrorCode
+from megatron_gkd.teacher.protocol.types import ErrorCode
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher, build_tiny_teacher
 from tests.e2e.teacher import procs
 

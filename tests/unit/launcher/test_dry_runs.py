@@ -86,7 +86,7 @@ def test_teacher_sbatch_dry_run_puts_megatron_rank_0_on_the_first_node():
     assert lines[0].startswith("[teacher-0] on node0:") and lines[1].startswith("[teacher-1] on node1:")
     for rank, line in enumerate(lines[:2]):
         assert f"--node-rank={rank} --master-addr=node0 --master-port=29500" in line
-        assert "-m megatron_gkd.teacher.cli serve --frontend=tcp://0.0.0.0:5555 --backend=megatron" in line
+        assert "-m megatron_gkd.teacher.service.cli serve --frontend=tcp://0.0.0.0:5555 --backend=megatron" in line
     assert "the planner models vLLM teachers" in result.stdout
     assert "[student]" not in result.stdout
 

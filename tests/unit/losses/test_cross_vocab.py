@@ -319,7 +319,7 @@ def test_the_map_builders_projection_map_feeds_the_loss():
 
 @pytest.mark.parametrize("method", ["projected", "hybrid"])
 def test_student_columns_compare_student_rows_without_the_map(method):
-    """The chain rule's rows (megatron_gkd/teacher/cross_request.py) hold student ids as ``V_t + s``: with the student's
+    """The chain rule's rows (megatron_gkd/teacher/clients/cross_request.py) hold student ids as ``V_t + s``: with the student's
     vocabulary appended as columns, a micro-batch mixing such rows with teacher-vocabulary rows gives, row by row,
     the dense reference of ``[W | I]``, and the student rows equal the same-tokenizer loss."""
     from megatron_gkd.losses.cross_vocab.projection_map import with_student_columns

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from megatron_gkd.teacher import wire
 from megatron_gkd.teacher.backends import build_backend
-from megatron_gkd.teacher.server import Proxy, Worker
+from megatron_gkd.teacher.protocol import wire
+from megatron_gkd.teacher.service.server import Proxy, Worker
 from megatron_gkd.testing.tiny_teacher import build_tiny_teacher
 
 SECRET = b"unit-test-secret"

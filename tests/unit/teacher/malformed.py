@@ -10,8 +10,8 @@ import pickle
 import msgpack
 import numpy as np
 
-from megatron_gkd.teacher import wire
-from megatron_gkd.teacher.types import ErrorCode
+from megatron_gkd.teacher.protocol import wire
+from megatron_gkd.teacher.protocol.types import ErrorCode
 
 
 class CreatesFile:

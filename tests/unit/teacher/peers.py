@@ -11,7 +11,7 @@ import time
 
 import zmq
 
-from megatron_gkd.teacher import wire, zmtp
+from megatron_gkd.teacher.protocol import wire, zmtp
 
 
 def hello(challenge_body: list, secret: bytes | None) -> list[bytes]:

@@ -1,7 +1,7 @@
 """``--backend-arg``: what the trainer and the launcher write is what the teacher's command line reads back."""
 
-from megatron_gkd.teacher.cli import _backend_kwargs, build_parser
-from megatron_gkd.teacher.replicas import backend_arg_flags
+from megatron_gkd.teacher.service.cli import _backend_kwargs, build_parser
+from megatron_gkd.teacher.service.replicas import backend_arg_flags
 
 
 def test_backend_args_round_trip_through_the_command_line():

@@ -7,9 +7,10 @@ import pickle
 import numpy as np
 import zmq
 
-from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, build_client, codec, wire
-from megatron_gkd.teacher.proxy import MAX_UNSIGNED_REFUSALS
-from megatron_gkd.teacher.types import ErrorCode
+from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, build_client
+from megatron_gkd.teacher.protocol import codec, wire
+from megatron_gkd.teacher.protocol.types import ErrorCode
+from megatron_gkd.teacher.service.proxy import MAX_UNSIGNED_REFUSALS
 from tests.unit.teacher import malformed, peers
 from tests.unit.teacher.conftest import LIMITS, SECRET
 

@@ -6,10 +6,11 @@ import time
 
 import numpy as np
 
-from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, build_client, codec, wire
+from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, build_client
 from megatron_gkd.teacher.backends import build_backend
-from megatron_gkd.teacher.server import Proxy, Worker
-from megatron_gkd.teacher.types import ErrorCode
+from megatron_gkd.teacher.protocol import codec, wire
+from megatron_gkd.teacher.protocol.types import ErrorCode
+from megatron_gkd.teacher.service.server import Proxy, Worker
 from tests.unit.teacher import peers
 from tests.unit.teacher.conftest import LIMITS, SECRET
 

@@ -19,8 +19,8 @@ from megatron_gkd.teacher.cache.build import build_cache, make_plan
 from megatron_gkd.teacher.cache.store import MANIFEST, PLAN, CacheReader, dataset_records, file_digest, shard_name
 from megatron_gkd.teacher.clients import TeacherClient, TeacherInfo
 from megatron_gkd.teacher.clients.cache import CacheTeacherClient
-from megatron_gkd.teacher.security import SECRET_ENV
-from megatron_gkd.teacher.types import HIDDEN_DTYPES, ScoreBatch, SequenceRequest, TeacherError
+from megatron_gkd.teacher.protocol.security import SECRET_ENV
+from megatron_gkd.teacher.protocol.types import HIDDEN_DTYPES, ScoreBatch, SequenceRequest, TeacherError
 from megatron_gkd.trainer.cache_check import check_cache_run
 
 TOP_K = 8

@@ -1,4 +1,4 @@
-"""The prompt a teacher of another tokenizer reads (megatron_gkd/teacher/cross_prompt.py, issue #45 item 8): the
+"""The prompt a teacher of another tokenizer reads (megatron_gkd/teacher/clients/cross_prompt.py, issue #45 item 8): the
 conversation through the teacher's own chat template, special ids included; the student's rendering with its special
 tokens kept where only ids exist; and a teacher that is the same function of text as the student's (a permuted
 vocabulary) scores a chat prompt exactly as the same-tokenizer teacher does."""
@@ -10,9 +10,9 @@ import pytest
 
 from megatron_gkd.data import DataConfig, load_prompts
 from megatron_gkd.recipes.tiny import CHAT_TEMPLATE, build_checkpoint, build_cross_teachers, build_tokenizer
-from megatron_gkd.teacher.cross_prompt import prompt_rule
-from megatron_gkd.teacher.cross_request import CrossTokenizer
-from megatron_gkd.teacher.types import ScoreBatch, SequenceRequest
+from megatron_gkd.teacher.clients.cross_prompt import prompt_rule
+from megatron_gkd.teacher.clients.cross_request import CrossTokenizer
+from megatron_gkd.teacher.protocol.types import ScoreBatch, SequenceRequest
 from megatron_gkd.xtok.align import Kind
 from megatron_gkd.xtok.config import CrossTokenizerConfig
 

@@ -1,13 +1,13 @@
-"""A teacher of another tokenizer as the trainer asks it (megatron_gkd/teacher/cross_request.py): what it is sent, how its rows
+"""A teacher of another tokenizer as the trainer asks it (megatron_gkd/teacher/clients/cross_request.py): what it is sent, how its rows
 come back to the student's positions, and the start-up refusal of a mismatch nobody asked for."""
 
 import numpy as np
 import pytest
 
 from megatron_gkd.data.tokenization import tokenizer_digest
-from megatron_gkd.teacher.cross_request import CrossTokenizer
-from megatron_gkd.teacher.types import TeacherOutput
-from megatron_gkd.teacher.vocab import check_vocab
+from megatron_gkd.teacher.clients.cross_request import CrossTokenizer
+from megatron_gkd.teacher.clients.vocab import check_vocab
+from megatron_gkd.teacher.protocol.types import TeacherOutput
 from megatron_gkd.xtok.align import Kind
 from megatron_gkd.xtok.config import CrossTokenizerConfig
 

@@ -1,6 +1,6 @@
 """How a batch is cut into forward passes (the ``hf`` backend's and the Megatron scorer's)."""
 
-from megatron_gkd.teacher.forward_groups import forward_groups, padded_length
+from megatron_gkd.teacher.backends.forward_groups import forward_groups, padded_length
 
 
 def test_consecutive_rows_fill_the_budget_and_a_long_row_goes_alone():

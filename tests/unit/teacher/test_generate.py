@@ -10,21 +10,12 @@ import pytest
 import torch
 
 from megatron_gkd.rollout import sampling as rollout_sampling
-from megatron_gkd.teacher import (
-    GenerateBatch,
-    GeneratedSample,
-    RetryPolicy,
-    TeacherClient,
-    TeacherError,
-    build_client,
-    cli,
-    codec,
-    sampling,
-    wire,
-)
+from megatron_gkd.teacher import GenerateBatch, GeneratedSample, RetryPolicy, TeacherClient, TeacherError, build_client
 from megatron_gkd.teacher.backends import TeacherBackend, build_backend
-from megatron_gkd.teacher.server import Proxy, Worker, WorkLimits, check_generate_work
-from megatron_gkd.teacher.types import ErrorCode
+from megatron_gkd.teacher.protocol import codec, sampling, wire
+from megatron_gkd.teacher.protocol.types import ErrorCode
+from megatron_gkd.teacher.service import cli
+from megatron_gkd.teacher.service.server import Proxy, Worker, WorkLimits, check_generate_work
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher
 from tests.unit.teacher import peers
 from tests.unit.teacher.conftest import LIMITS, SECRET

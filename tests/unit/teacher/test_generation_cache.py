@@ -28,8 +28,8 @@ from megatron_gkd.teacher.cache.generated import (
 from megatron_gkd.teacher.cache.store import MANIFEST, PLAN, dataset_records
 from megatron_gkd.teacher.clients.cache import CacheTeacherClient
 from megatron_gkd.teacher.config import build_client_from_config
-from megatron_gkd.teacher.server import Proxy, Worker
-from megatron_gkd.teacher.types import ErrorCode, GenerateBatch, ScoreBatch, SequenceRequest, TeacherError
+from megatron_gkd.teacher.protocol.types import ErrorCode, GenerateBatch, ScoreBatch, SequenceRequest, TeacherError
+from megatron_gkd.teacher.service.server import Proxy, Worker
 from megatron_gkd.testing.runs import CONFIG
 from megatron_gkd.trainer.cache_check import check_cache_run
 

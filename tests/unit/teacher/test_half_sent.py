@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from megatron_gkd.teacher import zmtp
-from megatron_gkd.teacher.proxy import UNPROVEN_BYTES
-from megatron_gkd.teacher.server import Proxy
+from megatron_gkd.teacher.protocol import zmtp
+from megatron_gkd.teacher.service.proxy import UNPROVEN_BYTES
+from megatron_gkd.teacher.service.server import Proxy
 from tests.unit.teacher import peers
 from tests.unit.teacher.conftest import LIMITS, SECRET
 
@@ -39,7 +39,7 @@ def _closed_within(sock: socket.socket, timeout_s: float) -> bool:
 
 
 def test_a_half_sent_message_is_cut_at_its_deadline_and_logged(proxy, caplog):
-    caplog.set_level(logging.INFO, logger="megatron_gkd.teacher.proxy")
+    caplog.set_level(logging.INFO, logger="megatron_gkd.teacher.service.proxy")
     idle = peers.proven_raw(proxy.frontend_address, SECRET)  # a client between two requests: never cut
     half = peers.proven_raw(proxy.frontend_address, SECRET)
     opened = time.monotonic()

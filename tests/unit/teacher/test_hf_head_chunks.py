@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_gkd.teacher.backends.hf import HFBackend
-from megatron_gkd.teacher.types import ScoreBatch, SequenceRequest
+from megatron_gkd.teacher.protocol.types import ScoreBatch, SequenceRequest
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher, build_tiny_teacher
 
 

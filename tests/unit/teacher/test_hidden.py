@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gkd.teacher import codec, wire
 from megatron_gkd.teacher.clients import TeacherInfo
-from megatron_gkd.teacher.types import (
+from megatron_gkd.teacher.protocol import codec, wire
+from megatron_gkd.teacher.protocol.types import (
     HIDDEN_DTYPES,
     ErrorCode,
     ScoreBatch,

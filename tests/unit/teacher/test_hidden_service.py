@@ -8,11 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client, codec, wire
+from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client
 from megatron_gkd.teacher.backends import TeacherBackend, build_backend
 from megatron_gkd.teacher.clients import TeacherInfo
-from megatron_gkd.teacher.server import Proxy, Worker
-from megatron_gkd.teacher.types import HIDDEN_DTYPES, ErrorCode
+from megatron_gkd.teacher.protocol import codec, wire
+from megatron_gkd.teacher.protocol.types import HIDDEN_DTYPES, ErrorCode
+from megatron_gkd.teacher.service.server import Proxy, Worker
 from tests.unit.teacher import peers
 from tests.unit.teacher.conftest import LIMITS, SECRET, random_sequences
 

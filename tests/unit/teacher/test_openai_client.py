@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client
-from megatron_gkd.teacher.types import ErrorCode
+from megatron_gkd.teacher.protocol.types import ErrorCode
 
 VOCAB, MAX_LOGPROBS = 8, 8
 API_KEY = "sk-test-key-that-must-not-leak"

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from megatron_gkd.teacher.clients.openai_client import _parse_choice
-from megatron_gkd.teacher.types import SequenceRequest, TeacherOutputError
+from megatron_gkd.teacher.protocol.types import SequenceRequest, TeacherOutputError
 
 
 def _choice(rows, sequence):

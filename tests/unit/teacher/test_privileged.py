@@ -4,13 +4,13 @@ chat conversation, and the teacher's view of a scored sequence (same response id
 import numpy as np
 import pytest
 
-from megatron_gkd.teacher.privileged import (
+from megatron_gkd.teacher.clients.privileged import (
     PrivilegedPrompts,
     privileged_conversation,
     render_privileged,
     template_fields,
 )
-from megatron_gkd.teacher.types import SequenceRequest
+from megatron_gkd.teacher.protocol.types import SequenceRequest
 
 TEMPLATE = "Reference solution: {response}\n\n{prompt}"
 
@@ -87,7 +87,7 @@ def _record(index, conversation, prompt_ids, response_ids=None, answer=None):
 
 def test_learnt_prompts_go_through_the_students_chat_template(tokenizer):
     from megatron_gkd.recipes.tiny import CHAT_TEMPLATE
-    from megatron_gkd.teacher.privileged import learn_privileged
+    from megatron_gkd.teacher.clients.privileged import learn_privileged
 
     def ids(text, specials=False):
         return tokenizer(text, add_special_tokens=specials)["input_ids"]

@@ -6,8 +6,9 @@ import msgpack
 import pytest
 import zmq
 
-from megatron_gkd.teacher import ScoreBatch, SequenceRequest, codec, wire
-from megatron_gkd.teacher.types import ErrorCode
+from megatron_gkd.teacher import ScoreBatch, SequenceRequest
+from megatron_gkd.teacher.protocol import codec, wire
+from megatron_gkd.teacher.protocol.types import ErrorCode
 from tests.unit.teacher.conftest import LIMITS, SECRET
 
 ATTACKER_ID = "attacker-chosen-id"

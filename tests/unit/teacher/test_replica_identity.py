@@ -8,11 +8,12 @@ import time
 import numpy as np
 import pytest
 
-from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client, identity
+from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client
 from megatron_gkd.teacher.backends import TeacherBackend, build_backend
 from megatron_gkd.teacher.clients import TeacherInfo
-from megatron_gkd.teacher.server import Proxy, Worker
-from megatron_gkd.teacher.types import ErrorCode
+from megatron_gkd.teacher.protocol import identity
+from megatron_gkd.teacher.protocol.types import ErrorCode
+from megatron_gkd.teacher.service.server import Proxy, Worker
 from megatron_gkd.testing.tiny_teacher import build_tiny_teacher
 from tests.unit.teacher.conftest import LIMITS, SECRET
 

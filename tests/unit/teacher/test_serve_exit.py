@@ -8,7 +8,7 @@ import sys
 import time
 
 from megatron_gkd.child_process import free_port
-from megatron_gkd.teacher.replicas import TEACHER_CLI
+from megatron_gkd.teacher.service.replicas import TEACHER_CLI
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client
 from megatron_gkd.teacher.backends import build_backend
-from megatron_gkd.teacher.types import ErrorCode
+from megatron_gkd.teacher.protocol.types import ErrorCode
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher, build_tiny_teacher
 from tests.unit.teacher.conftest import LIMITS, SECRET, random_sequences
 
@@ -126,7 +126,7 @@ def test_oversize_results_fail_fast_on_both_sides(service, teacher_dir):
     with build_client("zmq", address=proxy.frontend_address, secret=SECRET, limits=LIMITS) as client:
         with pytest.raises(ValueError, match="smaller batches"):
             client.score(batch)  # the client knows the answer would not fit, before sending
-    from megatron_gkd.teacher import wire
+    from megatron_gkd.teacher.protocol import wire
     roomy = wire.Limits(max_message_bytes=2**26)  # a client with a larger limit than the server's
     with build_client("zmq", address=proxy.frontend_address, secret=SECRET, limits=roomy,
                       retry=RetryPolicy(attempt_timeout_s=30, deadline_s=60)) as client:

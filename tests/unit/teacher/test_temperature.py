@@ -15,8 +15,8 @@ import pytest
 from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client
 from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend, build_backend
 from megatron_gkd.teacher.backends.vllm import VLLMBackend
-from megatron_gkd.teacher.server import Proxy, Worker
-from megatron_gkd.teacher.types import ErrorCode
+from megatron_gkd.teacher.protocol.types import ErrorCode
+from megatron_gkd.teacher.service.server import Proxy, Worker
 from megatron_gkd.testing.tiny_teacher import ReferenceTeacher
 from tests.unit.teacher.conftest import LIMITS, SECRET, random_sequences
 

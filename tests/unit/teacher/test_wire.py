@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from megatron_gkd.data.tokenization import tokenizer_digest
-from megatron_gkd.teacher import codec, wire
 from megatron_gkd.teacher.backends import backend_names, build_backend
 from megatron_gkd.teacher.clients import build_client, client_names
-from megatron_gkd.teacher.server import Proxy, check_exposure, is_loopback
-from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, SequenceRequest, TeacherOutput, TeacherOutputError
-from megatron_gkd.teacher.vocab import check_vocab, restrict_to_vocab
+from megatron_gkd.teacher.clients.vocab import check_vocab, restrict_to_vocab
+from megatron_gkd.teacher.protocol import codec, wire
+from megatron_gkd.teacher.protocol.types import ErrorCode, ScoreBatch, SequenceRequest, TeacherOutput, TeacherOutputError
+from megatron_gkd.teacher.service.server import Proxy, check_exposure, is_loopback
 
 SECRET = b"shared-secret-of-32-bytes-length"
 LIMITS = wire.Limits(max_message_bytes=2**20)

@@ -3,10 +3,11 @@
 import numpy as np
 import pytest
 
-from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client, wire
+from megatron_gkd.teacher import RetryPolicy, ScoreBatch, SequenceRequest, TeacherError, build_client
 from megatron_gkd.teacher.backends import TeacherBackend, build_backend
-from megatron_gkd.teacher.server import Proxy, Worker
-from megatron_gkd.teacher.types import ErrorCode
+from megatron_gkd.teacher.protocol import wire
+from megatron_gkd.teacher.protocol.types import ErrorCode
+from megatron_gkd.teacher.service.server import Proxy, Worker
 from tests.unit.teacher.conftest import SECRET
 
 LIMITS = wire.Limits(max_message_bytes=16 * 2**20)

@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from megatron_gkd.teacher import zmtp
+from megatron_gkd.teacher.protocol import zmtp
 
 CLIENT_GREETING = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 1]) + b"NULL".ljust(20, b"\0") + bytes(32)
 

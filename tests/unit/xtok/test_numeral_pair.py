@@ -7,8 +7,8 @@ import pytest
 
 from megatron_gkd.recipes import arithmetic
 from megatron_gkd.recipes.numeral_teacher import build_numeral_tokenizer
-from megatron_gkd.teacher.cross_request import CrossTokenizer
-from megatron_gkd.teacher.types import TeacherOutput
+from megatron_gkd.teacher.clients.cross_request import CrossTokenizer
+from megatron_gkd.teacher.protocol.types import TeacherOutput
 from megatron_gkd.xtok.align import Kind
 from megatron_gkd.xtok.config import CrossTokenizerConfig
 

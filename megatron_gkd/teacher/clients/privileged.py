@@ -13,7 +13,7 @@ predicts the same response token t as the student's row t (:meth:`PrivilegedProm
 
 **How a sample finds its privileged prompt.** Samples carry ids only, so the privileged prompt ids of each record are
 learnt beside the student's, keyed by a 16-byte BLAKE2 digest of the student's prompt ids (as
-:mod:`megatron_gkd.teacher.cross_prompt` keys a teacher of another tokenizer). A sample whose prompt is not known is
+:mod:`megatron_gkd.teacher.clients.cross_prompt` keys a teacher of another tokenizer). A sample whose prompt is not known is
 refused, never scored on its own prompt: that would be a silent teacher equal to the student.
 """
 
@@ -29,7 +29,7 @@ import numpy as np
 from megatron_gkd.data import PromptRecord
 from megatron_gkd.data.readers import Malformed
 from megatron_gkd.data.tokenization import render_messages, tokenize_texts
-from megatron_gkd.teacher.types import SequenceRequest
+from megatron_gkd.teacher.protocol.types import SequenceRequest
 
 TEMPLATE_KEY = "teacher.privileged_template"
 

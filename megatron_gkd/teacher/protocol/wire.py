@@ -11,7 +11,7 @@ A message is a list of ZMQ frames ``[mac, header, buffer_0, ..., buffer_{n-1}]``
   ``bfloat16`` tensor is carried as its raw 16-bit patterns and held as ``uint16`` (:data:`BFLOAT16`);
   :func:`to_wire_float` and :func:`from_wire_float` convert float32 to and from the float dtypes.
 
-Any violation raises :class:`WireError` with an :class:`~megatron_gkd.teacher.types.ErrorCode`.
+Any violation raises :class:`WireError` with an :class:`~megatron_gkd.teacher.protocol.types.ErrorCode`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from megatron_gkd.teacher.types import ErrorCode, TeacherError
+from megatron_gkd.teacher.protocol.types import ErrorCode, TeacherError
 
 PROTOCOL_VERSION = 1
 MAC_BYTES = 32

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from megatron_gkd.data.tokenization import tokenizer_digest
-from megatron_gkd.teacher.types import TeacherOutput
+from megatron_gkd.teacher.protocol.types import TeacherOutput
 from megatron_gkd.xtok.config import CrossTokenizerConfig, check_tokenizers
 
 logger = logging.getLogger(__name__)

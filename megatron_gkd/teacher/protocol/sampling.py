@@ -1,7 +1,7 @@
 """The teacher's sampling policy for backends that sample themselves (``hf``, ``megatron``).
 
 One function picks the next token of every row from its scores, so both backends sample the same
-distribution for the same :class:`~megatron_gkd.teacher.types.GenerateBatch`: the rollout engines' policy
+distribution for the same :class:`~megatron_gkd.teacher.protocol.types.GenerateBatch`: the rollout engines' policy
 (:func:`megatron_gkd.rollout.sampling.sample_next`: temperature, then ``top_k``, then ``top_p``; temperature 0 is
 the arg-max, ties to the lowest column).
 
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from megatron_gkd.rollout import sampling as rollout_sampling
-from megatron_gkd.teacher.types import GenerateBatch
+from megatron_gkd.teacher.protocol.types import GenerateBatch
 
 
 def row_seeds(batch: GenerateBatch) -> list[int | None]:

@@ -16,11 +16,11 @@ import threading
 import numpy as np
 import zmq
 
-from megatron_gkd.teacher import codec, wire
 from megatron_gkd.teacher.backends import BackendInfo, TeacherBackend
-from megatron_gkd.teacher.proxy import Proxy  # noqa: F401 - re-exported
-from megatron_gkd.teacher.security import RefusalLog, check_exposure, is_loopback  # noqa: F401 - re-exported
-from megatron_gkd.teacher.types import ErrorCode, GenerateBatch, ScoreBatch, SequenceRequest, TeacherError, check_generated
+from megatron_gkd.teacher.protocol import codec, wire
+from megatron_gkd.teacher.protocol.security import RefusalLog, check_exposure, is_loopback  # noqa: F401 - re-exported
+from megatron_gkd.teacher.protocol.types import ErrorCode, GenerateBatch, ScoreBatch, SequenceRequest, TeacherError, check_generated
+from megatron_gkd.teacher.service.proxy import Proxy  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 

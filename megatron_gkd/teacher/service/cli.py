@@ -1,5 +1,5 @@
 """Teacher service: a proxy, a worker, or both in one process. Run as ``launch/teacher_server.py`` or
-``python -m megatron_gkd.teacher.cli``:
+``python -m megatron_gkd.teacher.service.cli``:
 
     teacher_server.py serve  --frontend tcp://127.0.0.1:5555 --backend hf --model DIR   # proxy + 1 worker
     teacher_server.py serve  --backend hf --model DIR --num-workers 2   # proxy + 2 worker processes
@@ -25,11 +25,11 @@ import threading
 from megatron_gkd import platform
 from megatron_gkd.child_process import exit_with_parent
 from megatron_gkd.log_setup import setup_logging
-from megatron_gkd.teacher import wire
 from megatron_gkd.teacher.backends import DelayedBackend, backend_names, build_backend
 from megatron_gkd.teacher.clients.zmq_client import load_secret
-from megatron_gkd.teacher.replicas import WorkerProcesses
-from megatron_gkd.teacher.server import Proxy, Worker, WorkLimits
+from megatron_gkd.teacher.protocol import wire
+from megatron_gkd.teacher.service.replicas import WorkerProcesses
+from megatron_gkd.teacher.service.server import Proxy, Worker, WorkLimits
 
 logger = logging.getLogger(__name__)
 

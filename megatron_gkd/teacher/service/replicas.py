@@ -1,7 +1,7 @@
 """Teacher replicas: N worker processes behind one proxy (``serve --num-workers N`` of the teacher's command
 line, :data:`TEACHER_CLI`).
 
-Each replica is its own process (``python -m megatron_gkd.teacher.cli worker``), not a thread of the serving
+Each replica is its own process (``python -m megatron_gkd.teacher.service.cli worker``), not a thread of the serving
 process: a replica that crashes (a segfault, the OOM killer, a CUDA error that poisons its context) takes only
 itself down, and one that is slow in Python code (decoding, encoding a large result) holds only its
 own interpreter lock. The proxy gives each registered worker one request at a time from its queue, so
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 _POLL_S = 0.2
 
 
-TEACHER_CLI = "megatron_gkd.teacher.cli"
+TEACHER_CLI = "megatron_gkd.teacher.service.cli"
 """The teacher service's command line, run with ``python -m`` (``launch/teacher_server.py`` calls it)."""
 
 

@@ -1,4 +1,4 @@
-"""A teacher service the run starts itself: ``python -m megatron_gkd.teacher.cli serve`` on loopback, as a child
+"""A teacher service the run starts itself: ``python -m megatron_gkd.teacher.service.cli serve`` on loopback, as a child
 (:class:`~megatron_gkd.child_process.ServiceProcess`: its own process group, a log file in the run
 directory, stopped at exit and when the trainer dies), and :class:`ServiceKeeper`, which replaces one that dies."""
 
@@ -10,7 +10,7 @@ import sys
 import threading
 
 from megatron_gkd.child_process import ServiceProcess
-from megatron_gkd.teacher.replicas import TEACHER_CLI, backend_arg_flags
+from megatron_gkd.teacher.service.replicas import TEACHER_CLI, backend_arg_flags
 
 logger = logging.getLogger(__name__)
 _POLL_S = 1.0

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_gkd.teacher import wire
-from megatron_gkd.teacher.types import (
+from megatron_gkd.teacher.protocol import wire
+from megatron_gkd.teacher.protocol.types import (
     HIDDEN_DTYPES,
     MAX_STOP_IDS,
     TEACHER_SIGNALS,
@@ -291,7 +291,7 @@ def encode_generated(request_id: str, samples: list[GeneratedSample], secret: by
 
 
 def decode_generated(message: wire.Message, batch: GenerateBatch, vocab_size: int) -> list[GeneratedSample]:
-    """Splits a GENERATED reply into validated samples (:func:`~megatron_gkd.teacher.types.check_generated`).
+    """Splits a GENERATED reply into validated samples (:func:`~megatron_gkd.teacher.protocol.types.check_generated`).
 
     Args:
         message: the decoded GENERATED.

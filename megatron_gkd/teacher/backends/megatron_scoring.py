@@ -39,8 +39,8 @@ from megatron_gkd.losses.shard_ops import LocalSupport, ShardLayout, combine_sha
 from megatron_gkd.models import load_hf, parallel_state_of, resolve_checkpoint, unwrap
 from megatron_gkd.models.output_layer import capture_output_layer
 from megatron_gkd.parallel import run_schedule
-from megatron_gkd.teacher.forward_groups import forward_groups, padded_length
-from megatron_gkd.teacher.types import ErrorCode, ScoreBatch, SequenceRequest, TeacherError, TeacherOutput
+from megatron_gkd.teacher.backends.forward_groups import forward_groups, padded_length
+from megatron_gkd.teacher.protocol.types import ErrorCode, ScoreBatch, SequenceRequest, TeacherError, TeacherOutput
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class MegatronScorer:
         Pipeline stages exchange fixed-shape activations, so there every micro-batch has the same rows (the last one
         filled with empty rows) at the batch's longest length, the sequences in order. A single stage takes them
         shortest first (a ragged batch then pads little) in
-        :func:`~megatron_gkd.teacher.forward_groups.forward_groups`, each micro-batch at its own longest length.
+        :func:`~megatron_gkd.teacher.backends.forward_groups.forward_groups`, each micro-batch at its own longest length.
         """
         longest = padded_length(max(lengths), self._sequence_multiple)
         if self._pipelined:

@@ -47,8 +47,8 @@ import numpy as np
 
 from megatron_gkd.data import load_tokenizer
 from megatron_gkd.losses.cross_vocab.projection_map import shard_projection, with_student_columns
-from megatron_gkd.teacher.cross_prompt import TeacherPrompts
-from megatron_gkd.teacher.types import SequenceRequest, TeacherOutput
+from megatron_gkd.teacher.clients.cross_prompt import TeacherPrompts
+from megatron_gkd.teacher.protocol.types import SequenceRequest, TeacherOutput
 from megatron_gkd.xtok.align import Alignment, Kind, align_ids, align_spans, align_text
 from megatron_gkd.xtok.config import CrossTokenizerConfig
 from megatron_gkd.xtok.projection import ProjectionMap, build_projection, special_names

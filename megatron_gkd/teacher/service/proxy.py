@@ -1,6 +1,6 @@
 """The teacher proxy: clients on one side, authenticated workers on the other, bounded memory.
 
-Both sides are ZMQ_STREAM sockets whose bytes :class:`~megatron_gkd.teacher.zmtp.FrameReader`
+Both sides are ZMQ_STREAM sockets whose bytes :class:`~megatron_gkd.teacher.protocol.zmtp.FrameReader`
 parses as they arrive (see zmtp.py for why not ROUTER): a message over the frame or byte bounds is
 refused at the frame header that crosses them and its connection closed, so no more of it is read.
 
@@ -40,9 +40,9 @@ import time
 
 import zmq
 
-from megatron_gkd.teacher import identity, wire, zmtp
-from megatron_gkd.teacher.security import RefusalLog, check_exposure
-from megatron_gkd.teacher.types import ErrorCode
+from megatron_gkd.teacher.protocol import identity, wire, zmtp
+from megatron_gkd.teacher.protocol.security import RefusalLog, check_exposure
+from megatron_gkd.teacher.protocol.types import ErrorCode
 
 logger = logging.getLogger(__name__)
 
