@@ -475,6 +475,23 @@ def test_the_trainer_loop_stays_a_table_of_contents():
     assert not REACHES_INTO.search("if self.flow.engine == other") and not REACHES_INTO.search("self.flow.prepare(batch)")
 
 
+STEP, STEP_MAX_LINES = "megatron_gkd/trainer/step.py", 349
+FLOW, FLOW_MAX_METHODS = "megatron_gkd/trainer/flow.py", 11
+
+
+def test_the_batch_path_stays_small():
+    """Issue #47: the step runs the terms it is given (``trainer/step.py`` under 350 lines: the terms live in
+    ``losses/``), and the flow directs a batch through its owners (``BatchFlow`` under 12 methods: the teacher
+    exchange, the annotators, the mixture, the micro-batcher own the rest)."""
+    lines = (ROOT / STEP).read_text().splitlines()
+    assert len(lines) <= STEP_MAX_LINES, f"{STEP} has {len(lines)} lines (at most {STEP_MAX_LINES}): a term's code " \
+                                         "belongs in losses/, a batch's preparation in the micro-batcher"
+    [flow] = [node for node in ast.walk(ast.parse((ROOT / FLOW).read_text()))
+              if isinstance(node, ast.ClassDef) and node.name == "BatchFlow"]
+    methods = [node.name for node in flow.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert len(methods) <= FLOW_MAX_METHODS, f"BatchFlow has {len(methods)} methods (at most {FLOW_MAX_METHODS}): " \
+                                             f"{methods}; give the new concern an owner the flow calls"
+
 # The project's own packages, imported at the top of a module so that its import graph can be read (issue 31). An
 # import inside a function stays only with a ``# deferred: <why>`` comment on its line or the line above: a module
 # that pulls a heavy optional dependency (megatron.core, vLLM) at import, or an import cycle.
