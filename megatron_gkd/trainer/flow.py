@@ -1,12 +1,12 @@
 """From a step's prompts to its micro-batches: sampling (through the run's
-:class:`~megatron_gkd.trainer.rollout_handle.Rollout`), the hand-off to the teacher exchange
-(:class:`~megatron_gkd.trainer.teacher_exchange.TeacherExchange`: requests, outputs, rows) and the micro-batcher (each
-token's loss coefficient, the cuts every rank agrees on, the teacher rows each micro-batch carries).
+:class:`~megatron_gkd.trainer.rollout_handle.Rollout`), the batch's annotators (:mod:`.annotations`: the teacher's
+rows through :class:`~megatron_gkd.trainer.teacher_exchange.TeacherExchange`, the rewards, any other) and the
+micro-batcher (each token's loss coefficient, the cuts every rank agrees on, the teacher rows each micro-batch
+carries).
 
-A batch is an :class:`InFlight`: ``produce`` makes its samples, records which teacher scores each one (once) and
-sends the remote teachers' requests and its annotators' (:mod:`.annotations`: the rewards, any other); ``prepare``
-waits for it, asks a colocated teacher, gets the rows and the annotations and returns :class:`Prepared` (the
-micro-batches and what the loop logs of them).
+A batch is an :class:`InFlight`: ``produce`` makes its samples and sends them to its annotators (the teacher records
+which teacher scores each one, once, and asks the remote ones); ``prepare`` waits for it, receives every annotation
+(a colocated teacher is asked then) and returns :class:`Prepared` (the micro-batches and what the loop logs of them).
 
 Every rank runs the same calls in the same order (they are collectives on the control group, the TP
 group or the rollout server's group); a failure on one rank (a teacher past its deadline) stops every
@@ -20,7 +20,6 @@ import logging
 
 import torch.distributed as dist
 
-from megatron_gkd.config import needs_teacher
 from megatron_gkd.config.partial import partial_rollouts
 from megatron_gkd.data.tokenization import pad_id
 from megatron_gkd.rollout.sources import dataset_batch
@@ -34,7 +33,7 @@ from megatron_gkd.trainer.microbatcher import MicroBatcher
 from megatron_gkd.trainer.partial import PartialRollout, groups_batch, staleness_metrics
 from megatron_gkd.trainer.reward_exchange import REWARDS, RewardExchange, RewardsFailed
 from megatron_gkd.trainer.sample_mix import STUDENT, Mixture, merge_by_prompt
-from megatron_gkd.trainer.teacher_exchange import TeacherExchange
+from megatron_gkd.trainer.teacher_exchange import Asked, TeacherExchange
 from megatron_gkd.trainer.teachers import Teachers
 
 logger = logging.getLogger(__name__)
@@ -59,15 +58,14 @@ class InFlight:
         prompt_indices: dataset rows of the batch's prompts, in group order.
         rollout: the sampled batch (all samples of all data-parallel ranks).
         samples: this rank's data-parallel share.
-        assignment: the indices in ``samples`` that each teacher scores ``{teacher name: [index]}``, recorded when the
-            samples are made (:meth:`TeacherExchange.assign`); every later use reads it.
-        teacher: this rank's requests ``{teacher name: Request}`` (ranks that ask a teacher), or None.
-        pending: disaggregated rollout: the future of ``(rollout, samples, assignment, teacher, sent)`` from the
-            rollout thread.
-        sent: each annotator's handle by name (:mod:`.annotations`; the rewards' is the future of this rank's rewards
-            on the ranks that compute them, else None).
-        annotations: each annotator's value by name once :meth:`BatchFlow.prepare` has them (``rewards``: this rank's,
-            one per sample, or None).
+        pending: disaggregated rollout: the future of ``(rollout, samples, sent)`` from the rollout thread.
+        sent: each annotator's handle by name (:mod:`.annotations`): ``teacher``'s an
+            :class:`~megatron_gkd.trainer.teacher_exchange.Asked` (which teacher scores each sample, recorded when the
+            samples are made, and the requests sent); ``rewards``' the future of this rank's rewards on the ranks that
+            compute them, else None.
+        annotations: each annotator's value by name once :meth:`BatchFlow.prepare` has them (``teacher``: a
+            :class:`~megatron_gkd.trainer.teacher_exchange.Scored`, the rows; ``rewards``: this rank's, one per
+            sample, or None).
         sources: each prompt's source (``student``, ``dataset`` or ``teacher``) with ``sample_mix``, else None.
         answers: each prompt's answer (None where it has none) with ``sample_mix``, else None.
         partial: partial rollouts' ``rollout/partial/*`` metrics of the step that sampled it, else None.
@@ -81,8 +79,6 @@ class InFlight:
     prompt_indices: list[int]
     rollout: RolloutBatch | None
     samples: list | None
-    assignment: dict[str, list[int]] | None = None
-    teacher: object = None
     pending: object = None
     sent: dict = dataclasses.field(default_factory=dict)
     annotations: dict = dataclasses.field(default_factory=dict)
@@ -98,7 +94,7 @@ class InFlight:
         if self.failure is not None:
             raise self.failure
         if self.pending is not None:
-            self.rollout, self.samples, self.assignment, self.teacher, self.sent = self.pending.result()
+            self.rollout, self.samples, self.sent = self.pending.result()
             self.pending = None
 
 
@@ -120,8 +116,8 @@ class Prepared:
 
 
 class BatchFlow:
-    """Samples batches and turns them, with the teacher's rows (through its :class:`TeacherExchange`, ``exchange``),
-    into micro-batches.
+    """Samples batches and turns them, with their annotations (the teacher's rows through its
+    :class:`TeacherExchange`, ``exchange``; the rewards, ``rewards``), into micro-batches.
 
     Args:
         config: the run's config.
@@ -134,13 +130,13 @@ class BatchFlow:
             and loads their heads).
         rollout: the run's :class:`~megatron_gkd.trainer.rollout_handle.Rollout` (None when nothing is sampled).
         stop_ids: ids that end a response (stripped before its reward is computed).
-        annotators: annotators of each batch's samples besides the rewards (:mod:`.annotations`), in order.
+        annotators: annotators of each batch's samples besides the teacher and the rewards (:mod:`.annotations`), in
+            order.
     """
 
     def __init__(self, config, state, *, control, dp_group, tokenizer, timers, teachers: Teachers, rollout=None,
                  stop_ids=(), annotators: tuple[Annotator, ...] = ()):
         self.config, self.state, self.control, self.timers, self.rollout = config, state, control, timers, rollout
-        self.loss_kind = config.trainer.run_mode.loss_kind
         self.pad_id = pad_id(tokenizer)
         self.rank = dist.get_rank()
         self.teachers = teachers
@@ -151,7 +147,7 @@ class BatchFlow:
         self.rewards = RewardExchange(enabled=config.reward.enabled, control=control, timers=timers,
                                       runner=build_reward_runner(config, asks=self.exchange.is_teacher_rank),
                                       tokenizer=tokenizer, stop_token_ids=stop_ids)
-        self.annotations = Annotations([self.rewards, *annotators])
+        self.annotations = Annotations([self.exchange, self.rewards, *annotators])
         self.mix = None  # GKD's mixture (sample_mix), or None
         if config.sample_mix.enabled:
             self.mix = Mixture(config, state, control=control, teachers=teachers, asks_teacher=self.exchange.is_teacher_rank,
@@ -198,7 +194,7 @@ class BatchFlow:
             elif self.rollout.in_background:  # sampled on the rollout server while this rank trains
                 fields = {record.index: record_fields(record) for record in records}
                 pending = self.rollout.generate_then(prompts, sampling, lambda batch: self._background_share(
-                    merged(batch), prompt_indices, prompt_groups, fields, sources))
+                    merged(batch), index, prompt_indices, prompt_groups, fields, sources))
                 return InFlight(index, data_state, prompt_indices, None, None, pending=pending, sources=sources,
                                 answers=answers)
             else:
@@ -239,26 +235,20 @@ class BatchFlow:
         prompt_indices = [record.index for record in records]
         fields = {record.index: record_fields(record) for record in records}
         samples = rank_samples(rollout, self.state, prompt_indices, [record.group for record in records], sources)
-        assignment = self.exchange.assign(samples)
-        teacher = None
-        if needs_teacher(self.config):
-            with self.timers("teacher_send"):
-                teacher = self.exchange.request(samples, assignment)
         known = None
         if rewards is not None:  # already known (dynamic sampling): this rank's share of them
             rows = share_rows(rollout, len(records), self.state.data_parallel_size, self.state.dp_rank)
             known = {REWARDS: self.rewards.known([rewards[row] for row in rows])}
-        sent = self.annotations.send(samples, fields, known)  # e.g. the rewards: decoded here, computed in their worker
-        return InFlight(index, data_state, prompt_indices, rollout, samples, assignment, teacher, sent=sent,
-                        sources=sources, answers=answers, partial=partial, dynamic=dynamic)
+        # the teacher's requests, the rewards' (decoded here, computed in their worker), any other annotator's
+        sent = self.annotations.send(samples, fields, known, index=index)
+        return InFlight(index, data_state, prompt_indices, rollout, samples, sent=sent, sources=sources,
+                        answers=answers, partial=partial, dynamic=dynamic)
 
-    def _background_share(self, rollout, prompt_indices, prompt_groups, fields, sources=None):
-        """On the rollout thread: the server's batch and this rank's teacher and reward requests for its share (a
-        colocated Megatron teacher is a collective of the training ranks: it is asked in the update)."""
+    def _background_share(self, rollout, index, prompt_indices, prompt_groups, fields, sources=None):
+        """On the rollout thread: the server's batch and this rank's annotators' requests for its share (a colocated
+        Megatron teacher is a collective of the training ranks: it is asked in the update)."""
         samples = rank_samples(rollout, self.state, prompt_indices, prompt_groups, sources)
-        assignment = self.exchange.assign(samples)
-        teacher = self.exchange.request(samples, assignment, local=False) if needs_teacher(self.config) else None
-        return rollout, samples, assignment, teacher, self.annotations.send(samples, fields)
+        return rollout, samples, self.annotations.send(samples, fields, index=index, background=True)
 
     # -------------------------------------------------------------------------------- micro-batches
     def prepare(self, batch: InFlight, *, scoring: bool = False) -> Prepared:
@@ -269,23 +259,14 @@ class BatchFlow:
         """
         with self.timers("rollout_wait"):
             batch.resolve()
-        exchange, samples, assignment = self.exchange, batch.samples, batch.assignment
-        if scoring or needs_teacher(self.config):
-            asked = batch.teacher if batch.teacher is not None else {}
-            # A colocated Megatron teacher is a collective of the training ranks: it is asked here, in the update.
-            asked.update(exchange.request(samples, assignment, local=None if scoring else True, skip=asked,
-                                          tcad=not scoring))
-            batch.teacher = asked
-        outputs = exchange.outputs(batch.teacher)
-        with self.timers("batch"):
-            distills = scoring or self.loss_kind.needs_teacher
-            rows = exchange.rows(samples, assignment, outputs, tcad=not scoring) if distills else {}
-            exchange.check_heads(batch.index, samples, rows, scoring=scoring)
-        metrics = {}
-        if not scoring:  # the annotations were computed meanwhile: waited for after the teacher's rows
-            metrics = exchange.metrics(batch.teacher, samples)
+        samples, metrics = batch.samples, {}
+        if scoring:  # eval: the teachers alone, asked now
+            scored = self.exchange.receive(batch.sent[self.exchange.name], scoring=True)
+        else:  # the teacher's rows, then the rewards (computed meanwhile) and any other annotation
             batch.annotations = self.annotations.receive(batch.sent)
-            metrics.update({**self.annotations.metrics(batch.annotations, samples or []), **self._metrics(batch)})
+            scored = batch.annotations[self.exchange.name]
+            metrics = {**self.annotations.metrics(batch.annotations, samples or []), **self._metrics(batch)}
+        rows = scored.rows
         sources = (STUDENT, self.mix.source) if self.mix is not None and not scoring else None
         with self.timers("batch"):
             coefficients, confidence = self.batcher.coefficients(batch, rows, confidence=not scoring)
@@ -320,7 +301,8 @@ class BatchFlow:
     def scoring_batch(self, rollout: RolloutBatch, prompt_indices: list[int], prompt_groups: list) -> InFlight:
         """``rollout`` (sampled elsewhere, e.g. eval answers) as a batch for :meth:`prepare` with ``scoring``."""
         samples = rank_samples(rollout, self.state, prompt_indices, prompt_groups)
-        return InFlight(-1, {}, prompt_indices, rollout, samples, self.exchange.assign(samples))
+        return InFlight(-1, {}, prompt_indices, rollout, samples,
+                        sent={self.exchange.name: Asked(-1, samples, self.exchange.assign(samples))})
 
     # ------------------------------------------------------------------------------- the data position
     def data_state(self, sampler_state: dict) -> dict:

@@ -92,9 +92,11 @@ class RewardExchange:
             fields.append(records[sample.prompt_index])
         return RewardBatch(prompts, responses, fields)
 
-    def send(self, samples, records: dict) -> concurrent.futures.Future | None:
-        """The rewards of ``samples`` as a Future, computed while the caller goes on; None on a rank without a
-        runner. ``records``: ``{dataset row: {"index": ..., "answer": ..., "group": ...}}``."""
+    def send(self, samples, records: dict, *, index: int | None = None,
+             background: bool = False) -> concurrent.futures.Future | None:
+        """The rewards of ``samples`` as a Future, computed while the caller goes on (in the reward worker, whatever the
+        thread: ``index`` and ``background`` change nothing); None on a rank without a runner. ``records``:
+        ``{dataset row: {"index": ..., "answer": ..., "group": ...}}``."""
         if self.runner is None:
             return None
         return self.runner.submit(self.batch(samples, records))

@@ -2,35 +2,40 @@
 teacher rows on every rank of the last stage's TP group, the hidden signal's head check and the per-teacher
 metrics.
 
-:class:`~megatron_gkd.trainer.flow.BatchFlow` calls it in this order for each batch:
+It is the first of a batch's annotators (:mod:`.annotations`): :class:`~megatron_gkd.trainer.flow.BatchFlow` sends it
+a batch's samples when they are made and receives its rows in the update, as it does the rewards':
 
-============================  ================================================================================
-call                          what it does
-============================  ================================================================================
-``assign(samples)``           the samples each teacher scores (route or mixture, :mod:`.teachers`); recorded on
-                              the batch once, when its samples are made
-``request(samples, plan)``    this rank's requests (``Request``: indices + future); remote teachers when the
-                              batch is produced, a colocated Megatron teacher in the update
-``outputs(requests)``         waits for every request; a failure on any rank stops every rank
-``rows(samples, plan, ...)``  ``TeacherRows`` per teacher on the last stage (the asking rank's, broadcast to its
-                              TP group)
-``check_heads(...)``          the hidden signal: the teacher's head against its own log-probs, when due
-``metrics(requests, ...)``    latency, tokens scored, retries, the routing, cross-tokenizer alignment shares
-============================  ================================================================================
+==================================  ==========================================================================
+call                                what it does
+==================================  ==========================================================================
+``send(samples, records, index)``   ``assign``: the samples each teacher scores (route or mixture, :mod:`.teachers`),
+                                    recorded once; ``request``: the remote teachers asked (a colocated one too
+                                    unless the samples were made on the rollout thread) -> :class:`Asked`
+``receive(asked)``                  a colocated Megatron teacher asked now (a collective of the training ranks);
+                                    ``outputs``: every request waited for, a failure on any rank stops every rank;
+                                    ``rows``: ``TeacherRows`` per teacher on the last stage (the asking rank's,
+                                    broadcast to its TP group); ``check_heads``: the hidden signal's head against
+                                    the teacher's own log-probs, when due -> :class:`Scored`
+``metrics(scored, samples)``        latency, tokens scored, retries, the routing, cross-tokenizer alignment shares
+==================================  ==========================================================================
 
-Every rank runs the same calls in the same order (collectives on the control group or the TP group); a failure
-on one rank stops every rank at the same point (:func:`megatron_gkd.parallel.comm.agree`).
+Eval's scoring of a batch against every teacher whatever the mode calls ``receive(..., scoring=True)`` on an
+:class:`Asked` of the assignment alone. Every rank runs the same calls in the same order (collectives on the control
+group or the TP group); a failure on one rank stops every rank at the same point
+(:func:`megatron_gkd.parallel.comm.agree`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 
 import torch
 import torch.distributed as dist
 
 from megatron_gkd import platform
+from megatron_gkd.config import needs_teacher
 from megatron_gkd.parallel.comm import agree, all_gather_msgpack
 from megatron_gkd.teacher import ScoreBatch
 from megatron_gkd.teacher.protocol.types import Signal
@@ -48,6 +53,38 @@ class TeacherFailed(RuntimeError):
     def __init__(self, name: str, error: BaseException):
         super().__init__(f"teacher {name!r} failed: {type(error).__name__}: {error}")
         self.name = name
+
+
+@dataclasses.dataclass
+class Asked:
+    """A batch's teacher handle between sampling and the update (:meth:`TeacherExchange.send`).
+
+    Attributes:
+        index: the batch index (the head check's schedule reads it; -1: eval's scoring).
+        samples: this rank's samples (:class:`~megatron_gkd.trainer.batch.Sample`).
+        assignment: the indices in ``samples`` that each teacher scores ``{teacher name: [index]}``; every later use
+            reads it.
+        requests: this rank's requests sent so far ``{teacher name: Request}``, or None.
+    """
+
+    index: int
+    samples: list
+    assignment: dict[str, list[int]]
+    requests: dict[str, Request] | None = None
+
+
+@dataclasses.dataclass
+class Scored:
+    """A batch's teacher annotation (:meth:`TeacherExchange.receive`).
+
+    Attributes:
+        rows: each teacher's rows of this rank's samples with their indices ``{name: (indices, TeacherRows)}`` (the
+            last stage; empty elsewhere and where no divergence is trained).
+        requests: the requests they answered ``{teacher name: Request}`` (their latency, retries, alignment).
+    """
+
+    rows: dict
+    requests: dict
 
 
 class TeacherExchange:
@@ -82,6 +119,46 @@ class TeacherExchange:
             width = teacher.top_k + self.config.rollout.logprobs_k
         return TCADSpec(support_k=width, mode=loss.support_mode)
 
+    # ------------------------------------------------------------------------ the batch's annotation
+    name = "teacher"
+    """Where a batch keeps its handle and its rows (``InFlight.sent``, ``InFlight.annotations``)."""
+
+    def wait_ready(self) -> None:
+        """Nothing to wait for: the trainer connects and checks the teachers (:class:`~.teachers.Teachers`) before the
+        first batch."""
+
+    def send(self, samples, records=None, *, index: int, background: bool = False) -> Asked:
+        """Batch ``index``'s assignment and the requests sent now: every teacher's, or with ``background`` (the
+        samples were made on the rollout thread while the training ranks train) the remote ones only, a colocated
+        teacher being a collective of the training ranks (:meth:`receive` asks it). ``records`` are not read."""
+        assignment, requests = self.assign(samples), None
+        if needs_teacher(self.config) and background:
+            requests = self.request(samples, assignment, local=False)
+        elif needs_teacher(self.config):
+            with self.timers("teacher_send"):
+                requests = self.request(samples, assignment)
+        return Asked(index, samples, assignment, requests)
+
+    def receive(self, asked: Asked, *, scoring: bool = False) -> Scored:
+        """The batch's rows: a colocated teacher asked now, every request waited for, the rows shared over the TP
+        group, the head check when due (collective over every rank). ``scoring``: eval's scoring against every
+        teacher whatever the mode (the teachers' own top-k, no TCAD support; the head check only on its first
+        batch)."""
+        samples, assignment, requests = asked.samples, asked.assignment, dict(asked.requests or {})
+        if scoring or needs_teacher(self.config):
+            requests.update(self.request(samples, assignment, local=None if scoring else True, skip=requests,
+                                         tcad=not scoring))
+        outputs = self.outputs(requests)
+        with self.timers("batch"):
+            distills = scoring or self.config.trainer.run_mode.loss_kind.needs_teacher
+            rows = self.rows(samples, assignment, outputs, tcad=not scoring) if distills else {}
+            self.check_heads(asked.index, samples, rows, scoring=scoring)
+        return Scored(rows, requests)
+
+    def close(self) -> None:
+        """Nothing to close: the trainer closes the teachers' clients."""
+
+    # ------------------------------------------------------------------------------------- the parts
     def asks(self, teacher) -> bool:
         """Whether this rank sends ``teacher``'s requests (one rank per TP group of the last stage asks a remote
         teacher and sends the rows to its TP group; a colocated teacher is a collective of every rank)."""
@@ -228,10 +305,10 @@ class TeacherExchange:
         agree(error, self.control)
 
     # --------------------------------------------------------------------------------------- metrics
-    def metrics(self, requests: dict[str, Request] | None, samples) -> dict[str, float]:
+    def metrics(self, scored: Scored | None, samples) -> dict[str, float]:
         """Per teacher: request latency (the slowest rank's), response tokens scored and attempts retried so far
         (summed over the ranks that ask it). Collective over every rank."""
-        requests = requests or {}
+        requests = scored.requests if scored is not None else {}
         names = self.teachers.names
         latency = torch.tensor([requests[n].latency_s or 0.0 if n in requests else 0.0 for n in names],
                                dtype=torch.float64)

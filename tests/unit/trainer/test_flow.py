@@ -100,7 +100,7 @@ RECORDS = [Record(10 + i) for i in range(4)]
 def test_the_teacher_assignment_is_made_once_per_batch():
     config, flow, calls = _flow()
     batch = flow.produce(0, RECORDS, {}, version=0)
-    assert len(calls) == 1 and batch.assignment == {"teacher": list(range(len(batch.samples)))}
+    assert len(calls) == 1 and batch.sent["teacher"].assignment == {"teacher": list(range(len(batch.samples)))}
     prepared = flow.prepare(batch)
     assert len(calls) == 1  # the request, the colocated teachers' request in the update, the rows: one record
     assert len(prepared.microbatches) == len(batch.samples) // config.trainer.micro_batch_size
@@ -121,7 +121,7 @@ class Lengths:
     def wait_ready(self):
         self.ready = True
 
-    def send(self, samples, records):
+    def send(self, samples, records, *, index, background=False):
         self.sent.append(sorted(records))
         future = concurrent.futures.Future()
         future.set_result([sample.response_len for sample in samples])
@@ -144,7 +144,8 @@ def test_a_new_annotator_is_its_class_passed_to_the_flow():
     batch = flow.produce(0, RECORDS, {}, version=0)
     assert lengths.ready and lengths.sent == [[r.index for r in RECORDS]] and batch.annotations == {}
     prepared = flow.prepare(batch)
-    assert batch.annotations == {"rewards": None, "lengths": [RESPONSE] * len(batch.samples)}
+    assert batch.annotations["rewards"] is None and batch.annotations["lengths"] == [RESPONSE] * len(batch.samples)
+    assert list(batch.annotations) == ["teacher", "rewards", "lengths"]  # the teacher's rows first, then in order
     assert prepared.metrics["lengths/mean"] == RESPONSE
     flow.annotations.close()
     assert lengths.closed
@@ -387,6 +388,5 @@ def test_the_walk_of_one_batch_enters_each_file_once_a_phase(overrides):
     prepare = _walk(lambda: flow.prepare(made[0]))
     for phase in (produce, prepare):
         assert len(phase) == len(set(phase)), f"the walk returns to a file: {phase}"
-    assert produce[-3:] == ["trainer/batch.py", "trainer/teacher_exchange.py", "trainer/annotations.py"]
-    assert prepare[:3] == ["trainer/teacher_exchange.py", "trainer/annotations.py", *prepare[2:3]]
-    assert prepare[-1] == "trainer/microbatcher.py"
+    assert produce[-2:] == ["trainer/batch.py", "trainer/annotations.py"]  # the teacher's requests among them
+    assert prepare[0] == "trainer/annotations.py" and prepare[-1] == "trainer/microbatcher.py"

@@ -15,7 +15,7 @@ from megatron_gkd.rollout.types import RolloutBatch
 from megatron_gkd.teacher import TeacherError, TeacherOutput
 from megatron_gkd.trainer.batch import samples_from_rollout
 from megatron_gkd.trainer.metrics import Timers
-from megatron_gkd.trainer.teacher_exchange import TeacherExchange, TeacherFailed
+from megatron_gkd.trainer.teacher_exchange import Scored, TeacherExchange, TeacherFailed
 from megatron_gkd.trainer.teachers import Teachers
 
 BASE = pathlib.Path(__file__).resolve().parents[3] / "configs" / "cpu_tiny.yaml"
@@ -105,7 +105,7 @@ def test_one_teacher_scores_every_sample_and_its_rows_come_back_in_order():
     assert indices == [0, 1, 2] and found.hidden is None
     assert torch.equal(found.ids, ids) and torch.equal(found.logprobs, logprobs)
     assert torch.equal(found.token_logprobs, tokens)
-    metrics = exchange.metrics(requests, samples)
+    metrics = exchange.metrics(Scored(rows, requests), samples)
     assert metrics["teacher/tokens_scored"] == sum(s.response_len for s in samples) == 2 + 3 + 4
     assert metrics["teacher/retries"] == 0.0 and metrics["teacher/latency_s"] >= 0.0
     assert not any("/prompts" in key for key in metrics)  # the routing record is for several teachers
@@ -125,7 +125,7 @@ def test_routed_teachers_are_asked_for_their_samples_only():
         ids, logprobs, tokens = _expected_rows([samples[i] for i in plan[name]], top_k, offset)
         assert indices == plan[name] and torch.equal(found.ids, ids) and torch.equal(found.logprobs, logprobs)
         assert torch.equal(found.token_logprobs, tokens)
-    metrics = exchange.metrics(requests, samples)
+    metrics = exchange.metrics(Scored(rows, requests), samples)
     assert metrics["teacher/add/tokens_scored"] == 3 + 5 and metrics["teacher/sub/tokens_scored"] == 2 + 4
     assert metrics["teacher/add/retries"] == 1.0 and metrics["teacher/sub/retries"] == 2.0
     assert metrics["teacher/retries"] == 3.0
@@ -139,9 +139,10 @@ def test_a_teacher_without_samples_is_not_asked_and_gives_empty_rows():
     plan = exchange.assign(samples)
     requests = exchange.request(samples, plan)
     assert list(requests) == ["add"] and sub.scored == []
-    indices, found = exchange.rows(samples, plan, exchange.outputs(requests))["sub"]
+    rows = exchange.rows(samples, plan, exchange.outputs(requests))
+    indices, found = rows["sub"]
     assert indices == [] and found.ids.shape == (0, 8) and found.logprobs.shape == (0, 8)
-    assert exchange.metrics(requests, samples)["teacher/sub/tokens_scored"] == 0.0
+    assert exchange.metrics(Scored(rows, requests), samples)["teacher/sub/tokens_scored"] == 0.0
 
 
 def test_off_the_last_stage_there_are_no_rows():
@@ -177,3 +178,28 @@ def test_only_the_asked_kind_of_teacher_and_not_the_skipped_ones_are_asked():
     assert exchange.request(samples, plan, local=True) == {} and client.scored == []  # a remote teacher
     assert exchange.request(samples, plan, skip={"teacher"}) == {} and client.scored == []
     assert list(exchange.request(samples, plan, local=False)) == ["teacher"]
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_the_exchange_is_the_batch_s_first_annotator(colocated, tmp_path):
+    """As an annotator (:mod:`megatron_gkd.trainer.annotations`): ``send`` records the assignment and asks the remote
+    teacher; a colocated teacher (a collective of the training ranks) is asked in ``send`` when every rank made the
+    samples together, and in ``receive`` when they were made on the rollout thread (``background``); ``receive``
+    returns the rows, ``metrics`` reads what was asked."""
+    overrides = ["teacher.client=local", f"teacher.checkpoint={tmp_path}", "teacher.serve.model=null"] if colocated \
+        else []
+    for background in (False, True):
+        client = Client()
+        exchange = _exchange(overrides, teacher=client)
+        assert exchange.teachers.by_name["teacher"].local == colocated
+        samples = _samples([None, None])
+        asked = exchange.send(samples, {}, index=0, background=background)
+        assert asked.assignment == {"teacher": [0, 1]} and asked.index == 0 and asked.samples is samples
+        asked_now = not (colocated and background)
+        assert len(client.scored) == int(asked_now) and sorted(asked.requests) == (["teacher"] if asked_now else [])
+        scored = exchange.receive(asked)
+        assert len(client.scored) == 1  # asked once, whichever call asked it
+        indices, found = scored.rows["teacher"]
+        ids, logprobs, tokens = _expected_rows(samples, 16)
+        assert indices == [0, 1] and torch.equal(found.ids, ids) and torch.equal(found.token_logprobs, tokens)
+        assert exchange.metrics(scored, samples)["teacher/tokens_scored"] == 2 + 3
