@@ -142,8 +142,8 @@ class TeacherExchange:
     def receive(self, asked: Asked, *, scoring: bool = False) -> Scored:
         """The batch's rows: a colocated teacher asked now, every request waited for, the rows shared over the TP
         group, the head check when due (collective over every rank). ``scoring``: eval's scoring against every
-        teacher whatever the mode (the teachers' own top-k, no TCAD support; the head check only on its first
-        batch)."""
+        teacher whatever the mode (the teachers' own top-k, no TCAD support; the head check only if it is the run's
+        first batch)."""
         samples, assignment, requests = asked.samples, asked.assignment, dict(asked.requests or {})
         if scoring or needs_teacher(self.config):
             requests.update(self.request(samples, assignment, local=None if scoring else True, skip=requests,
