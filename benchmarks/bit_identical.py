@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,8 +57,7 @@ def checkout(commit: str, out: pathlib.Path) -> pathlib.Path:
 def run(tree: pathlib.Path, variant: str, steps: int, out: pathlib.Path, task: pathlib.Path) -> list[dict]:
     """The variant's first ``steps`` logged steps from the code in ``tree`` (its ``metrics.jsonl`` lines)."""
     config, overrides = VARIANTS[variant]
-    if out.exists():
-        subprocess.run(["rm", "-rf", str(out)], check=True)
+    shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     metrics = out / "metrics.jsonl"
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}

@@ -131,13 +131,13 @@ class TeacherExchange:
         """Batch ``index``'s assignment and the requests sent now: every teacher's, or with ``background`` (the
         samples were made on the rollout thread while the training ranks train) the remote ones only, a colocated
         teacher being a collective of the training ranks (:meth:`receive` asks it). ``records`` are not read."""
-        assignment, requests = self.assign(samples), None
-        if needs_teacher(self.config) and background:
-            requests = self.request(samples, assignment, local=False)
-        elif needs_teacher(self.config):
-            with self.timers("teacher_send"):
-                requests = self.request(samples, assignment)
-        return Asked(index, samples, assignment, requests)
+        assignment = self.assign(samples)
+        if not needs_teacher(self.config):
+            return Asked(index, samples, assignment)
+        if background:  # the rollout thread: not timed (the phase timers are the training ranks')
+            return Asked(index, samples, assignment, self.request(samples, assignment, local=False))
+        with self.timers("teacher_send"):
+            return Asked(index, samples, assignment, self.request(samples, assignment))
 
     def receive(self, asked: Asked, *, scoring: bool = False) -> Scored:
         """The batch's rows: a colocated teacher asked now, every request waited for, the rows shared over the TP
@@ -145,12 +145,12 @@ class TeacherExchange:
         teacher whatever the mode (the teachers' own top-k, no TCAD support; the head check only if it is the run's
         first batch)."""
         samples, assignment, requests = asked.samples, asked.assignment, dict(asked.requests or {})
-        if scoring or needs_teacher(self.config):
+        distills = scoring or needs_teacher(self.config)
+        if distills:
             requests.update(self.request(samples, assignment, local=None if scoring else True, skip=requests,
                                          tcad=not scoring))
         outputs = self.outputs(requests)
         with self.timers("batch"):
-            distills = scoring or self.config.trainer.run_mode.loss_kind.needs_teacher
             rows = self.rows(samples, assignment, outputs, tcad=not scoring) if distills else {}
             self.check_heads(asked.index, samples, rows, scoring=scoring)
         return Scored(rows, requests)
